@@ -1,0 +1,250 @@
+"""Traced communication: every collective and point-to-point op the library issues.
+
+Each wrapper here calls the matching ``torch.distributed`` function and appends a
+:class:`~tutorial_lib.trace.TraceEvent` to the rank's tracer: op, group kind and
+ranks, shape, dtype, bytes, start and end time, the current tags, and (for small
+tensors, when capture is on) the values before and after.
+
+Groups are named by kind (``"tp"``, ``"dp"``, ``"ep"``, ``"pp"``, ``"world"``...),
+looked up in :mod:`tutorial_lib.parallel_state`; a live ``ProcessGroup`` works too
+and is recorded as kind ``"custom"``.  Peers of send/recv are *global* ranks.
+
+Byte convention (what ``TraceEvent.bytes`` counts, per rank):
+all-reduce and broadcast: the tensor; reduce-scatter: the full input;
+all-gather: this rank's shard (the input); all-to-all: the rows this rank sends;
+send/recv: the tensor sent or received.
+
+gloo refuses float8 tensors in every collective except send/recv, so all-gather,
+all-to-all and broadcast move them as ``uint8`` views (bit-exact); reductions of
+float8 are refused with an explanation, because summing bytes is meaningless.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import parallel_state
+from .trace import TraceEvent, get_tracer
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+_FLOAT8 = {d for d in (getattr(torch, n, None) for n in
+                       ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"))
+           if d is not None}
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _resolve(group):
+    """(kind, ProcessGroup, global ranks) for a kind name or a live group."""
+    if group is None or isinstance(group, str):
+        kind = group or "world"
+        return kind, parallel_state.get_group(kind), tuple(parallel_state.get_group_ranks(kind))
+    return "custom", group, tuple(dist.get_process_group_ranks(group))
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as gloo can move it: float8 viewed as uint8, everything else unchanged."""
+    return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
+
+
+def _refuse_float8_reduction(t: torch.Tensor, op: str) -> None:
+    if t.dtype in _FLOAT8:
+        raise TypeError(f"{op} cannot reduce a {_dtype_name(t)} tensor: float8 values must be "
+                        f"dequantized (e.g. to bfloat16 or float32) before they are summed")
+
+
+def _values(t: torch.Tensor):
+    tracer = get_tracer()
+    if not tracer.wants_values(t.numel()):
+        return None
+    return t.detach().float().flatten().cpu().tolist()
+
+
+def _begin(op, tensor, kind, ranks, peer=None, nbytes=None, **extra) -> TraceEvent:
+    return get_tracer().begin(op, group_kind=kind, group_ranks=ranks, peer=peer,
+                              shape=tuple(tensor.shape), dtype=_dtype_name(tensor),
+                              bytes=_nbytes(tensor) if nbytes is None else nbytes,
+                              values_in=_values(tensor), **extra)
+
+
+def _finish(event: TraceEvent, result: torch.Tensor | None) -> None:
+    if result is not None:
+        event.values_out = _values(result)
+    get_tracer().end(event)
+
+
+# --- collectives ------------------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, group="world", op: str = "sum") -> torch.Tensor:
+    """In place: every rank of ``group`` ends with the reduction of all ranks' tensors."""
+    _refuse_float8_reduction(tensor, "all_reduce")
+    kind, pg, ranks = _resolve(group)
+    event = _begin("all_reduce", tensor, kind, ranks, tags={"reduce_op": op})
+    dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=pg)
+    _finish(event, tensor)
+    return tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group="world",
+                   op: str = "sum") -> torch.Tensor:
+    """Rank i of ``group`` receives the reduction of every rank's i-th slice (dim 0) of ``input``."""
+    _refuse_float8_reduction(input, "reduce_scatter")
+    kind, pg, ranks = _resolve(group)
+    if input.shape[0] != output.shape[0] * len(ranks):
+        raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be output dim 0 "
+                         f"({output.shape[0]}) x group size ({len(ranks)})")
+    event = _begin("reduce_scatter", input, kind, ranks, tags={"reduce_op": op})
+    _reduce_scatter_single(output, input.contiguous(), op=_REDUCE_OPS[op], group=pg)
+    _finish(event, output)
+    return output
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group="world") -> torch.Tensor:
+    """Concatenate every rank's ``input`` along dim 0 into ``output``, on every rank."""
+    kind, pg, ranks = _resolve(group)
+    if output.shape[0] != input.shape[0] * len(ranks):
+        raise ValueError(f"all_gather: output dim 0 ({output.shape[0]}) must be input dim 0 "
+                         f"({input.shape[0]}) x group size ({len(ranks)})")
+    event = _begin("all_gather", input, kind, ranks)
+    _all_gather_single(_wire(output), _wire(input.contiguous()), group=pg)
+    _finish(event, output)
+    return output
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group="world",
+               output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None) -> torch.Tensor:
+    """Send rows ``input_split_sizes[j]`` of ``input`` to group rank j; receive likewise.
+
+    ``None`` splits mean equal splits.  The recorded event keeps both split lists
+    (uneven splits are what MoE dispatch produces) and counts the bytes sent.
+    """
+    kind, pg, ranks = _resolve(group)
+    n = len(ranks)
+    row_bytes = _nbytes(input) // max(input.shape[0], 1) if input.dim() else input.element_size()
+    ins = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
+    outs = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
+    if sum(ins) != input.shape[0] or sum(outs) != output.shape[0] or len(ins) != n or len(outs) != n:
+        raise ValueError(f"all_to_all: splits input={ins} output={outs} do not match shapes "
+                         f"{tuple(input.shape)} -> {tuple(output.shape)} over {n} ranks")
+    event = _begin("all_to_all", input, kind, ranks, nbytes=sum(ins) * row_bytes,
+                   splits={"input": ins, "output": outs})
+    dist.all_to_all_single(_wire(output), _wire(input.contiguous()), outs, ins, group=pg)
+    _finish(event, output)
+    return output
+
+
+def broadcast(tensor: torch.Tensor, src: int, group="world") -> torch.Tensor:
+    """Copy global rank ``src``'s tensor into every rank of ``group``."""
+    kind, pg, ranks = _resolve(group)
+    if src not in ranks:
+        raise ValueError(f"broadcast: source rank {src} is not in the {kind} group {list(ranks)}")
+    event = _begin("broadcast", tensor, kind, ranks, peer=src)
+    dist.broadcast(_wire(tensor), src=src, group=pg)
+    _finish(event, tensor)
+    return tensor
+
+
+def barrier(group="world") -> None:
+    kind, pg, ranks = _resolve(group)
+    event = get_tracer().begin("barrier", group_kind=kind, group_ranks=ranks)
+    dist.barrier(group=pg)
+    get_tracer().end(event)
+
+
+# --- point to point ---------------------------------------------------------
+
+
+def _check_peer(peer: int, ranks, op: str, kind: str) -> None:
+    if peer not in ranks:
+        raise ValueError(f"{op}: peer rank {peer} is not in this rank's {kind} group {list(ranks)}")
+    if peer == dist.get_rank():
+        raise ValueError(f"{op}: rank {peer} cannot {op} to or from itself")
+
+
+def send(tensor: torch.Tensor, dst: int, group="world") -> None:
+    """Blocking send to global rank ``dst``."""
+    kind, pg, ranks = _resolve(group)
+    _check_peer(dst, ranks, "send", kind)
+    event = _begin("send", tensor, kind, ranks, peer=dst)
+    dist.send(tensor.contiguous(), dst=dst, group=pg)
+    _finish(event, None)
+
+
+def recv(tensor: torch.Tensor, src: int, group="world") -> torch.Tensor:
+    """Blocking receive from global rank ``src`` into ``tensor``."""
+    kind, pg, ranks = _resolve(group)
+    _check_peer(src, ranks, "recv", kind)
+    event = _begin("recv", tensor, kind, ranks, peer=src)
+    event.values_in = None  # the buffer's old contents are not data
+    dist.recv(tensor, src=src, group=pg)
+    _finish(event, tensor)
+    return tensor
+
+
+class TracedWork:
+    """An asynchronous op in flight; ``wait()`` completes it and records the event."""
+
+    def __init__(self, work, event: TraceEvent, tensor: torch.Tensor | None):
+        self._work, self.event, self._tensor = work, event, tensor
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        tracer = get_tracer()
+        with tracer.waiting(self.event):
+            self._work.wait()
+        self._done = True
+        _finish(self.event, self._tensor)
+
+
+def _p2p_event(op: str, tensor, peer: int, group) -> tuple:
+    kind, pg, ranks = _resolve(group)
+    _check_peer(peer, ranks, op, kind)
+    event = _begin(op, tensor, kind, ranks, peer=peer, blocking=False)
+    if op == "recv":
+        event.values_in = None
+    return event, pg
+
+
+def isend(tensor: torch.Tensor, dst: int, group="world") -> TracedWork:
+    event, pg = _p2p_event("send", tensor, dst, group)
+    return TracedWork(dist.isend(tensor.contiguous(), dst=dst, group=pg), event, None)
+
+
+def irecv(tensor: torch.Tensor, src: int, group="world") -> TracedWork:
+    event, pg = _p2p_event("recv", tensor, src, group)
+    return TracedWork(dist.irecv(tensor, src=src, group=pg), event, tensor)
+
+
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group="world") -> list[TracedWork]:
+    """Issue several sends/receives as one batch: ``ops`` holds ``("send"|"recv", tensor, peer)``."""
+    p2p_ops, events = [], []
+    for op, tensor, peer in ops:
+        if op not in ("send", "recv"):
+            raise ValueError(f"batch_isend_irecv: op must be 'send' or 'recv', got {op!r}")
+        event, pg = _p2p_event(op, tensor, peer, group)
+        event.tags["batched"] = True
+        fn = dist.isend if op == "send" else dist.irecv
+        p2p_ops.append(dist.P2POp(fn, tensor, peer, group=pg))
+        events.append((event, tensor if op == "recv" else None))
+    works = dist.batch_isend_irecv(p2p_ops)
+    return [TracedWork(w, e, t) for w, (e, t) in zip(works, events)]
+
+
+def wait_all(works: list[TracedWork]) -> None:
+    for w in works:
+        w.wait()

@@ -1,0 +1,310 @@
+"""Configuration dataclasses and the validator that teaches.
+
+Every distributed run in this course starts from three small dataclasses:
+
+* :class:`ParallelConfig` says how the world is cut into tensor, pipeline,
+  context, expert and data parallel pieces (Megatron's field names);
+* :class:`ModelConfig` says what model is trained;
+* :class:`TrainConfig` says how a global batch is split into microbatches.
+
+:func:`validate` checks them against the seven rules of the guides' practical
+checklist, plus malformed input (zero, negative or non-integer sizes).  Each
+broken rule raises :class:`ConfigError` whose message names the rule, the numbers
+that broke it, and a fix.  The rules are numbered as in the course (the 4D
+guide's checklist, with the TP+EP+DP guide's head-count rule added as rule 8):
+
+1. the world divides into the model-parallel grid;
+2. the tutorial guard: tensor and expert parallelism are not combined (yet);
+3. microbatches: ``num_microbatches >= 1`` and they divide the batch;
+4. routed experts divide evenly over expert-parallel ranks;
+5. routed experts are not tensor-parallel (``expert_tensor_parallel_size == 1``);
+6. the sequence divides over TP ranks when MoE sequence parallelism is on;
+7. no dropout with tensor or expert parallelism;
+8. attention heads divide over TP ranks.
+
+The grid alone (what ``python -m tutorial_lib.grid`` draws) only needs the
+structural rules: :func:`check_grid`.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields
+
+#: The layouts a grid can be built in; see :mod:`tutorial_lib.grid`.
+LAYOUTS = ("megatron", "course", "visualizer")
+
+
+class ConfigError(ValueError):
+    """A configuration broke a rule.  ``rule`` is a short id like ``"rule 4"``."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(f"[{rule}] {message}")
+        self.rule = rule
+        self.message = message
+
+
+@dataclass
+class ParallelConfig:
+    """How ``world_size`` ranks are split into parallel dimensions (Megatron names)."""
+
+    world_size: int
+    """Total number of ranks (processes, one per GPU or CPU worker)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks that split each dense/attention weight matrix; innermost, fastest links."""
+
+    pipeline_model_parallel_size: int = 1
+    """PP: number of pipeline stages; each stage owns a contiguous range of layers."""
+
+    expert_model_parallel_size: int = 1
+    """EP: ranks that split the routed experts of every MoE layer between them."""
+
+    context_parallel_size: int = 1
+    """CP: ranks that split the sequence inside attention (defaults to 1 in this course)."""
+
+    expert_tensor_parallel_size: int = 1
+    """ETP: ranks that split each routed expert's weights (1 in this course's training code)."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP, derived: replicas of each dense shard, ``world / (TP * CP * PP)`` as in Megatron.
+
+        Ranks with different expert-parallel coordinates see different tokens, so
+        they count as data-parallel replicas of the dense weights.
+        """
+        return self.world_size // (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP, derived: replicas of each expert shard, ``world / (ETP * EP * PP)``."""
+        return self.world_size // (
+            self.expert_tensor_parallel_size
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+
+@dataclass
+class ModelConfig:
+    """The model being trained: a small DeepSeek-style decoder."""
+
+    num_layers: int = 4
+    """Decoder blocks; pipeline stages split them into contiguous ranges."""
+
+    hidden_size: int = 32
+    """Width of the residual stream (H)."""
+
+    num_attention_heads: int = 4
+    """Attention heads; tensor parallelism gives each TP rank a whole number of heads."""
+
+    seq_length: int = 16
+    """Tokens per sequence (S)."""
+
+    vocab_size: int = 64
+    """Vocabulary size; the embedding and LM head are split over TP by vocabulary."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 means dense MLPs only."""
+
+    moe_router_topk: int = 2
+    """Experts each token is sent to (K)."""
+
+    dropout: float = 0.0
+    """Dropout probability; must be 0 with TP or EP > 1 (rule 7)."""
+
+    sequence_parallel: bool = False
+    """Split activations along the sequence between TP ranks outside the matmuls."""
+
+
+@dataclass
+class TrainConfig:
+    """How one optimizer step's batch is cut up."""
+
+    global_batch_size: int = 8
+    """Sequences per optimizer step, summed over all data-parallel replicas."""
+
+    num_microbatches: int = 1
+    """Microbatches each replica's batch is split into (the pipeline's M)."""
+
+
+# --- malformed input -------------------------------------------------------
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = ""
+        if isinstance(value, numbers.Real) and float(value).is_integer():
+            hint = f"; write {int(value)} instead of {value!r}"
+        raise ConfigError(
+            "malformed",
+            f"{name} must be a whole number, got {value!r} ({type(value).__name__}){hint}",
+        )
+    if value < 1:
+        raise ConfigError(
+            "malformed",
+            f"{name} must be at least 1, got {value}; a parallel size of 1 means 'not split'",
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest_multiples(value: int, base: int) -> str:
+    lower = (value // base) * base
+    upper = lower + base
+    return f"{lower} or {upper}" if lower > 0 else f"{upper}"
+
+
+# --- structural rules (the grid) -------------------------------------------
+
+
+def check_grid(config: ParallelConfig, layout: str = "megatron") -> None:
+    """Check that ``config`` describes a grid that exists (malformed input, rule 1).
+
+    ``layout`` decides what must divide the world: in Megatron's folded layout the
+    dense grid (TP, CP, PP) and the expert grid (ETP, EP, PP) must each divide it;
+    in the ``course`` and ``visualizer`` layouts EP is a dimension of its own, so
+    TP * CP * EP * PP must divide it, and experts can only be split along TP.
+    """
+    for f in fields(config):
+        _check_positive_int(f.name, getattr(config, f.name))
+    if layout not in LAYOUTS:
+        raise ConfigError(
+            "malformed", f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}"
+        )
+    w = config.world_size
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    ep, cp = config.expert_model_parallel_size, config.context_parallel_size
+    etp = config.expert_tensor_parallel_size
+    if layout == "megatron":
+        grids = [("dense", "TP * CP * PP", tp * cp * pp), ("expert", "ETP * EP * PP", etp * ep * pp)]
+    else:
+        grids = [("whole", "TP * CP * EP * PP", tp * cp * ep * pp)]
+        if etp not in (1, tp):
+            raise ConfigError(
+                "rule 1",
+                f"expert_tensor_parallel_size ({etp}) must be 1 or equal "
+                f"tensor_model_parallel_size ({tp}) in the {layout!r} layout, where experts "
+                f"can only be split along the TP dimension; use layout 'megatron' for "
+                f"an independent expert grid",
+            )
+    for grid_name, formula, product in grids:
+        if w % product:
+            fits = [d for d in _divisors(w) if d <= product]
+            raise ConfigError(
+                "rule 1",
+                f"world_size ({w}) must be divisible by {formula} = {product} "
+                f"(the {grid_name} grid of the {layout!r} layout); "
+                f"use a world size of {_nearest_multiples(w, product)}, or make {formula} "
+                f"one of {fits}",
+            )
+
+
+# --- the checklist ----------------------------------------------------------
+
+
+def validate(
+    parallel: ParallelConfig,
+    model: ModelConfig | None = None,
+    train: TrainConfig | None = None,
+    layout: str = "megatron",
+) -> None:
+    """Raise :class:`ConfigError` for the first broken rule; return ``None`` if all hold."""
+    check_grid(parallel, layout)
+    tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size
+
+    # Rule 2 is a limit of this course's code, not of the method: Megatron runs
+    # TP and EP together, but then router, dispatch and sequence-parallel scatter
+    # must agree on which TP rank owns which tokens, which our MoE layer does not do.
+    if tp > 1 and ep > 1:
+        raise ConfigError(
+            "rule 2",
+            f"tensor_model_parallel_size ({tp}) > 1 together with "
+            f"expert_model_parallel_size ({ep}) > 1 is not supported by this course's MoE "
+            f"layer (a tutorial guard, not a limit of the method: Megatron combines them); "
+            f"set one of them to 1",
+        )
+    if etp != 1:
+        raise ConfigError(
+            "rule 5",
+            f"expert_tensor_parallel_size must be 1 for routed experts in this course, "
+            f"got {etp}; experts are split over EP ranks whole, so set "
+            f"expert_tensor_parallel_size=1",
+        )
+
+    if train is not None:
+        _check_positive_int("global_batch_size", train.global_batch_size)
+        m = train.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ConfigError(
+                "rule 3",
+                f"num_microbatches must be a whole number >= 1, got {m!r}",
+            )
+        dp = parallel.data_parallel_size
+        if train.global_batch_size % dp:
+            raise ConfigError(
+                "rule 3",
+                f"global_batch_size ({train.global_batch_size}) must be divisible by the "
+                f"data-parallel size ({dp}) so every replica gets the same number of "
+                f"sequences; try {_nearest_multiples(train.global_batch_size, dp)}",
+            )
+        per_replica = train.global_batch_size // dp
+        if per_replica % m:
+            ok = [d for d in _divisors(per_replica)]
+            raise ConfigError(
+                "rule 3",
+                f"each data-parallel replica's batch ({train.global_batch_size} / {dp} = "
+                f"{per_replica} sequences) must be divisible by num_microbatches ({m}); "
+                f"choose num_microbatches from {ok}",
+            )
+
+    if model is None:
+        return
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+        _check_positive_int(name, getattr(model, name))
+    if model.num_experts:
+        _check_positive_int("num_experts", model.num_experts)
+        _check_positive_int("moe_router_topk", model.moe_router_topk)
+        if model.num_experts % ep:
+            raise ConfigError(
+                "rule 4",
+                f"num_experts ({model.num_experts}) must be divisible by "
+                f"expert_model_parallel_size ({ep}) so every EP rank holds the same number "
+                f"of experts; try {_nearest_multiples(model.num_experts, ep)} experts",
+            )
+        if model.moe_router_topk > model.num_experts:
+            raise ConfigError(
+                "malformed",
+                f"moe_router_topk ({model.moe_router_topk}) cannot exceed num_experts "
+                f"({model.num_experts})",
+            )
+    if model.sequence_parallel and tp > 1 and model.seq_length % tp:
+        raise ConfigError(
+            "rule 6",
+            f"seq_length ({model.seq_length}) must be divisible by "
+            f"tensor_model_parallel_size ({tp}) when sequence parallelism is on, so each "
+            f"TP rank gets an equal slice of tokens; try seq_length "
+            f"{_nearest_multiples(model.seq_length, tp)}",
+        )
+    if not 0.0 <= model.dropout < 1.0:
+        raise ConfigError("malformed", f"dropout must be in [0, 1), got {model.dropout}")
+    if model.dropout > 0 and (tp > 1 or ep > 1):
+        raise ConfigError(
+            "rule 7",
+            f"dropout ({model.dropout}) must be 0.0 when tensor_model_parallel_size ({tp}) "
+            f"or expert_model_parallel_size ({ep}) is > 1: ranks would draw different "
+            f"masks for what must be one tensor; set dropout=0.0",
+        )
+    if model.num_attention_heads % tp:
+        raise ConfigError(
+            "rule 8",
+            f"num_attention_heads ({model.num_attention_heads}) must be divisible by "
+            f"tensor_model_parallel_size ({tp}) so each TP rank owns whole heads; try "
+            f"{_nearest_multiples(model.num_attention_heads, tp)} heads",
+        )

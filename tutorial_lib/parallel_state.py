@@ -1,0 +1,109 @@
+"""Live communicator groups, built in every worker from the pure grid.
+
+:mod:`tutorial_lib.grid` says which ranks belong together; this module asks
+``torch.distributed`` for one process group per rank list and remembers, for the
+calling rank, the group of each kind it belongs to.  Look groups up by kind:
+``get_group("tp")``, ``get_group("expert_dp")``, ``get_group("world")``.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank
+must create every group, in the same order, even the groups it is not in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .config import ParallelConfig
+from .grid import EXTRA_GROUP_KINDS, GROUP_KINDS, ProcessGrid
+
+
+@dataclass
+class ParallelState:
+    """The calling rank's view of the grid and its live groups."""
+
+    grid: ProcessGrid
+    """The pure grid the groups were built from."""
+    rank: int
+    """This process's global rank."""
+    groups: dict = field(default_factory=dict)
+    """Kind -> the ``ProcessGroup`` of that kind containing this rank."""
+    ranks: dict = field(default_factory=dict)
+    """Kind -> the global ranks of that group, in group order."""
+
+
+_STATE: ParallelState | None = None
+
+
+def initialize_model_parallel(config: ParallelConfig, layout: str = "megatron",
+                              order: str | None = None) -> ParallelState:
+    """Build every group of ``config``'s grid; call once per worker after ``init_process_group``."""
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel needs torch.distributed to be initialised "
+                           "first (tutorial_lib.launch does that for you)")
+    if config.world_size != dist.get_world_size():
+        raise ValueError(f"config.world_size ({config.world_size}) differs from the launched "
+                         f"world size ({dist.get_world_size()})")
+    grid = ProcessGrid(config, layout=layout, order=order)
+    rank = dist.get_rank()
+    state = ParallelState(grid=grid, rank=rank)
+    # Kinds often share rank lists (e.g. dp and expert_dp): create each list once.
+    created: dict[tuple[int, ...], object] = {}
+    for kind in GROUP_KINDS + EXTRA_GROUP_KINDS:
+        for ranks in grid.groups(kind):
+            key = tuple(ranks)
+            if key not in created:
+                created[key] = dist.new_group(ranks=list(key))
+            if rank in ranks:
+                state.groups[kind] = created[key]
+                state.ranks[kind] = list(ranks)
+    state.groups["world"] = dist.group.WORLD
+    state.ranks["world"] = list(range(dist.get_world_size()))
+    _STATE = state
+    return state
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model-parallel groups are not built yet: call "
+                           "parallel_state.initialize_model_parallel(config) in the worker")
+    return _STATE
+
+
+def get_group(kind: str = "world"):
+    """The live ``ProcessGroup`` of ``kind`` that holds this rank."""
+    if kind == "world" and _STATE is None:
+        return dist.group.WORLD
+    state = get_state()
+    if kind not in state.groups:
+        raise KeyError(f"unknown group kind {kind!r}; kinds are {', '.join(sorted(state.groups))}")
+    return state.groups[kind]
+
+
+def get_group_ranks(kind: str = "world") -> list[int]:
+    """Global ranks of this rank's group of ``kind``, in group order."""
+    if kind == "world" and _STATE is None:
+        return list(range(dist.get_world_size()))
+    get_group(kind)  # raises a helpful error for unknown kinds
+    return list(get_state().ranks[kind])
+
+
+def get_rank_in(kind: str) -> int:
+    """This rank's index inside its group of ``kind``."""
+    return get_group_ranks(kind).index(dist.get_rank())
+
+
+def get_size(kind: str) -> int:
+    """Number of ranks in this rank's group of ``kind``."""
+    return len(get_group_ranks(kind))
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups (the process groups die with ``destroy_process_group``)."""
+    global _STATE
+    _STATE = None
