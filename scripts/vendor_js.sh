@@ -3,6 +3,7 @@
 # pages never fetch anything from a CDN (the book must work without internet).
 #
 #   requirejs/require.mjs            require.js (AMD loader used by the widget manager)
+#   requirejs/widgets-paths.mjs      written here: tells require.js where embed-amd lives
 #   html-manager/embed-amd.mjs       renders saved ipywidgets state in static pages
 #   html-manager/*.woff2 ...         Font Awesome fonts that embed-amd references
 #   mathjax/tex-chtml-full.mjs       MathJax 3, TeX input with all extensions built in
@@ -71,6 +72,27 @@ cp hm/package/dist/embed.js.LICENSE.txt "$STAGE/html-manager/THIRD-PARTY-NOTICES
 # require.js (the npm package ships it unminified at its root)
 cp rq/package/require.js "$STAGE/requirejs/require.mjs"
 
+# The bundle's modules find their font files from their AMD module URL, which
+# require.js derives from the page's folder (e.g. notebooks/@jupyter-widgets/...),
+# so every icon font would 404. Map the module names to the vendored folder.
+# Loaded between require.mjs and embed-amd.mjs (nb_ipywidgets_js in _config.yml).
+cat > "$STAGE/requirejs/widgets-paths.mjs" <<'JS'
+// Written by scripts/vendor_js.sh. Runs after require.js, before embed-amd:
+// resolve @jupyter-widgets/* AMD modules (and so their fonts) in the vendored
+// html-manager folder next to this one, whatever folder the page is in.
+(function () {
+  var self = document.currentScript;
+  if (!self || typeof requirejs === "undefined") { return; }
+  var dir = new URL("../html-manager", self.src).href;
+  requirejs.config({
+    paths: {
+      "@jupyter-widgets": dir,
+      "@jupyter-widgets/html-manager/dist": dir
+    }
+  });
+})();
+JS
+
 # MathJax: the combined component and the fonts it loads from [mathjax]/output/chtml/fonts/woff-v2
 cp mj/package/es5/tex-chtml-full.js "$STAGE/mathjax/tex-chtml-full.mjs"
 cp -r mj/package/es5/output/chtml/fonts/woff-v2 "$STAGE/mathjax/output/chtml/fonts/"
@@ -86,6 +108,7 @@ the versions in that script and run it again.
     html-manager/THIRD-PARTY-NOTICES.txt = licences of the code bundled into it
 requirejs ${REQUIREJS_VERSION}   MIT
     requirejs/require.mjs       = require.js (licence in its header)
+    requirejs/widgets-paths.mjs = written by the script (module paths for embed-amd)
 mathjax ${MATHJAX_VERSION}   Apache-2.0
     mathjax/tex-chtml-full.mjs  = es5/tex-chtml-full.js
     mathjax/output/chtml/fonts/woff-v2/ = es5/output/chtml/fonts/woff-v2/

@@ -1,0 +1,14 @@
+"""tutorial_lib: a small, complete re-implementation of Megatron-style 4D parallelism.
+
+Read it module by module, like the book's chapters:
+
+* :mod:`tutorial_lib.config`: parallel/model/train configs and the validator;
+* :mod:`tutorial_lib.grid`: ranks <-> coordinates and every communicator group (pure);
+* :mod:`tutorial_lib.launch`: run a function on N gloo/NCCL ranks from a notebook cell;
+* :mod:`tutorial_lib.trace`, :mod:`tutorial_lib.comm`: traced collectives;
+* :mod:`tutorial_lib.parallel_state`: the live process groups;
+* :mod:`tutorial_lib.collectives`: ring algorithms step by step;
+* :mod:`tutorial_lib.costs`: closed-form predictions (bytes, alpha-beta times);
+* :mod:`tutorial_lib.viz`: widgets drawn from recorded traces.
+"""
+__version__ = "0.1.0"

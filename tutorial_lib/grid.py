@@ -196,7 +196,10 @@ class ProcessGrid:
         for group in self._groups[kind]:
             if rank in group:
                 return list(group)
-        raise ValueError(f"rank {rank} is in no {kind} group")  # unreachable for valid ranks
+        if kind == "embedding":
+            raise ValueError(f"rank {rank} is a middle pipeline stage: only the first and last "
+                             f"stages hold the (tied) embedding, so it is in no embedding group")
+        raise ValueError(f"rank {rank} is in no {kind} group")
 
     def all_groups(self, kinds=GROUP_KINDS) -> dict[str, list[list[int]]]:
         return {k: self.groups(k) for k in kinds}

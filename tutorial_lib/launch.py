@@ -303,7 +303,7 @@ def _clean_stack(text: str) -> str:
             continue
         # faulthandler writes: File "/path/x.py", line 12 in func
         path, _, rest = line[len('File "'):].partition('", line ')
-        if any(skip in path for skip in ("multiprocessing", "launch.py", "/torch/", "<string>")):
+        if path == __file__ or any(skip in path for skip in ("/multiprocessing/", "/torch/", "<string>")):
             continue
         lineno, _, func = rest.partition(" in ")
         frames.append(f"{os.path.basename(path)}:{lineno} in {func}")
@@ -384,17 +384,12 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: di
         deadline = started + timeout
         while len(collector.finished) < world_size:
             if collector.poll(out_queue, wait=0.05):
+                if collector.failures:
+                    raise collector.first_cause(processes, out_queue)
                 continue
             for rank, p in enumerate(processes):
-                if rank in collector.finished or p.exitcode is None:
-                    continue
-                # It may have exited right after queueing its result: read what is left first.
-                while collector.poll(out_queue, wait=0.2):
-                    pass
-                if rank not in collector.finished:
-                    raise WorkerError(rank, f"process exited with code {p.exitcode} before "
-                                      f"returning a result", "(no Python traceback: the process "
-                                      "died, e.g. killed by a signal or out of memory)")
+                if rank not in collector.finished and p.exitcode is not None:
+                    raise collector.first_cause(processes, out_queue)
             if time.time() > deadline:
                 raise LaunchTimeout(timeout, _deadlock_report(processes, run_dir, collector.finished))
     finally:
@@ -415,6 +410,7 @@ class _Collector:
         self.events: list[TraceEvent] = []
         self.output: dict[int, list] = {r: [] for r in range(world_size)}
         self.finished: set[int] = set()
+        self.failures: list[WorkerError] = []
 
     def poll(self, out_queue, wait: float) -> bool:
         """Handle one message if one arrives within ``wait`` seconds; False if none did."""
@@ -435,8 +431,34 @@ class _Collector:
                                              "shape": tuple(e["shape"])}) for e in message[3])
             self.finished.add(rank)
         elif kind == "error":
-            raise WorkerError(rank, message[2], message[3])
+            self.failures.append(WorkerError(rank, message[2], message[3]))
         return True
+
+    def first_cause(self, processes, out_queue, grace: float = 0.5) -> WorkerError:
+        """The failure that started it all, with the others it caused listed after it.
+
+        When one rank fails its peers soon fail too ("Connection reset by peer"):
+        wait a moment for every report, then blame a rank that died without an
+        exception, else the first one whose error is not a lost connection.
+        """
+        end = time.time() + grace
+        while time.time() < end:
+            self.poll(out_queue, wait=0.05)
+        reported = {f.rank for f in self.failures}
+        for rank, p in enumerate(processes):
+            if rank not in self.finished and rank not in reported and p.exitcode is not None:
+                self.failures.insert(0, WorkerError(
+                    rank, f"process exited with code {p.exitcode} before returning a result",
+                    "(no Python traceback: the process died, e.g. killed by a signal, "
+                    "os._exit, or out of memory)"))
+        lost_peer = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+        causes = [f for f in self.failures if not any(t in f.summary for t in lost_peer)]
+        first = (causes or self.failures)[0]
+        others = [f for f in self.failures if f is not first]
+        if others:
+            first.args = (first.args[0] + "\n\nAfterwards, probably as a consequence:\n" +
+                          "\n".join(f"  rank {f.rank}: {f.summary[:200]}" for f in others),)
+        return first
 
 
 def warm_up() -> float:

@@ -81,6 +81,8 @@ def get_group(kind: str = "world"):
         return dist.group.WORLD
     state = get_state()
     if kind not in state.groups:
+        if kind in GROUP_KINDS + EXTRA_GROUP_KINDS:
+            state.grid.group_of(kind, state.rank)  # raises the reason this rank has none
         raise KeyError(f"unknown group kind {kind!r}; kinds are {', '.join(sorted(state.groups))}")
     return state.groups[kind]
 

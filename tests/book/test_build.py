@@ -1,0 +1,102 @@
+"""The book build: a notebook cell that raises must fail it; a clean book must pass.
+
+These call the real ``scripts/build_book.sh`` (with the real ``_config.yml``) on a tiny
+book in ``tmp_path``, so the flags and settings cannot drift from what the project
+uses. Each build takes a few seconds.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def notebook(*sources: str) -> str:
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": "# A chapter"}]
+    cells += [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+               "source": src} for src in sources]
+    return json.dumps({
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    })
+
+
+def tiny_book(root: Path, *cell_sources: str) -> Path:
+    """A book with the real _config.yml, an intro page and one notebook."""
+    book = root / "book"
+    (book / "notebooks").mkdir(parents=True)
+    shutil.copy(REPO / "_config.yml", book / "_config.yml")
+    (book / "_toc.yml").write_text(
+        "format: jb-book\nroot: intro\nchapters:\n  - file: notebooks/chapter\n")
+    (book / "intro.md").write_text("# Tiny book\n\nSee {doc}`notebooks/chapter`.\n")
+    (book / "notebooks" / "chapter.ipynb").write_text(notebook(*cell_sources))
+    return book
+
+
+def test_cell_that_raises_fails_the_build(tmp_path, build_book):
+    book = tiny_book(tmp_path, "x = 1", "raise ValueError('boom: this cell is broken')",
+                     "print('never reached')")
+    result = build_book(book, timeout=120)
+    assert result.returncode != 0, "build exited 0 although a cell raised:\n" + result.stdout[-3000:]
+    assert "boom: this cell is broken" in result.stdout  # the log shows the cell's error
+    assert "HTML:" not in result.stdout  # the script stopped at the failed build
+
+
+def test_clean_book_builds(tmp_path, build_book):
+    book = tiny_book(tmp_path, "import sys\nprint('stderr is fine', file=sys.stderr)",
+                     "print(6 * 7)")
+    out = tmp_path / "out"
+    result = build_book(book, "--path-output", str(out), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    page = out / "_build" / "html" / "notebooks" / "chapter.html"
+    assert page.is_file()
+    assert "42" in page.read_text()  # executed at build time, output in the page
+    assert f"HTML: {out.resolve()}/_build/html/index.html" in result.stdout
+
+
+def test_warning_fails_the_build(tmp_path, build_book):
+    """-W: a chapter listed in _toc.yml without its file fails instead of vanishing."""
+    book = tiny_book(tmp_path, "print(1)")
+    toc = book / "_toc.yml"
+    toc.write_text(toc.read_text() + "  - file: notebooks/not_written_yet\n")
+    result = build_book(book, timeout=120)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "not_written_yet" in result.stdout
+
+
+# --- static checks of the real book (no build) --------------------------------------------
+
+
+def test_toc_entry_has_a_source_file(toc_docname):
+    """Each file named in _toc.yml exists (the parametrization comes from conftest.py)."""
+    found = [ext for ext in (".md", ".ipynb") if (REPO / f"{toc_docname}{ext}").is_file()]
+    assert found, f"_toc.yml lists {toc_docname!r} but there is no {toc_docname}.md/.ipynb"
+
+
+def test_config_keeps_the_safety_settings():
+    config = yaml.safe_load((REPO / "_config.yml").read_text())
+    execute = config["execute"]
+    assert execute["execute_notebooks"] == "force"  # `cache` misses library changes
+    assert execute["raise_on_error"] is True        # else a raising cell exits 0
+    assert config["only_build_toc_files"] is True
+    assert config["launch_buttons"]["thebe"] is False
+
+
+def test_vendored_scripts_exist():
+    config = yaml.safe_load((REPO / "_config.yml").read_text())["sphinx"]["config"]
+    scripts = list(config["nb_ipywidgets_js"]) + [config["mathjax_path"]]
+    for script in scripts:
+        assert "://" not in script, f"{script} would be fetched from the internet"
+        assert (REPO / "_static" / script).is_file(), \
+            f"_static/{script} is missing: run `bash scripts/vendor_js.sh`"
+        assert not script.endswith(".js"), \
+            f"{script}: Jupyter Book would add every _static/**/*.js to every page"
+    bundle = (REPO / "_static" / "vendor" / "html-manager" / "embed-amd.mjs").read_text()
+    for module in ("@jupyter-widgets/base", "@jupyter-widgets/controls"):
+        assert f'define("{module}"' in bundle, f"embed-amd does not bundle {module}"

@@ -1,0 +1,67 @@
+"""Live process groups built from the pure grid, checked inside real gloo workers."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_lib import comm, parallel_state
+from tutorial_lib.config import ParallelConfig
+from tutorial_lib.grid import EXTRA_GROUP_KINDS, GROUP_KINDS, ProcessGrid
+from tutorial_lib.launch import launch
+
+pytestmark = pytest.mark.dist
+
+KINDS = GROUP_KINDS + EXTRA_GROUP_KINDS
+
+
+def _report_groups(ctx, config, layout):
+    parallel_state.initialize_model_parallel(config, layout=layout)
+    live, sums = {}, {}
+    for kind in KINDS:
+        try:
+            live[kind] = dist.get_process_group_ranks(parallel_state.get_group(kind))
+        except ValueError as err:  # a middle pipeline stage has no embedding group
+            live[kind] = str(err)
+    # Closed-form check that each live group really connects its members: the sum of
+    # 2**rank over a group is a number no other set of ranks can produce.
+    for kind in KINDS:
+        if isinstance(live[kind], str):
+            continue
+        t = torch.tensor([float(2 ** ctx.rank)], dtype=torch.float64)
+        comm.all_reduce(t, group=kind)
+        sums[kind] = int(t.item())
+    parallel_state.destroy_model_parallel()
+    return live, sums
+
+
+@pytest.mark.parametrize("world,tp,pp,ep,cp,layout", [
+    (8, 2, 2, 2, 1, "megatron"),
+    (8, 1, 2, 4, 1, "megatron"),
+    (8, 2, 2, 2, 1, "course"),
+    (8, 2, 1, 2, 2, "visualizer"),
+    (6, 1, 3, 2, 1, "course"),
+    (4, 2, 1, 1, 2, "megatron"),
+])
+def test_live_groups_equal_the_grid(world, tp, pp, ep, cp, layout):
+    config = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep, context_parallel_size=cp)
+    grid = ProcessGrid(config, layout=layout)
+    out = launch(_report_groups, world, args=(config, layout), timeout=90)
+    for rank, (live, sums) in enumerate(out.results):
+        for kind in KINDS:
+            if isinstance(live[kind], str):
+                assert kind == "embedding" and "middle pipeline stage" in live[kind]
+                assert grid.coords(rank)["pp"] not in (0, pp - 1)
+                continue
+            expected = grid.group_of(kind, rank)
+            assert live[kind] == expected, (rank, kind)
+            assert sums[kind] == sum(2 ** r for r in expected), (rank, kind)
+
+
+def _wrong_world(ctx):
+    parallel_state.initialize_model_parallel(ParallelConfig(8, tensor_model_parallel_size=2))
+
+
+def test_config_world_must_match_the_launch():
+    from tutorial_lib.launch import WorkerError
+    with pytest.raises(WorkerError, match=r"config.world_size \(8\) differs from the launched world size \(2\)"):
+        launch(_wrong_world, 2)

@@ -1,0 +1,218 @@
+"""Chapter 1's exercises: the notebook's stubs fail with a hint, its solutions pass, and
+the checkers name the classic mistakes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tutorial_lib.exercises import ch01
+from tutorial_lib.exercises.ch01 import check_data_parallel_group, check_rank_to_coords
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "01_communicator_groups.ipynb"
+
+#: The exercises in notebook order: (function the stub defines, its checker, solution name).
+EXERCISES = [
+    ("rank_to_coords", check_rank_to_coords, "rank_to_coords_solution"),
+    ("data_parallel_group", check_data_parallel_group, "data_parallel_group_solution"),
+]
+
+
+def tagged_cells(tag: str) -> list[str]:
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    return [c.source for c in notebook.cells
+            if c.cell_type == "code" and tag in c.metadata.get("tags", [])]
+
+
+def run_cell(source: str) -> dict:
+    namespace = {"check_rank_to_coords": check_rank_to_coords,
+                 "check_data_parallel_group": check_data_parallel_group}
+    exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+    return namespace
+
+
+def test_notebook_has_the_three_cells_of_each_exercise():
+    stubs, checks = tagged_cells("exercise-stub"), tagged_cells("exercise-check")
+    solutions = tagged_cells("solution")
+    assert len(stubs) == len(checks) == len(solutions) == len(EXERCISES)
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in notebook.cells:
+        tags = cell.metadata.get("tags", [])
+        if "solution" in tags:
+            assert "hide-cell" in tags, "solutions must be folded away in the built book"
+    for (name, checker, solution), stub, check in zip(EXERCISES, stubs, checks):
+        assert f"def {name}(" in stub
+        assert "raise NotImplementedError" in stub
+        assert check.strip() == f"{checker.__name__}({name})"
+
+
+def test_notebook_is_saved_without_outputs():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    assert notebook.cells[0].source.startswith("# 1. Communicator groups and rank mapping")
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None
+
+
+@pytest.mark.parametrize("index", range(len(EXERCISES)))
+def test_stub_fails_with_the_stub_hint(index):
+    name, checker, _ = EXERCISES[index]
+    stub = run_cell(tagged_cells("exercise-stub")[index])[name]
+    result = checker(stub)  # must not raise
+    assert not result.passed
+    assert "NotImplementedError" in result.hint
+    assert "Hint:" in str(result) and "NotImplementedError" in result._repr_html_()
+
+
+@pytest.mark.parametrize("index", range(len(EXERCISES)))
+def test_solution_cell_passes(index):
+    name, checker, solution = EXERCISES[index]
+    namespace = run_cell(tagged_cells("solution")[index])  # ends in `assert checker(...)`
+    result = checker(namespace[solution])
+    assert result.passed, str(result)
+    assert len(result.cases) >= 7 and "PASS" in str(result)
+
+
+# --- exercise 1.1: the checker recognises the classic mistakes --------------------------
+
+
+def coords_fastest_first(rank, order, sizes):
+    coords = {}
+    for dim in order.split("-"):
+        coords[dim] = rank % sizes[dim]
+        rank //= sizes[dim]
+    return coords
+
+
+def coords_slowest_first(rank, order, sizes):
+    coords = {}
+    for dim in reversed(order.split("-")):  # the classic mistake
+        coords[dim] = rank % sizes[dim]
+        rank //= sizes[dim]
+    return coords
+
+
+def coords_in_dict_order(rank, order, sizes):
+    coords = {}
+    for dim, size in sizes.items():  # ignores the order string
+        coords[dim] = rank % size
+        rank //= size
+    return coords
+
+
+def coords_without_modulo(rank, order, sizes):
+    coords, stride = {}, 1
+    for dim in order.split("-"):
+        coords[dim] = rank // stride
+        stride *= sizes[dim]
+    return coords
+
+
+def coords_as_tuple(rank, order, sizes):
+    return tuple(coords_fastest_first(rank, order, sizes).values())
+
+
+def coords_raising(rank, order, sizes):
+    return sizes["no such dimension"]
+
+
+def test_correct_rank_to_coords_passes():
+    assert check_rank_to_coords(coords_fastest_first)
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (coords_slowest_first, ch01.HINT_SLOWEST_FIRST),
+    (coords_in_dict_order, ch01.HINT_DICT_ORDER),
+    (coords_without_modulo, ch01.HINT_NO_MODULO),
+    (coords_as_tuple, ch01.HINT_NOT_A_DICT),
+    (coords_raising, ch01.HINT_COORDS_GENERIC),
+], ids=lambda value: getattr(value, "__name__", "hint"))
+def test_rank_to_coords_mistake_gets_its_hint(wrong, hint):
+    result = check_rank_to_coords(wrong)
+    assert not result.passed
+    assert result.hint == hint
+    assert hint in str(result)
+
+
+def test_slowest_first_hint_says_fastest_first():
+    result = check_rank_to_coords(coords_slowest_first)
+    assert "first dimension of the order string as the slowest" in str(result)
+    # the failure names a rank and both answers
+    assert any("rank 1: got" in c.detail for c in result.cases if not c.passed)
+
+
+def test_rank_to_coords_exception_becomes_a_case():
+    result = check_rank_to_coords(coords_raising)
+    assert all("raised KeyError" in c.detail for c in result.cases)
+
+
+# --- exercise 1.2 -------------------------------------------------------------------------
+
+
+def dp_group(rank, world_size, tp, pp, cp=1):
+    dp = world_size // (tp * cp * pp)
+    tp_i, cp_i, pp_i = rank % tp, (rank // tp) % cp, rank // (tp * cp * dp)
+    return [tp_i + tp * (cp_i + cp * (d + dp * pp_i)) for d in range(dp)]
+
+
+def dp_group_returns_tp_group(rank, world_size, tp, pp, cp=1):
+    first = rank - rank % tp
+    return list(range(first, first + tp))
+
+
+def dp_group_forgets_cp(rank, world_size, tp, pp, cp=1):
+    return dp_group(rank, world_size, tp, pp, cp=1)  # counts the CP ranks as more replicas
+
+
+def dp_group_stride_tp(rank, world_size, tp, pp, cp=1):
+    dp, stage = world_size // (tp * cp * pp), world_size // pp
+    base = rank % tp + stage * (rank // stage)
+    return [base + tp * j for j in range(dp)]
+
+
+def dp_group_dp_outside_pp(rank, world_size, tp, pp, cp=1):
+    dp = world_size // (tp * cp * pp)
+    tp_i, cp_i, pp_i = rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % pp
+    return [tp_i + tp * (cp_i + cp * (pp_i + pp * d)) for d in range(dp)]
+
+
+def dp_group_whole_world(rank, world_size, tp, pp, cp=1):
+    return list(range(world_size))
+
+
+def dp_group_returns_an_int(rank, world_size, tp, pp, cp=1):
+    return rank // tp
+
+
+def test_correct_data_parallel_group_passes_in_any_order():
+    assert check_data_parallel_group(dp_group)
+    assert check_data_parallel_group(lambda *args: list(reversed(dp_group(*args))))
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (dp_group_returns_tp_group, ch01.HINT_TP_GROUP),
+    (dp_group_forgets_cp, ch01.HINT_FORGOT_CP_MERGED),
+    (dp_group_stride_tp, ch01.HINT_FORGOT_CP_STRIDE),
+    (dp_group_dp_outside_pp, ch01.HINT_DP_OUTSIDE_PP),
+    (dp_group_whole_world, ch01.HINT_WHOLE_WORLD),
+    (dp_group_returns_an_int, ch01.HINT_NOT_A_LIST),
+], ids=lambda value: getattr(value, "__name__", "hint"))
+def test_data_parallel_group_mistake_gets_its_hint(wrong, hint):
+    result = check_data_parallel_group(wrong)
+    assert not result.passed
+    assert result.hint == hint
+    assert hint in str(result)
+
+
+def test_forgetting_cp_fails_only_where_cp_is_above_one():
+    result = check_data_parallel_group(dp_group_forgets_cp)
+    failed = [c.name for c in result.cases if not c.passed]
+    assert failed and all("cp=1" not in name for name in failed)
+
+
+@pytest.mark.parametrize("garbage", [None, "0,2", {0: 2}, object()])
+def test_checkers_never_raise_on_garbage(garbage):
+    for checker in (check_rank_to_coords, check_data_parallel_group):
+        result = checker(lambda *args, **kwargs: garbage)
+        assert not result.passed and result.hint

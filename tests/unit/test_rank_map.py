@@ -1,0 +1,276 @@
+"""The rank map widget: its embedded data is ProcessGrid's, and its page stays self-contained."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from itertools import product
+
+import pytest
+
+from tutorial_lib.config import LAYOUTS, ConfigError
+from tutorial_lib.grid import EXTRA_GROUP_KINDS, GROUP_KINDS, build_grid
+from tutorial_lib.viz import colors
+from tutorial_lib.viz.rank_map import (
+    ALL_KINDS, KNOBS, RankMap, crossing_flags, rank_formula, rank_map,
+)
+
+KINDS = GROUP_KINDS + EXTRA_GROUP_KINDS
+CHROMIUM = shutil.which("chromium")
+
+
+def json_size(m: RankMap) -> int:
+    return len(json.dumps(m.data, separators=(",", ":")))
+
+
+@pytest.fixture(scope="module")
+def world16():
+    return rank_map(16, 8, tp=2, pp=2, ep=2)
+
+
+# --- the data is Python's ----------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_initial_config_equals_process_grid(layout):
+    m = rank_map(16, 8, tp=2, pp=2, ep=2, layout=layout, knobs=False)
+    grid = build_grid(16, 2, 2, 2, 1, 1, layout)
+    seen = m.lookup()
+    assert seen["describe"] == grid.describe()
+    for kind in KINDS:
+        assert seen["groups"][kind] == grid.groups(kind), kind
+    for rank in range(16):
+        assert {d: seen["coords"][d][rank] for d in seen["coords"]} == grid.coords(rank)
+
+
+def test_every_knob_setting_equals_process_grid(world16):
+    """Sweep every combination the static page can reach: groups, coords, or Python's error."""
+    values = {k["name"]: k["values"] for k in world16.data["knobs"]}
+    assert values["layout"] == list(LAYOUTS)
+    assert values["tp"] == [1, 2, 4, 8]
+    valid = 0
+    for combo in product(*(values[k] for k in KNOBS)):
+        setting = dict(zip(KNOBS, combo))
+        seen = world16.lookup(**setting)
+        try:
+            grid = build_grid(16, setting["tp"], setting["pp"], setting["ep"], setting["cp"],
+                              setting["etp"], setting["layout"])
+        except ConfigError as err:
+            assert seen == {"error": str(err)}
+            continue
+        valid += 1
+        assert seen["layout"] == setting["layout"]
+        assert seen["describe"] == grid.describe()
+        for kind in KINDS:
+            assert seen["groups"][kind] == grid.groups(kind), (setting, kind)
+            assert seen["crosses"][kind] == crossing_flags(grid.groups(kind), 8)
+        assert seen["coords"]["pp"] == [grid.coords(r)["pp"] for r in range(16)]
+    assert valid == len(world16.data["configs"])
+
+
+def test_crossing_flags_hand_worked():
+    # Ranks 0-7 sit on node 0, ranks 8-15 on node 1.
+    assert crossing_flags([[0, 7], [7, 8], [3], [8, 15]], 8) == [False, True, False, False]
+    seen = rank_map(16, 8, tp=2, pp=2, ep=2, layout="megatron").lookup()
+    # PP stages are world / PP = 8 ranks apart: each stage pair straddles the two nodes.
+    assert seen["groups"]["pp"] == [[r, r + 8] for r in range(8)]
+    assert seen["crosses"]["pp"] == [True] * 8
+    # TP pairs are neighbours (2r, 2r+1): never split across nodes.
+    assert seen["groups"]["tp"] == [[2 * r, 2 * r + 1] for r in range(8)]
+    assert seen["crosses"]["tp"] == [False] * 8
+    # DP = 4 varies third in tp-cp-dp-pp: strides of 2 inside one pipeline stage, one node.
+    assert seen["groups"]["dp"][0] == [0, 2, 4, 6]
+    assert seen["crosses"]["dp"] == [False] * 4
+    # With 4 GPUs per node the same DP groups {0,2,4,6} span nodes 0 and 1.
+    assert rank_map(16, 4, tp=2, pp=2, ep=2).lookup()["crosses"]["dp"] == [True] * 4
+
+
+def test_crossing_summary_is_in_the_static_html():
+    html = rank_map(16, 8, tp=2, pp=2, ep=2, kind="pp").to_html()
+    assert "PP: 8 groups of 2 ranks \u2014 8 of 8 cross a node boundary" in html
+    assert "EP: 8 groups of 2 ranks \u2014 all inside one node (NVLink)" in html
+    assert "TP: 8 groups" not in html  # the dense panel starts on the requested kind
+
+
+def test_initial_paint_matches_groups():
+    """Python paints the first state (readable without JavaScript): cell colour = its group's."""
+    m = rank_map(16, 8, tp=4, pp=2, ep=2, knobs=False)
+    groups = m.lookup()["groups"]["tp"]
+    dense = m.to_html().split('data-side="dense"')[1].split('data-side="expert"')[0]
+    cells = re.findall(r'data-rank="(\d+)" data-group="(\d+)".*?style="background:(#\w+)', dense)
+    assert len(cells) == 16
+    for rank, group, background in cells:
+        assert int(rank) in groups[int(group)]
+        assert background == colors.group_color(int(group), 4)
+
+
+def test_rank_formula_matches_the_grids():
+    assert rank_formula("tp-cp-dp-pp") == "rank = tp + TP\u00b7(cp + CP\u00b7(dp + DP\u00b7pp))"
+    for layout in LAYOUTS:
+        grid = build_grid(16, tp=2, pp=2, ep=2, layout=layout)
+        for rank_grid in {id(g): g for g in (grid.dense, grid.expert)}.values():
+            formula = rank_formula("-".join(rank_grid.order)).removeprefix("rank = ").replace("\u00b7", "*")
+            sizes = {d.upper(): rank_grid.size(d) for d in rank_grid.order}
+            for rank in range(16):
+                assert eval(formula, {}, {**sizes, **rank_grid.coords(rank)}) == rank
+
+
+# --- the page is self-contained ---------------------------------------------------
+
+
+def test_html_is_self_contained(world16):
+    html = world16._repr_html_()
+    assert html == world16.to_html()
+    assert "http://" not in html and "https://" not in html
+    assert not re.search(r"<(script|link|img|iframe)[^>]*\b(src|href)=", html)
+    assert "require(" not in html and "@import" not in html
+    # the embedded JSON is exactly .data
+    payload = re.search(r'<script type="application/json" class="[^"]+">(.*?)</script>', html).group(1)
+    assert json.loads(payload) == world16.data
+
+
+def test_two_maps_never_share_ids_or_classes():
+    a, b = rank_map(), rank_map()
+    assert a.prefix != b.prefix
+    for m in (a, b):
+        html = m.to_html()
+        ids = re.findall(r'\bid="([^"]+)"', html)
+        assert ids == [m.prefix]
+        # Only the shared hook classes the browser test looks for (tl-rank-map, tl-gpu) are unprefixed.
+        for attr in re.findall(r'\bclass="([^"]+)"', html):
+            assert all(token.startswith(m.prefix + "-") or token in ("tl-rank-map", "tl-gpu")
+                       for token in attr.split()), attr
+        # every CSS rule is scoped under this instance's root id
+        css = re.search(r"<style>(.*?)</style>", html, re.S).group(1)
+        for selector in re.findall(r"([^{}]+)\{", css):
+            assert all(s.strip().startswith("#" + m.prefix) for s in selector.split(",")), selector
+        # the script is wrapped in an IIFE: nothing at top level but the function call
+        script = re.findall(r"<script>(.*?)</script>", html, re.S)[-1].strip()
+        assert script.startswith("(function () {") and script.endswith("})();")
+
+
+def test_knobs_json_stays_small(world16):
+    assert len(world16.data["configs"]) > 400  # every layout and size combination is there
+    assert json_size(world16) < 300_000
+    for world in (8, 32, 64, 128):
+        assert json_size(rank_map(world, 8)) < 300_000
+
+
+def test_big_worlds_freeze_knobs_but_keep_the_start():
+    m = rank_map(128, 8, tp=2, pp=2, ep=2, cp=2)
+    frozen = [k["name"] for k in m.data["knobs"] if k["frozen"]]
+    assert set(frozen) == {"etp", "cp"}
+    assert {k["name"]: k["values"] for k in m.data["knobs"]}["cp"] == [2]
+    assert m.lookup()["groups"]["cp"] == build_grid(128, 2, 2, 2, 2).groups("cp")
+
+
+def test_knobs_off_embeds_one_config():
+    m = rank_map(8, 4, tp=2, pp=1, ep=1, knobs=False)
+    assert len(m.data["configs"]) == 1
+    assert "<select class=" not in m.to_html()
+
+
+def test_sizes_outside_the_knob_range_are_kept():
+    m = rank_map(16, 8, tp=16, pp=1, ep=1)
+    assert 16 in {k["name"]: k["values"] for k in m.data["knobs"]}["tp"]
+    assert m.lookup()["groups"]["tp"] == [list(range(16))]
+
+
+def test_invalid_configs_raise():
+    with pytest.raises(ConfigError, match="rule 1"):
+        rank_map(16, 8, tp=3, pp=1, ep=1)
+    with pytest.raises(ConfigError, match="rule 1"):
+        rank_map(16, 8, tp=2, pp=2, ep=2, etp=4, layout="course")
+    with pytest.raises(ConfigError, match="gpus_per_node"):
+        rank_map(16, 0)
+    with pytest.raises(ValueError, match="unknown group kind"):
+        rank_map(kind="world")
+
+
+def test_invalid_knob_setting_carries_pythons_message(world16):
+    seen = world16.lookup(tp=8, pp=4)
+    with pytest.raises(ConfigError) as err:
+        build_grid(16, tp=8, pp=4, ep=2)
+    assert seen == {"error": str(err.value)}
+    assert seen["error"].startswith("[rule 1]")
+    with pytest.raises(KeyError):
+        world16.lookup(tp=3)
+
+
+def test_kind_colors_cover_every_kind():
+    assert set(ALL_KINDS) <= set(colors.KIND_COLORS)
+    assert len(set(colors.KIND_COLORS.values())) == len(colors.KIND_COLORS)
+    assert colors.group_color(0, 1) == colors.SINGLETON_COLOR
+    assert colors.group_color(len(colors.PALETTE), 2) == colors.PALETTE[0]
+    assert colors.text_color("#ffffff") != colors.text_color("#000000")
+
+
+# --- in a real browser ----------------------------------------------------------
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed")
+def test_javascript_in_chromium(tmp_path):
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    a = rank_map(16, 8, tp=2, pp=2, ep=2)
+    b = rank_map(16, 8, tp=2, pp=2, ep=2, layout="course")
+    page_file = tmp_path / "page.html"
+    page_file.write_text(f"<!doctype html><meta charset='utf-8'><body>{a.to_html()}{b.to_html()}</body>",
+                         encoding="utf-8")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--no-first-run"])
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(page_file.as_uri())
+            root, other = page.locator(f"#{a.prefix}"), page.locator(f"#{b.prefix}")
+            assert root.get_attribute("data-ready") == "1" and other.get_attribute("data-ready") == "1"
+
+            # the script's first paint agrees with Python's: cell colour = its TP group's colour
+            painted = page.locator(f"#{a.prefix} [data-side='dense'] .{a.prefix}-cell").evaluate_all(
+                "cells => cells.map(c => [Number(c.dataset.rank), getComputedStyle(c).backgroundColor])")
+            for i, group in enumerate(a.lookup()["groups"]["tp"]):
+                hex_colour = colors.group_color(i, len(group))
+                rgb = "rgb(%d, %d, %d)" % tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
+                assert all(colour == rgb for rank, colour in painted if rank in group)
+
+            # click rank 5: its TP group {4, 5} and EP group {5, 7} light up, others dim
+            root.locator(".%s-cell[data-rank='5']" % a.prefix).first.click()
+            assert root.get_attribute("data-selected-rank") == "5"
+            dense = root.locator("[data-side='dense']")
+            expert = root.locator("[data-side='expert']")
+            selected = lambda panel: sorted(int(x) for x in panel.locator(".selected").evaluate_all(
+                "cells => cells.map(c => c.dataset.rank)"))
+            assert selected(dense) == a.lookup()["groups"]["tp"][2] == [4, 5]
+            assert selected(expert) == [g for g in a.lookup()["groups"]["ep"] if 5 in g][0]
+            assert other.get_attribute("data-selected-rank") == ""  # the second map is untouched
+
+            # switch the dense panel to PP: rank 5's pipeline group crosses the node boundary
+            dense.locator("[data-kind='pp']").click()
+            assert selected(dense) == [5, 13]
+            assert dense.locator(f".{a.prefix}-crosses").count() == 16
+            assert "8 of 8 cross" in dense.locator(f".{a.prefix}-summary").text_content()
+
+            # a knob switches to another precomputed configuration: Python's describe line
+            root.locator("select[data-knob='pp']").select_option("4")
+            assert root.locator(f".{a.prefix}-describe").text_content() == a.lookup(pp=4)["describe"]
+            assert selected(dense) == [g for g in a.lookup(pp=4)["groups"]["pp"] if 5 in g][0]
+
+            # an invalid setting shows Python's ConfigError message
+            root.locator("select[data-knob='tp']").select_option("8")
+            assert root.get_attribute("data-invalid") == "1"
+            assert root.locator(f".{a.prefix}-error").text_content() == a.lookup(tp=8, pp=4)["error"]
+
+            # hovering shows every coordinate, dense and expert
+            root.locator("select[data-knob='tp']").select_option("2")
+            root.locator(f".{a.prefix}-cell[data-rank='6']").first.hover()
+            info = root.locator(f".{a.prefix}-info").text_content()
+            coords = a.lookup(pp=4)["coords"]
+            for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"):
+                assert f"{dim}={coords[dim][6]}" in info
+            assert errors == []
+        finally:
+            browser.close()

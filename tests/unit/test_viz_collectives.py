@@ -1,0 +1,256 @@
+"""Animations of collectives, built from traces that a real launch recorded."""
+import os
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+from tutorial_lib import collectives, comm
+from tutorial_lib.launch import launch
+from tutorial_lib.viz.collectives import (Animation, animate_collective, animate_ring,
+                                          animate_ring_all_reduce)
+
+CAPTURE = 256  # record the values of every tensor these workers move
+
+
+# --- worker functions ---------------------------------------------------------------------
+
+
+def _ring_worker(ctx, rows):
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(rows)
+    return x, collectives.ring_all_reduce(x)
+
+
+def _ring_parts_worker(ctx):
+    n = ctx.world_size
+    x = torch.arange(2 * n, dtype=torch.float32) + 10 * ctx.rank
+    return collectives.ring_reduce_scatter(x), collectives.ring_all_gather(x[:2])
+
+
+def _dp_rings_worker(ctx):
+    # 4 ranks, TP=2: two rings run at once, on the dp groups [0, 2] and [1, 3].
+    from tutorial_lib import parallel_state
+    from tutorial_lib.config import ParallelConfig
+    parallel_state.initialize_model_parallel(ParallelConfig(world_size=4,
+                                                            tensor_model_parallel_size=2))
+    return collectives.ring_all_reduce(torch.arange(4.0) + 10 * ctx.rank, group="dp")
+
+
+# Uneven all-to-all splits: INPUT_SPLITS[r][j] rows go from rank r to rank j.
+INPUT_SPLITS = [[1, 2, 0, 3], [2, 0, 3, 1], [0, 1, 1, 1], [3, 1, 1, 0]]
+
+
+def _library_worker(ctx):
+    n, r = ctx.world_size, ctx.rank
+    t = torch.arange(4.0) + 10 * r
+    out = {"all_reduce": comm.all_reduce(t.clone())}
+    out["reduce_scatter"] = comm.reduce_scatter(torch.empty(4 // n), t.clone())
+    out["all_gather"] = comm.all_gather(torch.empty(2 * n), torch.tensor([2.0 * r, 2.0 * r + 1]))
+    out["broadcast"] = comm.broadcast(t.clone(), src=1)
+    ins = INPUT_SPLITS[r]
+    outs = [INPUT_SPLITS[j][r] for j in range(n)]
+    x = torch.arange(sum(ins) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r
+    out["all_to_all"] = comm.all_to_all(torch.empty(sum(outs), 2), x,
+                                        output_split_sizes=outs, input_split_sizes=ins)
+    if r == 0:
+        comm.send(torch.tensor([1.5, 2.5]), 1)
+    elif r == 1:
+        out["p2p"] = comm.recv(torch.empty(2), 0)
+    return out
+
+
+# --- recorded traces, one launch each ------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4, 5])
+def ring_run(request):
+    n = request.param
+    return n, launch(_ring_worker, n, args=(2 * n,), capture_values=CAPTURE, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def library_run():
+    return launch(_library_worker, 4, capture_values=CAPTURE, timeout=60)
+
+
+def _flat(chunks):
+    return [v for chunk in chunks for v in chunk]
+
+
+# --- the ring all-reduce -------------------------------------------------------------------
+
+
+def test_ring_animation_has_a_frame_per_step(ring_run):
+    n, out = ring_run
+    anim = animate_ring_all_reduce(out.trace)
+    assert isinstance(anim, Animation) and len(anim) == 1 + 2 * (n - 1)
+    captions = anim.captions
+    if n > 1:
+        assert captions[1].startswith(f"reduce-scatter step 1/{n - 1}")
+        assert captions[n].startswith(f"all-gather step 1/{n - 1}")
+        assert captions[-1].startswith(f"all-gather step {n - 1}/{n - 1}")
+
+
+def test_ring_animation_starts_from_the_inputs_and_ends_at_the_all_reduced_tensor(ring_run):
+    n, out = ring_run
+    anim = animate_ring_all_reduce(out.trace)
+    for rank, (x, reduced) in enumerate(out.results):
+        assert _flat(anim.data[0]["buffers"][rank]) == x.tolist()
+        # The recorded float32 values, replayed: exactly what the rank returned.
+        assert _flat(anim.data[-1]["buffers"][rank]) == reduced.tolist()
+
+
+def test_every_ring_step_moves_one_chunk_to_the_next_rank(ring_run):
+    n, out = ring_run
+    anim = animate_ring_all_reduce(out.trace)
+    for frame in anim.data[1:]:
+        assert sorted((a, b) for a, b, _ in frame["moves"]) == [(r, (r + 1) % n) for r in range(n)]
+        # Every chunk index moves exactly once per step.
+        assert sorted(c for _, _, c in frame["moves"]) == list(range(n))
+
+
+def test_ring_animation_html_is_a_self_contained_player(ring_run):
+    n, out = ring_run
+    page = animate_ring_all_reduce(out.trace).to_html()
+    assert re.search(r'<div class="tl-animation" id="tl-anim-[0-9a-f]+" data-frame="0"', page)
+    assert 'class="tl-play"' in page and 'class="tl-slider"' in page
+    assert page.count('class="tl-frame"') == 1 + 2 * (n - 1)
+    assert not re.search(r"https?://|src=|require|import\(", page)  # nothing fetched
+    script = page.split("<script>")[1].split("</script>")[0]
+    assert script.strip().startswith("(function () {") and script.strip().endswith("})();")
+    # A fresh id per render: two copies on one page do not drive each other.
+    again = animate_ring_all_reduce(out.trace).to_html()
+    ids = re.findall(r'id="(tl-anim-[0-9a-f]+)"', page + again)
+    assert len(ids) == 2 and ids[0] != ids[1]
+
+
+def test_ring_frames_write_the_values_as_numbers():
+    out = launch(_ring_parts_worker, 3, capture_values=CAPTURE, timeout=60)
+    anim = animate_ring(out.trace, "ring_reduce_scatter")
+    assert len(anim) == 1 + 2  # reduce-scatter alone: N-1 steps
+    html = anim.to_html()
+    assert ">0, 1</text>" in html and ">20, 21</text>" in html  # rank 0 and 2's first chunks
+    for rank, (chunk, _) in enumerate(out.results):
+        assert anim.data[-1]["buffers"][rank][rank] == chunk.tolist()  # rank i owns chunk i
+    gather = animate_ring(out.trace, "ring_all_gather")
+    assert len(gather) == 3
+    assert gather.data[0]["buffers"][1] == [None, [10.0, 11.0], None]  # only its own chunk
+    for rank, (_, full) in enumerate(out.results):
+        assert _flat(gather.data[-1]["buffers"][rank]) == full.tolist()
+
+
+def test_ranks_picks_one_of_several_rings_running_at_once():
+    out = launch(_dp_rings_worker, 4, capture_values=CAPTURE, timeout=60)
+    for ranks in ([0, 2], [1, 3]):
+        anim = animate_ring_all_reduce(out.trace, ranks=ranks)
+        assert len(anim) == 3 and f"ranks {ranks} (dp group" in anim.title
+        for rank in ranks:
+            assert _flat(anim.data[-1]["buffers"][rank]) == out.results[rank].tolist()
+
+
+def test_missing_values_ask_for_capture_values():
+    out = launch(_ring_worker, 2, args=(4,), timeout=60)  # capture_values=0: no values recorded
+    with pytest.raises(ValueError, match="capture_values"):
+        animate_ring_all_reduce(out.trace)
+
+
+def test_a_trace_without_ring_events_says_what_it_holds(library_run):
+    with pytest.raises(ValueError, match="no ring_all_reduce events"):
+        animate_ring_all_reduce(library_run.trace)
+
+
+# --- library collectives --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                "all_to_all"])
+def test_collective_animation_shows_each_ranks_values_before_and_after(library_run, op):
+    anim = animate_collective(library_run.trace, op)
+    assert len(anim) == 2
+    assert anim.captions[0].startswith("Before") and anim.captions[1].startswith("After")
+    events = {e.rank: e for e in library_run.trace.filter(op=op)}
+    for rank, result in enumerate(library_run.results):
+        assert anim.data[0]["values"][rank] == events[rank].values_in
+        assert anim.data[1]["values"][rank] == result[op].flatten().tolist()
+    assert 'class="tl-play"' in anim.to_html()
+
+
+def test_all_to_all_animation_shows_the_uneven_split_counts(library_run):
+    anim = animate_collective(library_run.trace, "all_to_all")
+    n = len(INPUT_SPLITS)
+    for r in range(n):
+        sent = [f"\u2192 r{j}: {k} row{'' if k == 1 else 's'}" for j, k in enumerate(INPUT_SPLITS[r])]
+        got = [f"\u2190 r{j}: {INPUT_SPLITS[j][r]} row{'' if INPUT_SPLITS[j][r] == 1 else 's'}"
+               for j in range(n)]
+        assert anim.data[0]["labels"][r] == sent
+        assert anim.data[1]["labels"][r] == got
+    page = anim.to_html()
+    assert "r3: 3 rows" in page and "r2: 0 rows" in page  # rank 0 sends 3 rows to rank 3, 0 to 2
+    assert "[1, 2, 0, 3]" in anim.captions[0]  # rank 0's input splits
+
+
+def test_send_recv_pairs_become_messages(library_run):
+    anim = animate_collective(library_run.trace, "p2p")
+    assert len(anim) == 2  # before, and the one message
+    assert anim.data[0]["values"][1] == []  # the receive buffer is still empty
+    assert anim.data[1]["values"][1] == [1.5, 2.5]
+    assert "rank 0 sends 8 bytes" in anim.captions[1]
+
+
+def test_an_unknown_op_is_refused(library_run):
+    with pytest.raises(ValueError, match="unknown op"):
+        animate_collective(library_run.trace, "gather")
+
+
+# --- in a real browser -----------------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+
+
+@pytest.mark.browser
+def test_the_player_plays_in_chromium(tmp_path):
+    """Two players on one page: Play advances its own ``data-frame``, Next/Back/slider work."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM) and not shutil.which("chromium"):
+        pytest.skip("chromium is not installed (scripts/install_browser.sh)")
+    out = launch(_ring_worker, 4, args=(8,), capture_values=CAPTURE, timeout=60)
+    anim = animate_ring_all_reduce(out.trace)
+    page_file = tmp_path / "ring.html"
+    page_file.write_text("<!doctype html><html><head><meta charset='utf-8'></head><body>"
+                         + anim.to_html() + anim.to_html() + "</body></html>", encoding="utf-8")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 800})
+            errors, requests = [], []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: requests.append(r.url))
+            page.goto(page_file.as_uri())
+            first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
+            assert first.get_attribute("data-frame") == "0"
+            first.locator(".tl-play").click()
+            deadline = time.time() + 3
+            while int(first.get_attribute("data-frame")) == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            assert int(first.get_attribute("data-frame")) > 0, "Play did not advance within 3 s"
+            assert second.get_attribute("data-frame") == "0"  # the other player is untouched
+            first.locator(".tl-play").click()  # pause
+            second.locator(".tl-next").click()
+            second.locator(".tl-next").click()
+            second.locator(".tl-prev").click()
+            assert second.get_attribute("data-frame") == "1"
+            visible = second.locator(".tl-frame:visible")
+            assert visible.count() == 1
+            assert second.locator(".tl-anim-caption").inner_text().startswith("reduce-scatter step 1/3")
+            second.locator(".tl-slider").fill("6")
+            assert second.get_attribute("data-frame") == "6"
+            page.screenshot(path=str(tmp_path / "player.png"), full_page=True)
+            assert errors == [], errors
+            assert all(u.startswith("file:") for u in requests), requests
+        finally:
+            browser.close()

@@ -1,0 +1,302 @@
+"""Checkers for chapter 1, communicator groups and rank mapping.
+
+* :func:`check_rank_to_coords`: turn a global rank into coordinates for any
+  order string (fastest dimension first).
+* :func:`check_data_parallel_group`: the data-parallel group of a rank in
+  Megatron-Core's dense grid ``tp-cp-dp-pp``.
+
+Both compare the student's function with :mod:`tutorial_lib.grid` on many grid
+shapes, every rank of each, and when an answer is wrong they try the classic
+wrong answers too: if the student's output matches one of them, the hint names
+that mistake.  Student code never makes a checker raise.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ..grid import RankGrid, build_grid
+from . import CheckResult, run_case, stub_hint
+
+# --- hints (tests look for these exact strings) ---------------------------------
+
+HINT_SLOWEST_FIRST = (
+    "you treated the first dimension of the order string as the slowest. The order is "
+    "written fastest first: the first dimension is the lowest 'digit', so peel it off "
+    "first with rank % size, then divide the rank by that size and go on to the next one."
+)
+HINT_DICT_ORDER = (
+    "you walked the dimensions in the order of the sizes dictionary, not of the order "
+    "string. The dictionary's key order means nothing; split `order` on '-' and walk that."
+)
+HINT_NO_MODULO = (
+    "a coordinate came out larger than its dimension's size: after dividing by the "
+    "stride, take the remainder modulo that dimension's size (or peel: c = rank % size; "
+    "rank //= size)."
+)
+HINT_NOT_A_DICT = (
+    "return a dict that maps every dimension name in the order string to this rank's "
+    "coordinate, e.g. {'tp': 1, 'dp': 0, 'pp': 1}."
+)
+HINT_COORDS_GENERIC = (
+    "for order d0-d1-...-dk with sizes S0..Sk, rank = c0 + S0*(c1 + S1*(c2 + ...)). "
+    "Invert it like writing a number in a mixed radix: c0 = rank % S0, then rank //= S0, "
+    "then c1 = rank % S1, and so on."
+)
+
+HINT_TP_GROUP = (
+    "you returned the tensor-parallel group: the ranks that differ only in tp. The "
+    "data-parallel group keeps tp, cp and pp fixed and lets dp vary, so its members are "
+    "TP*CP ranks apart, not 1."
+)
+HINT_PP_GROUP = (
+    "you returned the pipeline group (fixed tp, cp, dp; varying pp). The data-parallel "
+    "group keeps pp fixed: all its members belong to the same pipeline stage."
+)
+HINT_FORGOT_CP_MERGED = (
+    "you forgot CP: your group has DP*CP ranks because it also varies the cp coordinate "
+    "(that is Megatron's dp_cp group). Context-parallel ranks hold different parts of the "
+    "sequence, so DP = world / (TP*CP*PP) and the members are TP*CP ranks apart."
+)
+HINT_FORGOT_CP_STRIDE = (
+    "you forgot CP in the stride: in the order tp-cp-dp-pp one step of dp moves the rank "
+    "by TP*CP, not by TP. With CP > 1 a stride of TP lands on a rank with another cp "
+    "coordinate."
+)
+HINT_DP_OUTSIDE_PP = (
+    "you put DP outside PP (rank = ... + TP*CP*(pp + PP*dp), the order of the course's 4D "
+    "guide). Megatron's dense grid is tp-cp-dp-pp: PP is the slowest dimension, so "
+    "rank = tp + TP*(cp + CP*(dp + DP*pp))."
+)
+HINT_WHOLE_WORLD = (
+    "you returned every rank. Only the ranks that share this rank's tp, cp and pp "
+    "coordinates belong to its data-parallel group."
+)
+HINT_NOT_A_LIST = (
+    "return the list of global ranks in this rank's data-parallel group (this rank "
+    "included), e.g. [1, 3, 5, 7], not a single number."
+)
+HINT_DP_GENERIC = (
+    "in the dense grid rank = tp + TP*(cp + CP*(dp + DP*pp)) with DP = world/(TP*CP*PP). "
+    "Work out this rank's tp, cp and pp, then list the ranks for dp = 0 .. DP-1."
+)
+
+
+def _describe(hint_pairs: list[tuple[str, set]], failing_matches: list[set], generic: str) -> str:
+    """The hint of the first mistake that explains every failing case, else ``generic``."""
+    if not failing_matches:
+        return generic
+    common = set.intersection(*failing_matches)
+    for hint, name in hint_pairs:
+        if name in common:
+            return hint
+    return generic
+
+
+# --- exercise 1: rank -> coordinates ------------------------------------------------
+
+#: (order, sizes) pairs: the library's layouts and some odd shapes (a size of 3, one
+#: dimension of size 1) so that a formula that only works for powers of two fails.
+RANK_TO_COORDS_SHAPES = [
+    ("tp-cp-dp-pp", {"tp": 2, "cp": 1, "dp": 2, "pp": 2}),
+    ("tp-ep-cp-dp-pp", {"tp": 2, "ep": 2, "cp": 2, "dp": 1, "pp": 2}),
+    ("ep-tp-cp-pp-dp", {"ep": 4, "tp": 2, "cp": 1, "pp": 2, "dp": 2}),
+    ("etp-ep-edp-pp", {"etp": 1, "ep": 4, "edp": 2, "pp": 2}),
+    ("tp-cp-dp-pp", {"tp": 4, "cp": 2, "dp": 3, "pp": 2}),
+    ("pp-dp-tp", {"pp": 3, "dp": 2, "tp": 2}),
+    ("tp", {"tp": 4}),
+]
+
+
+def _reference_coords(order: str, sizes: dict) -> list[dict]:
+    dims = tuple(order.split("-"))
+    grid = RankGrid(dims, tuple(sizes[d] for d in dims))
+    return [grid.coords(r) for r in range(grid.world_size)]
+
+
+def _slowest_first_coords(order: str, sizes: dict) -> list[dict]:
+    dims = tuple(order.split("-"))
+    grid = RankGrid(tuple(reversed(dims)), tuple(sizes[d] for d in reversed(dims)))
+    return [grid.coords(r) for r in range(grid.world_size)]
+
+
+def _dict_order_coords(order: str, sizes: dict) -> list[dict]:
+    dims = tuple(sizes)  # the order the sizes dictionary happens to list them in
+    grid = RankGrid(dims, tuple(sizes[d] for d in dims))
+    return [grid.coords(r) for r in range(grid.world_size)]
+
+
+def _no_modulo_coords(order: str, sizes: dict) -> list[dict]:
+    dims = order.split("-")
+    out = []
+    for rank in range(math.prod(sizes.values())):
+        stride, coords = 1, {}
+        for d in dims:
+            coords[d] = rank // stride
+            stride *= sizes[d]
+        out.append(coords)
+    return out
+
+
+def _sizes_for_student(order: str, sizes: dict) -> dict:
+    """The sizes dict with its keys sorted by name, so key order differs from ``order``."""
+    return {d: sizes[d] for d in sorted(sizes)}
+
+
+def _same_coords(got, want: list[dict]) -> bool:
+    try:
+        return len(got) == len(want) and all(
+            isinstance(g, dict) and {k: int(v) for k, v in g.items()} == w for g, w in zip(got, want))
+    except Exception:  # noqa: BLE001 - whatever the student returned, it is not a match
+        return False
+
+
+def _first_difference(got: list, want: list[dict]) -> str:
+    for rank, (g, w) in enumerate(zip(got, want)):
+        try:
+            same = isinstance(g, dict) and {k: int(v) for k, v in g.items()} == w
+        except Exception:  # noqa: BLE001
+            same = False
+        if not same:
+            return f"rank {rank}: got {g!r}, expected {w}"
+    return f"returned {len(got)} answers for {len(want)} ranks"
+
+
+def check_rank_to_coords(fn: Callable) -> CheckResult:
+    """Check ``fn(rank, order, sizes) -> {dim: coordinate}`` against :class:`RankGrid`.
+
+    ``order`` is a string such as ``"tp-cp-dp-pp"`` (fastest first); ``sizes`` maps
+    each dimension to its size.  Every rank of several shapes is tried.
+    """
+    result = CheckResult("Exercise 1.1: rank_to_coords")
+    values, failing_matches = [], []
+    mistakes = (("slowest_first", _slowest_first_coords), ("dict_order", _dict_order_coords),
+                ("no_modulo", _no_modulo_coords))
+    for order, sizes in RANK_TO_COORDS_SHAPES:
+        want = _reference_coords(order, sizes)
+        given = _sizes_for_student(order, sizes)
+        name = f"order {order!r}, sizes {given}"
+
+        def attempt(order=order, given=given, n=len(want)):
+            return [fn(rank, order, dict(given)) for rank in range(n)]
+
+        case, got = run_case(name, attempt, want, compare=_same_coords)
+        values.append(got)
+        if isinstance(got, NotImplementedError):  # a stub: one case says it all
+            result.cases.append(case)
+            break
+        if not case.passed and isinstance(got, list):
+            case.detail = _first_difference(got, want)
+            matches = {label for label, model in mistakes if _same_coords(got, model(order, given))}
+            if got and not all(isinstance(g, dict) for g in got):
+                matches.add("not_a_dict")
+            failing_matches.append(matches)
+        elif not case.passed:
+            failing_matches.append(set())
+        result.cases.append(case)
+    if not result.passed:
+        result.hint = stub_hint(values) or _describe(
+            [(HINT_NOT_A_DICT, "not_a_dict"), (HINT_SLOWEST_FIRST, "slowest_first"),
+             (HINT_DICT_ORDER, "dict_order"), (HINT_NO_MODULO, "no_modulo")],
+            failing_matches, HINT_COORDS_GENERIC)
+    return result
+
+
+# --- exercise 2: Megatron's dense data-parallel group ---------------------------------
+
+#: (world_size, tp, pp, cp): small and odd shapes, CP > 1 in several, DP = 1 once.
+DATA_PARALLEL_SHAPES = [
+    (8, 2, 2, 1),
+    (8, 1, 1, 1),
+    (16, 2, 2, 2),
+    (16, 4, 2, 1),
+    (12, 2, 3, 1),
+    (24, 2, 2, 3),
+    (32, 2, 2, 2),
+    (8, 8, 1, 1),
+]
+
+
+def _as_rank_list(value):
+    """The student's answer as a sorted list of ints, or None if it is not a list of ranks."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        return None
+    try:
+        return sorted(int(x) for x in value)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _same_groups(got, want: list[list[int]]) -> bool:
+    if not isinstance(got, list) or len(got) != len(want):
+        return False
+    return all(_as_rank_list(g) == w for g, w in zip(got, want))
+
+
+def _stride_tp_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
+    """The 'forgot CP in the stride' answer: DP ranks, TP apart, inside the stage."""
+    dp = world // (tp * cp * pp)
+    stage = world // pp
+    out = []
+    for rank in range(world):
+        base = rank % tp + stage * (rank // stage)
+        out.append(sorted(base + tp * j for j in range(dp)))
+    return out
+
+
+def _dp_outside_pp_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
+    grid = build_grid(world, tp=tp, pp=pp, cp=cp, order="tp-cp-ep-pp-dp")
+    return [sorted(grid.group_of("dp", r)) for r in range(world)]
+
+
+def check_data_parallel_group(fn: Callable) -> CheckResult:
+    """Check ``fn(rank, world_size, tp, pp, cp=1) -> [ranks]`` against Megatron's dense grid.
+
+    Any order of the returned ranks is accepted: a group is a set.
+    """
+    result = CheckResult("Exercise 1.2: data_parallel_group")
+    values, failing_matches = [], []
+    for world, tp, pp, cp in DATA_PARALLEL_SHAPES:
+        grid = build_grid(world, tp=tp, pp=pp, cp=cp, layout="megatron")
+        want = [sorted(grid.group_of("dp", r)) for r in range(world)]
+        name = f"world_size={world}, tp={tp}, pp={pp}, cp={cp}"
+
+        def attempt(world=world, tp=tp, pp=pp, cp=cp):
+            return [fn(rank, world, tp, pp, cp) for rank in range(world)]
+
+        case, got = run_case(name, attempt, want, compare=_same_groups)
+        values.append(got)
+        if isinstance(got, NotImplementedError):  # a stub: one case says it all
+            result.cases.append(case)
+            break
+        if not case.passed and isinstance(got, list):
+            for rank, (g, w) in enumerate(zip(got, want)):
+                if _as_rank_list(g) != w:
+                    case.detail = f"rank {rank}: got {g!r}, expected {w}"
+                    break
+            models = {
+                "tp": [sorted(grid.group_of("tp", r)) for r in range(world)],
+                "pp": [sorted(grid.group_of("pp", r)) for r in range(world)],
+                "dp_cp": [sorted(grid.group_of("dp_cp", r)) for r in range(world)],
+                "stride_tp": _stride_tp_groups(world, tp, pp, cp),
+                "dp_outside_pp": _dp_outside_pp_groups(world, tp, pp, cp),
+                "world": [list(range(world))] * world,
+            }
+            matches = {label for label, model in models.items() if _same_groups(got, model)}
+            if any(_as_rank_list(g) is None for g in got):
+                matches.add("not_a_list")
+            failing_matches.append(matches)
+        elif not case.passed:
+            failing_matches.append(set())
+        result.cases.append(case)
+    if not result.passed:
+        result.hint = stub_hint(values) or _describe(
+            [(HINT_NOT_A_LIST, "not_a_list"), (HINT_TP_GROUP, "tp"),
+             (HINT_FORGOT_CP_MERGED, "dp_cp"), (HINT_FORGOT_CP_STRIDE, "stride_tp"),
+             (HINT_DP_OUTSIDE_PP, "dp_outside_pp"), (HINT_PP_GROUP, "pp"),
+             (HINT_WHOLE_WORLD, "world")],
+            failing_matches, HINT_DP_GENERIC)
+    return result
+
+
+__all__ = ["check_rank_to_coords", "check_data_parallel_group"]

@@ -1,0 +1,724 @@
+"""Animations of collectives, drawn from recorded traces.
+
+Every frame here is rebuilt from events a real launch recorded: the values a
+rank sent, the values it received, the split sizes of an all-to-all.  Nothing
+is simulated, so what you see is what the ranks did.  Record values by
+launching with ``capture_values`` at least the number of elements of the
+tensors involved::
+
+    out = launch(work, 4, capture_values=64)
+    animate_ring_all_reduce(out.trace)
+    animate_collective(out.trace, "all_to_all")
+
+An :class:`Animation` is one self-contained HTML fragment: one inline SVG per
+frame and a small inline script for the player (Play/Pause, Back, Next, a
+slider, a caption).  It needs no Python kernel, no external file and no
+widget library, so it plays the same live in Jupyter and in the static book.
+
+Reading the pictures: ranks are rows; each rank's tensor is drawn as cells
+holding its values.  In the ring all-reduce a colour is a chunk index and the
+shade says how many ranks' values the chunk already sums (``Σ k/N``).  In the
+other collectives a colour is the rank the values came from.
+"""
+from __future__ import annotations
+
+import html
+import math
+import uuid
+from dataclasses import dataclass, field
+
+from ..trace import Trace, TraceEvent
+from .colors import PALETTE, text_color
+
+INK = "#1b1f24"        # text and highlight outlines
+MUTED = "#57606a"      # secondary text
+LINE = "#c4cbd3"       # empty-buffer outlines, separators
+SUM_COLOR = "#5b6b7c"  # a value reduced over every rank (all-reduce result)
+FULL, LIGHT = 0.8, 0.4  # how strongly a block shows its colour: dark text stays readable on both
+OLD_COLOR = "#e4e7eb"  # values about to be overwritten (broadcast targets)
+
+SANS = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
+MONO = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'Liberation Mono', monospace"
+MONO_CHAR_W = 7.3      # width of one 12 px monospace character, for layout
+MAX_VALUES = 4         # values written per cell before eliding with "…"
+
+RING_ALGORITHMS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+P2P_OPS = ("send", "recv", "p2p", "send_recv")
+
+
+# --- the player ------------------------------------------------------------------
+
+
+class Animation:
+    """Precomputed frames plus a tiny player, rendered as one HTML fragment.
+
+    ``frames`` are SVG (or HTML) strings, ``captions`` one line each.  ``data``
+    holds, per frame, the state the frame draws (rank -> values), so that tests
+    and curious readers can check a picture against the numbers.
+    """
+
+    def __init__(self, frames: list[str], captions: list[str], title: str = "",
+                 data: list | None = None, note: str = "", interval_ms: int = 1200):
+        if not frames or len(frames) != len(captions):
+            raise ValueError(f"need one caption per frame, got {len(frames)} frames and "
+                             f"{len(captions)} captions")
+        self.frames = list(frames)
+        self.captions = list(captions)
+        self.title = title
+        self.data = list(data) if data is not None else [None] * len(frames)
+        self.note = note
+        self.interval_ms = interval_ms
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __repr__(self) -> str:
+        return f"Animation({len(self)} frames: {self.title!r})"
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def to_html(self) -> str:
+        """The fragment: a root ``div.tl-animation`` with its style, frames, controls and script.
+
+        Every render gets a fresh id, so the same animation shown twice on one
+        page still has two independent players.
+        """
+        uid = "tl-anim-" + uuid.uuid4().hex[:12]
+        n = len(self.frames)
+        frames = []
+        for i, (svg, caption) in enumerate(zip(self.frames, self.captions)):
+            hidden = "" if i == 0 else ' style="display:none"'  # without script: frame 0 shows
+            frames.append(f'<div class="tl-frame" data-caption="{html.escape(caption, quote=True)}"'
+                          f"{hidden}>{svg}</div>")
+        frames_html = "\n".join(frames)
+        body = f"""<div class="tl-animation" id="{uid}" data-frame="0" data-frames="{n}">
+<style>{_CSS.replace("UID", uid)}</style>
+<div class="tl-anim-title">{html.escape(self.title)}</div>
+<div class="tl-anim-caption">{html.escape(self.captions[0])}</div>
+<div class="tl-anim-stage">
+{frames_html}
+</div>
+<div class="tl-anim-controls">
+<button type="button" class="tl-play" aria-label="Play or pause">&#9654;&#xFE0E; Play</button>
+<button type="button" class="tl-prev" title="Step back">&#8249; Back</button>
+<button type="button" class="tl-next" title="Step forward">Next &#8250;</button>
+<input type="range" class="tl-slider" min="0" max="{n - 1}" step="1" value="0" aria-label="Frame">
+<span class="tl-anim-counter">1 / {n}</span>
+</div>
+{f'<div class="tl-anim-note">{html.escape(self.note)}</div>' if self.note else ""}
+"""
+        # Non-ASCII as character references: the fragment reads right whatever the page's charset.
+        body = body.encode("ascii", "xmlcharrefreplace").decode("ascii")
+        script = _JS.replace("UID", uid).replace("INTERVAL", str(int(self.interval_ms)))
+        return f"{body}<script>{script}</script>\n</div>"
+
+    def save(self, path: str) -> str:
+        """Write a standalone HTML page holding the animation; returns ``path``."""
+        page = (f'<!doctype html>\n<html><head><meta charset="utf-8">'
+                f"<title>{html.escape(self.title)}</title></head>\n"
+                f'<body style="margin:24px;background:#f6f8fa">\n'
+                f"{self.to_html()}\n</body></html>\n")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+        return path
+
+
+_CSS = """
+#UID { font-family: SANS; color: #1b1f24; background: #ffffff; border: 1px solid #d0d7de;
+  border-radius: 8px; padding: 12px 16px 10px; margin: 0.6em 0; box-sizing: border-box;
+  max-width: 100%; line-height: 1.35; }
+#UID .tl-anim-title { font-weight: 600; font-size: 15px; margin-bottom: 2px; }
+#UID .tl-anim-caption { font-size: 13.5px; color: #3a4048; min-height: 2.7em; }
+#UID .tl-anim-stage { overflow-x: auto; }
+#UID .tl-frame svg { display: block; max-width: 100%; height: auto; }
+#UID .tl-anim-controls { display: flex; align-items: center; gap: 6px; margin-top: 8px; }
+#UID .tl-anim-controls button { font: inherit; font-size: 12.5px; line-height: 1.2;
+  padding: 4px 11px; border: 1px solid #c4cbd3; border-radius: 6px; background: #f6f8fa;
+  color: #1b1f24; cursor: pointer; margin: 0; }
+#UID .tl-anim-controls button:hover { background: #eaeef2; }
+#UID .tl-anim-controls button.tl-play { min-width: 5.8em; background: #1b1f24; color: #ffffff;
+  border-color: #1b1f24; }
+#UID .tl-anim-controls button.tl-play:hover { background: #3a4048; }
+#UID .tl-slider { flex: 1; min-width: 80px; margin: 0 4px; accent-color: #4e79a7; }
+#UID .tl-anim-counter { font-size: 12px; color: #57606a; min-width: 4.5em; text-align: right;
+  font-variant-numeric: tabular-nums; }
+#UID .tl-anim-note { font-size: 12px; color: #57606a; margin-top: 6px; }
+""".replace("SANS", SANS)
+
+# The player.  Everything lives inside one function (no global names) and finds its
+# elements under its own root, so any number of players can share a page.  ASCII
+# only: character references are not decoded inside <script>.
+_JS = r"""
+(function () {
+  var root = document.getElementById("UID");
+  if (!root) { return; }
+  var frames = root.querySelectorAll(".tl-frame");
+  var caption = root.querySelector(".tl-anim-caption");
+  var counter = root.querySelector(".tl-anim-counter");
+  var slider = root.querySelector(".tl-slider");
+  var play = root.querySelector(".tl-play");
+  var n = frames.length, current = 0, timer = null;
+  function show(i) {
+    i = Math.max(0, Math.min(n - 1, i));
+    frames[current].style.display = "none";
+    frames[i].style.display = "";
+    current = i;
+    root.setAttribute("data-frame", String(i));
+    slider.value = String(i);
+    caption.textContent = frames[i].getAttribute("data-caption");
+    counter.textContent = (i + 1) + " / " + n;
+  }
+  function stop() {
+    if (timer !== null) { clearInterval(timer); timer = null; }
+    play.textContent = "\u25B6\uFE0E Play";
+  }
+  function tick() {
+    show(current + 1);
+    if (current >= n - 1) { stop(); }
+  }
+  function start() {
+    if (n < 2) { return; }
+    // From the last frame, start over; otherwise move at once, so the click is felt.
+    if (current >= n - 1) { show(0); } else { tick(); if (current >= n - 1) { return; } }
+    timer = setInterval(tick, INTERVAL);
+    play.textContent = "\u275A\u275A Pause";
+  }
+  function step(by) { return function () { stop(); show(current + by); }; }
+  play.addEventListener("click", function () { if (timer === null) { start(); } else { stop(); } });
+  root.querySelector(".tl-prev").addEventListener("click", step(-1));
+  root.querySelector(".tl-next").addEventListener("click", step(1));
+  slider.addEventListener("input", function () { stop(); show(parseInt(slider.value, 10)); });
+})();
+"""
+
+
+# --- drawing helpers ------------------------------------------------------------------
+
+
+def _fmt(v: float) -> str:
+    """A value as a short string: whole numbers exactly, others to 3 significant digits."""
+    if v == v and not math.isinf(v) and v == int(v) and abs(v) < 1e6:
+        return str(int(v))
+    return f"{v:.3g}"
+
+
+def _cell_text(values: list[float]) -> str:
+    """The values of one cell, e.g. ``"1, 2.5"``; long rows end in an ellipsis."""
+    if len(values) <= MAX_VALUES:
+        return ", ".join(_fmt(v) for v in values)
+    return ", ".join(_fmt(v) for v in values[:MAX_VALUES - 1]) + ", \u2026"
+
+
+def _text_width(s: str) -> float:
+    return len(s) * MONO_CHAR_W
+
+
+def _mix(color: str, amount: float) -> str:
+    """``color`` mixed with white: ``amount`` 1 is the colour itself, 0 is white."""
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(255 - (255 - c) * amount):02x}" for c in rgb)
+
+
+def _darken(color: str, amount: float = 0.35) -> str:
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c * (1 - amount)):02x}" for c in rgb)
+
+
+def _rect(x, y, w, h, fill, stroke="none", width=0.0, dash=None, rx=5) -> str:
+    extra = f' stroke-dasharray="{dash}"' if dash else ""
+    return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="{rx}" '
+            f'fill="{fill}" stroke="{stroke}" stroke-width="{width}"{extra}/>')
+
+
+def _text(x, y, s, size=12, anchor="middle", fill=INK, weight=None, mono=False) -> str:
+    font = f' font-family="{MONO}"' if mono else ""
+    bold = f' font-weight="{weight}"' if weight else ""
+    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+            f'fill="{fill}"{font}{bold}>{html.escape(s)}</text>')
+
+
+def _arrow(points: list[tuple[float, float]], color: str, width: float = 2.2) -> str:
+    """A polyline with a filled arrowhead at its last point."""
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    length = math.hypot(x1 - x0, y1 - y0) or 1.0
+    ux, uy = (x1 - x0) / length, (y1 - y0) / length
+    head, half = 9.0, 5.0
+    bx, by = x1 - ux * head, y1 - uy * head  # the base of the head: the line stops there
+    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in points[:-1] + [(bx, by)])
+    tip = [(x1, y1), (bx - uy * half, by + ux * half), (bx + uy * half, by - ux * half)]
+    return (f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="{width}" '
+            f'stroke-linejoin="round" stroke-linecap="round"/>'
+            f'<polygon points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in tip)}" fill="{color}"/>')
+
+
+def _svg(width: float, height: float, body: list[str]) -> str:
+    return (f'<svg viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
+            f'height="{height:.0f}" font-family="{SANS}" role="img">{"".join(body)}</svg>')
+
+
+def _chunk_color(c: int) -> str:
+    return PALETTE[c % len(PALETTE)]
+
+
+def _need_values(values, event: TraceEvent, what: str):
+    if values is None:
+        raise ValueError(f"the trace holds no values for {what} (rank {event.rank}, shape "
+                         f"{tuple(event.shape)}): launch with capture_values >= the number of "
+                         f"elements of the tensor, e.g. launch(fn, n, capture_values=256)")
+    return values
+
+
+# --- ring all-reduce -------------------------------------------------------------------
+
+
+def animate_ring_all_reduce(trace: Trace, call: int | None = None,
+                            ranks: list[int] | None = None) -> Animation:
+    """Replay a traced :func:`tutorial_lib.collectives.ring_all_reduce`, step by step.
+
+    Frame 0 shows every rank's chunks as they started; then one frame per
+    reduce-scatter step and per all-gather step (``1 + 2 (N-1)`` frames) shows
+    which chunk moved from which rank to which and every buffer after the step.
+    ``call`` picks one call when the trace holds several (the ``call`` tag;
+    default: the first), ``ranks`` one group when several rings ran at once
+    (e.g. ``[0, 2]`` of the dp groups; default: the first to start).
+    """
+    return animate_ring(trace, "ring_all_reduce", call, ranks)
+
+
+def animate_ring(trace: Trace, algorithm: str | None = None, call: int | None = None,
+                 ranks: list[int] | None = None) -> Animation:
+    """Replay any traced ring algorithm of :mod:`tutorial_lib.collectives`.
+
+    ``algorithm``: ``ring_all_reduce``, ``ring_reduce_scatter`` or
+    ``ring_all_gather`` (default: whichever the trace holds first).
+    """
+    events = _pick_ring_call(trace, algorithm, call, ranks)
+    ranks = events[0].group_ranks
+    n = len(ranks)
+    algorithm = events[0].tags["algorithm"]
+    pos = {r: p for p, r in enumerate(ranks)}
+
+    # Frame 0: the "ring_buffer" events hold what every rank started with.
+    buffers: list[list] = [[None] * n for _ in range(n)]  # [position][chunk] -> values
+    sums: list[list] = [[set() for _ in range(n)] for _ in range(n)]  # which ranks each chunk sums
+    for e in events:
+        if e.op == "compute" and e.tags.get("name") == "ring_buffer":
+            values = _need_values(e.values_in, e, "the ring's starting buffers")
+            held = e.tags["held"]
+            k = len(values) // len(held)
+            for j, c in enumerate(held):
+                buffers[pos[e.rank]][c] = values[j * k:(j + 1) * k]
+                sums[pos[e.rank]][c] = {pos[e.rank]}
+    reduces = algorithm != "ring_all_gather"
+    states = [_ring_state(buffers, sums, [], "start", 0, 0)]
+
+    phases = [p for p in ("reduce_scatter", "all_gather")
+              if any(e.tags.get("phase") == p for e in events)]
+    for phase in phases:
+        for s in range(n - 1):
+            step = [e for e in events if e.tags.get("phase") == phase and e.tags.get("step") == s]
+            before = [list(map(set, row)) for row in sums]
+            moves = []
+            for recv in (e for e in step if e.op == "recv"):
+                src, dst, c = pos[recv.peer], pos[recv.rank], recv.tags["chunk"]
+                moves.append((src, dst, c))
+                if phase == "reduce_scatter":
+                    # The receiver added what arrived: its "ring_reduce" event holds the new sum.
+                    add = next(e for e in step if e.op == "compute" and e.rank == recv.rank
+                               and e.tags.get("name") == "ring_reduce")
+                    buffers[dst][c] = _need_values(add.values_out, add, "a ring reduction")
+                    sums[dst][c] = before[dst][c] | before[src][c]
+                else:
+                    buffers[dst][c] = _need_values(recv.values_out, recv, "a ring receive")
+                    sums[dst][c] = set(before[src][c])
+            states.append(_ring_state(buffers, sums, moves, phase, s, n - 1))
+
+    sends = [e for e in events if e.op == "send" and e.rank == ranks[0]]
+    chunk_shape = next(e.shape for e in events if e.tags.get("name") == "ring_buffer")
+    captions = [_ring_caption(st, n, ranks, algorithm, sends, i == len(states) - 1)
+                for i, st in enumerate(states)]
+    cell_w = max(64.0, max(_text_width(_cell_text(v)) + 18 for st in states
+                           for row in st["buffers"] for v in row if v is not None))
+    frames = [_draw_ring(st, ranks, cell_w, reduces) for st in states]
+    data = [{"phase": st["phase"], "step": st["step"],
+             "buffers": {ranks[p]: row for p, row in enumerate(st["buffers"])},
+             "moves": [(ranks[a], ranks[b], c) for a, b, c in st["moves"]]} for st in states]
+    title = {"ring_all_reduce": "Ring all-reduce", "ring_reduce_scatter": "Ring reduce-scatter",
+             "ring_all_gather": "Ring all-gather"}[algorithm]
+    group = events[0].group_kind
+    title += f" over ranks {list(ranks)} ({group} group, chunks of shape {tuple(chunk_shape)})"
+    note = ("Colour: chunk index. Arrow: the chunk sent this step, from the dashed cell "
+            "to the outlined cell that received it.")
+    if reduces:
+        note += " Shade and \u03a3 k/N: how many ranks' values a chunk sums so far."
+    return Animation(frames, captions, title=title, data=data, note=note)
+
+
+def _pick_ring_call(trace: Trace, algorithm: str | None, call: int | None,
+                    ranks: list[int] | None) -> list[TraceEvent]:
+    """The events of one ring call: same algorithm, call number and group."""
+    ring = [e for e in trace if e.tags.get("algorithm") in RING_ALGORITHMS
+            and (algorithm is None or e.tags["algorithm"] == algorithm)
+            and (call is None or e.tags.get("call") == call)
+            and (ranks is None or e.group_ranks == tuple(ranks))]
+    if not ring:
+        found = sorted({(e.tags["algorithm"], e.tags.get("call"), e.group_ranks) for e in trace
+                        if e.tags.get("algorithm") in RING_ALGORITHMS})
+        raise ValueError(f"no {algorithm or 'ring'} events (call={call}, ranks={ranks}) in this "
+                         f"trace; it holds (algorithm, call, ranks): {found or 'none'}. Record "
+                         f"them by calling tutorial_lib.collectives inside a launch")
+    first = ring[0]
+    key = (first.tags["algorithm"], first.tags.get("call"), first.group_ranks)
+    return [e for e in ring if (e.tags["algorithm"], e.tags.get("call"), e.group_ranks) == key]
+
+
+def _ring_state(buffers, sums, moves, phase, step, steps) -> dict:
+    return {"buffers": [list(row) for row in buffers],
+            "sums": [[len(s) for s in row] for row in sums],
+            "moves": list(moves), "phase": phase, "step": step, "steps": steps}
+
+
+def _ring_caption(st, n, ranks, algorithm, sends, last) -> str:
+    ring = " \u2192 ".join(str(r) for r in list(ranks) + [ranks[0]])
+    if st["phase"] == "start":
+        if algorithm == "ring_all_gather":
+            return f"Start: each of the {n} ranks holds one chunk. The ring: {ring}."
+        return (f"Start: each of the {n} ranks holds its own tensor, cut into {n} chunks. "
+                f"The ring: {ring}.")
+    label = f"{st['phase'].replace('_', '-')} step {st['step'] + 1}/{st['steps']}: "
+    if st["phase"] == "reduce_scatter":
+        text = ("every rank sends one chunk to the next rank, which adds it to its own copy "
+                "of that chunk.")
+        if st["step"] == st["steps"] - 1:
+            text += f" Each rank now owns one chunk summed over all {n} ranks (\u03a3 {n}/{n})."
+    else:
+        text = "every rank forwards a finished chunk to the next rank, which stores it."
+    if last and sends:
+        # The cost, read off rank 0's recorded sends.
+        chunk = sends[0].bytes
+        text += (f" Done: each rank sent {len(sends)} chunks of {chunk} bytes = "
+                 f"{len(sends) * chunk} bytes")
+        if algorithm == "ring_all_reduce":
+            text += f", i.e. 2(N-1)/N \u00d7 the tensor's {chunk * n} bytes."
+        else:
+            text += f", i.e. (N-1)/N \u00d7 the full tensor's {chunk * n} bytes."
+    return label + text
+
+
+def _draw_ring(st: dict, ranks, cell_w: float, reduces: bool) -> str:
+    """One frame: ranks as rows, chunks as columns, this step's moves as arrows."""
+    n = len(ranks)
+    cell_h = 48 if reduces else 38
+    left, col_gap, row_gap, top = 78.0, 12.0, 30.0, 46.0
+    x = lambda c: left + c * (cell_w + col_gap)  # noqa: E731 - tiny layout helpers
+    y = lambda p: top + p * (cell_h + row_gap)   # noqa: E731
+    right_lane = x(n) - col_gap + 20
+    top_lane, bottom_lane = top - 12, y(n - 1) + cell_h + 16
+    body = []
+    for c in range(n):  # column headers: a swatch and the chunk index
+        cx = x(c) + cell_w / 2
+        body.append(_rect(cx - 34, 8, 10, 10, _chunk_color(c), rx=2))
+        body.append(_text(cx + 6, 17, f"chunk {c}", size=12, fill=MUTED))
+    senders = {(a, c) for a, b, c in st["moves"]}
+    receivers = {(b, c) for a, b, c in st["moves"]}
+    for p in range(n):
+        body.append(_text(left - 14, y(p) + cell_h / 2 + 5, f"rank {ranks[p]}", size=13,
+                          anchor="end", weight="600"))
+        for c in range(n):
+            values = st["buffers"][p][c]
+            if values is None:  # all-gather: not arrived yet
+                body.append(_rect(x(c), y(p), cell_w, cell_h, "#fafbfc", LINE, 1.2, dash="4 3"))
+                continue
+            share = st["sums"][p][c] / n if reduces else 1.0
+            fill = _mix(_chunk_color(c), 0.18 + (FULL - 0.18) * share)
+            ink = text_color(fill)
+            if (p, c) in receivers:
+                stroke, width, dash = INK, 2.6, None
+            elif (p, c) in senders:
+                stroke, width, dash = INK, 1.6, "5 3"
+            else:
+                stroke, width, dash = _darken(_chunk_color(c), 0.1), 0.8, None
+            body.append(_rect(x(c), y(p), cell_w, cell_h, fill, stroke, width, dash))
+            value_y = y(p) + (20 if reduces else cell_h / 2 + 4.5)
+            body.append(_text(x(c) + cell_w / 2, value_y, _cell_text(values), mono=True, fill=ink))
+            if reduces:
+                body.append(_text(x(c) + cell_w / 2, y(p) + 38, f"\u03a3 {st['sums'][p][c]}/{n}",
+                                  size=10.5, fill=ink))
+    for a, b, c in st["moves"]:
+        cx = x(c) + cell_w / 2
+        color = _darken(_chunk_color(c), 0.3)
+        if b == a + 1:  # down to the next row, in the chunk's column
+            body.append(_arrow([(cx, y(a) + cell_h + 2), (cx, y(b) - 2)], color))
+        else:  # the ring closes: from the last row around the right edge back to the top
+            body.append(_arrow([(cx, y(a) + cell_h + 2), (cx, bottom_lane),
+                                (right_lane, bottom_lane), (right_lane, top_lane),
+                                (cx, top_lane), (cx, y(b) - 2)], color))
+    return _svg(right_lane + 14, bottom_lane + 10, body)
+
+
+# --- library collectives and point-to-point --------------------------------------------------
+
+
+@dataclass
+class _Block:
+    """A run of dim-0 rows of one rank's tensor, drawn as cells side by side."""
+
+    rows: list[list[float]] | None
+    """Values per row; ``None`` for a buffer whose contents are not data yet."""
+    color: str
+    label: str = ""
+    n_rows: int = 1
+    """Rows to draw when ``rows`` is None."""
+    style: str = "plain"
+    """``plain``, ``sent`` (dashed outline) or ``arrived`` (bold outline)."""
+
+    def cells(self) -> int:
+        return len(self.rows) if self.rows is not None else self.n_rows
+
+
+@dataclass
+class _Frame:
+    """One picture: per rank a row of columns, each column one block or nothing."""
+
+    rows: list[tuple[int, list[_Block | None]]]
+    caption: str
+    arrows: list[tuple[int, int, int]] = field(default_factory=list)
+    """(from row, to row, column): a block moving down or up its column."""
+    data: dict = field(default_factory=dict)
+
+
+def animate_collective(trace: Trace, op: str, call: int = 0) -> Animation:
+    """Before and after pictures of one traced collective, from each rank's values.
+
+    ``op``: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
+    ``broadcast``, or ``send``/``recv``/``p2p`` for every send/recv pair in the
+    trace (then one frame per message).  ``call`` picks the call-th call of
+    ``op`` by the first group that made one.  To pick a call by its tags,
+    filter the trace first: ``animate_collective(trace.filter(layer=3), "all_gather")``.
+    """
+    if op in P2P_OPS:
+        frames, title, note = _p2p_frames(trace)
+    elif op in COLLECTIVES:
+        frames, title, note = _collective_frames(trace, op, call)
+    else:
+        raise ValueError(f"animate_collective: unknown op {op!r}; choose one of "
+                         f"{', '.join(COLLECTIVES + P2P_OPS)} (ring algorithms: animate_ring)")
+    texts = [_cell_text(r) for f in frames for _, blocks in f.rows for b in blocks if b
+             for r in (b.rows or [])]
+    cell_w = max(44.0, max((_text_width(t) + 16 for t in texts), default=44.0))
+    # Column widths are shared by every frame, so blocks stay put when the frame changes.
+    columns = [0.0] * max(len(blocks) for f in frames for _, blocks in f.rows)
+    for f in frames:
+        for _, blocks in f.rows:
+            for j, b in enumerate(blocks):
+                if b is not None:
+                    columns[j] = max(columns[j], _block_width(b, cell_w), len(b.label) * 6.4)
+    svgs = [_draw_rows(f, cell_w, columns) for f in frames]
+    return Animation(svgs, [f.caption for f in frames], title=title,
+                     data=[f.data for f in frames], note=note, interval_ms=1600)
+
+
+def _rows_of(values: list[float], shape: tuple[int, ...]) -> list[list[float]]:
+    """Cut flat values into dim-0 rows (the width of a row comes from the recorded shape)."""
+    width = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return [values[i:i + width] for i in range(0, len(values), width)]
+
+
+def _collective_frames(trace: Trace, op: str, call: int) -> tuple[list[_Frame], str, str]:
+    events = [e for e in trace if e.op == op]
+    if not events:
+        raise ValueError(f"no {op} events in this trace; it holds ops "
+                         f"{sorted({e.op for e in trace})}")
+    ranks = events[0].group_ranks
+    per_rank = {r: [e for e in events if e.rank == r and e.group_ranks == ranks] for r in ranks}
+    if any(len(v) <= call for v in per_rank.values()):
+        raise ValueError(f"call {call} of {op} on group {list(ranks)} is not in the trace "
+                         f"(it holds {min(len(v) for v in per_rank.values())} calls)")
+    chosen = {r: per_rank[r][call] for r in ranks}
+    n = len(ranks)
+    inputs = {r: _rows_of(_need_values(e.values_in, e, f"the {op} input"), e.shape)
+              for r, e in chosen.items()}
+    outputs = {r: _rows_of(_need_values(e.values_out, e, f"the {op} output"), e.shape)
+               for r, e in chosen.items()}
+    color = {r: _mix(_chunk_color(p), FULL) for p, r in enumerate(ranks)}
+    reduce_op = chosen[ranks[0]].tags.get("reduce_op", "sum")
+    note = "Colour: the rank the values came from. Each cell is one row (dim 0) of a tensor."
+
+    if op == "all_reduce":
+        before = [(r, [_Block(inputs[r], color[r], f"rank {r}'s tensor")]) for r in ranks]
+        after = [(r, [_Block(outputs[r], _mix(SUM_COLOR, 0.45), f"{reduce_op} over all {n} ranks")])
+                 for r in ranks]
+        say = ("every rank contributes its own tensor",
+               f"every rank holds the same {reduce_op} of all {n} tensors")
+        note = ("Colour: the rank the values came from; grey: reduced over every rank. "
+                "Each cell is one row (dim 0) of a tensor.")
+    elif op == "reduce_scatter":
+        k = len(inputs[ranks[0]]) // n
+        before = [(r, [_Block(inputs[r][j * k:(j + 1) * k], _mix(_chunk_color(j), LIGHT),
+                              f"part {j} \u2192 r{ranks[j]}") for j in range(n)]) for r in ranks]
+        after = [(r, [None] * p + [_Block(outputs[r], color[r], f"{reduce_op} of part {p}")]
+                  + [None] * (n - p - 1)) for p, r in enumerate(ranks)]
+        say = (f"every rank's input is cut into {n} parts; part j is meant for group rank j",
+               f"group rank j holds the {reduce_op} of every rank's part j")
+        note = ("Colour: the part, i.e. the group rank it ends up on (light: one rank's "
+                "values, full: reduced over all). Each cell is one row (dim 0).")
+    elif op == "all_gather":
+        k = len(inputs[ranks[0]])
+        before = [(r, [_Block(inputs[r], color[r], f"rank {r}'s shard") if j == p
+                       else _Block(None, color[r], "", n_rows=k) for j in range(n)])
+                  for p, r in enumerate(ranks)]
+        after = [(r, [_Block(outputs[r][j * k:(j + 1) * k], color[src], f"from r{src}")
+                      for j, src in enumerate(ranks)]) for r in ranks]
+        say = ("every rank holds one shard; dashed: the rest of its output buffer",
+               "every rank holds every shard, in group order")
+    elif op == "broadcast":
+        src = chosen[ranks[0]].peer
+        before = [(r, [_Block(inputs[r], color[r] if r == src else OLD_COLOR,
+                              "source" if r == src else "to be overwritten")]) for r in ranks]
+        after = [(r, [_Block(outputs[r], color[src],
+                             "source" if r == src else f"copy from r{src}")]) for r in ranks]
+        say = (f"rank {src} holds the data; the others' buffers hold old values",
+               f"every rank holds rank {src}'s data")
+        note = ("Colour: the rank the values came from; grey: old values, about to be "
+                "overwritten. Each cell is one row (dim 0) of a tensor.")
+    else:  # all_to_all: uneven splits are the point, so every block says how many rows it is
+        before, after = [], []
+        for r in ranks:
+            splits = chosen[r].splits
+            before.append((r, _split_blocks(inputs[r], splits["input"], ranks,
+                                            lambda j, r=r: color[r], "\u2192")))
+            after.append((r, _split_blocks(outputs[r], splits["output"], ranks,
+                                           lambda j: color[ranks[j]], "\u2190")))
+        sends = "; ".join(f"r{r} {chosen[r].splits['input']}" for r in ranks)
+        say = (f"each rank cuts its input by its input splits ({sends}); "
+               f"block j goes to group rank j",
+               "each rank holds the rows it received, in sender order (uneven splits are "
+               "normal: MoE routing sends each token to the rank of its expert)")
+    group = f"{chosen[ranks[0]].group_kind} group {list(ranks)}"
+    title = f"{op.replace('_', '-')} over the {group}, traced"
+    frames = [_Frame(before, f"Before: {say[0]}.", data=_block_data(before)),
+              _Frame(after, f"After: {say[1]}.", data=_block_data(after))]
+    return frames, title, note
+
+
+def _split_blocks(rows, sizes, ranks, color_of, arrow) -> list[_Block]:
+    blocks, start = [], 0
+    for j, size in enumerate(sizes):
+        label = f"{arrow} r{ranks[j]}: {size} row{'' if size == 1 else 's'}"
+        blocks.append(_Block(rows[start:start + size], color_of(j), label))
+        start += size
+    return blocks
+
+
+def _block_data(rows) -> dict:
+    """What a frame shows, as numbers: per rank its values in drawing order, and the labels."""
+    return {"values": {r: [v for b in blocks if b for row in (b.rows or []) for v in row]
+                       for r, blocks in rows},
+            "labels": {r: [b.label for b in blocks if b] for r, blocks in rows}}
+
+
+def _p2p_frames(trace: Trace) -> tuple[list[_Frame], str, str]:
+    """Pair every send with its receive: frame 0 shows what waits to be sent, then one
+    frame per message.  Each message has its own column, so it moves straight up or down."""
+    sends = [e for e in trace if e.op == "send"]
+    recvs = [e for e in trace if e.op == "recv"]
+    if not sends:
+        raise ValueError(f"no send events in this trace; it holds ops "
+                         f"{sorted({e.op for e in trace})}")
+    waiting: dict[tuple[int, int], list[TraceEvent]] = {}
+    for r in recvs:  # the k-th send from a to b meets the k-th receive on b from a
+        waiting.setdefault((r.peer, r.rank), []).append(r)
+    messages = []
+    for s in sends:
+        pending = waiting.get((s.rank, s.peer))
+        if not pending:
+            raise ValueError(f"the send from rank {s.rank} to rank {s.peer} has no matching "
+                             f"recv in this trace")
+        messages.append((s, pending.pop(0)))
+    ranks = sorted({e.rank for e in sends + recvs})
+    row_of = {r: i for i, r in enumerate(ranks)}
+    color = {r: _mix(_chunk_color(i), FULL) for i, r in enumerate(ranks)}
+
+    def frame(delivered: int, caption: str) -> _Frame:
+        columns = {r: [None] * len(messages) for r in ranks}
+        for m, (s, r) in enumerate(messages):
+            rows = _rows_of(_need_values(s.values_in, s, "a sent tensor"), s.shape)
+            latest = m == delivered - 1
+            columns[s.rank][m] = _Block(rows, color[s.rank], f"#{m + 1} \u2192 r{r.rank}",
+                                        style="sent" if latest else "plain")
+            got = (_rows_of(_need_values(r.values_out, r, "a received tensor"), r.shape)
+                   if m < delivered else None)
+            columns[r.rank][m] = _Block(got, color[s.rank], f"#{m + 1} \u2190 r{s.rank}",
+                                        n_rows=len(rows), style="arrived" if latest else "plain")
+        arrows = []
+        if delivered:
+            s, r = messages[delivered - 1]
+            arrows.append((row_of[s.rank], row_of[r.rank], delivered - 1))
+        rows = [(r, columns[r]) for r in ranks]
+        return _Frame(rows, caption, arrows, data=_block_data(rows))
+
+    count = f"{len(messages)} message{'s' if len(messages) != 1 else ''}"
+    frames = [frame(0, f"Before: {count} to send, numbered in the order they were posted; "
+                       f"dashed: receive buffers, still empty.")]
+    for m, (s, r) in enumerate(messages):
+        frames.append(frame(m + 1, f"Message {m + 1}/{len(messages)}: rank {s.rank} sends "
+                                   f"{s.bytes} bytes (shape {tuple(s.shape)}) to rank {r.rank}."))
+    note = ("Colour: the sending rank. Each cell is one row (dim 0) of a tensor. "
+            "Dashed outline: the copy that left; bold: where it arrived.")
+    return frames, f"Point-to-point messages between ranks {ranks}, traced", note
+
+
+_LEFT, _ROW_H, _ROW_GAP, _TOP, _COL_GAP = 78.0, 34.0, 34.0, 20.0, 16.0
+
+
+def _block_width(b: _Block, cell_w: float) -> float:
+    return b.cells() * cell_w if b.cells() else 14.0  # a zero-row split: a thin empty slot
+
+
+def _draw_rows(frame: _Frame, cell_w: float, columns: list[float]) -> str:
+    """One frame: a row per rank, its blocks in shared columns, arrows within a column."""
+    col_x = [_LEFT + sum(columns[:j]) + _COL_GAP * j for j in range(len(columns))]
+    row_y = [_TOP + i * (_ROW_H + _ROW_GAP) for i in range(len(frame.rows))]
+    body = []
+    for i, (rank, blocks) in enumerate(frame.rows):
+        y = row_y[i]
+        body.append(_text(_LEFT - 14, y + _ROW_H / 2 + 5, f"rank {rank}", size=13, anchor="end",
+                          weight="600"))
+        for j, b in enumerate(blocks):
+            if b is None:
+                continue
+            x, w = col_x[j], _block_width(b, cell_w)
+            body.append(_text(x, y - 6, b.label, size=11, anchor="start", fill=MUTED))
+            if b.rows is None or b.cells() == 0:  # an empty receive buffer, or a zero-row split
+                body.append(_rect(x, y, w, _ROW_H, "#fafbfc", LINE, 1.2, dash="4 3", rx=4))
+            else:
+                ink = text_color(b.color)
+                body.append(_rect(x, y, w, _ROW_H, b.color, _darken(b.color, 0.15), 0.8, rx=4))
+                for k, row in enumerate(b.rows):
+                    if k:  # thin separators between the rows of one block
+                        sx = x + k * cell_w
+                        body.append(f'<line x1="{sx:.1f}" y1="{y + 6:.1f}" x2="{sx:.1f}" '
+                                    f'y2="{y + _ROW_H - 6:.1f}" stroke="{ink}" '
+                                    f'stroke-opacity="0.3" stroke-width="1"/>')
+                    body.append(_text(x + (k + 0.5) * cell_w, y + _ROW_H / 2 + 4.5,
+                                      _cell_text(row), mono=True, fill=ink))
+            if b.style != "plain":
+                body.append(_rect(x - 2.5, y - 2.5, w + 5, _ROW_H + 5, "none", INK,
+                                  2.6 if b.style == "arrived" else 1.6,
+                                  dash="5 3" if b.style == "sent" else None, rx=6))
+    for a, b, j in frame.arrows:
+        w = _block_width(frame.rows[a][1][j], cell_w)
+        cx = col_x[j] + w / 2
+        if b > a:  # down: from under the sender to above the receiver's label
+            points = [(cx, row_y[a] + _ROW_H + 4), (cx, row_y[b] - 17)]
+        else:
+            points = [(cx, row_y[a] - 17), (cx, row_y[b] + _ROW_H + 4)]
+        body.append(_arrow(points, INK, 2.0))
+    width = col_x[-1] + columns[-1] + 20
+    height = row_y[-1] + _ROW_H + 8
+    return _svg(width, height, body)
+
+
+__all__ = ["Animation", "animate_ring_all_reduce", "animate_ring", "animate_collective"]

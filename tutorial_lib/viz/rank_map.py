@@ -1,0 +1,742 @@
+"""The rank map: which GPU holds which rank, and who talks to whom.
+
+``rank_map(world_size=16, gpus_per_node=8, tp=2, pp=2, ep=2)`` draws the ranks
+of a parallel layout onto nodes of ``gpus_per_node`` GPUs and colours every GPU
+by the communicator group it belongs to.  Two panels sit side by side: the dense
+kinds (tp, cp, dp, pp, dp_cp, mp, embedding) and the expert kinds (ep,
+expert_tp, expert_dp), because in Megatron's folded layout they are two grids.
+
+The widget has to work in two places:
+
+* live in Jupyter, and
+* in the built HTML book, where no Python kernel runs.
+
+So it is one self-contained HTML fragment whose interactivity is plain inline
+JavaScript.  The JavaScript never does rank arithmetic: Python
+(:mod:`tutorial_lib.grid`, the single source of truth) computes the groups of
+every configuration the knobs can reach, and the page only looks them up.
+
+The embedded data (``RankMap.data``) is shared-table JSON, to stay small:
+
+``group_sets``
+    Distinct group lists, each with Python's node-crossing flag per group.
+``coord_sets``
+    Distinct per-rank coordinate arrays (one value per rank).
+``configs``
+    One entry per valid configuration: its ``describe()`` line, its layout, and
+    indices into the two tables (aligned with ``all_kinds`` and the layout's ``dims``).
+``table``
+    Nested lists indexed by the position of each knob's value (``knobs`` order):
+    a number ``i >= 0`` is ``configs[i]``; ``i < 0`` is ``errors[-1 - i]``, the
+    :class:`~tutorial_lib.config.ConfigError` message Python raised.
+
+:meth:`RankMap.lookup` unpacks an entry exactly as the JavaScript does.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import numbers
+import uuid
+
+from ..config import LAYOUTS, ConfigError
+from ..grid import EXTRA_GROUP_KINDS, GROUP_KINDS, LAYOUT_ORDERS, ProcessGrid, build_grid
+from . import colors
+
+#: Kinds drawn in the dense panel and in the expert panel.
+DENSE_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding")
+EXPERT_KINDS = ("ep", "expert_tp", "expert_dp")
+ALL_KINDS = DENSE_KINDS + EXPERT_KINDS
+assert sorted(ALL_KINDS) == sorted(GROUP_KINDS + EXTRA_GROUP_KINDS)
+
+#: Button labels.
+KIND_LABELS = {
+    "tp": "TP", "cp": "CP", "dp": "DP", "pp": "PP", "dp_cp": "DP\u00d7CP",
+    "mp": "MP (TP\u00d7PP)", "embedding": "Embedding",
+    "ep": "EP", "expert_tp": "Expert TP", "expert_dp": "Expert DP",
+}
+
+#: The knobs of the static page, in the order of the nested lookup ``table``.
+KNOBS = ("layout", "tp", "pp", "ep", "cp", "etp")
+
+#: Knob sizes are the powers of two dividing the world, up to this.
+MAX_KNOB_SIZE = 8
+
+#: Budget for the precomputed data, in (configurations x ranks).  World 16 with
+#: every knob free is 3 * 4**5 * 16 = 49,152; bigger worlds fix knobs instead.
+KNOB_BUDGET = 50_000
+
+#: Knobs fixed at their initial value, in this order, while over budget.
+FREEZE_ORDER = ("etp", "cp", "layout", "pp", "ep", "tp")
+
+
+# --- Python computes everything -------------------------------------------
+
+
+def rank_formula(order: str) -> str:
+    """``"tp-cp-dp-pp"`` -> ``"rank = tp + TP·(cp + CP·(dp + DP·pp))"`` (fastest first)."""
+    dims = order.split("-")
+    expr = dims[-1]
+    for dim in reversed(dims[:-1]):
+        inner = expr if "+" not in expr else f"({expr})"
+        expr = f"{dim} + {dim.upper()}\u00b7{inner}"
+    return f"rank = {expr}"
+
+
+def crossing_flags(groups: list[list[int]], gpus_per_node: int) -> list[bool]:
+    """For each group, whether its ranks sit on more than one node (so it leaves NVLink).
+
+    Ranks fill nodes in order: rank ``r`` is GPU ``r % gpus_per_node`` of node
+    ``r // gpus_per_node``, as a launcher such as torchrun places them.
+    """
+    return [len({r // gpus_per_node for r in group}) > 1 for group in groups]
+
+
+def crossing_summary(kind: str, groups: list[list[int]], crosses: list[bool]) -> str:
+    """One line: how many groups of ``kind`` there are and how many cross nodes."""
+    n, size = len(groups), len(groups[0])
+    label = KIND_LABELS[kind]
+    if size == 1:
+        return f"{label}: {n} groups of 1 rank \u2014 nothing to communicate"
+    head = f"{label}: {n} group{'s' * (n > 1)} of {size} ranks \u2014 "
+    k = sum(crosses)
+    if k == 0:
+        return head + "all inside one node (NVLink)"
+    return head + f"{k} of {n} cross a node boundary (\u21c4 leaves NVLink)"
+
+
+def _layout_info(layout: str) -> dict:
+    """Titles, rank formulas and coordinate names of a layout."""
+    orders = LAYOUT_ORDERS[layout]
+    if len(orders) == 2:  # Megatron's folding: two grids sharing PP
+        dense, expert = orders
+        return {
+            "folded": True,
+            "dense_title": f"Dense grid \u00b7 {dense}",
+            "expert_title": f"Expert grid \u00b7 {expert} (folded: shares PP)",
+            "dense_formula": rank_formula(dense),
+            "expert_formula": rank_formula(expert),
+            "dense_dims": dense.split("-"),
+            "expert_dims": expert.split("-"),
+            # ProcessGrid.coords: the dense grid's, then the expert grid's minus pp
+            "dims": dense.split("-") + [d for d in expert.split("-") if d != "pp"],
+        }
+    (order,) = orders
+    return {
+        "folded": False,
+        "dense_title": f"Dense groups \u00b7 one grid {order}",
+        "expert_title": "Expert groups \u00b7 same grid, same rank positions",
+        "dense_formula": rank_formula(order),
+        "expert_formula": rank_formula(order),
+        "dense_dims": order.split("-"),
+        "expert_dims": [],
+        "dims": order.split("-"),
+    }
+
+
+def _knob_values(world_size: int, initial: dict) -> dict[str, list]:
+    """Each knob's choices: powers of two dividing the world up to MAX_KNOB_SIZE, plus the initial value."""
+    sizes = [s for s in (2 ** i for i in range(MAX_KNOB_SIZE.bit_length())) if world_size % s == 0]
+    values = {"layout": list(LAYOUTS)}
+    for knob in KNOBS[1:]:
+        values[knob] = sorted(set(sizes) | {initial[knob]})
+    return values
+
+
+def _freeze_to_budget(world_size: int, values: dict, initial: dict) -> list[str]:
+    """Fix knobs at their initial value until configurations x ranks fits KNOB_BUDGET."""
+    frozen = []
+    for knob in FREEZE_ORDER:
+        if math.prod(len(v) for v in values.values()) * world_size <= KNOB_BUDGET:
+            break
+        values[knob] = [initial[knob]]
+        frozen.append(knob)
+    return frozen
+
+
+class _Interner:
+    """Stores each distinct value once and hands out its index."""
+
+    def __init__(self):
+        self.items, self._index = [], {}
+
+    def __call__(self, value) -> int:
+        key = json.dumps(value)
+        if key not in self._index:
+            self._index[key] = len(self.items)
+            self.items.append(value)
+        return self._index[key]
+
+
+def build_data(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: int = 2, ep: int = 2,
+               cp: int = 1, etp: int = 1, layout: str = "megatron", kind: str = "tp",
+               knobs: bool = True) -> dict:
+    """Everything the page shows, as JSON-able data (see the module docstring).
+
+    Raises :class:`ConfigError` if the initial configuration is invalid.
+    """
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, numbers.Integral) or gpus_per_node < 1:
+        raise ConfigError("malformed", f"gpus_per_node must be a whole number >= 1, got {gpus_per_node!r}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown group kind {kind!r}; kinds are {', '.join(ALL_KINDS)}")
+    build_grid(world_size, tp, pp, ep, cp, etp, layout)  # invalid initial config: raise now
+
+    initial = {"layout": layout, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "etp": etp}
+    values = {k: [v] for k, v in initial.items()}
+    frozen = []
+    if knobs:
+        values = _knob_values(world_size, initial)
+        frozen = _freeze_to_budget(world_size, values, initial)
+
+    group_sets, coord_sets, errors = _Interner(), _Interner(), _Interner()
+    configs = []
+
+    def entry(combo: dict) -> int:
+        """Index into configs (>= 0) or -1 - index into errors, for one knob setting."""
+        try:
+            grid = build_grid(world_size, combo["tp"], combo["pp"], combo["ep"], combo["cp"],
+                              combo["etp"], combo["layout"])
+        except ConfigError as err:
+            return -1 - errors(str(err))
+        configs.append(_config_entry(grid, gpus_per_node, group_sets, coord_sets))
+        return len(configs) - 1
+
+    def nest(level: int, combo: dict):
+        """The lookup table, one list level per knob."""
+        if level == len(KNOBS):
+            return entry(combo)
+        knob = KNOBS[level]
+        return [nest(level + 1, {**combo, knob: v}) for v in values[knob]]
+
+    table = nest(0, {})
+    first = _walk(table, [values[k].index(initial[k]) for k in KNOBS])
+    side = "expert" if kind in EXPERT_KINDS else "dense"
+    return {
+        "world_size": world_size,
+        "gpus_per_node": gpus_per_node,
+        "num_nodes": math.ceil(world_size / gpus_per_node),
+        "node_of": [r // gpus_per_node for r in range(world_size)],
+        "gpu_of": [r % gpus_per_node for r in range(world_size)],
+        "kinds": {"dense": list(DENSE_KINDS), "expert": list(EXPERT_KINDS)},
+        "all_kinds": list(ALL_KINDS),
+        "kind_labels": KIND_LABELS,
+        "kind_colors": {k: colors.kind_color(k) for k in ALL_KINDS},
+        "kind_text": {k: colors.text_color(colors.kind_color(k)) for k in ALL_KINDS},
+        "palette": list(colors.PALETTE),
+        "palette_text": [colors.text_color(c) for c in colors.PALETTE],
+        "singleton_color": colors.SINGLETON_COLOR,
+        "singleton_text": colors.text_color(colors.SINGLETON_COLOR),
+        "layouts": {name: _layout_info(name) for name in LAYOUTS},
+        "knobs_enabled": knobs,
+        "knobs": [{"name": k, "values": values[k], "frozen": k in frozen or not knobs} for k in KNOBS],
+        "table": table,
+        "configs": configs,
+        "group_sets": group_sets.items,
+        "coord_sets": coord_sets.items,
+        "errors": errors.items,
+        "initial": {
+            "config": first,
+            "knobs": initial,
+            "dense_kind": kind if side == "dense" else "tp",
+            "expert_kind": kind if side == "expert" else "ep",
+        },
+    }
+
+
+def _config_entry(grid: ProcessGrid, gpus_per_node: int, group_sets, coord_sets) -> dict:
+    """One configuration: groups and coordinates as indices into the shared tables."""
+    groups = []
+    for kind in ALL_KINDS:
+        g = grid.groups(kind)
+        groups.append(group_sets({"groups": g, "crosses": [int(x) for x in crossing_flags(g, gpus_per_node)]}))
+    dims = _layout_info(grid.layout)["dims"]
+    all_coords = [grid.coords(r) for r in range(grid.world_size)]
+    coords = [coord_sets([c[d] for c in all_coords]) for d in dims]
+    return {"layout": grid.layout, "describe": grid.describe(), "groups": groups, "coords": coords}
+
+
+def _walk(table, indices):
+    """Follow one index per knob down the nested lookup table."""
+    for i in indices:
+        table = table[i]
+    return table
+
+
+# --- the widget ---------------------------------------------------------------
+
+
+class RankMap:
+    """A rank map ready to display: ``_repr_html_`` is one self-contained HTML fragment."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        # A fresh prefix per instance: ids, classes and styles of two maps never clash.
+        self.prefix = "rm" + uuid.uuid4().hex[:10]
+        self._html = _render(self.data, self.prefix)
+
+    def lookup(self, layout=None, tp=None, pp=None, ep=None, cp=None, etp=None) -> dict:
+        """What the page shows for one knob setting (unset knobs keep their initial value).
+
+        Returns ``{"layout", "describe", "groups": {kind: [[ranks]]}, "crosses": {kind:
+        [bool]}, "coords": {dim: [per rank]}}``, or ``{"error": message}`` for a setting
+        Python rejected.  Raises ``KeyError`` for a setting the knobs do not offer.
+        """
+        asked = {"layout": layout, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "etp": etp}
+        indices = []
+        for knob in self.data["knobs"]:
+            value = asked[knob["name"]]
+            value = self.data["initial"]["knobs"][knob["name"]] if value is None else value
+            if value not in knob["values"]:
+                raise KeyError(f"{knob['name']}={value!r} is not among the knob's values {knob['values']}")
+            indices.append(knob["values"].index(value))
+        found = _walk(self.data["table"], indices)
+        if found < 0:
+            return {"error": self.data["errors"][-1 - found]}
+        return _resolve(self.data, found)
+
+    def to_html(self) -> str:
+        return self._html
+
+    def _repr_html_(self) -> str:
+        return self._html
+
+    def __repr__(self) -> str:
+        config = self.data["configs"][self.data["initial"]["config"]]
+        return f"<RankMap {config['describe']}; {len(self.data['configs'])} precomputed configurations>"
+
+
+def _resolve(data: dict, index: int) -> dict:
+    """Unpack ``data["configs"][index]`` from the shared tables (mirrors ``resolve`` in the JS)."""
+    entry = data["configs"][index]
+    out = {"layout": entry["layout"], "describe": entry["describe"], "groups": {}, "crosses": {}, "coords": {}}
+    for kind, i in zip(data["all_kinds"], entry["groups"]):
+        out["groups"][kind] = data["group_sets"][i]["groups"]
+        out["crosses"][kind] = [bool(x) for x in data["group_sets"][i]["crosses"]]
+    for dim, i in zip(data["layouts"][entry["layout"]]["dims"], entry["coords"]):
+        out["coords"][dim] = data["coord_sets"][i]
+    return out
+
+
+def rank_map(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: int = 2, ep: int = 2,
+             cp: int = 1, etp: int = 1, layout: str = "megatron", kind: str = "tp",
+             knobs: bool = True) -> RankMap:
+    """Draw ranks on nodes x GPUs, coloured by communicator group; see the module docstring.
+
+    ``kind`` is the group kind selected first (its panel's; the other panel starts
+    on tp or ep).  With ``knobs=True`` the page carries <select> knobs for layout,
+    TP, PP, EP, CP and ETP that switch between configurations precomputed here.
+    An invalid configuration raises :class:`~tutorial_lib.config.ConfigError`.
+    """
+    return RankMap(build_data(world_size, gpus_per_node, tp, pp, ep, cp, etp, layout, kind, knobs))
+
+
+def rank_map_explorer(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: int = 2,
+                      ep: int = 2, cp: int = 1, etp: int = 1, layout: str = "megatron"):
+    """Live-kernel version: ipywidgets dropdowns (world size included) that redraw via Python."""
+    import ipywidgets as widgets
+    from IPython.display import HTML, display
+
+    def choices(options, value):  # the starting value is always offered
+        return sorted(set(options) | {value})
+
+    dropdowns = {
+        "world_size": widgets.Dropdown(options=choices([4, 8, 16, 32, 64], world_size), value=world_size,
+                                       description="world"),
+        "gpus_per_node": widgets.Dropdown(options=choices([1, 2, 4, 8], gpus_per_node), value=gpus_per_node,
+                                          description="GPUs/node"),
+        "layout": widgets.Dropdown(options=list(LAYOUTS), value=layout, description="layout"),
+    }
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("etp", etp)):
+        dropdowns[name] = widgets.Dropdown(options=choices([1, 2, 4, 8, 16], value), value=value,
+                                           description=name.upper())
+    for d in dropdowns.values():
+        d.layout.width = "150px"
+        d.style.description_width = "70px"
+    out = widgets.Output()
+
+    def redraw(_change=None):
+        args = {name: d.value for name, d in dropdowns.items()}
+        out.clear_output(wait=True)
+        with out:
+            try:
+                display(rank_map(**args, knobs=False))
+            except ConfigError as err:  # show Python's message, as the static page does
+                display(HTML(f"<pre style='color:#b42318'>{html.escape(str(err))}</pre>"))
+
+    for d in dropdowns.values():
+        d.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([widgets.HBox(list(dropdowns.values())[:3]),
+                         widgets.HBox(list(dropdowns.values())[3:]), out])
+
+
+# --- HTML: Python draws the initial state, the script redraws on every click --------
+
+
+def _paint(groups: list[list[int]], crosses: list[bool]) -> dict[int, tuple]:
+    """rank -> (background, text colour, group index, crosses) for one kind (mirrors ``paint`` in the JS)."""
+    out = {}
+    for i, group in enumerate(groups):
+        bg = colors.group_color(i, len(group))
+        for r in group:
+            out[r] = (bg, colors.text_color(bg), i, crosses[i])
+    return out
+
+
+def _render(data: dict, p: str) -> str:
+    """The HTML fragment: style, header with knobs, two panels, info line, data, script."""
+    start = _resolve(data, data["initial"]["config"])
+    layout = data["layouts"][start["layout"]]
+    parts = [f'<div id="{p}" class="{p}-root tl-rank-map" data-selected-rank="">', f"<style>{_CSS.replace('PFX', p)}</style>"]
+
+    title = (f"Rank map \u00b7 {data['world_size']} ranks on {data['num_nodes']} "
+             f"node{'s' * (data['num_nodes'] > 1)} \u00d7 {data['gpus_per_node']} GPUs")
+    parts.append(f'<div class="{p}-head"><div class="{p}-title">{title}</div>')
+    knobs = []
+    for knob in data["knobs"]:
+        name = knob["name"]
+        chosen = data["initial"]["knobs"][name]
+        options = "".join(
+            f'<option value="{html.escape(str(v))}"{" selected" if v == chosen else ""}>{html.escape(str(v))}</option>'
+            for v in knob["values"]
+        )
+        frozen = ' disabled title="fixed to keep the embedded data small"' if knob["frozen"] else ""
+        label = name if name == "layout" else name.upper()
+        knobs.append(f'<label class="{p}-knob">{label}<select class="{p}-select" data-knob="{name}"{frozen}>'
+                     f"{options}</select></label>")
+    if data["knobs_enabled"]:  # without knobs the describe line below says it all
+        parts.append(f'<div class="{p}-knobs">{"".join(knobs)}</div>')
+    parts.append(f'<div class="{p}-describe">{html.escape(start["describe"])}</div>')
+    parts.append(f'<div class="{p}-error" hidden></div></div>')
+
+    parts.append(f'<div class="{p}-panels">')
+    for side in ("dense", "expert"):
+        kind = data["initial"][f"{side}_kind"]
+        parts.append(_panel_html(data, p, side, kind, start, layout))
+    parts.append("</div>")
+
+    parts.append(f'<div class="{p}-info">Hover a GPU for its coordinates; click it to select its groups '
+                 f"(click again to clear).</div>")
+    parts.append(f'<div class="{p}-legend"><span class="{p}-mark">\u21c4</span> group spans more than one '
+                 f"node: its traffic leaves NVLink for the slower inter-node network.</div>")
+    # JSON inside <script> must not contain "</": escape <, > and & as JSON unicode escapes.
+    payload = json.dumps(data, separators=(",", ":"))
+    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    parts.append(f'<script type="application/json" class="{p}-data">{payload}</script>')
+    parts.append(f"<script>{_JS.replace('PFX', p)}</script>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _panel_html(data: dict, p: str, side: str, kind: str, start: dict, layout: dict) -> str:
+    """One panel: title, formula, kind buttons, nodes of GPU cells, crossing summary."""
+    buttons = []
+    for k in data["kinds"][side]:
+        active = k == kind
+        style = (f' style="background:{data["kind_colors"][k]};color:{data["kind_text"][k]};'
+                 f'border-color:{data["kind_colors"][k]}"' if active else "")
+        buttons.append(
+            f'<button type="button" class="{p}-kind{f" {p}-active" if active else ""}" data-kind="{k}" '
+            f'aria-pressed="{str(active).lower()}"{style}><span class="{p}-swatch" '
+            f'style="background:{data["kind_colors"][k]}"></span>{html.escape(KIND_LABELS[k])}</button>'
+        )
+    paint = _paint(start["groups"][kind], start["crosses"][kind])
+    gpn = data["gpus_per_node"]
+    # Eight GPUs as 2 x 4, as on a DGX board; small nodes in one row.
+    cols = gpn if gpn <= 4 else min(8, math.ceil(gpn / 2))
+    nodes = []
+    for node in range(data["num_nodes"]):
+        cells = []
+        for r in range(node * gpn, min((node + 1) * gpn, data["world_size"])):
+            bg, fg, group, crosses = paint[r]
+            cross = f" {p}-crosses" if crosses else ""
+            cells.append(
+                f'<div class="{p}-cell tl-gpu{cross}" data-rank="{r}" data-group="{group}" role="button" tabindex="0" '
+                f'aria-label="rank {r}" style="background:{bg};color:{fg}">{r}'
+                f'<span class="{p}-badge" title="group crosses nodes">\u21c4</span></div>'
+            )
+        nodes.append(f'<div class="{p}-node"><div class="{p}-node-label">node {node}</div>'
+                     f'<div class="{p}-gpus" style="grid-template-columns:repeat({cols},36px)">'
+                     f'{"".join(cells)}</div></div>')
+    summary = crossing_summary(kind, start["groups"][kind], start["crosses"][kind])
+    return (
+        f'<section class="{p}-panel" data-side="{side}">'
+        f'<div class="{p}-panel-title">{html.escape(layout[f"{side}_title"])}</div>'
+        f'<div class="{p}-formula">{html.escape(layout[f"{side}_formula"])}</div>'
+        f'<div class="{p}-kinds">{"".join(buttons)}</div>'
+        f'<div class="{p}-nodes">{"".join(nodes)}</div>'
+        f'<div class="{p}-summary">{html.escape(summary)}</div>'
+        f'<div class="{p}-chips"></div>'
+        f'<div class="{p}-selection"></div>'
+        f"</section>"
+    )
+
+
+# Every selector starts with the instance's root id (#PFX), so styles stay inside one map.
+_CSS = """
+#PFX{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;font-size:13px;
+ line-height:1.35;color:#1b1f24;background:#fff;border:1px solid #d0d7de;border-radius:8px;
+ padding:12px 14px;margin:6px 0;max-width:100%;box-sizing:border-box}
+#PFX *{box-sizing:border-box}
+#PFX .PFX-title{font-weight:600;font-size:14px;margin-bottom:6px}
+#PFX .PFX-knobs{display:flex;flex-wrap:wrap;gap:6px 12px;margin-bottom:6px}
+#PFX .PFX-knob{display:flex;align-items:center;gap:4px;font-size:11px;color:#57606a;font-weight:600}
+#PFX .PFX-select{font:inherit;font-size:12px;font-weight:400;color:#1b1f24;background:#fff;
+ border:1px solid #d0d7de;border-radius:4px;padding:1px 4px}
+#PFX .PFX-select:disabled{color:#8c959f;background:#f6f8fa}
+#PFX .PFX-describe,#PFX .PFX-formula{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:11.5px}
+#PFX .PFX-describe{background:#f6f8fa;border-radius:4px;padding:3px 8px;color:#24292f;overflow-wrap:anywhere}
+#PFX .PFX-error{margin-top:6px;padding:4px 8px;border-radius:4px;background:#fef3f2;color:#b42318;
+ border:1px solid #fecdca;font-size:12px}
+#PFX .PFX-error[hidden]{display:none}
+#PFX[data-invalid="1"] .PFX-panels,#PFX[data-invalid="1"] .PFX-describe{opacity:.3;pointer-events:none}
+#PFX .PFX-panels{display:flex;flex-wrap:wrap;gap:12px;margin-top:10px}
+#PFX .PFX-panel{flex:1 1 330px;min-width:0;border:1px solid #e1e4e8;border-radius:6px;padding:8px 10px}
+#PFX .PFX-panel-title{font-weight:600}
+#PFX .PFX-formula{color:#57606a;margin:2px 0 6px}
+#PFX .PFX-kinds{display:flex;flex-wrap:wrap;gap:4px;margin-bottom:8px}
+#PFX .PFX-kind{font:inherit;font-size:11.5px;line-height:1.2;cursor:pointer;color:#24292f;background:#fff;
+ border:1px solid #d0d7de;border-radius:11px;padding:2px 8px;margin:0;display:inline-flex;align-items:center;gap:4px}
+#PFX .PFX-kind:hover{border-color:#8c959f}
+#PFX .PFX-swatch{width:8px;height:8px;border-radius:50%;display:inline-block}
+#PFX .PFX-active .PFX-swatch{display:none}
+#PFX .PFX-nodes{display:flex;flex-wrap:wrap;gap:8px}
+#PFX .PFX-node{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:3px 6px 6px}
+#PFX .PFX-node-label{font-size:10px;text-transform:uppercase;letter-spacing:.04em;color:#57606a;margin-bottom:3px}
+#PFX .PFX-gpus{display:grid;gap:4px}
+#PFX .PFX-cell{position:relative;width:36px;height:36px;border-radius:5px;display:flex;align-items:center;
+ justify-content:center;font-weight:600;font-size:13px;cursor:pointer;user-select:none;
+ border:1px solid rgba(27,31,36,.15);transition:opacity .12s}
+#PFX .PFX-cell:focus-visible{outline:2px solid #0969da;outline-offset:1px}
+#PFX .PFX-badge{display:none;position:absolute;top:0;right:2px;font-size:9px;font-weight:700;opacity:.85}
+#PFX .PFX-crosses .PFX-badge{display:block}
+#PFX .PFX-dim{opacity:.2}
+#PFX .PFX-selected{box-shadow:0 0 0 2px #1b1f24}
+#PFX .PFX-hover{outline:2px solid #0969da;outline-offset:1px}
+#PFX .PFX-summary{margin-top:8px;font-size:12px}
+#PFX .PFX-chips{display:flex;flex-wrap:wrap;gap:3px;margin-top:4px}
+#PFX .PFX-chip{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:10.5px;
+ border-radius:9px;padding:0 6px;cursor:pointer;border:1px solid rgba(27,31,36,.15)}
+#PFX .PFX-chip.PFX-dim{opacity:.3}
+#PFX .PFX-selection{margin-top:4px;font-size:12px;min-height:1.35em}
+#PFX .PFX-info{margin-top:10px;padding-top:6px;border-top:1px solid #e1e4e8;font-size:12px;color:#24292f;
+ min-height:1.35em}
+#PFX .PFX-legend{font-size:11px;color:#57606a;margin-top:2px}
+#PFX .PFX-mark{font-weight:700}
+"""
+
+# The script looks things up and recolours; it never computes a rank, a group or a coordinate.
+_JS = r"""
+(function () {
+  "use strict";
+  var P = "PFX";
+  var script = document.currentScript;
+  function cls(name) { return P + "-" + name; }
+
+  // Find the root (the script's parent; by id as a fallback), retrying while the
+  // notebook front end has not attached the output to the page yet.
+  function boot(tries) {
+    var root = script && script.parentNode && script.parentNode.id === P ? script.parentNode : document.getElementById(P);
+    if (!root) { if (tries < 50) { setTimeout(function () { boot(tries + 1); }, 100); } return; }
+    if (root.getAttribute("data-ready") === "1") { return; }
+    root.setAttribute("data-ready", "1");
+    start(root);
+  }
+
+  function start(root) {
+    var data = JSON.parse(root.querySelector("." + cls("data")).textContent);
+    function one(name, scope) { return (scope || root).querySelector("." + cls(name)); }
+    function all(name, scope) { return Array.prototype.slice.call((scope || root).querySelectorAll("." + cls(name))); }
+    var state = {config: data.initial.config, rank: null, hover: null,
+                 kinds: {dense: data.initial.dense_kind, expert: data.initial.expert_kind}};
+
+    // Unpack one precomputed configuration from the shared tables (mirrors _resolve in Python).
+    function resolve(index) {
+      var entry = data.configs[index];
+      var out = {layout: entry.layout, describe: entry.describe, groups: {}, crosses: {}, coords: {}};
+      data.all_kinds.forEach(function (kind, i) {
+        out.groups[kind] = data.group_sets[entry.groups[i]].groups;
+        out.crosses[kind] = data.group_sets[entry.groups[i]].crosses;
+      });
+      data.layouts[entry.layout].dims.forEach(function (dim, i) { out.coords[dim] = data.coord_sets[entry.coords[i]]; });
+      return out;
+    }
+
+    // rank -> {group index, colours}, read off Python's group lists (mirrors _paint).
+    function paint(groups) {
+      var out = {};
+      groups.forEach(function (group, i) {
+        var single = group.length < 2, c = i % data.palette.length;
+        group.forEach(function (r) {
+          out[r] = {group: i, bg: single ? data.singleton_color : data.palette[c],
+                    fg: single ? data.singleton_text : data.palette_text[c]};
+        });
+      });
+      return out;
+    }
+
+    function summary(kind, groups, crosses) {  // mirrors crossing_summary in Python
+      var n = groups.length, size = groups[0].length, label = data.kind_labels[kind];
+      if (size === 1) { return label + ": " + n + " groups of 1 rank \u2014 nothing to communicate"; }
+      var head = label + ": " + n + " group" + (n > 1 ? "s" : "") + " of " + size + " ranks \u2014 ";
+      var k = crosses.filter(function (x) { return x; }).length;
+      if (k === 0) { return head + "all inside one node (NVLink)"; }
+      return head + k + " of " + n + " cross a node boundary (\u21c4 leaves NVLink)";
+    }
+
+    function nodesOf(group) {
+      var seen = [];
+      group.forEach(function (r) { var n = data.node_of[r]; if (seen.indexOf(n) < 0) { seen.push(n); } });
+      return seen;
+    }
+
+    function renderPanel(panel, cfg) {
+      var side = panel.getAttribute("data-side"), kind = state.kinds[side];
+      var groups = cfg.groups[kind], crosses = cfg.crosses[kind], colours = paint(groups);
+      var chosen = state.rank === null ? -1 : colours[state.rank].group;
+      var layout = data.layouts[cfg.layout];
+      one("panel-title", panel).textContent = layout[side + "_title"];
+      one("formula", panel).textContent = layout[side + "_formula"];
+      all("kind", panel).forEach(function (b) {
+        var k = b.getAttribute("data-kind"), on = k === kind;
+        b.classList.toggle(cls("active"), on);
+        b.setAttribute("aria-pressed", on ? "true" : "false");
+        b.style.background = on ? data.kind_colors[k] : "";
+        b.style.color = on ? data.kind_text[k] : "";
+        b.style.borderColor = on ? data.kind_colors[k] : "";
+      });
+      all("cell", panel).forEach(function (cell) {
+        var r = Number(cell.getAttribute("data-rank")), c = colours[r];
+        cell.style.background = c.bg;
+        cell.style.color = c.fg;
+        cell.setAttribute("data-group", c.group);
+        cell.classList.toggle(cls("crosses"), !!crosses[c.group]);
+        cell.classList.toggle(cls("selected"), c.group === chosen);
+        cell.classList.toggle("selected", c.group === chosen);  // plain hook for tests
+        cell.classList.toggle(cls("dim"), chosen >= 0 && c.group !== chosen);
+        cell.classList.toggle(cls("hover"), r === state.hover);
+      });
+      one("summary", panel).textContent = summary(kind, groups, crosses);
+      renderChips(one("chips", panel), groups, crosses, chosen, colours);
+      var line = "";
+      if (chosen >= 0) {
+        var group = groups[chosen], nodes = nodesOf(group);
+        line = "Rank " + state.rank + "\u2019s " + data.kind_labels[kind] + " group (#" + chosen + " of " +
+               groups.length + "): [" + group.join(", ") + "] \u2014 " +
+               (nodes.length > 1 ? "crosses nodes " + nodes.join(", ") + " \u21c4" : "inside node " + nodes[0]);
+      }
+      one("selection", panel).textContent = line;
+    }
+
+    // The group lists as clickable chips; singletons are summarised instead.
+    function renderChips(box, groups, crosses, chosen, colours) {
+      box.textContent = "";
+      if (groups[0].length < 2) { return; }
+      groups.forEach(function (group, i) {
+        var chip = document.createElement("span"), c = colours[group[0]];
+        chip.className = cls("chip") + (chosen >= 0 && i !== chosen ? " " + cls("dim") : "");
+        chip.style.background = c.bg;
+        chip.style.color = c.fg;
+        chip.setAttribute("data-rank", group[0]);
+        chip.textContent = (crosses[i] ? "\u21c4 " : "") + "[" + group.join(" ") + "]";
+        box.appendChild(chip);
+      });
+    }
+
+    function hoverText(cfg, r) {
+      var layout = data.layouts[cfg.layout];
+      function coords(dims) { return dims.map(function (d) { return d + "=" + cfg.coords[d][r]; }).join(" "); }
+      var text = "Rank " + r + " \u00b7 node " + data.node_of[r] + ", GPU " + data.gpu_of[r] + " \u00b7 ";
+      if (layout.folded) {
+        return text + "dense " + coords(layout.dense_dims) + " \u00b7 expert " + coords(layout.expert_dims);
+      }
+      return text + "grid " + coords(layout.dense_dims);
+    }
+
+    function render() {
+      var cfg = resolve(state.config);
+      one("describe").textContent = cfg.describe;
+      all("panel").forEach(function (panel) { renderPanel(panel, cfg); });
+      root.setAttribute("data-selected-rank", state.rank === null ? "" : String(state.rank));
+      var info = one("info");
+      if (state.hover !== null) { info.textContent = hoverText(cfg, state.hover); }
+      else if (state.rank !== null) { info.textContent = hoverText(cfg, state.rank) + "  (selected)"; }
+      else { info.textContent = "Hover a GPU for its coordinates; click it to select its groups (click again to clear)."; }
+    }
+
+    // --- knobs: walk the nested table with each <select>'s chosen position ---
+    var selects = data.knobs.map(function (knob) {
+      return root.querySelector("select[data-knob='" + knob.name + "']");
+    });
+    function lookup(positions) {
+      var node = data.table;
+      positions.forEach(function (i) { node = node[i]; });
+      return node;
+    }
+    function positions() { return selects.map(function (s) { return s.selectedIndex; }); }
+    function markOptions() {  // a cross on each choice that Python rejects given the other knobs
+      selects.forEach(function (select, k) {
+        Array.prototype.forEach.call(select.options, function (option, i) {
+          var at = positions(); at[k] = i;
+          var bad = lookup(at) < 0, value = String(data.knobs[k].values[i]);
+          option.textContent = bad ? value + " \u2717" : value;
+        });
+      });
+    }
+    function onKnob() {
+      var found = lookup(positions()), error = one("error");
+      if (found < 0) {
+        error.textContent = data.errors[-1 - found];
+        error.hidden = false;
+        root.setAttribute("data-invalid", "1");
+      } else {
+        error.hidden = true;
+        root.removeAttribute("data-invalid");
+        state.config = found;
+        render();
+      }
+      markOptions();
+    }
+    if (data.knobs_enabled) { selects.forEach(function (s) { s.addEventListener("change", onKnob); }); }
+
+    // --- mouse and keyboard ---
+    function rankOf(target, name) {
+      var hit = target.closest ? target.closest("." + cls(name)) : null;
+      return hit && root.contains(hit) ? Number(hit.getAttribute("data-rank")) : null;
+    }
+    root.addEventListener("click", function (event) {
+      var button = event.target.closest ? event.target.closest("." + cls("kind")) : null;
+      if (button) {
+        state.kinds[button.closest("." + cls("panel")).getAttribute("data-side")] = button.getAttribute("data-kind");
+        render();
+        return;
+      }
+      var r = rankOf(event.target, "cell");
+      if (r === null) { r = rankOf(event.target, "chip"); }
+      if (r === null) { return; }
+      state.rank = state.rank === r ? null : r;
+      render();
+    });
+    root.addEventListener("keydown", function (event) {
+      if ((event.key === "Enter" || event.key === " ") && rankOf(event.target, "cell") !== null) {
+        event.preventDefault();
+        event.target.click();
+      } else if (event.key === "Escape") {
+        state.rank = null;
+        render();
+      }
+    });
+    root.addEventListener("mouseover", function (event) {
+      var r = rankOf(event.target, "cell");
+      if (r !== state.hover) { state.hover = r; render(); }
+    });
+    root.addEventListener("mouseleave", function () { state.hover = null; render(); });
+
+    if (data.knobs_enabled) { markOptions(); }
+    render();
+  }
+
+  boot(0);
+})();
+"""
