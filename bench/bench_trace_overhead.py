@@ -14,9 +14,6 @@ Each variant runs an all-reduce loop on gloo ranks, for three workloads:
 ``raw dist.all_reduce``         ``torch.distributed.all_reduce`` directly
 ``comm, trace on``              the library wrapper, events recorded (``launch(trace=True)``)
 ``comm, trace off``             the library wrapper with ``launch(trace=False)``
-``comm, trace on, no status``   trace on, but without the launcher's status board
-                                (the file each op writes so a deadlock report can say
-                                where every rank was blocked): it shows what that costs
 
 Each rank times its loop between two barriers; a variant's time is the
 slowest rank's, divided by the iterations.  The variants take turns for
@@ -34,21 +31,18 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _table import print_table  # noqa: E402
 
-VARIANTS = [  # (name, which all-reduce, launch(trace=...), keep the status board)
-    ("raw dist.all_reduce", "raw", False, True),
-    ("comm, trace on", "comm", True, True),
-    ("comm, trace off", "comm", False, True),
-    ("comm, trace on, no status", "comm", True, False),
+VARIANTS = [  # (name, which all-reduce, launch(trace=...))
+    ("raw dist.all_reduce", "raw", False),
+    ("comm, trace on", "comm", True),
+    ("comm, trace off", "comm", False),
 ]
 
 
-def _loop(ctx, how: str, numel: int, iterations: int, status_board: bool) -> float:
+def _loop(ctx, how: str, numel: int, iterations: int) -> float:
     """Seconds this rank spent in ``iterations`` all-reduces (after one untimed warm-up)."""
     import torch
     import torch.distributed as dist
     from tutorial_lib import comm
-    if not status_board:
-        ctx.tracer.on_pending = None  # the launcher's deadlock-report hook, called twice per op
     t = torch.zeros(numel)  # zeros: repeated sums stay finite
     op = dist.all_reduce if how == "raw" else comm.all_reduce
     op(t)
@@ -77,8 +71,8 @@ def main() -> None:
     for world, label, numel, iterations in workloads:
         per_op = {v[0]: [] for v in VARIANTS}
         for _ in range(args.rounds):
-            for name, how, trace, status_board in VARIANTS:
-                result = launch(_loop, world, args=(how, numel, iterations, status_board),
+            for name, how, trace in VARIANTS:
+                result = launch(_loop, world, args=(how, numel, iterations),
                                 trace=trace, print_output=False, timeout=300)
                 per_op[name].append(max(result.results) / iterations)
                 if trace and how == "comm":  # the trace really holds every op (+ the warm-up)

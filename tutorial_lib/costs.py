@@ -406,9 +406,6 @@ def _measure_worker(ctx, ops: Sequence[str], sizes: Sequence[int], repeats: int,
                     warmup: int) -> None:
     """Runs in every rank: each op on each size, ``warmup + repeats`` times, barrier first."""
     import torch.distributed as dist
-    # The launcher's status board writes a file when an op starts (for deadlock reports):
-    # that write falls inside the timed interval and would be measured as latency.
-    ctx.tracer.on_pending = None
     for op in ops:
         for size in sizes:
             tensors = _make_tensors(op, size, ctx.world_size)

@@ -105,8 +105,9 @@ class RankGrid:
     def groups(self, *varying: str) -> list[list[int]]:
         """Ranks sharing every coordinate except ``varying``, one list per group.
 
-        Groups are listed in the order of their smallest rank; inside a group the
-        ranks are ordered by the varying coordinates, first-named fastest.
+        Groups are listed in the order of their smallest rank, and each group's
+        ranks ascend: the order ``torch.distributed.new_group`` gives its members,
+        so a rank's index here is its rank inside the live group.
         """
         fixed = [d for d in self.order if d not in varying]
         out = []
@@ -115,7 +116,7 @@ class RankGrid:
             members = []
             for var_values in product(*(range(self.size(d)) for d in reversed(varying))):
                 members.append(self.rank(**base, **dict(zip(reversed(varying), var_values))))
-            out.append(members)
+            out.append(sorted(members))
         return sorted(out, key=min)
 
 

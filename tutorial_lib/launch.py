@@ -137,9 +137,7 @@ def default_backend(world_size: int) -> str:
 # --- the worker side ------------------------------------------------------------------
 
 
-def _describe_pending(event: TraceEvent | None, now: float) -> str:
-    if event is None:
-        return ""
+def _describe_pending(event: TraceEvent) -> str:
     parts = [f"{event.op}"]
     if event.peer is not None:
         parts.append(("to" if event.op == "send" else "from") + f" rank {event.peer}")
@@ -147,22 +145,22 @@ def _describe_pending(event: TraceEvent | None, now: float) -> str:
     parts.append(f"shape {tuple(event.shape)} {event.dtype}")
     if event.tags:
         parts.append(f"tags {event.tags}")
-    parts.append(f"(blocked for {now - event.t_start:.1f} s)")
     return " ".join(parts)
 
 
-class _StatusBoard:
-    """A small file each worker overwrites with the op it is blocked in."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __call__(self, event: TraceEvent | None) -> None:
-        text = "" if event is None else f"{event.t_start!r}\n" + _describe_pending(event, event.t_start)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, self.path)
+def _write_status(run_dir: str, rank: int, tracer: Tracer) -> None:
+    """Write what this rank is blocked in, for the launcher's deadlock report."""
+    event = tracer.pending
+    if event is not None:
+        text = f"{event.t_start!r}\nwaiting in {_describe_pending(event)}"
+    elif tracer.finished:
+        text = f"{time.time()!r}\nfinished its function; waiting for the other ranks to finish theirs"
+    else:
+        text = ""
+    tmp = os.path.join(run_dir, f"status.{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(run_dir, f"status.{rank}"))
 
 
 def _forward_fd(fd: int, stream: str, rank: int, out_queue) -> threading.Thread:
@@ -181,19 +179,32 @@ def _forward_fd(fd: int, stream: str, rank: int, out_queue) -> threading.Thread:
     return thread
 
 
-def _watch_launcher(launcher_pid: int) -> None:
-    """Exit if the launching process dies, so no worker outlives it."""
+def _watch(launcher_pid: int, run_dir: str, rank: int) -> None:
+    """The worker's watchdog thread: exit if the launcher dies; answer report requests.
+
+    It runs while the main thread is blocked inside a collective (torch releases
+    the GIL there), so it can read the op the main thread is stuck in.
+    """
+    request = os.path.join(run_dir, "report.request")
+    answered = False
     while True:
-        time.sleep(0.5)
+        time.sleep(_WATCH_INTERVAL)
         try:
             os.kill(launcher_pid, 0)
         except ProcessLookupError:
             os._exit(3)
+        if not answered and os.path.exists(request):
+            from .trace import get_tracer
+            _write_status(run_dir, rank, get_tracer())
+            answered = True
+
+
+_WATCH_INTERVAL = 0.1  # seconds between the watchdog's checks
 
 
 def _worker_main(rank, world_size, backend, init_method, payload, out_queue, run_dir,
                  launcher_pid, options) -> None:
-    threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
+    threading.Thread(target=_watch, args=(launcher_pid, run_dir, rank), daemon=True).start()
     pumps = [_forward_fd(1, "stdout", rank, out_queue), _forward_fd(2, "stderr", rank, out_queue)]
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
@@ -206,7 +217,6 @@ def _worker_main(rank, world_size, backend, init_method, payload, out_queue, run
         torch.set_num_threads(options["threads"])
         tracer = set_tracer(Tracer(rank, enabled=options["trace"],
                                    capture_values=options["capture_values"]))
-        tracer.on_pending = _StatusBoard(os.path.join(run_dir, f"status.{rank}"))
         device = "cpu"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -218,6 +228,11 @@ def _worker_main(rank, world_size, backend, init_method, payload, out_queue, run
         ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
                             local_rank=rank)
         result = fn(ctx, *args, **kwargs)
+        if dist.is_initialized():
+            tracer.finished = True
+            # Leave together: a rank that exits while a peer still reads from it
+            # would break that peer's last op ("Connection reset by peer").
+            dist.barrier()
         message = ("ok", rank, cloudpickle.dumps(result), [e.to_dict() for e in tracer.events])
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
         status = "error"
@@ -311,13 +326,14 @@ def _clean_stack(text: str) -> str:
 
 
 def _deadlock_report(processes, run_dir: str, finished: set[int]) -> dict[int, str]:
+    open(os.path.join(run_dir, "report.request"), "w").close()  # the watchdogs answer this
     for rank, p in enumerate(processes):
         if rank not in finished and p.is_alive():
             try:
                 os.kill(p.pid, signal.SIGUSR1)  # faulthandler dumps the stack, even mid-C call
             except ProcessLookupError:
                 pass
-    time.sleep(0.3)
+    time.sleep(3 * _WATCH_INTERVAL + 0.2)
     now = time.time()
     report = {}
     for rank, p in enumerate(processes):
@@ -329,8 +345,8 @@ def _deadlock_report(processes, run_dir: str, finished: set[int]) -> dict[int, s
             with open(os.path.join(run_dir, f"status.{rank}")) as f:
                 raw = f.read()
             if raw:
-                t_start, text = raw.split("\n", 1)
-                status_text = text.rsplit("(blocked", 1)[0] + f"(blocked for {now - float(t_start):.1f} s)"
+                since, text = raw.split("\n", 1)
+                status_text = f"{text} (for {now - float(since):.1f} s)"
         except FileNotFoundError:
             pass
         stack = ""
@@ -339,7 +355,7 @@ def _deadlock_report(processes, run_dir: str, finished: set[int]) -> dict[int, s
                 stack = _clean_stack(f.read())
         except FileNotFoundError:
             pass
-        waiting = f"waiting in {status_text}" if status_text else "not inside a traced op"
+        waiting = status_text or "running, not inside a traced op"
         report[rank] = f"{waiting}; stack: {stack}" if stack else waiting
     return report
 

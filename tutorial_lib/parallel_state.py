@@ -60,6 +60,9 @@ def initialize_model_parallel(config: ParallelConfig, layout: str = "megatron",
                 state.ranks[kind] = list(ranks)
     state.groups["world"] = dist.group.WORLD
     state.ranks["world"] = list(range(dist.get_world_size()))
+    # new_group does not wait for its members: without this barrier a rank could
+    # finish and exit while a peer is still connecting to it ("Connection closed by peer").
+    dist.barrier()
     _STATE = state
     return state
 

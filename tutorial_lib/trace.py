@@ -72,8 +72,8 @@ class Tracer:
         self._tags: dict[str, Any] = {}
         self.pending: TraceEvent | None = None
         """The op this rank is blocked in right now, if any (read by the deadlock report)."""
-        self.on_pending = None
-        """Optional callback(event or None) called when an op starts and ends."""
+        self.finished = False
+        """Set by the launcher once the rank's function has returned."""
 
     @contextmanager
     def tags(self, **tags: Any) -> Iterator[None]:
@@ -121,9 +121,9 @@ class Tracer:
             self._set_pending(None)
 
     def _set_pending(self, event: TraceEvent | None) -> None:
+        # A plain assignment: this runs twice per op, so it must cost nothing.
+        # The launcher's watchdog thread reads it only when a deadlock report is due.
         self.pending = event
-        if self.on_pending is not None:
-            self.on_pending(event)
 
     @contextmanager
     def span(self, name: str, **tags: Any) -> Iterator[TraceEvent]:

@@ -34,16 +34,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "build_book.sh"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 # The one error every Jupyter Book 1.0.4 page raises: sphinx-thebe's script declares
 # `const THEBE_JS_URL` twice ("Identifier 'THEBE_JS_URL' has already been declared").
@@ -177,23 +167,6 @@ def book_server(book_html):
 
 
 # --- the browser --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def chromium_browser():
-    """Debian's chromium, headless, launched once per session."""
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: run `bash scripts/install_browser.sh` "
-                    "(installs Debian's chromium; the browser tests never download one)",
-                    pytrace=False)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 class BookPage:

@@ -78,8 +78,8 @@ def test_a_deadlock_ends_after_the_timeout_with_a_report(no_leftover_workers):
         launch(_mismatched_receives, 3, timeout=2)
     assert 2 <= time.time() - t0 < 15
     report = info.value.report
-    assert report[2] == "finished"
-    assert report[0].startswith("waiting in recv from rank 1 on world group [0, 1, 2] shape (3,) float32")
+    assert report[2].startswith("finished its function; waiting for the other ranks")
+    assert report[0].startswith("waiting in recv from rank 1 on world group [0, 1, 2] shape (3,) float32 (for ")
     assert "_mismatched_receives" in report[0]  # the stack names the user's function
     assert report[1].startswith("waiting in recv from rank 0")
     assert "deadlock" in str(info.value)

@@ -18,7 +18,10 @@ def _report_groups(ctx, config, layout):
     live, sums = {}, {}
     for kind in KINDS:
         try:
-            live[kind] = dist.get_process_group_ranks(parallel_state.get_group(kind))
+            group = parallel_state.get_group(kind)
+            live[kind] = dist.get_process_group_ranks(group)
+            # The library's index of this rank must be the live group's own rank.
+            assert parallel_state.get_rank_in(kind) == dist.get_rank(group=group), kind
         except ValueError as err:  # a middle pipeline stage has no embedding group
             live[kind] = str(err)
     # Closed-form check that each live group really connects its members: the sum of
@@ -40,6 +43,7 @@ def _report_groups(ctx, config, layout):
     (8, 2, 1, 2, 2, "visualizer"),
     (6, 1, 3, 2, 1, "course"),
     (4, 2, 1, 1, 2, "megatron"),
+    (16, 2, 1, 2, 2, "course"),  # expert_dp mixes tp and cp: members must come out sorted
 ])
 def test_live_groups_equal_the_grid(world, tp, pp, ep, cp, layout):
     config = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

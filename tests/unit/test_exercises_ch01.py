@@ -2,15 +2,15 @@
 the checkers name the classic mistakes."""
 from __future__ import annotations
 
-from pathlib import Path
 
-import nbformat
 import pytest
 
 from tutorial_lib.exercises import ch01
 from tutorial_lib.exercises.ch01 import check_data_parallel_group, check_rank_to_coords
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "01_communicator_groups.ipynb"
+from ..notebook_cells import NOTEBOOKS, exercise_tests
+
+NOTEBOOK = NOTEBOOKS / "01_communicator_groups.ipynb"
 
 #: The exercises in notebook order: (function the stub defines, its checker, solution name).
 EXERCISES = [
@@ -19,59 +19,10 @@ EXERCISES = [
 ]
 
 
-def tagged_cells(tag: str) -> list[str]:
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    return [c.source for c in notebook.cells
-            if c.cell_type == "code" and tag in c.metadata.get("tags", [])]
-
-
-def run_cell(source: str) -> dict:
-    namespace = {"check_rank_to_coords": check_rank_to_coords,
-                 "check_data_parallel_group": check_data_parallel_group}
-    exec(compile(source, str(NOTEBOOK), "exec"), namespace)
-    return namespace
-
-
-def test_notebook_has_the_three_cells_of_each_exercise():
-    stubs, checks = tagged_cells("exercise-stub"), tagged_cells("exercise-check")
-    solutions = tagged_cells("solution")
-    assert len(stubs) == len(checks) == len(solutions) == len(EXERCISES)
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    for cell in notebook.cells:
-        tags = cell.metadata.get("tags", [])
-        if "solution" in tags:
-            assert "hide-cell" in tags, "solutions must be folded away in the built book"
-    for (name, checker, solution), stub, check in zip(EXERCISES, stubs, checks):
-        assert f"def {name}(" in stub
-        assert "raise NotImplementedError" in stub
-        assert check.strip() == f"{checker.__name__}({name})"
-
-
-def test_notebook_is_saved_without_outputs():
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    assert notebook.cells[0].source.startswith("# 1. Communicator groups and rank mapping")
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None
-
-
-@pytest.mark.parametrize("index", range(len(EXERCISES)))
-def test_stub_fails_with_the_stub_hint(index):
-    name, checker, _ = EXERCISES[index]
-    stub = run_cell(tagged_cells("exercise-stub")[index])[name]
-    result = checker(stub)  # must not raise
-    assert not result.passed
-    assert "NotImplementedError" in result.hint
-    assert "Hint:" in str(result) and "NotImplementedError" in result._repr_html_()
-
-
-@pytest.mark.parametrize("index", range(len(EXERCISES)))
-def test_solution_cell_passes(index):
-    name, checker, solution = EXERCISES[index]
-    namespace = run_cell(tagged_cells("solution")[index])  # ends in `assert checker(...)`
-    result = checker(namespace[solution])
-    assert result.passed, str(result)
-    assert len(result.cases) >= 7 and "PASS" in str(result)
+(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
+ test_solution_cell_passes) = exercise_tests(
+    NOTEBOOK, EXERCISES, {"check_rank_to_coords": check_rank_to_coords,
+                          "check_data_parallel_group": check_data_parallel_group}, min_cases=7)
 
 
 # --- exercise 1.1: the checker recognises the classic mistakes --------------------------

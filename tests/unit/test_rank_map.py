@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from itertools import product
 
 import pytest
@@ -16,7 +15,6 @@ from tutorial_lib.viz.rank_map import (
 )
 
 KINDS = GROUP_KINDS + EXTRA_GROUP_KINDS
-CHROMIUM = shutil.which("chromium")
 
 
 def json_size(m: RankMap) -> int:
@@ -209,68 +207,62 @@ def test_kind_colors_cover_every_kind():
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed")
-def test_javascript_in_chromium(tmp_path):
-    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+def test_javascript_in_chromium(tmp_path, chromium_browser):
     a = rank_map(16, 8, tp=2, pp=2, ep=2)
     b = rank_map(16, 8, tp=2, pp=2, ep=2, layout="course")
     page_file = tmp_path / "page.html"
     page_file.write_text(f"<!doctype html><meta charset='utf-8'><body>{a.to_html()}{b.to_html()}</body>",
                          encoding="utf-8")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
-        try:
-            page = browser.new_page()
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(page_file.as_uri())
-            root, other = page.locator(f"#{a.prefix}"), page.locator(f"#{b.prefix}")
-            assert root.get_attribute("data-ready") == "1" and other.get_attribute("data-ready") == "1"
+    page = chromium_browser.new_page()
+    try:
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_file.as_uri())
+        root, other = page.locator(f"#{a.prefix}"), page.locator(f"#{b.prefix}")
+        assert root.get_attribute("data-ready") == "1" and other.get_attribute("data-ready") == "1"
 
-            # the script's first paint agrees with Python's: cell colour = its TP group's colour
-            painted = page.locator(f"#{a.prefix} [data-side='dense'] .{a.prefix}-cell").evaluate_all(
-                "cells => cells.map(c => [Number(c.dataset.rank), getComputedStyle(c).backgroundColor])")
-            for i, group in enumerate(a.lookup()["groups"]["tp"]):
-                hex_colour = colors.group_color(i, len(group))
-                rgb = "rgb(%d, %d, %d)" % tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
-                assert all(colour == rgb for rank, colour in painted if rank in group)
+        # the script's first paint agrees with Python's: cell colour = its TP group's colour
+        painted = page.locator(f"#{a.prefix} [data-side='dense'] .{a.prefix}-cell").evaluate_all(
+            "cells => cells.map(c => [Number(c.dataset.rank), getComputedStyle(c).backgroundColor])")
+        for i, group in enumerate(a.lookup()["groups"]["tp"]):
+            hex_colour = colors.group_color(i, len(group))
+            rgb = "rgb(%d, %d, %d)" % tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
+            assert all(colour == rgb for rank, colour in painted if rank in group)
 
-            # click rank 5: its TP group {4, 5} and EP group {5, 7} light up, others dim
-            root.locator(".%s-cell[data-rank='5']" % a.prefix).first.click()
-            assert root.get_attribute("data-selected-rank") == "5"
-            dense = root.locator("[data-side='dense']")
-            expert = root.locator("[data-side='expert']")
-            selected = lambda panel: sorted(int(x) for x in panel.locator(".selected").evaluate_all(
-                "cells => cells.map(c => c.dataset.rank)"))
-            assert selected(dense) == a.lookup()["groups"]["tp"][2] == [4, 5]
-            assert selected(expert) == [g for g in a.lookup()["groups"]["ep"] if 5 in g][0]
-            assert other.get_attribute("data-selected-rank") == ""  # the second map is untouched
+        # click rank 5: its TP group {4, 5} and EP group {5, 7} light up, others dim
+        root.locator(".%s-cell[data-rank='5']" % a.prefix).first.click()
+        assert root.get_attribute("data-selected-rank") == "5"
+        dense = root.locator("[data-side='dense']")
+        expert = root.locator("[data-side='expert']")
+        selected = lambda panel: sorted(int(x) for x in panel.locator(".selected").evaluate_all(
+            "cells => cells.map(c => c.dataset.rank)"))
+        assert selected(dense) == a.lookup()["groups"]["tp"][2] == [4, 5]
+        assert selected(expert) == [g for g in a.lookup()["groups"]["ep"] if 5 in g][0]
+        assert other.get_attribute("data-selected-rank") == ""  # the second map is untouched
 
-            # switch the dense panel to PP: rank 5's pipeline group crosses the node boundary
-            dense.locator("[data-kind='pp']").click()
-            assert selected(dense) == [5, 13]
-            assert dense.locator(f".{a.prefix}-crosses").count() == 16
-            assert "8 of 8 cross" in dense.locator(f".{a.prefix}-summary").text_content()
+        # switch the dense panel to PP: rank 5's pipeline group crosses the node boundary
+        dense.locator("[data-kind='pp']").click()
+        assert selected(dense) == [5, 13]
+        assert dense.locator(f".{a.prefix}-crosses").count() == 16
+        assert "8 of 8 cross" in dense.locator(f".{a.prefix}-summary").text_content()
 
-            # a knob switches to another precomputed configuration: Python's describe line
-            root.locator("select[data-knob='pp']").select_option("4")
-            assert root.locator(f".{a.prefix}-describe").text_content() == a.lookup(pp=4)["describe"]
-            assert selected(dense) == [g for g in a.lookup(pp=4)["groups"]["pp"] if 5 in g][0]
+        # a knob switches to another precomputed configuration: Python's describe line
+        root.locator("select[data-knob='pp']").select_option("4")
+        assert root.locator(f".{a.prefix}-describe").text_content() == a.lookup(pp=4)["describe"]
+        assert selected(dense) == [g for g in a.lookup(pp=4)["groups"]["pp"] if 5 in g][0]
 
-            # an invalid setting shows Python's ConfigError message
-            root.locator("select[data-knob='tp']").select_option("8")
-            assert root.get_attribute("data-invalid") == "1"
-            assert root.locator(f".{a.prefix}-error").text_content() == a.lookup(tp=8, pp=4)["error"]
+        # an invalid setting shows Python's ConfigError message
+        root.locator("select[data-knob='tp']").select_option("8")
+        assert root.get_attribute("data-invalid") == "1"
+        assert root.locator(f".{a.prefix}-error").text_content() == a.lookup(tp=8, pp=4)["error"]
 
-            # hovering shows every coordinate, dense and expert
-            root.locator("select[data-knob='tp']").select_option("2")
-            root.locator(f".{a.prefix}-cell[data-rank='6']").first.hover()
-            info = root.locator(f".{a.prefix}-info").text_content()
-            coords = a.lookup(pp=4)["coords"]
-            for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"):
-                assert f"{dim}={coords[dim][6]}" in info
-            assert errors == []
-        finally:
-            browser.close()
+        # hovering shows every coordinate, dense and expert
+        root.locator("select[data-knob='tp']").select_option("2")
+        root.locator(f".{a.prefix}-cell[data-rank='6']").first.hover()
+        info = root.locator(f".{a.prefix}-info").text_content()
+        coords = a.lookup(pp=4)["coords"]
+        for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"):
+            assert f"{dim}={coords[dim][6]}" in info
+        assert errors == []
+    finally:
+        page.close()

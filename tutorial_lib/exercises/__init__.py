@@ -101,3 +101,18 @@ def stub_hint(values: list[object]) -> str | None:
     if any(isinstance(v, NotImplementedError) for v in values):
         return "replace the `raise NotImplementedError` line with your implementation, then re-run this cell."
     return None
+
+
+def pick_hint(hint_pairs: list[tuple[str, str]], failing_matches: list[set], generic: str) -> str:
+    """The hint of the first known mistake that explains *every* failing case, else ``generic``.
+
+    ``hint_pairs`` lists (hint, mistake name) in order of preference; each entry of
+    ``failing_matches`` is the set of mistake names that reproduce one failing case.
+    """
+    if not failing_matches:
+        return generic
+    common = set.intersection(*failing_matches)
+    for hint, name in hint_pairs:
+        if name in common:
+            return hint
+    return generic

@@ -16,7 +16,7 @@ import math
 from typing import Callable
 
 from ..grid import RankGrid, build_grid
-from . import CheckResult, run_case, stub_hint
+from . import CheckResult, pick_hint, run_case, stub_hint
 
 # --- hints (tests look for these exact strings) ---------------------------------
 
@@ -81,16 +81,6 @@ HINT_DP_GENERIC = (
     "Work out this rank's tp, cp and pp, then list the ranks for dp = 0 .. DP-1."
 )
 
-
-def _describe(hint_pairs: list[tuple[str, set]], failing_matches: list[set], generic: str) -> str:
-    """The hint of the first mistake that explains every failing case, else ``generic``."""
-    if not failing_matches:
-        return generic
-    common = set.intersection(*failing_matches)
-    for hint, name in hint_pairs:
-        if name in common:
-            return hint
-    return generic
 
 
 # --- exercise 1: rank -> coordinates ------------------------------------------------
@@ -195,7 +185,7 @@ def check_rank_to_coords(fn: Callable) -> CheckResult:
             failing_matches.append(set())
         result.cases.append(case)
     if not result.passed:
-        result.hint = stub_hint(values) or _describe(
+        result.hint = stub_hint(values) or pick_hint(
             [(HINT_NOT_A_DICT, "not_a_dict"), (HINT_SLOWEST_FIRST, "slowest_first"),
              (HINT_DICT_ORDER, "dict_order"), (HINT_NO_MODULO, "no_modulo")],
             failing_matches, HINT_COORDS_GENERIC)
@@ -290,7 +280,7 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
             failing_matches.append(set())
         result.cases.append(case)
     if not result.passed:
-        result.hint = stub_hint(values) or _describe(
+        result.hint = stub_hint(values) or pick_hint(
             [(HINT_NOT_A_LIST, "not_a_list"), (HINT_TP_GROUP, "tp"),
              (HINT_FORGOT_CP_MERGED, "dp_cp"), (HINT_FORGOT_CP_STRIDE, "stride_tp"),
              (HINT_DP_OUTSIDE_PP, "dp_outside_pp"), (HINT_PP_GROUP, "pp"),

@@ -1,0 +1,527 @@
+"""Checkers for chapter 2, collectives.
+
+* :func:`check_ring_all_gather`: the student's ``fn(ctx, chunk)`` is launched on 2, 3
+  and 4 real gloo ranks, each rank holding a chunk of distinct values, and every rank's
+  answer is compared with what :func:`tutorial_lib.comm.all_gather` returned in the same
+  worker.  A deadlock becomes a hint about the order of sends and receives; chunks in
+  the order they arrived (the classic mistake) get a hint of their own.
+* :func:`check_ring_all_reduce_bytes`: the student's ``fn(nbytes, n)`` predicts the
+  bytes each rank sends in a ring all-reduce.  The checker launches the library's
+  :func:`tutorial_lib.collectives.ring_all_reduce` on 2 to 5 ranks, counts the bytes of
+  every rank's sends in the trace, and compares.  ``2 B`` and ``(N-1) B`` and the other
+  usual wrong formulas each get a specific hint.
+* :func:`check_choose_collectives`: which collective each of seven training
+  situations calls for, with a reason for every wrong choice.
+
+Student code never makes a checker raise: exceptions, deadlocks and stubs become failed
+cases with a hint.
+"""
+from __future__ import annotations
+
+import math
+import re
+from functools import lru_cache
+from typing import Callable
+
+from ..launch import LaunchTimeout, WorkerError, launch
+from . import Case, CheckResult, pick_hint, run_case, stub_hint
+
+# --- hints (tests look for these exact strings) ---------------------------------------
+
+HINT_ALL_RECV_FIRST = (
+    "deadlock: every rank receives first, so nobody sends. Each rank waits in recv for "
+    "its left neighbour, which is itself waiting in recv. Post the send and the receive "
+    "together (comm.isend and comm.irecv, then wait for both), or let even ranks send "
+    "first while odd ranks receive first."
+)
+HINT_ALL_SEND_FIRST = (
+    "deadlock: every rank sends first with a send that blocks. With gloo a send does not "
+    "finish until the peer has posted the matching receive, and every peer is itself "
+    "stuck in its own send. Post the send and the receive together (comm.isend and "
+    "comm.irecv, then wait for both), or alternate the order between even and odd ranks."
+)
+HINT_UNMATCHED = (
+    "deadlock: some rank waits for a message that is never sent. In a ring all-gather "
+    "every rank sends exactly N-1 chunks to rank (i+1) % N and receives exactly N-1 "
+    "chunks from rank (i-1) % N; check that the peers and the number of steps match."
+)
+HINT_DEADLOCK_GENERIC = (
+    "the launch timed out: the ranks were waiting for each other. Print what each rank "
+    "sends and receives at every step and check that every send meets a receive on its "
+    "peer, in the same order."
+)
+HINT_ARRIVAL_ORDER = (
+    "the right chunks, in the order they arrived: rank i ends with its own chunk first, "
+    "then the chunk of rank i-1, then i-2... The result must be in rank order: slot j "
+    "holds rank j's chunk on every rank. Keep a list of N slots and put the chunk that "
+    "arrives at step s into slot (i - s - 1) % N, then concatenate the slots."
+)
+HINT_WRONG_PLACE = (
+    "every chunk arrived, but some sit in the wrong slot. Slot j of the result must hold "
+    "rank j's chunk. At step s (counting from 0) rank i receives the chunk that started "
+    "on rank (i - s - 1) % N."
+)
+HINT_DUPLICATES = (
+    "some chunks appear twice and others never: at each step forward the chunk you "
+    "received at the previous step (at step 0, your own), not the same chunk again."
+)
+HINT_MISSING = (
+    "some slots of the result hold values that no rank sent (zeros, or whatever an empty "
+    "buffer contained). Every slot must end up with a received chunk, or your own in "
+    "slot i; receive into a fresh buffer at every step."
+)
+HINT_NOT_A_TENSOR = (
+    "return one tensor: the N chunks concatenated along dim 0 in rank order, e.g. "
+    "torch.cat(chunks). A list of chunks is not accepted."
+)
+HINT_SHAPE = (
+    "the result has the wrong shape: with N ranks and a chunk of shape (k, ...), the "
+    "all-gather returns shape (N*k, ...), every chunk exactly once."
+)
+HINT_USED_LIBRARY = (
+    "your function called a library collective (all_gather, all_reduce...): the point is "
+    "to build the all-gather yourself from comm.isend/comm.irecv (or comm.send/comm.recv)."
+)
+HINT_NO_P2P = (
+    "the trace recorded no sends from your function. Use the traced point-to-point ops of "
+    "tutorial_lib.comm (isend/irecv or send/recv), not torch.distributed directly, so "
+    "that the course can see what your ring moves."
+)
+HINT_ALL_GATHER_GENERIC = (
+    "a ring all-gather takes N-1 steps. At step s rank i sends the chunk it received at "
+    "step s-1 (its own at step 0) to rank (i+1) % N and receives a chunk from rank "
+    "(i-1) % N, which belongs in slot (i - s - 1) % N."
+)
+
+HINT_TWO_B = (
+    "2*B is the limit for many ranks, not the exact count: the ring cuts the tensor into "
+    "N chunks of B/N bytes and each rank sends one chunk per step, in 2(N-1) steps. That "
+    "is 2(N-1)/N * B, less than 2B (exactly B for N = 2)."
+)
+HINT_N_MINUS_ONE_B = (
+    "(N-1)*B would send the whole tensor at each of N-1 steps. The ring sends one chunk, "
+    "B/N bytes, per step, and it has two phases of N-1 steps (reduce-scatter, then "
+    "all-gather): 2(N-1) steps of B/N bytes."
+)
+HINT_ONE_PHASE = (
+    "(N-1)/N * B is one phase only: that is what a reduce-scatter (or an all-gather) "
+    "sends. A ring all-reduce runs both, one after the other."
+)
+HINT_WHOLE_TENSOR_PER_STEP = (
+    "2(N-1) steps is right, but each step sends one chunk of B/N bytes, not the whole "
+    "tensor of B bytes."
+)
+HINT_SENT_AND_RECEIVED = (
+    "you counted what a rank receives as well: every rank receives exactly as much as it "
+    "sends. Count only the sends."
+)
+HINT_INTEGER_DIVISION = (
+    "the formula is right but `//` rounds too early: 2*(n-1)//n is 1 for every n >= 2. "
+    "Multiply first, then divide: 2 * (n - 1) * nbytes // n (exact here, since B is a "
+    "multiple of N) or use `/`."
+)
+HINT_NOT_A_NUMBER = "return a number: the bytes one rank sends, e.g. 1536 or 1536.0."
+HINT_BYTES_GENERIC = (
+    "count steps times bytes per step: the tensor is cut into N chunks of B/N bytes; the "
+    "reduce-scatter takes N-1 steps and the all-gather N-1 more, and in each step every "
+    "rank sends one chunk."
+)
+
+
+
+# --- exercise 2.1: a ring all-gather ------------------------------------------------------
+
+#: (world size, rows per chunk): small worlds, odd sizes, chunks of several rows.
+ALL_GATHER_CASES = [(2, 1), (3, 2), (4, 3)]
+
+
+def chunk_of(rank: int, rows: int):
+    """Rank ``rank``'s chunk: ``rows`` rows of 2 values, distinct across ranks and rows.
+
+    Rank r's values are ``100 (r+1) + 0, 1, 2, ...``, so a value names its rank.
+    """
+    import torch
+    start = 100 * (rank + 1)
+    return torch.arange(start, start + 2 * rows, dtype=torch.float32).reshape(rows, 2)
+
+
+def _all_gather_worker(ctx, fn, rows):
+    import torch
+
+    from .. import comm
+    chunk = chunk_of(ctx.rank, rows)
+    reference = comm.all_gather(torch.empty(rows * ctx.world_size, 2), chunk.clone())
+    with ctx.tracer.tags(student=True):
+        got = fn(ctx, chunk.clone())
+    return {"reference": reference, "got": got}
+
+
+def _slot_owners(got, n: int, rows: int) -> list | None:
+    """For each of the n slots of ``got``: the rank whose chunk it holds, or None."""
+    import torch
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != (n * rows, 2):
+        return None
+    owners = []
+    for j in range(n):
+        slot = got[j * rows:(j + 1) * rows].detach().float().cpu()
+        owners.append(next((r for r in range(n) if torch.equal(slot, chunk_of(r, rows))), None))
+    return owners
+
+
+def _classify_all_gather(gots: list, n: int, rows: int) -> set:
+    """Names of the mistakes that explain every rank's answer."""
+    import torch
+    if any(isinstance(g, (list, tuple)) or not isinstance(g, torch.Tensor) for g in gots):
+        return {"not_a_tensor"}
+    if any(tuple(g.shape) != (n * rows, 2) for g in gots):
+        return {"shape"}
+    owners = [_slot_owners(g, n, rows) for g in gots]
+    expected = list(range(n))
+    wrong = [(i, o) for i, o in enumerate(owners) if o != expected]
+    if not wrong:
+        return set()
+    if any(None in o for _, o in wrong):
+        return {"missing"}
+    if all(o == [(i - s) % n for s in range(n)] for i, o in wrong):
+        return {"arrival_order", "wrong_place"}
+    if all(sorted(o) == expected for _, o in wrong):
+        return {"wrong_place"}
+    return {"duplicates"}
+
+
+def _deadlock_kind(report: dict[int, str]) -> str:
+    # A rank whose function returned is reported as "finished" (perhaps followed by what
+    # it waits for: the launcher lets the ranks leave together).
+    waiting = {r: text for r, text in report.items() if not text.startswith("finished")}
+    if waiting and all(text.startswith("waiting in recv") for text in waiting.values()):
+        return "all_recv" if len(waiting) == len(report) else "unmatched"
+    if waiting and all(text.startswith("waiting in send") for text in waiting.values()):
+        return "all_send" if len(waiting) == len(report) else "unmatched"
+    return "deadlock"
+
+
+def _short_wait(text: str) -> str:
+    """'waiting in recv from rank 1 on world group ...; stack: ...' -> 'waiting in recv from rank 1'."""
+    text = text.split(";")[0]
+    return text.split(" on ")[0] if text.startswith("waiting in") else text
+
+
+def _same_all_gather(got, expected) -> bool:
+    import torch
+    gots, _ = got
+    return all(isinstance(g, torch.Tensor) and g.shape == e.shape and torch.equal(g.float(), e)
+               for g, e in zip(gots, expected))
+
+
+def check_ring_all_gather(fn: Callable, timeout: float = 10.0) -> CheckResult:
+    """Launch ``fn(ctx, chunk) -> tensor`` on 2, 3 and 4 ranks; compare with ``comm.all_gather``.
+
+    Rank r passes :func:`chunk_of` ``(r, rows)``; every rank must return all chunks
+    concatenated along dim 0 in rank order.  ``timeout`` (seconds) turns a hang into a
+    deadlock report; after a deadlock or an unfilled stub the larger worlds are skipped.
+    """
+    import torch
+    result = CheckResult("Exercise 2.1: my_ring_all_gather")
+    values, failing_matches = [], []
+    for n, rows in ALL_GATHER_CASES:
+        expected = [torch.cat([chunk_of(r, rows) for r in range(n)]) for _ in range(n)]
+        name = f"world_size={n}, chunks of shape ({rows}, 2)"
+
+        def attempt(n=n, rows=rows):
+            try:
+                out = launch(_all_gather_worker, n, args=(fn, rows), timeout=timeout,
+                             print_output=False)
+            except WorkerError as err:
+                if err.summary.startswith("NotImplementedError"):
+                    raise NotImplementedError from None
+                raise
+            for r, res in enumerate(out.results):  # the library agrees with the closed form
+                assert torch.equal(res["reference"], expected[r]), "comm.all_gather disagrees"
+            return [res["got"] for res in out.results], out.trace.filter(student=True)
+
+        case, got = run_case(name, attempt, expected, compare=_same_all_gather)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, LaunchTimeout):
+            kind = _deadlock_kind(got.report)
+            waits = "; ".join(f"rank {r}: {_short_wait(text)}" for r, text in sorted(got.report.items()))
+            case.detail = f"deadlocked after {timeout:g} s ({waits})"
+            failing_matches.append({kind})
+            break
+        if isinstance(got, NotImplementedError):
+            break
+        if isinstance(got, WorkerError):
+            case.detail = f"rank {got.rank} raised {got.summary}"
+            failing_matches.append(set())
+            continue
+        if not isinstance(got, tuple):  # the launcher itself failed
+            failing_matches.append(set())
+            continue
+        gots, trace = got
+        library_ops = ({e.op for e in trace} - {"send", "recv", "compute", "barrier"}) | {
+            e.tags["algorithm"] for e in trace if "algorithm" in e.tags}  # the library's rings
+        if case.passed and library_ops:
+            case.passed, case.detail = False, f"the result is right, but your code called {sorted(library_ops)}"
+            failing_matches.append({"used_library"})
+        elif case.passed and not trace.filter(op="send").events:
+            case.passed, case.detail = False, "the result is right, but no traced send was recorded"
+            failing_matches.append({"no_p2p"})
+        elif not case.passed:
+            mistakes = _classify_all_gather(gots, n, rows)
+            bad = next((r for r, (g, e) in enumerate(zip(gots, expected))
+                        if not (isinstance(g, torch.Tensor) and g.shape == e.shape
+                                and torch.equal(g.float(), e))), 0)
+            owners = _slot_owners(gots[bad], n, rows)
+            shown = (f"slots hold the chunks of ranks {owners}" if owners is not None
+                     else f"returned {type(gots[bad]).__name__}"
+                     + (f" of shape {tuple(gots[bad].shape)}" if isinstance(gots[bad], torch.Tensor) else ""))
+            case.detail = f"rank {bad}: {shown}, expected ranks {list(range(n))}"
+            failing_matches.append(mistakes)
+    if not result.passed:
+        result.hint = stub_hint(values) or pick_hint(
+            [(HINT_ALL_RECV_FIRST, "all_recv"), (HINT_ALL_SEND_FIRST, "all_send"),
+             (HINT_UNMATCHED, "unmatched"), (HINT_DEADLOCK_GENERIC, "deadlock"),
+             (HINT_NOT_A_TENSOR, "not_a_tensor"), (HINT_SHAPE, "shape"),
+             (HINT_ARRIVAL_ORDER, "arrival_order"), (HINT_WRONG_PLACE, "wrong_place"),
+             (HINT_DUPLICATES, "duplicates"), (HINT_MISSING, "missing"),
+             (HINT_USED_LIBRARY, "used_library"), (HINT_NO_P2P, "no_p2p")],
+            failing_matches, HINT_ALL_GATHER_GENERIC)
+    return result
+
+
+# --- exercise 2.2: bytes a ring all-reduce sends ------------------------------------------
+
+#: World sizes the library's ring runs on, and tensor lengths (float32 elements) per rank
+#: count: every length is a multiple of N, as the ring requires.
+RING_BYTES_WORLDS = (2, 3, 4, 5)
+RING_BYTES_ELEMENTS_PER_RANK = (3, 1000)
+
+
+def _ring_bytes_worker(ctx, lengths):
+    import torch
+
+    from .. import collectives
+    for length in lengths:
+        collectives.ring_all_reduce(torch.zeros(length))
+
+
+@lru_cache(maxsize=None)
+def measured_ring_bytes(n: int) -> dict[int, int]:
+    """Launch the library's ring all-reduce on ``n`` ranks; ``{B: bytes each rank sent}``.
+
+    ``B`` is the tensor's size in bytes; the bytes sent are summed over each rank's
+    ``send`` events in the trace, and must be the same on every rank.  Cached: the
+    library's ring sends the same bytes every time.
+    """
+    lengths = [n * k for k in RING_BYTES_ELEMENTS_PER_RANK]
+    out = launch(_ring_bytes_worker, n, args=(lengths,), timeout=60, print_output=False)
+    sends = out.trace.filter(op="send", algorithm="ring_all_reduce")
+    measured = {}
+    for call, length in enumerate(lengths):
+        per_rank = {r: sum(e.bytes for e in sends.filter(rank=r, call=call)) for r in range(n)}
+        if len(set(per_rank.values())) != 1:
+            raise RuntimeError(f"ranks sent different byte counts in one ring all-reduce: {per_rank}")
+        measured[4 * length] = per_rank[0]
+    return measured
+
+
+#: Wrong formulas students write, by name: each maps (B, N) to a byte count.
+RING_BYTES_MISTAKES = {
+    "two_b": lambda b, n: 2 * b,
+    "n_minus_one_b": lambda b, n: (n - 1) * b,
+    "one_phase": lambda b, n: (n - 1) * b / n,
+    "whole_tensor_per_step": lambda b, n: 2 * (n - 1) * b,
+    "sent_and_received": lambda b, n: 4 * (n - 1) * b / n,
+    "integer_division": lambda b, n: 2 * (n - 1) // n * b,
+}
+
+
+def _as_number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _close(got, want) -> bool:
+    number = _as_number(got)
+    return number is not None and math.isclose(number, want, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
+    """Check ``fn(nbytes, n) -> bytes one rank sends`` against the traced ring all-reduce.
+
+    For N = 2..5 ranks and two tensor sizes each, the library's
+    :func:`~tutorial_lib.collectives.ring_all_reduce` is launched and every rank's
+    sends are counted in the trace (see :func:`measured_ring_bytes`).
+    """
+    result = CheckResult("Exercise 2.2: ring_all_reduce_bytes")
+    values, failing_matches = [], []
+    for n in RING_BYTES_WORLDS:
+        if any(isinstance(v, NotImplementedError) for v in values):
+            break  # an unfilled stub: one case says so
+        try:
+            measured = measured_ring_bytes(n)
+        except Exception as err:  # noqa: BLE001 - a broken machine is not the student's fault
+            result.cases.append(Case(f"N={n}", False, f"could not measure the ring: {err}"))
+            failing_matches.append(set())
+            continue
+        for nbytes, sent in measured.items():
+            case, got = run_case(f"B={nbytes} bytes, N={n} ranks (trace: {sent} bytes sent per rank)",
+                                 lambda nbytes=nbytes, n=n: fn(nbytes, n), sent, compare=_close)
+            values.append(got)
+            result.cases.append(case)
+            if isinstance(got, NotImplementedError):
+                break
+            if case.passed:
+                continue
+            if isinstance(got, BaseException):
+                failing_matches.append(set())
+            elif _as_number(got) is None:
+                failing_matches.append({"not_a_number"})
+            else:
+                failing_matches.append({name for name, wrong in RING_BYTES_MISTAKES.items()
+                                        if _close(got, wrong(nbytes, n))})
+    if not result.passed:
+        result.hint = stub_hint(values) or pick_hint(
+            [(HINT_NOT_A_NUMBER, "not_a_number"), (HINT_TWO_B, "two_b"),
+             (HINT_N_MINUS_ONE_B, "n_minus_one_b"), (HINT_ONE_PHASE, "one_phase"),
+             (HINT_WHOLE_TENSOR_PER_STEP, "whole_tensor_per_step"),
+             (HINT_SENT_AND_RECEIVED, "sent_and_received"),
+             (HINT_INTEGER_DIVISION, "integer_division")],
+            failing_matches, HINT_BYTES_GENERIC)
+    return result
+
+
+# --- exercise 2.3: which collective? ------------------------------------------------------
+
+#: Situation name -> (what happens, the collective it calls for).
+SCENARIOS = {
+    "tp_row_parallel_output": (
+        "Tensor parallelism: after a row-parallel linear layer each TP rank holds a partial "
+        "sum of the layer's output, and every TP rank needs the full sum.", "all_reduce"),
+    "dp_gradients": (
+        "Plain data parallelism: after the backward pass every replica needs the sum of all "
+        "replicas' gradients.", "all_reduce"),
+    "zero_gradients": (
+        "Data parallelism with a distributed optimizer (ZeRO): after the backward pass each "
+        "rank needs the summed gradients of only the 1/N of the parameters it updates.",
+        "reduce_scatter"),
+    "zero_parameters": (
+        "The same distributed optimizer, after its step: each rank has updated its 1/N of "
+        "the parameters, and every rank needs all of them for the next forward pass.",
+        "all_gather"),
+    "moe_dispatch": (
+        "Expert parallelism: each rank's tokens were routed to experts that live on other "
+        "ranks, a different number of tokens to each rank.", "all_to_all"),
+    "pipeline_activations": (
+        "Pipeline parallelism: stage 2 finished a microbatch's forward pass; stage 3 needs "
+        "its output activations.", "send"),
+    "initial_weights": (
+        "Rank 0 loaded a checkpoint; every other rank must start from identical weights.",
+        "broadcast"),
+}
+
+_OP_NAMES = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
+             "allgather": "all_gather", "alltoall": "all_to_all", "alltoallv": "all_to_all",
+             "broadcast": "broadcast", "bcast": "broadcast", "send": "send",
+             "sendrecv": "send", "p2p": "send", "isend": "send", "recv": "send",
+             "pointtopoint": "send"}
+
+#: (situation, wrong answer) -> why it is wrong.
+WRONG_CHOICES = {
+    ("tp_row_parallel_output", "all_gather"):
+        "all-gather concatenates the partial outputs instead of adding them: the layer's "
+        "output is their sum.",
+    ("tp_row_parallel_output", "reduce_scatter"):
+        "a reduce-scatter leaves each rank only a slice of the sum (that is what sequence "
+        "parallelism does, and it then needs an all-gather later); here every rank needs "
+        "the full sum.",
+    ("dp_gradients", "reduce_scatter"):
+        "without a distributed optimizer every replica updates every parameter, so each "
+        "needs the whole summed gradient, not a slice.",
+    ("dp_gradients", "all_gather"):
+        "all-gather collects the replicas' gradients side by side; they must be added.",
+    ("zero_gradients", "all_reduce"):
+        "an all-reduce works but moves twice the bytes: each rank only needs the slice it "
+        "updates, which a reduce-scatter delivers at half the cost.",
+    ("zero_gradients", "all_gather"):
+        "nothing would be summed: gradients of the same parameter from different ranks "
+        "must be added.",
+    ("zero_parameters", "all_reduce"):
+        "there is nothing to add: each parameter's new value lives on exactly one rank. "
+        "Concatenating the slices (all-gather) is enough, at half the bytes.",
+    ("zero_parameters", "broadcast"):
+        "every rank owns a slice, not one root: N broadcasts would do it, but one "
+        "all-gather does it at once.",
+    ("moe_dispatch", "all_gather"):
+        "an all-gather sends every token to every rank, N times the traffic: each token "
+        "only has to reach the ranks of its experts.",
+    ("moe_dispatch", "broadcast"):
+        "broadcast copies one rank's data to all; here every rank sends different rows to "
+        "every other rank.",
+    ("moe_dispatch", "all_reduce"):
+        "nothing is added in a dispatch: tokens are moved, each to its expert's rank.",
+    ("pipeline_activations", "broadcast"):
+        "only the next stage needs the activations; a point-to-point send reaches exactly "
+        "that rank.",
+    ("pipeline_activations", "all_gather"):
+        "only the next stage needs the activations; a point-to-point send reaches exactly "
+        "that rank.",
+    ("initial_weights", "all_reduce"):
+        "an all-reduce of the weights would add the (random) weights of every rank; one "
+        "rank holds the truth and the others copy it.",
+    ("initial_weights", "all_gather"):
+        "the weights are not split across ranks: one rank holds all of them.",
+}
+
+HINT_CHOOSE_FORMAT = (
+    "return a dict from every situation name in SCENARIOS to one of 'all_reduce', "
+    "'reduce_scatter', 'all_gather', 'all_to_all', 'broadcast' or 'send'."
+)
+HINT_CHOOSE_GENERIC = (
+    "ask two questions: are values from several ranks added (all-reduce, reduce-scatter) "
+    "or only moved (all-gather, all-to-all, broadcast, send)? And who needs the result: "
+    "every rank all of it, every rank a slice, or one rank?"
+)
+
+
+def normalize_op(name) -> str | None:
+    """'AllReduce', 'all-reduce', 'all_reduce' -> 'all_reduce'; None if not an op name."""
+    if not isinstance(name, str):
+        return None
+    return _OP_NAMES.get(re.sub(r"[^a-z0-9]", "", name.lower()))
+
+
+def check_choose_collectives(fn: Callable) -> CheckResult:
+    """Check ``fn() -> {situation: collective}`` for every situation in :data:`SCENARIOS`."""
+    result = CheckResult("Exercise 2.3: choose_collectives")
+    case, got = run_case("the answers", fn, None, compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        result.cases.append(case)
+        result.hint = stub_hint([got]) or HINT_CHOOSE_FORMAT
+        return result
+    hints = []
+    for situation, (_, answer) in SCENARIOS.items():
+        given = got.get(situation)
+        chosen = normalize_op(given)
+        ok = chosen == answer
+        detail = "" if ok else (f"got {given!r}, expected {answer!r}" if situation in got
+                                else "missing from the dict")
+        result.cases.append(Case(situation, ok, detail))
+        if not ok:
+            if chosen is None:
+                hints.append(HINT_CHOOSE_FORMAT)
+            else:
+                why = WRONG_CHOICES.get((situation, chosen), HINT_CHOOSE_GENERIC)
+                hints.append(f"{situation}: {why}")
+    if hints:
+        result.hint = hints[0]
+    return result
+
+
+__all__ = ["check_ring_all_gather", "check_ring_all_reduce_bytes", "check_choose_collectives",
+           "chunk_of", "measured_ring_bytes", "normalize_op", "SCENARIOS"]
