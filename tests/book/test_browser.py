@@ -85,12 +85,14 @@ def test_communicator_groups_rank_map_selects(book_page, click_and_expect_change
 
 WIDGET_NOTEBOOK = {
     "cells": [
-        {"cell_type": "markdown", "metadata": {}, "source": "# Widgets offline"},
+        # Math on the same page loads MathJax 3, whose missing MathJax 2 `Hub` used to make
+        # every widget with a description throw (_static/mathjax2-shim.js fixes that).
+        {"cell_type": "markdown", "metadata": {}, "source": "# Widgets offline\n\n$2(N-1)/N$"},
         {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
          "source": "import ipywidgets as w\n"
                    "w.VBox([w.IntSlider(value=3, min=0, max=10, description='ranks'),\n"
                    "        w.Button(description='go', icon='play'),\n"
-                   "        w.Dropdown(options=['gloo', 'nccl'], value='gloo')])"},
+                   "        w.Dropdown(options=['gloo', 'nccl'], value='gloo', description='backend')])"},
     ],
     "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
                                 "language": "python"}},

@@ -333,9 +333,14 @@ def rank_map(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: int 
 
 def rank_map_explorer(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: int = 2,
                       ep: int = 2, cp: int = 1, etp: int = 1, layout: str = "megatron"):
-    """Live-kernel version: ipywidgets dropdowns (world size included) that redraw via Python."""
+    """Live-kernel version: ipywidgets dropdowns (world size included) that redraw via Python.
+
+    The map sits in an ``ipywidgets.HTML`` widget, which shows the picture Python drew
+    (colours, node-crossing marks, summaries) but runs no script: hover and click
+    belong to :func:`rank_map`.  (An ``Output`` widget would run the script live, but
+    the offline widget manager of the built book fails to render it.)
+    """
     import ipywidgets as widgets
-    from IPython.display import HTML, display
 
     def choices(options, value):  # the starting value is always offered
         return sorted(set(options) | {value})
@@ -351,24 +356,22 @@ def rank_map_explorer(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2,
         dropdowns[name] = widgets.Dropdown(options=choices([1, 2, 4, 8, 16], value), value=value,
                                            description=name.upper())
     for d in dropdowns.values():
-        d.layout.width = "150px"
-        d.style.description_width = "70px"
-    out = widgets.Output()
+        d.layout.width = "170px"
+        d.style.description_width = "80px"
+    picture = widgets.HTML()
 
     def redraw(_change=None):
         args = {name: d.value for name, d in dropdowns.items()}
-        out.clear_output(wait=True)
-        with out:
-            try:
-                display(rank_map(**args, knobs=False))
-            except ConfigError as err:  # show Python's message, as the static page does
-                display(HTML(f"<pre style='color:#b42318'>{html.escape(str(err))}</pre>"))
+        try:
+            picture.value = rank_map(**args, knobs=False).to_html()
+        except ConfigError as err:  # show Python's message, as the static page does
+            picture.value = f"<pre style='color:#b42318'>{html.escape(str(err))}</pre>"
 
     for d in dropdowns.values():
         d.observe(redraw, names="value")
     redraw()
     return widgets.VBox([widgets.HBox(list(dropdowns.values())[:3]),
-                         widgets.HBox(list(dropdowns.values())[3:]), out])
+                         widgets.HBox(list(dropdowns.values())[3:]), picture])
 
 
 # --- HTML: Python draws the initial state, the script redraws on every click --------
