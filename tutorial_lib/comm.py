@@ -87,12 +87,22 @@ def _finish(event: TraceEvent, result: torch.Tensor | None) -> None:
 # --- collectives ------------------------------------------------------------
 
 
-def all_reduce(tensor: torch.Tensor, group="world", op: str = "sum") -> torch.Tensor:
-    """In place: every rank of ``group`` ends with the reduction of all ranks' tensors."""
+def all_reduce(tensor: torch.Tensor, group="world", op: str = "sum", async_op: bool = False,
+               tags: dict | None = None):
+    """In place: every rank of ``group`` ends with the reduction of all ranks' tensors.
+
+    With ``async_op=True`` it returns at once with a :class:`TracedWork`: the event's
+    ``t_start`` is when the op was issued and ``t_end`` when ``wait()`` returned, so a
+    timeline shows it running under whatever the rank computes meanwhile (gloo runs it
+    on a background thread, NCCL on its own stream).  ``tags`` are added to the event.
+    """
     _refuse_float8_reduction(tensor, "all_reduce")
     kind, pg, ranks = _resolve(group)
-    event = _begin("all_reduce", tensor, kind, ranks, tags={"reduce_op": op})
-    dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=pg)
+    event = _begin("all_reduce", tensor, kind, ranks, blocking=not async_op,
+                   tags={"reduce_op": op, **(tags or {})})
+    work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=pg, async_op=async_op)
+    if async_op:
+        return TracedWork(work, event, tensor)
     _finish(event, tensor)
     return tensor
 

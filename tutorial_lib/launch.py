@@ -270,7 +270,11 @@ def _get_context():
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch"])
+        # torch, and the parts of it imported lazily that would otherwise cost every rank
+        # of every launch: sympy via symbolic_shapes (~0.3 s of CPU, the first backward
+        # with an explicit gradient) and torch._dynamo (~1-2 s, any optimizer's __init__).
+        ctx.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes",
+                                    "torch._dynamo"])
         _CONTEXT = ctx
     return _CONTEXT
 

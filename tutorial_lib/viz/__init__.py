@@ -1,5 +1,20 @@
-"""Widgets of the course: self-contained HTML that works live and in the static book."""
+"""Widgets of the course: self-contained HTML that works live and in the static book.
+
+* :mod:`.rank_map`: ranks on nodes x GPUs, coloured by communicator group;
+* :mod:`.collectives`: step-by-step players of recorded collectives;
+* :mod:`.timeline`: per-rank timelines of compute spans and communication;
+* :mod:`.table`: a plain HTML table for chapter cells.
+
+The functions named like their modules (``timeline``, ``table``) are imported from
+the modules themselves, e.g. ``from tutorial_lib.viz.timeline import timeline``:
+re-exporting them here would shadow the modules.
+"""
+from .collectives import Animation, animate_collective, animate_ring, animate_ring_all_reduce
 from .colors import KIND_COLORS, PALETTE, group_color, kind_color
 from .rank_map import RankMap, rank_map, rank_map_explorer
+from .timeline import Timeline, bubble_fraction, busy_fraction, overlap_fraction, overlap_seconds
 
-__all__ = ["KIND_COLORS", "PALETTE", "group_color", "kind_color", "RankMap", "rank_map", "rank_map_explorer"]
+__all__ = ["Animation", "animate_collective", "animate_ring", "animate_ring_all_reduce",
+           "KIND_COLORS", "PALETTE", "group_color", "kind_color",
+           "RankMap", "rank_map", "rank_map_explorer",
+           "Timeline", "bubble_fraction", "busy_fraction", "overlap_fraction", "overlap_seconds"]

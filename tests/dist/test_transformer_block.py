@@ -1,0 +1,142 @@
+"""The tensor-parallel Transformer block on real gloo workers, against the serial block.
+
+The serial block is the same class built with ``tp_group=None`` from the same seed.
+TP in {1, 2, 4}, alone (world = TP) and beside DP=2 (world = TP x 2, the same data on
+both DP replicas), with and without sequence parallelism.  Compared: the output, the
+input gradient and every parameter (shard == slice of the serial weight, exactly) and
+its gradient (shard vs slice; replicated LayerNorm and row-parallel-bias gradients in
+full, after the sequence-parallel all-reduce).  fp32, ``atol=1e-5, rtol=1e-5``.
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from tutorial_lib import parallel_state
+from tutorial_lib.config import ParallelConfig
+from tutorial_lib.launch import launch
+from tutorial_lib.transformer import TransformerBlock, allreduce_sequence_parallel_grads, block_collectives
+
+pytestmark = pytest.mark.dist
+
+# The workers get the functions below by value, so they never import this module (and
+# pytest with it: 0.2 s a rank).  Code that runs in a worker therefore checks with
+# _check, not a bare assert, which pytest would rewrite into a call into pytest.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+ATOL = RTOL = 1e-5
+S, B, H, HEADS = 8, 2, 16, 4
+
+
+def _backward(y, dy):
+    """``y.backward(dy)``, as the scalar ``(y * dy).sum()``: the same gradient, bit for bit.
+
+    An explicit non-scalar gradient makes torch import sympy in each fresh worker
+    (about 0.4 s a rank), which would dominate these small tests.
+    """
+    (y * dy).sum().backward()
+
+
+def _close(actual, expected, what):
+    """fp32 closeness, ``|a - b| <= atol + rtol |b|`` (``torch.testing.assert_close`` would
+    import DTensor and sympy in every worker, about half a second a rank)."""
+    _check(actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    if not torch.allclose(actual, expected, atol=ATOL, rtol=RTOL):
+        worst = (actual - expected).abs().max().item()
+        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={ATOL}, rtol={RTOL}")
+
+
+def _shard_of(full, param, i, T):
+    """The slice of a serial tensor that ``param`` holds on TP rank ``i``."""
+    return full.chunk(T, param.partition_dim)[i] if getattr(param, "tensor_model_parallel", False) else full
+
+
+def _run_block(ctx, tp_size, sequence_parallel, sync_sequence_parallel_grads=True):
+    """One forward + backward of the TP block and of the serial block; returns both."""
+    parallel_state.initialize_model_parallel(
+        ParallelConfig(ctx.world_size, tensor_model_parallel_size=tp_size), layout="megatron")
+    T, i = parallel_state.get_size("tp"), parallel_state.get_rank_in("tp")
+    g = torch.Generator().manual_seed(2024)  # the same batch on every rank, DP replicas included
+    x_full, dy_full = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+
+    serial = TransformerBlock(H, HEADS, seed=3, tp_group=None)
+    x_serial = x_full.clone().requires_grad_()
+    y_serial = serial(x_serial)
+    _backward(y_serial, dy_full)
+
+    block = TransformerBlock(H, HEADS, sequence_parallel=sequence_parallel, seed=3)
+    tokens = slice(i * S // T, (i + 1) * S // T) if sequence_parallel else slice(None)
+    x = x_full[tokens].clone().requires_grad_()
+    with ctx.tracer.tags(layer="block"):
+        y = block(x)
+        _backward(y, dy_full[tokens])
+        if sync_sequence_parallel_grads:
+            allreduce_sequence_parallel_grads(block)
+    return serial, block, (x, y), (x_serial.grad, y_serial.detach()), tokens, T, i
+
+
+def _block_equals_serial(ctx, tp_size, sequence_parallel):
+    serial, block, (x, y), (serial_dx, serial_y), tokens, T, i = _run_block(ctx, tp_size, sequence_parallel)
+    _close(y, serial_y[tokens], "block output")
+    _close(x.grad, serial_dx[tokens], "block input grad")
+    serial_params = dict(serial.named_parameters())
+    for name, p in block.named_parameters():
+        ref = serial_params[name]
+        _check(torch.equal(p.detach(), _shard_of(ref.detach(), p, i, T)), f"{name}: shard is not my slice")
+        _close(p.grad, _shard_of(ref.grad, p, i, T), f"{name}: grad")
+    return parallel_state.get_group_ranks("tp")
+
+
+CONFIGS = [(tp, dp, sp) for sp in (False, True) for tp in (1, 2, 4) for dp in (1, 2)]
+
+
+@pytest.mark.parametrize("tp_size,dp_size,sequence_parallel", CONFIGS)
+def test_block_equals_the_serial_block_and_issues_the_expected_collectives(tp_size, dp_size, sequence_parallel):
+    res = launch(_block_equals_serial, tp_size * dp_size, args=(tp_size, sequence_parallel), timeout=60)
+    expected = block_collectives(S, B, H, tp_size, sequence_parallel)
+    for rank, group in enumerate(res.results):
+        events = res.trace.filter(rank=rank, layer="block", comm_only=True)
+        assert all(e.group_kind == "tp" and list(e.group_ranks) == group for e in events)
+        got = [{"phase": e.tags["phase"], "op_name": e.tags["op_name"], "op": e.op, "bytes": e.bytes}
+               for e in events]
+        assert got == expected
+        # The same, as numbers a reader can check: s*b*h*4 = 8*2*16*4 = 1024 bytes.
+        ops = [(e["op"], e["bytes"]) for e in got]
+        if tp_size == 1:
+            assert ops == []
+        elif not sequence_parallel:
+            assert ops == [("all_reduce", 1024)] * 4  # 2 forward + 2 backward
+        else:
+            shard = 1024 // tp_size  # all-gather bytes count this rank's [s/T, b, h] input
+            assert ops == [("all_gather", shard), ("reduce_scatter", 1024)] * 4 + [("all_reduce", 6 * H * 4)]
+
+
+def _partial_layernorm_grads(ctx, tp_size):
+    serial, block, *_ = _run_block(ctx, tp_size, True, sync_sequence_parallel_grads=False)
+    serial_params = dict(serial.named_parameters())
+    return {name: (p.grad.clone(), serial_params[name].grad.clone())
+            for name, p in block.named_parameters() if getattr(p, "sequence_parallel", False)}
+
+
+def test_without_the_allreduce_sequence_parallel_layernorm_grads_are_partial_sums():
+    """Each TP rank saw only its s/T tokens: its LayerNorm gradient is a partial sum."""
+    tp_size = 2
+    res = launch(_partial_layernorm_grads, tp_size, args=(tp_size,), timeout=60)
+    partials = res.results
+    names = sorted(partials[0])
+    assert names == ["input_layernorm.bias", "input_layernorm.weight", "mlp.linear_fc2.bias",
+                     "pre_mlp_layernorm.bias", "pre_mlp_layernorm.weight", "self_attention.linear_proj.bias"]
+    for name in names:
+        full = partials[0][name][1]
+        for rank in range(tp_size):
+            wrong = partials[rank][name][0]
+            assert (wrong - full).abs().max() > 1e-2, f"{name} on rank {rank} should differ without the all-reduce"
+        summed = sum(partials[rank][name][0] for rank in range(tp_size))
+        _close(summed, full, f"{name}: the sum of the partial gradients")

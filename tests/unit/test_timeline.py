@@ -1,0 +1,452 @@
+"""Timelines drawn from traces: the numbers drawn, the helpers, the HTML, and the page in chromium."""
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from tutorial_lib import comm
+from tutorial_lib.launch import launch
+from tutorial_lib.trace import Trace, TraceEvent
+from tutorial_lib.viz import timeline as tlmod
+from tutorial_lib.viz.colors import KIND_COLORS
+from tutorial_lib.viz.timeline import (Span, Timeline, bubble_fraction, busy_fraction,
+                                       event_label, format_bytes, overlap_fraction,
+                                       overlap_seconds, timeline, timeline_from_spans,
+                                       trace_spans)
+
+# Times in units of 1/128 s (7.8125 ms): binary fractions, so shifting by T0 and scaling
+# to ms are exact and every number below can be compared with ==.
+U = 1 / 128
+T0 = 1024.0
+MS = U * 1000  # one unit in ms
+
+
+def ev(rank, op, a, b, kind=None, name=None, group=(0, 1), **tags):
+    if op == "compute":
+        return TraceEvent(rank=rank, op="compute", t_start=T0 + a * U, t_end=T0 + b * U,
+                          tags={**tags, "name": name})
+    return TraceEvent(rank=rank, op=op, group_kind=kind, group_ranks=tuple(group),
+                      shape=(256, 256), dtype="float32", bytes=262144,
+                      t_start=T0 + a * U, t_end=T0 + b * U, tags=dict(tags))
+
+
+def synthetic() -> Trace:
+    """Rank 0: two bucket all-reduces in flight during backward; rank 1: a receive after it."""
+    return Trace([
+        ev(0, "compute", 0, 2, name="forward", microbatch=0),
+        ev(0, "compute", 2, 6, name="backward", microbatch=0),
+        ev(0, "all_reduce", 3, 7, "dp", bucket=0),
+        ev(0, "all_reduce", 4, 5, "dp", bucket=1),
+        ev(0, "compute", 7, 8, name="optimizer"),
+        ev(1, "compute", 0, 2, name="forward", microbatch=0),
+        ev(1, "compute", 2, 5, name="backward", microbatch=0),
+        TraceEvent(rank=1, op="recv", group_kind="pp", group_ranks=(0, 1), peer=0, shape=(4,),
+                   dtype="bfloat16", bytes=8, t_start=T0 + 5 * U, t_end=T0 + 6 * U),
+    ])
+
+
+def bars_of(tl: Timeline, **match):
+    return [b for b in tl.data["bars"] if all(b[k] == v for k, v in match.items())]
+
+
+# --- the numbers drawn ------------------------------------------------------------------------
+
+
+def test_layout_of_a_synthetic_trace_is_exact():
+    tl = timeline(synthetic(), width=900)
+    d = tl.data
+    assert d["unit"] == "ms" and d["domain"] == (0.0, 8 * MS)
+    x0, pw = tlmod.LEFT, 900 - tlmod.LEFT - tlmod.RIGHT
+    assert (d["x0"], d["plot_width"]) == (x0, pw)
+    assert d["ranks"] == [0, 1] and d["lanes"] == ["compute", "comm"]
+    k = pw / (8 * MS)
+
+    # Every event is one bar, at its relative time in ms.
+    assert len(d["bars"]) == len(synthetic())
+    backward = bars_of(tl, rank=0, label="backward mb0")[0]
+    assert (backward["start"], backward["end"]) == (2 * MS, 6 * MS)
+    assert backward["x"] == x0 + 2 * MS * k and backward["w"] == pytest.approx(4 * MS * k, abs=1e-9)
+    assert backward["lane"] == "compute" and backward["color"] == KIND_COLORS["compute"]
+
+    # Lanes: compute on top, comm below, the two overlapping all-reduces in two rows.
+    top = tlmod.AXIS_H + tlmod.BAND_PAD
+    comm_top = top + tlmod.ROW_H + tlmod.LANE_GAP
+    b0 = bars_of(tl, rank=0, label="all-reduce bucket 0")[0]
+    b1 = bars_of(tl, rank=0, label="all-reduce bucket 1")[0]
+    assert backward["y"] == top
+    assert (b0["lane"], b0["row"], b0["y"]) == ("comm", 0, comm_top)
+    assert (b1["row"], b1["y"]) == (1, comm_top + tlmod.ROW_H + tlmod.ROW_GAP)
+    assert b0["color"] == KIND_COLORS["dp"] and b0["kind"] == "dp"
+    assert b0["x"] == x0 + 3 * MS * k and b0["w"] == pytest.approx(4 * MS * k, abs=1e-9)
+    boxes = {(b["rank"], b["lane"]): b for b in d["lane_boxes"]}
+    assert boxes[(0, "comm")]["rows"] == 2 and boxes[(1, "comm")]["rows"] == 1
+    # Rank 1's band starts where rank 0's ends.
+    bands = {b["rank"]: b for b in d["bands"]}
+    assert bands[1]["y"] == bands[0]["y"] + bands[0]["h"]
+
+    # The point of the picture: an all-reduce drawn under backward, overlapping it in x.
+    assert b0["x"] < backward["x"] + backward["w"] and backward["x"] < b0["x"] + b0["w"]
+    assert b0["y"] > backward["y"]
+
+
+def test_overlapping_ops_are_visibly_stacked_never_on_top_of_each_other():
+    tl = timeline(synthetic())
+    for rank in (0, 1):
+        for lane in ("compute", "comm"):
+            mine = bars_of(tl, rank=rank, lane=lane)
+            for i, a in enumerate(mine):
+                for b in mine[i + 1:]:
+                    same_row = a["y"] == b["y"]
+                    overlap = a["start"] < b["end"] and b["start"] < a["end"]
+                    assert not (same_row and overlap), (a["label"], b["label"])
+
+
+def test_labels_and_tooltips_say_what_the_event_was():
+    tl = timeline(synthetic())
+    recv = bars_of(tl, rank=1, kind="pp")[0]
+    assert recv["label"] == "recv \u2190 r0"
+    tip = recv["tip"]
+    assert tip["group ranks"] == "[0, 1]" and tip["peer"] == "rank 0"
+    assert tip["shape"] == "(4,)" and tip["dtype"] == "bfloat16" and tip["bytes"] == "8 B"
+    assert tip["duration"] == f"{MS:.3f} ms" and tip["start"] == f"{5 * MS:.3f} ms"
+    b0 = bars_of(tl, rank=0, label="all-reduce bucket 0")[0]
+    assert b0["tip"]["tags"] == "bucket=0" and b0["tip"]["bytes"] == "256 KiB (262,144 B)"
+    # [3, 7] inside compute [0, 6] u [7, 8]: 3 of its 4 units.
+    assert b0["tip"]["overlaps compute"] == f"{3 * MS:.3f} ms (75%)"
+    assert "compute" in bars_of(tl, rank=0, label="forward mb0")[0]["tip_title"]
+    assert [kind for kind, _, _ in tl.data["legend"]] == ["compute", "dp", "pp"]
+
+
+def test_cursor_frames_say_what_every_rank_is_doing():
+    tl = timeline(synthetic(), frames=16)
+    frames = tl.data["frames"]
+    assert len(tl) == 17 and frames[0]["t"] is None and "2 ranks, 8 bars" in frames[0]["caption"]
+    # Frame 9 of 16 is t = 4.5 units: rank 0 in backward with both buckets, rank 1 in backward.
+    f = frames[9]
+    assert f["t"] == 4.5 * MS
+    assert f["doing"] == {0: ["backward mb0", "all-reduce [dp]", "all-reduce [dp]"],
+                          1: ["backward mb0"]}
+    assert "rank 0: backward mb0 + 2\u00d7 all-reduce [dp]" in f["caption"]
+    assert "rank 1: backward mb0" in f["caption"]
+    # t = 6.5 units: rank 0 waits for bucket 0, rank 1 is idle.
+    assert frames[13]["doing"] == {0: ["all-reduce [dp]"], 1: []}
+    assert "rank 1: idle" in frames[13]["caption"]
+    assert frames[-1]["t"] == 8 * MS and "every rank has finished" in frames[-1]["caption"]
+
+
+def test_ranks_kinds_and_t_range_filter_what_is_drawn():
+    tl = timeline(synthetic(), ranks=[1, 0], kinds=["dp", "compute"])
+    assert tl.data["ranks"] == [1, 0] and [b["rank"] for b in tl.data["bands"]] == [1, 0]
+    assert {b["kind"] for b in tl.data["bars"]} == {"dp", "compute"}
+    comm_only = timeline(synthetic(), kinds=["dp"])
+    assert comm_only.data["lanes"] == [""] and comm_only.data["ranks"] == [0]
+
+    clipped = timeline(synthetic(), t_range=(2.5 * MS, 6.5 * MS))
+    assert clipped.data["domain"] == (2.5 * MS, 6.5 * MS)
+    labels = {b["label"] for b in clipped.data["bars"]}
+    assert "forward mb0" not in labels and "optimizer" not in labels
+    backward = bars_of(clipped, rank=0, label="backward mb0")[0]
+    assert backward["x"] == tlmod.LEFT  # starts before the range: drawn from its left edge
+    assert backward["start"] == 2 * MS  # the number keeps the real start
+
+    unsplit = timeline(synthetic(), split=False)
+    assert unsplit.data["lanes"] == [""]
+    assert bars_of(unsplit, rank=0, label="all-reduce bucket 0")[0]["row"] >= 1
+
+
+def test_a_planned_lane_is_drawn_by_the_same_code():
+    planned = [(0, 0.0, 2.0, "F0", "compute", "planned"), (0, 2.0, 6.0, "B0", "compute", "planned"),
+               (1, 0.0, 2.0, "F0", "compute", "planned")]
+    spans = [Span.coerce(p) for p in planned]
+    assert spans[1] == Span(0, 2.0, 6.0, "B0", "compute", "planned")
+    # The plan in units, the recording converted to the same units: one picture.
+    recorded = [Span(s.rank, s.start / U, s.end / U, s.label, s.kind, s.lane, s.info)
+                for s in trace_spans(synthetic())]
+    tl = timeline_from_spans(planned + recorded, scale=1, unit="step", title="plan vs run")
+    assert tl.data["lanes"] == ["planned", "compute", "comm"] and tl.data["unit"] == "step"
+    plan_b = bars_of(tl, rank=0, lane="planned", label="B0")[0]
+    run_b = bars_of(tl, rank=0, lane="compute", label="backward mb0")[0]
+    assert (plan_b["x"], plan_b["w"]) == (run_b["x"], run_b["w"])  # the run kept to the plan
+    assert plan_b["y"] < run_b["y"]
+    assert plan_b["tip"]["duration"] == "4.000 step"
+    with pytest.raises(ValueError, match="not in lanes"):
+        timeline_from_spans(planned, lanes=["compute"])
+    with pytest.raises(ValueError, match="rank, start, end, label, kind"):
+        timeline_from_spans([(0, 0.0, 1.0)])
+
+
+def test_bad_inputs_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match="empty"):
+        timeline(Trace([]))
+    with pytest.raises(ValueError, match="end > start"):
+        timeline(synthetic(), t_range=(5, 5))
+    with pytest.raises(ValueError, match="nothing to draw"):
+        timeline(synthetic(), ranks=[7])
+    with pytest.raises(ValueError, match="no room"):
+        timeline(synthetic(), width=200)
+    with pytest.raises(ValueError, match="count must be"):
+        busy_fraction(synthetic(), count="gpu")
+
+
+def test_event_labels_and_byte_counts():
+    assert event_label(TraceEvent(0, "send", peer=3)) == "send \u2192 r3"
+    assert event_label(TraceEvent(0, "broadcast", peer=2, tags={"microbatch": 1})) == "broadcast from r2 mb1"
+    assert event_label(TraceEvent(0, "compute", tags={"name": "fwd", "phase": "warmup"})) == "fwd warmup"
+    assert event_label(TraceEvent(0, "all_to_all", tags={"bucket": 2}), tags=False) == "all-to-all"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(4096) == "4 KiB (4,096 B)"
+    assert format_bytes(3 * 1024 ** 2) == "3 MiB (3,145,728 B)"
+
+
+# --- overlap and idle time --------------------------------------------------------------------
+
+
+def test_overlap_seconds_is_exact():
+    t = synthetic()
+    # bucket 0 [3, 7] meets backward [2, 6] for 3 units; bucket 1 [4, 5] lies inside it.
+    assert overlap_seconds(t, 0, "backward") == 4 * U
+    assert overlap_seconds(t, 0, "backward", op="all_reduce", group_kind="dp") == 4 * U
+    assert overlap_seconds(t, 0, "backward", group_kind="tp") == 0.0
+    assert overlap_seconds(t, 0, "forward") == 0.0
+    assert overlap_seconds(t, 0, "optimizer") == 0.0  # [3, 7] ends where the optimizer starts
+    assert overlap_seconds(t, 1, "backward", op=["send", "recv"]) == 0.0  # recv starts after it
+    assert overlap_fraction(t, 0, "backward", op="all_reduce") == 4 / 5
+    assert overlap_fraction(t, 1, "backward", op="all_reduce") == 0.0  # no such ops
+
+
+def test_overlap_counts_nested_spans_of_one_name_once():
+    t = Trace([ev(0, "compute", 0, 4, name="backward"), ev(0, "compute", 1, 2, name="backward"),
+               ev(0, "compute", 6, 8, name="backward"), ev(0, "all_reduce", 3, 7, "dp")])
+    assert overlap_seconds(t, 0, "backward") == 2 * U  # [3, 4] and [6, 7]
+
+
+def test_busy_and_bubble_fractions():
+    t = synthetic()  # window [0, 8]
+    assert busy_fraction(t) == {0: 7 / 8, 1: 5 / 8}
+    assert bubble_fraction(t) == {0: 1 / 8, 1: 3 / 8}
+    assert busy_fraction(t, count="all") == {0: 1.0, 1: 6 / 8}
+    assert busy_fraction(t, count="comm") == {0: 4 / 8, 1: 1 / 8}
+    assert busy_fraction(t, ranks=[1], window="rank") == {1: 5 / 6}  # rank 1 ends at 6
+    assert busy_fraction(t, ranks=[5]) == {5: 0.0}
+    # A textbook pipeline bubble: 2 stages, 1 microbatch, forward then backward.
+    pipe = Trace([ev(0, "compute", 0, 1, name="F"), ev(1, "compute", 1, 2, name="F"),
+                  ev(1, "compute", 2, 4, name="B"), ev(0, "compute", 4, 6, name="B")])
+    assert bubble_fraction(pipe) == {0: 0.5, 1: 0.5}
+
+
+# --- the HTML -----------------------------------------------------------------------------------
+
+
+def test_html_is_a_self_contained_player():
+    tl = timeline(synthetic(), title="Buckets <overlap> backward")
+    page = tl.to_html()
+    assert re.search(r'<div class="tl-timeline tl-animation" id="tl-timeline-[0-9a-f]+" '
+                     r'data-frame="0" data-frames="41"', page)
+    for cls in ("tl-play", "tl-prev", "tl-next", "tl-slider", "tl-anim-caption", "tl-tooltip",
+                "tl-zoom-reset", "tl-cursor", "tl-legend"):
+        assert f'class="{cls}"' in page, cls
+    assert page.count('class="tl-bar"') == len(synthetic())
+    assert not re.search(r"https?://|src=|href=|require|import\(|@import", page)  # nothing fetched
+    assert "Buckets &lt;overlap&gt; backward" in page and "<overlap>" not in page
+    script = page.split("<script>")[1].split("</script>")[0]
+    assert script.strip().startswith("(function () {") and script.strip().endswith("})();")
+    assert script.isascii() and page.isascii()
+    blob = re.search(r"var D = (\{.*?\});\n", script).group(1)
+    payload = json.loads(blob)
+    assert payload["captions"] == [f["caption"] for f in tl.data["frames"]]
+    assert len(payload["tips"]) == len(tl.data["bars"])
+
+
+def test_two_timelines_on_one_page_do_not_clash():
+    tl = timeline(synthetic())
+    a, b = tl.to_html(), tl.to_html()
+    ids = re.findall(r'id="(tl-timeline-[0-9a-f]+)"', a + b)
+    assert len(ids) == 2 and ids[0] != ids[1]
+    for uid, page in zip(ids, (a, b)):
+        # every id, CSS rule, clip path and script lookup of a copy is prefixed with its own id
+        assert re.findall(r'\bid="([^"]+)"', page) == [uid, f"{uid}-clip"]
+        assert f"url(#{uid}-clip)" in page
+        assert f'document.getElementById("{uid}")' in page
+        css = page.split("<style>")[1].split("</style>")[0]
+        rules = [r.strip() for r in re.findall(r"([^{}]+)\{", css)]
+        assert rules and all(r.startswith(f"#{uid}") for r in rules)
+
+
+def test_script_cannot_be_closed_by_a_label():
+    t = Trace([TraceEvent(0, "compute", t_start=0.0, t_end=1.0, tags={"name": "</script><b>x"})])
+    page = timeline(t).to_html()
+    assert page.count("</script>") == 1 and "<b>x" not in page
+
+
+def test_without_the_player_there_is_no_animation_root():
+    page = timeline(synthetic(), playable=False).to_html()
+    assert 'class="tl-timeline"' in page and "tl-animation" not in page
+    assert 'class="tl-play"' not in page and "data-frame=" not in page
+    assert 'class="tl-ghost"' not in page  # no cursor, so nothing waits to be revealed
+
+
+def test_save_writes_a_standalone_page(tmp_path):
+    path = timeline(synthetic(), title="saved").save(str(tmp_path / "t.html"))
+    text = open(path, encoding="utf-8").read()
+    assert text.startswith("<!doctype html>") and "<title>saved</title>" in text
+    assert "tl-timeline" in repr(timeline(synthetic())._repr_html_())
+
+
+# --- a real launch -------------------------------------------------------------------------------
+
+
+def _overlap_worker(ctx):
+    """A p2p transfer issued before backward and waited for after it: in flight throughout."""
+    import torch.distributed as dist
+    dist.barrier()  # untraced: start together, so the picture is not skewed by process start-up
+    tracer = ctx.tracer
+    with tracer.tags(microbatch=0):
+        with tracer.span("forward"):
+            time.sleep(0.01)
+        if ctx.rank == 0:
+            work = comm.isend(torch.ones(1024), dst=1)
+        else:
+            work = comm.irecv(torch.zeros(1024), src=0)
+        with tracer.span("backward"):
+            time.sleep(0.03)
+        work.wait()
+    comm.all_reduce(torch.ones(16))
+    return None
+
+
+@pytest.fixture(scope="module")
+def real_run():
+    return launch(_overlap_worker, 2, timeout=60)
+
+
+@pytest.mark.dist
+def test_drawn_bars_match_the_recorded_events(real_run):
+    trace = real_run.trace
+    assert sorted((e.rank, e.op) for e in trace) == [
+        (0, "all_reduce"), (0, "compute"), (0, "compute"), (0, "send"),
+        (1, "all_reduce"), (1, "compute"), (1, "compute"), (1, "recv")]
+    tl = timeline(trace)
+    rel = trace.relative()
+    assert len(tl.data["bars"]) == len(rel)
+    drawn = sorted((b["rank"], b["start"], b["end"]) for b in tl.data["bars"])
+    assert drawn == sorted((e.rank, e.t_start * 1000, e.t_end * 1000) for e in rel)
+    k = tl.data["plot_width"] / (tl.data["domain"][1] - tl.data["domain"][0])
+    for b in tl.data["bars"]:
+        assert b["x"] == pytest.approx(tl.data["x0"] + (b["start"] - tl.data["domain"][0]) * k)
+        assert b["lane"] == ("compute" if b["kind"] == "compute" else "comm")
+    assert {b["label"] for b in tl.data["bars"]} == {
+        "forward mb0", "backward mb0", "send \u2192 r1 mb0", "recv \u2190 r0 mb0", "all-reduce"}
+
+
+@pytest.mark.dist
+def test_an_async_op_visibly_overlaps_backward(real_run):
+    trace = real_run.trace
+    tl = timeline(trace)
+    for rank, op in ((0, "send"), (1, "recv")):
+        backward = trace.filter(rank=rank, op="compute", name="backward")[0]
+        transfer = trace.filter(rank=rank, op=op)[0]
+        # Issued before backward started, completed (wait) after it ended ...
+        assert transfer.t_start <= backward.t_start and backward.t_end <= transfer.t_end
+        # ... so all of backward's time is overlapped, exactly.
+        assert overlap_seconds(trace, rank, "backward", op=op) == backward.duration
+        assert overlap_seconds(trace, rank, "backward", op="all_reduce") == 0.0
+        # (the rest of the transfer's time: issue to backward, and waiting for the peer)
+        assert 0.0 < overlap_fraction(trace, rank, "backward", op=op) <= 1.0
+        # In the picture: the transfer's bar spans the backward bar, one row below it.
+        bw = bars_of(tl, rank=rank, label="backward mb0")[0]
+        tr = [b for b in tl.data["bars"] if b["rank"] == rank and b["tip_title"].startswith(op)][0]
+        assert tr["x"] <= bw["x"] and bw["x"] + bw["w"] <= tr["x"] + tr["w"] + 1e-9
+        assert tr["y"] > bw["y"]
+    busy = busy_fraction(trace)
+    assert set(busy) == {0, 1} and all(0.0 < v <= 1.0 for v in busy.values())
+
+
+# --- in a real browser -----------------------------------------------------------------------------
+
+
+def _wait_for(predicate, seconds=3.0):
+    deadline = time.time() + seconds
+    while not predicate() and time.time() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.browser
+@pytest.mark.dist
+def test_the_timeline_plays_and_explains_itself_in_chromium(tmp_path, chromium_browser, real_run):
+    """Two timelines on one page: Play moves one cursor, hover shows a tooltip, drag zooms."""
+    recorded = timeline(real_run.trace, title="A transfer in flight during backward")
+    made_up = timeline(synthetic(), title="Two buckets overlap backward")
+    page_file = tmp_path / "timeline.html"
+    page_file.write_text("<!doctype html><html><head><meta charset='utf-8'></head>"
+                         "<body style='margin:24px;background:#f6f8fa'>" + recorded.to_html()
+                         + made_up.to_html() + "</body></html>", encoding="utf-8")
+    page = chromium_browser.new_page(viewport={"width": 1000, "height": 1100})
+    try:
+        errors, requests = [], []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(page_file.as_uri())
+        first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
+        assert page.locator(".tl-animation").count() == 2
+        assert first.get_attribute("data-frame") == "0"
+        first_zoom = first.get_attribute("data-zoom")
+
+        # Play advances the first cursor only.
+        first.locator("button.tl-play").click()
+        assert _wait_for(lambda: int(first.get_attribute("data-frame")) > 0), \
+            "Play did not advance data-frame within 3 s"
+        assert second.get_attribute("data-frame") == "0"
+        first.locator("button.tl-play").click()  # pause
+
+        # The slider moves the second cursor: the caption and the revealed bars follow Python.
+        second.locator(".tl-slider").fill("9")
+        assert second.get_attribute("data-frame") == "9"
+        frame = made_up.data["frames"][9]
+        assert second.locator(".tl-anim-caption").inner_text() == frame["caption"]
+        shown = second.locator(".tl-solid").evaluate_all(
+            "rs => rs.filter(r => r.getAttribute('display') !== 'none').length")
+        assert shown == sum(1 for b in made_up.data["bars"] if b["start"] <= frame["t"])
+        assert second.locator(".tl-bar.tl-on").count() == sum(len(v) for v in frame["doing"].values())
+        assert second.locator(".tl-cursor").get_attribute("display") == "inline"
+
+        # Hovering a bar shows its tooltip; leaving hides it.
+        tip = second.locator(".tl-tooltip")
+        assert not tip.is_visible()
+        second.locator(".tl-bar[data-kind='pp']").hover()  # not reached yet: its ghost shows
+        assert tip.is_visible()
+        text = tip.inner_text()
+        assert "recv on the pp group" in text and "bfloat16" in text and "8 B" in text
+        assert "duration" in text and f"{MS:.3f} ms" in text
+        page.mouse.move(2, 2)
+        assert not tip.is_visible()
+
+        # Dragging across the chart zooms; Reset zoom goes back.
+        before = second.get_attribute("data-zoom")
+        chart = second.locator("svg.tl-chart").bounding_box()
+        scale = chart["width"] / made_up.data["width"]
+        x_a = chart["x"] + (tlmod.LEFT + 200) * scale
+        x_b = chart["x"] + (tlmod.LEFT + 400) * scale
+        y = chart["y"] + 60 * scale
+        page.mouse.move(x_a, y)
+        page.mouse.down()
+        page.mouse.move(x_b, y, steps=4)
+        page.mouse.up()
+        z0, z1 = map(float, second.get_attribute("data-zoom").split())
+        d0, d1 = made_up.data["domain"]
+        pw = made_up.data["plot_width"]
+        assert z0 == pytest.approx(d0 + 200 / pw * (d1 - d0), abs=0.2)
+        assert z1 == pytest.approx(d0 + 400 / pw * (d1 - d0), abs=0.2)
+        assert first.get_attribute("data-zoom") == first_zoom  # the other chart did not zoom
+        page.mouse.move(2, 2)
+        page.screenshot(path=str(tmp_path / "timeline_zoomed.png"), full_page=True)
+        second.locator(".tl-zoom-reset").click()
+        assert second.get_attribute("data-zoom") == before
+
+        page.screenshot(path=str(tmp_path / "timeline.png"), full_page=True)
+        assert errors == [], errors
+        assert all(u.startswith("file:") for u in requests), requests
+    finally:
+        page.close()

@@ -1,0 +1,466 @@
+"""Data parallelism: replicas average their gradients once per optimizer step.
+
+Every data-parallel (DP) replica holds the same parameters (or, with tensor
+parallelism, the same TP shard of them) and sees different samples.  After the
+backward pass each replica has the gradient of *its* samples; averaging over the
+replicas gives the gradient of the whole global batch, so every replica takes
+the same optimizer step and the replicas never drift apart.  This file builds
+that in four parts, one section each:
+
+1. **Domains.**  Dense parameters are replicated over the ``dp`` group; routed
+   experts over the ``expert_dp`` group (each expert lives on one EP rank, so
+   fewer ranks hold a copy of it).  A parameter names its domain with an
+   attribute, and everything below groups parameters by domain.
+2. **Bucketed all-reduce, overlapped with backward** (:class:`DataParallel`).
+   Gradients are copied into a few flat buffers ("buckets") in reverse order of
+   use; the moment a bucket's last gradient arrives, its all-reduce starts in
+   the background while backward carries on with earlier layers.  With gradient
+   accumulation only the last microbatch communicates (:meth:`DataParallel.no_sync`).
+3. **Global gradient-norm clipping** (:func:`clip_grad_norm_`): every parameter
+   of the model-parallel model counted exactly once.
+4. **ZeRO-1** (:class:`DistributedOptimizer`): a reduce-scatter instead of the
+   all-reduce, so each DP rank updates (and keeps Adam state for) only 1/DP of
+   the parameters, then an all-gather of the updated parameters.
+
+The attribute contract (set by the layers that create parameters, read here):
+
+``param.tensor_model_parallel = True``
+    The parameter is a *shard*: each rank of its domain's tensor-parallel group
+    (``tp``; ``expert_tp`` for experts) holds a different piece (column- and
+    row-parallel weights, column-parallel biases, vocab-parallel embeddings).
+    Absent or ``False``: every TP rank holds an identical copy (LayerNorm,
+    row-parallel bias).  Set it with :func:`mark_tensor_parallel`.
+``param.allreduce_group = "expert_dp"``
+    The gradient domain: the group kind the gradient is averaged over.  Absent:
+    the default (``"dp"``).  One of :data:`DOMAINS`.  Set it with
+    :func:`set_grad_domain`.
+
+Every event is recorded through the tracer: bucket all-reduces carry
+``phase="backward"``, ``bucket=<index>`` and ``overlap`` (started from a hook
+during backward, or afterwards); clipping carries ``phase="clip_grad"``; ZeRO's
+reduce-scatter and all-gather carry ``phase="optimizer"`` and ``zero=1``.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import comm, parallel_state
+from .trace import get_tracer
+
+# --- 1. the attribute contract and the gradient domains ----------------------------------
+
+TENSOR_PARALLEL_ATTR = "tensor_model_parallel"
+"""Attribute name: ``True`` on parameters that are TP shards (Megatron's name)."""
+
+GRAD_DOMAIN_ATTR = "allreduce_group"
+"""Attribute name: the group kind a parameter's gradient is averaged over."""
+
+
+@dataclass(frozen=True)
+class GradDomain:
+    """The groups one kind of parameter lives in."""
+
+    data_parallel_group: str
+    """Replicas of the same values: gradients are averaged over this group."""
+    tensor_parallel_group: str
+    """Parameters marked ``tensor_model_parallel`` are split over it; the others are copies."""
+    model_parallel_groups: tuple[str, ...]
+    """Groups whose ranks hold *different* pieces of the model: the norm sums over them."""
+
+
+DOMAINS = {
+    "dp": GradDomain("dp", "tp", ("tp", "pp")),
+    # With context parallelism the dense weights are also replicated over CP ranks.
+    "dp_cp": GradDomain("dp_cp", "tp", ("tp", "pp")),
+    "expert_dp": GradDomain("expert_dp", "expert_tp", ("expert_tp", "ep", "pp")),
+}
+
+
+def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.Tensor:
+    """Mark ``param`` as a TP shard split along ``partition_dim``."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim  # not read here; what a checkpoint gather needs
+    return param
+
+
+def set_grad_domain(param: torch.Tensor, domain: str) -> torch.Tensor:
+    """Average ``param``'s gradient over ``domain`` (e.g. ``"expert_dp"`` for an expert)."""
+    _check_domain(domain)
+    param.allreduce_group = domain
+    return param
+
+
+def grad_domain(param: torch.Tensor, default: str = "dp") -> str:
+    """The domain ``param`` belongs to: its ``allreduce_group`` attribute, else ``default``."""
+    return _check_domain(getattr(param, GRAD_DOMAIN_ATTR, default))
+
+
+def _check_domain(domain: str) -> str:
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown gradient domain {domain!r}: {GRAD_DOMAIN_ATTR} must be one of "
+                         f"{', '.join(DOMAINS)} (dense weights 'dp', routed experts 'expert_dp')")
+    return domain
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, TENSOR_PARALLEL_ATTR, False))
+
+
+def counts_in_grad_norm(param: torch.Tensor, domain: str) -> bool:
+    """True on the ranks that add ``param`` to the norm: every rank for a TP shard
+    (the shards differ), only TP rank 0 for a copy (so it is counted once)."""
+    tp_group = DOMAINS[domain].tensor_parallel_group
+    return is_tensor_parallel(param) or parallel_state.get_rank_in(tp_group) == 0
+
+
+# --- 2. bucketed all-reduce, overlapped with backward -------------------------------------
+
+DEFAULT_BUCKET_SIZE_BYTES = 40_000_000
+"""Megatron's default bucket is 40M elements; ours counts bytes so small models get several."""
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel together in one all-reduce."""
+
+    index: int
+    """Position in launch order; every rank launches buckets in this order."""
+    domain: str
+    """The group kind its gradients are averaged over."""
+    params: list
+    """Its parameters; each one's ``main_grad`` is a view into :attr:`grad_buffer`."""
+    grad_buffer: torch.Tensor
+    """The flat gradient buffer that is all-reduced."""
+    ready: set = field(default_factory=set)
+    """``id`` of each parameter whose last-microbatch gradient has arrived."""
+    work: comm.TracedWork | None = None
+    """The all-reduce in flight, once launched."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad_buffer.numel() * self.grad_buffer.element_size()
+
+
+def build_buckets(params, bucket_size_bytes: float, default_domain: str = "dp") -> list[list]:
+    """Split ``params`` into buckets of about ``bucket_size_bytes``, in reverse order.
+
+    Backward produces gradients roughly in reverse order of registration (last
+    layer first), so filling buckets from the end lets the first bucket start its
+    all-reduce while backward is still early.  A bucket holds one domain and one
+    dtype; it closes once it holds at least ``bucket_size_bytes`` (0: one
+    parameter per bucket; ``math.inf``: one bucket per domain).
+    """
+    if bucket_size_bytes < 0:
+        raise ValueError(f"bucket_size_bytes must be >= 0, got {bucket_size_bytes}")
+    open_buckets: dict[tuple, list] = {}
+    buckets = []
+    for param in reversed(list(params)):
+        key = (grad_domain(param, default_domain), param.dtype)
+        bucket = open_buckets.setdefault(key, [])
+        if not bucket:
+            buckets.append(bucket)
+        bucket.append(param)
+        if sum(p.numel() * p.element_size() for p in bucket) >= bucket_size_bytes:
+            del open_buckets[key]
+    return buckets
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that its gradients are averaged over its DP domains.
+
+    One optimizer step with gradient accumulation over M microbatches::
+
+        model.zero_grad()                     # zeroes the bucket buffers
+        for i, batch in enumerate(microbatches):
+            with model.no_sync() if i < M - 1 else contextlib.nullcontext():
+                (loss_fn(model(batch)) / M).backward()
+        model.finish_grad_sync()              # wait; param.grad now holds the average
+        optimizer.step()
+
+    ``bucket_size_bytes=0, overlap=False`` is the baseline: one all-reduce per
+    parameter, all issued after backward.  ``overlap=True`` starts each bucket's
+    all-reduce from a gradient hook on the last microbatch.
+    """
+
+    def __init__(self, module: nn.Module, group: str = "dp",
+                 bucket_size_bytes: float = DEFAULT_BUCKET_SIZE_BYTES, overlap: bool = True):
+        super().__init__()
+        self.module = module
+        self.overlap = overlap
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        for index, members in enumerate(build_buckets(params, bucket_size_bytes, group)):
+            domain = grad_domain(members[0], group)
+            buffer = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype)
+            bucket = Bucket(index, domain, members, buffer)
+            offset = 0
+            for p in members:
+                p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self._bucket_of[id(p)] = bucket
+            self.buckets.append(bucket)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._sync_enabled = True
+        self._next_to_launch = 0
+        self._synced = False  # True from finish_grad_sync until the buffers are zeroed
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward inside this block accumulates gradients without communicating."""
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """Runs after autograd accumulated ``param.grad``: move it into its bucket."""
+        if self._synced:
+            raise RuntimeError("backward after finish_grad_sync() without zeroing: call "
+                               "model.zero_grad() (or zero_grad_buffer()) at the start of each step")
+        bucket = self._bucket_of[id(param)]
+        if bucket.work is not None:
+            raise RuntimeError(f"a gradient arrived for bucket {bucket.index} after its all-reduce "
+                               f"started: with gradient accumulation, run every backward but the "
+                               f"last inside model.no_sync()")
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self._sync_enabled and self.overlap:
+            bucket.ready.add(id(param))
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self, everything: bool = False) -> None:
+        # Collectives on a group must be issued in the same order on every rank, so a
+        # bucket that is ready early still waits for the buckets before it.
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if not everything and len(bucket.ready) < len(bucket.params):
+                return
+            # Scale before summing so that low-precision sums of many replicas cannot overflow.
+            bucket.grad_buffer.div_(parallel_state.get_size(bucket.domain))
+            bucket.work = comm.all_reduce(bucket.grad_buffer, group=bucket.domain, async_op=True,
+                                          tags={"phase": "backward", "bucket": bucket.index,
+                                                "overlap": not everything})
+            self._next_to_launch += 1
+
+    def finish_grad_sync(self) -> None:
+        """Launch the buckets not launched yet, wait for all; ``param.grad`` = the average."""
+        for bucket in self.buckets[self._next_to_launch:]:
+            for p in bucket.params:  # gradients no hook moved (set by hand)
+                if p.grad is not None and p.grad is not p.main_grad:
+                    p.main_grad.add_(p.grad)
+        self._launch_ready_buckets(everything=True)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for p in bucket.params:
+                p.grad = p.main_grad
+        self._synced = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every bucket and forget the last step's launches; call once per step."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # never zero a buffer a collective is still writing
+            bucket.grad_buffer.zero_()
+            bucket.ready.clear()
+            bucket.work = None
+            for p in bucket.params:
+                p.grad = None
+        self._next_to_launch = 0
+        self._synced = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffer()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+
+
+# --- 3. global gradient-norm clipping ------------------------------------------------------
+#
+# The norm of the model's gradient is sqrt(sum of g**2 over every parameter of the
+# *whole* model, each counted once).  After the DP sync every DP replica holds the
+# same gradients, so nothing is summed over DP.  Within one replica:
+#   * a TP shard holds a different piece on every TP rank: sum over the TP group;
+#   * a TP copy (LayerNorm, row-parallel bias) is identical on every TP rank: count
+#     it on TP rank 0 only, then the same TP sum adds it once;
+#   * pipeline stages hold different layers: sum over the PP group;
+#   * experts live on different EP ranks: their squares are summed over EP (and
+#     expert-TP, PP), i.e. over the groups of the expert domain.
+# With ZeRO the gradients are sharded over DP too, so there the DP group is added.
+
+
+def _reduce_squared_norms(squares: dict[str, torch.Tensor],
+                          sharded_over_data_parallel: bool = False) -> torch.Tensor:
+    """Sum each domain's local squared norm over the groups holding distinct pieces."""
+    total = torch.zeros(1, dtype=torch.float32)
+    for name in sorted(squares):  # the same order on every rank
+        domain, square = DOMAINS[name], squares[name].reshape(1).float()
+        groups = domain.model_parallel_groups
+        if sharded_over_data_parallel:
+            groups = (domain.data_parallel_group,) + groups
+        for group in groups:
+            if parallel_state.get_size(group) > 1:  # a group of one rank has nothing to add
+                comm.all_reduce(square, group=group)
+        total += square
+    return total.sqrt()
+
+
+def get_grad_norm(params, default_domain: str = "dp") -> torch.Tensor:
+    """The global L2 norm of the gradients of the model-parallel model (DP-synced grads)."""
+    squares: dict[str, torch.Tensor] = {}
+    for p in params:
+        domain = grad_domain(p, default_domain)
+        square = squares.setdefault(domain, torch.zeros(1, dtype=torch.float32))
+        if p.grad is not None and counts_in_grad_norm(p, domain):
+            square += p.grad.detach().float().square().sum()
+    with get_tracer().tags(phase="clip_grad"):
+        return _reduce_squared_norms(squares)
+
+
+def clip_grad_norm_(params, max_norm: float, default_domain: str = "dp",
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Scale every gradient by ``min(1, max_norm / (norm + eps))``; return the norm.
+
+    The same rule as ``torch.nn.utils.clip_grad_norm_``, but with the norm taken
+    over the whole model-parallel model.  Call it on every rank, after the DP sync.
+    """
+    params = list(params)
+    norm = get_grad_norm(params, default_domain)
+    scale = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    return norm
+
+
+# --- 4. ZeRO-1: the distributed optimizer --------------------------------------------------
+
+
+class ShardedBuffer:
+    """One domain's parameters as one flat vector, cut into DP-many equal shards.
+
+    The flat length is padded to a multiple of the DP size so every shard has the
+    same length (the reduce-scatter and all-gather need that).  This rank owns
+    ``[shard_start, shard_start + shard_numel)`` and keeps the fp32 master copy of
+    that slice only, in :attr:`main_param`.
+    """
+
+    def __init__(self, domain: str, params: list):
+        self.domain, self.params = domain, params
+        self.group = DOMAINS[domain].data_parallel_group
+        size, rank = parallel_state.get_size(self.group), parallel_state.get_rank_in(self.group)
+        self.numel = sum(p.numel() for p in params)
+        self.padded_numel = math.ceil(self.numel / size) * size
+        self.shard_numel = self.padded_numel // size
+        self.shard_start = rank * self.shard_numel
+        self.ranges, offset = [], 0
+        for p in params:
+            self.ranges.append((offset, offset + p.numel()))
+            offset += p.numel()
+        mine = slice(self.shard_start, self.shard_start + self.shard_numel)
+        flat_params = self._flatten([p.detach() for p in params])
+        self.main_param = nn.Parameter(flat_params[mine].clone())
+        self.main_param.grad = torch.zeros_like(self.main_param)
+        counts = self._flatten([torch.full_like(p, float(counts_in_grad_norm(p, domain)))
+                                for p in params])
+        self.norm_mask = counts[mine].clone()
+        """1 where this rank adds the element to the gradient norm, 0 for TP copies off rank 0."""
+
+    def _flatten(self, tensors) -> torch.Tensor:
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32)
+        for t, (start, end) in zip(tensors, self.ranges):
+            if t is not None:
+                flat[start:end] = t.reshape(-1)
+        return flat
+
+    def reduce_scatter_grads(self) -> None:
+        """``main_param.grad`` = this rank's slice of the DP-averaged gradient."""
+        flat_grads = self._flatten([p.grad for p in self.params])
+        flat_grads.div_(parallel_state.get_size(self.group))
+        comm.reduce_scatter(self.main_param.grad, flat_grads, group=self.group)
+
+    def all_gather_params(self) -> None:
+        """Every rank's updated slice, concatenated, copied back into the parameters."""
+        flat_params = torch.empty(self.padded_numel, dtype=torch.float32)
+        comm.all_gather(flat_params, self.main_param.detach(), group=self.group)
+        for p, (start, end) in zip(self.params, self.ranges):
+            p.copy_(flat_params[start:end].view_as(p))
+
+
+class DistributedOptimizer:
+    """ZeRO stage 1: each DP rank keeps optimizer state for 1/DP of the parameters.
+
+    ``step()`` replaces the DP all-reduce: it reduce-scatters the accumulated
+    gradients (this rank receives the average of its slice), optionally clips,
+    updates its slice with the wrapped optimizer, and all-gathers the parameters.
+    Use it on an unwrapped model (no :class:`DataParallel`): gradient accumulation
+    is plain autograd accumulation, and the only communication is in ``step()``.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.Adam, group: str = "dp",
+                 max_grad_norm: float | None = None, **optimizer_kwargs):
+        params = [p for p in params if p.requires_grad]
+        by_domain: dict[str, list] = {}
+        for p in params:
+            by_domain.setdefault(grad_domain(p, group), []).append(p)
+        self.params = params
+        self.buffers = [ShardedBuffer(name, by_domain[name]) for name in sorted(by_domain)]
+        self.optimizer = optimizer_class([b.main_param for b in self.buffers], **optimizer_kwargs)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        with get_tracer().tags(phase="optimizer", zero=1):
+            for buffer in self.buffers:
+                buffer.reduce_scatter_grads()
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = self._clip_grad_norm(self.max_grad_norm)
+            self.optimizer.step()
+            for buffer in self.buffers:
+                buffer.all_gather_params()
+
+    def _clip_grad_norm(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        # The gradients are now sharded over DP as well: the DP group joins the sum.
+        squares = {b.domain: (b.main_param.grad.square() * b.norm_mask).sum() for b in self.buffers}
+        with get_tracer().tags(phase="clip_grad"):
+            norm = _reduce_squared_norms(squares, sharded_over_data_parallel=True)
+        scale = torch.clamp(max_norm / (norm + eps), max=1.0)
+        for b in self.buffers:
+            b.main_param.grad.mul_(scale)
+        return norm
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps for the optimizer: fp32 master slice + the wrapped state."""
+        out = {"master_params": sum(b.main_param.numel() * 4 for b in self.buffers)}
+        out.update(optimizer_state_bytes(self.optimizer))
+        return out
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of each per-parameter state tensor (Adam: ``exp_avg``, ``exp_avg_sq``)."""
+    out: dict[str, int] = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":  # step is one scalar
+                out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    return out

@@ -1,0 +1,522 @@
+"""Tensor parallelism: conjugate communication pairs, parallel layers, vocab-parallel loss.
+
+Read it top to bottom, like the chapter:
+
+1. **Who am I in the TP group.**  Every function takes ``tp_group``: a group kind
+   (``"tp"``, the default) or ``None`` for *serial*.  Outside a launch (no groups
+   built) every layer is its own serial self, so the TP=1 reference is this same code.
+2. **The conjugate pairs** (Megatron's ``mappings.py``).  Each communication is an
+   ``autograd.Function`` named after what its *forward* does; its backward is the
+   conjugate (the transpose) of the forward:
+
+   ======================================================  ======================  ======================
+   function                                                forward                 backward
+   ======================================================  ======================  ======================
+   ``copy_to_tensor_model_parallel_region``                identity                all-reduce
+   ``reduce_from_tensor_model_parallel_region``            all-reduce              identity
+   ``scatter_to_tensor_model_parallel_region``             split last dim          all-gather last dim
+   ``gather_from_tensor_model_parallel_region``            all-gather last dim     split last dim
+   ``scatter_to_sequence_parallel_region``                 split seq dim           all-gather seq dim
+   ``gather_from_sequence_parallel_region``                all-gather seq dim      reduce-scatter seq dim
+   ``reduce_scatter_to_sequence_parallel_region``          reduce-scatter seq dim  all-gather seq dim
+   ======================================================  ======================  ======================
+
+   Every collective goes through :mod:`tutorial_lib.comm` on the ``tp`` group, tagged
+   ``phase="forward"|"backward"`` and ``op_name=<function name>``, so traces count them.
+   With TP size 1 each function returns its input and issues no collective.
+3. **The layers**: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+   :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy`.  Each
+   layer builds the *full* master weight from ``torch.Generator().manual_seed(seed)``
+   exactly as its serial counterpart (:func:`serial_linear`, :func:`serial_embedding`)
+   would, then keeps its slice (Megatron's ``_initialize_affine_weight_cpu``): every
+   shard *is* the matching slice of the serial layer.
+4. **Sequence-parallel gradients**: :func:`allreduce_sequence_parallel_grads`.
+
+Layout: activations are ``[s, b, h]`` (sequence, batch, hidden) as in Megatron, so
+the sequence dimension is dim 0, the one :func:`comm.all_gather` and
+:func:`comm.reduce_scatter` work along.  Last-dimension gathers use the same dim-0
+collectives followed by a split-and-concatenate.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import comm, parallel_state
+from .trace import get_tracer
+
+__all__ = [
+    "tensor_parallel_size", "tensor_parallel_rank", "divide",
+    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "init_linear_master", "init_embedding_master", "serial_linear", "serial_embedding",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy", "allreduce_sequence_parallel_grads",
+]
+
+# --- 1. who am I in the TP group ------------------------------------------------------
+
+
+def tensor_parallel_size(tp_group: str | None = "tp") -> int:
+    """Ranks in this rank's TP group; 1 when serial (``None``) or when no groups are built."""
+    if tp_group is None or not parallel_state.is_initialized():
+        return 1
+    return parallel_state.get_size(tp_group)
+
+
+def tensor_parallel_rank(tp_group: str | None = "tp") -> int:
+    """This rank's index inside its TP group (0 when serial)."""
+    if tensor_parallel_size(tp_group) == 1:
+        return 0
+    return parallel_state.get_rank_in(tp_group)
+
+
+def divide(numerator: int, denominator: int, what: str,
+           by: str = "tensor_model_parallel_size") -> int:
+    """``numerator // denominator``, or a ``ValueError`` that names the rule and a fix."""
+    if numerator % denominator:
+        lower = numerator // denominator * denominator
+        options = f"{lower} or {lower + denominator}" if lower else f"{denominator}"
+        raise ValueError(f"{what} ({numerator}) must be divisible by {by} ({denominator}); "
+                         f"try {what} = {options}")
+    return numerator // denominator
+
+
+def _tags(op_name: str, phase: str):
+    return get_tracer().tags(op_name=op_name, phase=phase)
+
+
+# --- the primitive moves (each issues at most one traced collective) -------------------
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    out = x.contiguous().clone()  # never reduce in place: autograd may still need x
+    return comm.all_reduce(out, group=group)
+
+
+def _split(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    size, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+    divide(x.shape[dim], size, "seq_length" if dim == 0 else "the last dimension")
+    return x.chunk(size, dim=dim)[rank].contiguous()
+
+
+def _gather_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
+    size = tensor_parallel_size(group)
+    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return comm.all_gather(out, x.contiguous(), group=group)
+
+
+def _gather_last_dim(x: torch.Tensor, group: str) -> torch.Tensor:
+    # comm gathers along dim 0: [T*s, b, h/T]; cut it back into T pieces, glue them on the last dim.
+    stacked = _gather_first_dim(x, group)
+    return torch.cat(stacked.chunk(tensor_parallel_size(group), dim=0), dim=-1).contiguous()
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
+    size = tensor_parallel_size(group)
+    divide(x.shape[0], size, "seq_length")
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return comm.reduce_scatter(out, x.contiguous(), group=group)
+
+
+# --- 2. the conjugate pairs -------------------------------------------------------------
+
+
+class _CopyToTensorModelParallelRegion(torch.autograd.Function):
+    """Forward: identity (every TP rank gets the same X).  Backward: all-reduce dX."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _tags("copy_to_tensor_model_parallel_region", "backward"):
+            return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
+    """Forward: all-reduce the partial sums.  Backward: identity (dY is already replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        with _tags("reduce_from_tensor_model_parallel_region", "forward"):
+            return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
+    """Forward: keep my slice of the last dim.  Backward: all-gather the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _tags("scatter_to_tensor_model_parallel_region", "backward"):
+            return _gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the last dim.  Backward: keep my slice of the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        with _tags("gather_from_tensor_model_parallel_region", "forward"):
+            return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: keep my slice of the sequence.  Backward: all-gather the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _tags("scatter_to_sequence_parallel_region", "backward"):
+            return _gather_first_dim(grad, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the sequence.  Backward: reduce-scatter the sequence.
+
+    The backward sums because the gathered tensor feeds tensor-parallel matmuls: each
+    TP rank's gradient is a partial sum.  With ``tensor_parallel_output_grad=False``
+    (the consumer is replicated, so every rank already holds the full gradient) the
+    backward only keeps this rank's slice, as in Megatron.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
+        with _tags("gather_from_sequence_parallel_region", "forward"):
+            return _gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.reduce:
+            return _split(grad, 0, ctx.group), None, None
+        with _tags("gather_from_sequence_parallel_region", "backward"):
+            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: reduce-scatter the partial sums along the sequence.  Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        with _tags("reduce_scatter_to_sequence_parallel_region", "forward"):
+            return _reduce_scatter_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _tags("reduce_scatter_to_sequence_parallel_region", "backward"):
+            return _gather_first_dim(grad, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(x, tp_group="tp"):
+    """Identity forward, all-reduce backward: enters a column-parallel matmul."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _CopyToTensorModelParallelRegion.apply(x, tp_group)
+
+
+def reduce_from_tensor_model_parallel_region(x, tp_group="tp"):
+    """All-reduce forward, identity backward: leaves a row-parallel matmul."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _ReduceFromTensorModelParallelRegion.apply(x, tp_group)
+
+
+def scatter_to_tensor_model_parallel_region(x, tp_group="tp"):
+    """Split the last dim forward, all-gather it backward."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _ScatterToTensorModelParallelRegion.apply(x, tp_group)
+
+
+def gather_from_tensor_model_parallel_region(x, tp_group="tp"):
+    """All-gather the last dim forward, split it backward."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _GatherFromTensorModelParallelRegion.apply(x, tp_group)
+
+
+def scatter_to_sequence_parallel_region(x, tp_group="tp"):
+    """Split the sequence (dim 0) forward, all-gather it backward."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _ScatterToSequenceParallelRegion.apply(x, tp_group)
+
+
+def gather_from_sequence_parallel_region(x, tp_group="tp", tensor_parallel_output_grad=True):
+    """All-gather the sequence (dim 0) forward, reduce-scatter it backward."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, tp_group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp"):
+    """Reduce-scatter the sequence (dim 0) forward, all-gather it backward."""
+    if tensor_parallel_size(tp_group) == 1:
+        return x
+    return _ReduceScatterToSequenceParallelRegion.apply(x, tp_group)
+
+
+# --- 3. one seed, one master weight, many shards ------------------------------------------
+
+
+def init_linear_master(input_size: int, output_size: int, bias: bool = True, seed: int = 0):
+    """The full ``[output_size, input_size]`` weight (and bias) a serial layer would get.
+
+    ``torch.nn.Linear``'s distribution, U(-1/sqrt(in), 1/sqrt(in)), drawn from one seeded
+    generator (weight first, then bias), so every TP size slices the same numbers.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(input_size)
+    weight = torch.empty(output_size, input_size).uniform_(-bound, bound, generator=generator)
+    bias_ = torch.empty(output_size).uniform_(-bound, bound, generator=generator) if bias else None
+    return weight, bias_
+
+
+def init_embedding_master(num_embeddings: int, embedding_dim: int, seed: int = 0) -> torch.Tensor:
+    """The full ``[num_embeddings, embedding_dim]`` table, N(0, 1) like ``torch.nn.Embedding``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.empty(num_embeddings, embedding_dim).normal_(0.0, 1.0, generator=generator)
+
+
+def serial_linear(input_size: int, output_size: int, bias: bool = True,
+                  seed: int = 0) -> torch.nn.Linear:
+    """The plain ``nn.Linear`` whose slices the parallel linears hold (the TP=1 reference)."""
+    weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
+    layer = torch.nn.Linear(input_size, output_size, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias:
+            layer.bias.copy_(bias_)
+    return layer
+
+
+def serial_embedding(num_embeddings: int, embedding_dim: int, seed: int = 0) -> torch.nn.Embedding:
+    """The plain ``nn.Embedding`` whose vocabulary ranges the parallel embedding holds."""
+    layer = torch.nn.Embedding(num_embeddings, embedding_dim)
+    with torch.no_grad():
+        layer.weight.copy_(init_embedding_master(num_embeddings, embedding_dim, seed))
+    return layer
+
+
+def _shard_parameter(full: torch.Tensor, dim: int | None, group) -> torch.nn.Parameter:
+    """My slice of ``full`` along ``dim`` (``None``: replicated), flagged like Megatron's."""
+    size, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+    data = full if dim is None else full.chunk(size, dim=dim)[rank]
+    param = torch.nn.Parameter(data.clone())
+    param.tensor_model_parallel = dim is not None
+    param.partition_dim = dim
+    return param
+
+
+# --- 4. the layers -------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split by output features: ``A = [A_1 ... A_T]``.
+
+    Weight shard ``[output_size / T, input_size]``.  The input enters through
+    :func:`copy_to_tensor_model_parallel_region` (backward: all-reduce dX), or, with
+    ``sequence_parallel``, is all-gathered from ``[s/T, b, in]`` by
+    :func:`gather_from_sequence_parallel_region` (backward: reduce-scatter dX).
+    The output stays split ``[..., output_size / T]`` unless ``gather_output``.
+
+    Unlike Megatron, which all-gathers the sequence-parallel input a second time in
+    backward to compute dW (so as not to keep ``[s, b, in]`` alive), autograd keeps the
+    gathered input here: one collective less, a little more memory.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, seed: int = 0,
+                 tp_group: str | None = "tp"):
+        super().__init__()
+        self.tp_group = tp_group
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, tensor_parallel_size(tp_group),
+                                                "output_size")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
+        self.weight = _shard_parameter(weight, 0, tp_group)
+        self.bias = _shard_parameter(bias_, 0, tp_group) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split by input features: ``A = [A_1; ...; A_T]``.
+
+    Weight shard ``[output_size, input_size / T]``.  Each rank's ``X_i A_i`` is a
+    partial sum: it leaves through :func:`reduce_from_tensor_model_parallel_region`
+    (all-reduce) or, with ``sequence_parallel``,
+    :func:`reduce_scatter_to_sequence_parallel_region` (to ``[s/T, b, out]``).  The
+    bias is replicated and added *after* the reduction (else it would be added T times).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, seed: int = 0,
+                 tp_group: str | None = "tp"):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel=True needs "
+                             "input_is_parallel=True: its input must already be split by "
+                             "features (the output of a ColumnParallelLinear), as in Megatron")
+        self.tp_group = tp_group
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, tensor_parallel_size(tp_group), "input_size")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
+        self.weight = _shard_parameter(weight, 1, tp_group)
+        self.bias = _shard_parameter(bias_, None, tp_group) if bias else None
+        if self.bias is not None:
+            # With sequence parallelism each rank adds the bias to its own tokens only,
+            # so its gradient is a partial sum (see allreduce_sequence_parallel_grads).
+            self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """An embedding table split by vocabulary: TP rank i holds rows ``[i V/T, (i+1) V/T)``.
+
+    Ids outside my range look up row 0 and are then zeroed, so the sum over TP ranks
+    (:func:`reduce_from_tensor_model_parallel_region`) holds every token's one real row.
+    Ids ``[s, b]`` give ``[s, b, h]``; with ``sequence_parallel`` the sum is
+    reduce-scattered instead, giving this rank's ``[s/T, b, h]`` slice of the sequence.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, seed: int = 0,
+                 sequence_parallel: bool = False, tp_group: str | None = "tp"):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_rank = divide(num_embeddings, tensor_parallel_size(tp_group), "num_embeddings")
+        self.vocab_start_index = tensor_parallel_rank(tp_group) * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+        table = init_embedding_master(num_embeddings, embedding_dim, seed)
+        self.weight = _shard_parameter(table, 0, tp_group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(rows, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(rows, self.tp_group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Softmax cross-entropy over a vocabulary split across TP ranks; backward is local."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        size, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+        per_rank = logits.shape[-1]
+        start = rank * per_rank
+        with _tags("vocab_parallel_cross_entropy", "forward"):
+            # 1. the global max, for a stable exp (it cancels out of the loss)
+            logits_max = logits.max(dim=-1).values
+            if size > 1:
+                comm.all_reduce(logits_max, group=group, op="max")
+            shifted = logits - logits_max.unsqueeze(-1)
+            # 2. the target's logit: only the rank that owns the target id has it
+            outside = (target < start) | (target >= start + per_rank)
+            local_target = (target - start).masked_fill(outside, 0)
+            target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+            target_logit = target_logit.masked_fill(outside, 0.0)
+            # 3. the softmax denominator, summed over every rank's slice of the vocabulary
+            exp_logits = shifted.exp()
+            sum_exp = exp_logits.sum(dim=-1)
+            if size > 1:
+                comm.all_reduce(target_logit, group=group)
+                comm.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - target_logit
+        ctx.save_for_backward(exp_logits / sum_exp.unsqueeze(-1), local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # d loss / d logits = softmax - one_hot(target): both are known on my slice.
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
+                                 tp_group="tp") -> torch.Tensor:
+    """Per-token loss ``log sum_v exp(z_v) - z_target`` from this rank's ``[..., V/T]`` logits.
+
+    Forward: three all-reduces of one number per token (max, target logit, sum of
+    exponentials), never the ``[..., V]`` logits.  Backward: no communication.
+    ``target`` holds global vocabulary ids, the same on every TP rank.
+    """
+    vocab = logits_shard.shape[-1] * tensor_parallel_size(tp_group)
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
+        raise ValueError(f"target ids must lie in [0, {vocab}) (the vocabulary size), "
+                         f"got ids from {int(target.min())} to {int(target.max())}")
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group)
+
+
+# --- 5. sequence parallelism's extra gradient sync -------------------------------------------
+
+
+def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group="tp") -> None:
+    """Sum over TP the gradients of parameters flagged ``sequence_parallel=True``.
+
+    With sequence parallelism the LayerNorms (and the row-parallel biases) run on
+    ``[s/T, b, h]``: each TP rank saw only its own tokens, so its gradient of a
+    *replicated* weight is a partial sum over those tokens.  The true gradient is the
+    sum over TP ranks.  Call after backward, before the optimizer (in Megatron this is
+    part of ``finalize_model_grads``).  One all-reduce of one flat buffer, tagged
+    ``phase="grad_sync"``.
+    """
+    if tensor_parallel_size(tp_group) == 1:
+        return
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with _tags("allreduce_sequence_parallel_grads", "grad_sync"):
+        comm.all_reduce(flat, group=tp_group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))

@@ -1,0 +1,165 @@
+"""A pre-LayerNorm GPT block with tensor parallelism and optional sequence parallelism.
+
+Read it like nanoGPT's ``Block``: ``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))``.  The only
+differences are which linear layers are split, and the four places where TP ranks talk.
+
+Which projection is which, and where the collectives land (per block, per rank;
+activations ``[s, b, h]``, ``T`` TP ranks, fp32 so 4 bytes an element)::
+
+    layer                          split          forward                    backward
+    -----------------------------  -------------  -------------------------  -------------------------
+    input_layernorm                replicated     -                          -
+    self_attention.linear_qkv      column (heads) (enter: copy_to, nothing)  all-reduce dX   [s,b,h]
+    self_attention.linear_proj     row (heads)    all-reduce Y    [s,b,h]    (identity)
+    pre_mlp_layernorm              replicated     -                          -
+    mlp.linear_fc1                 column (ffn)   (enter: copy_to, nothing)  all-reduce dX   [s,b,h]
+    mlp.linear_fc2                 row (ffn)      all-reduce Y    [s,b,h]    (identity)
+
+Without sequence parallelism: **2 all-reduces forward and 2 backward**, each of
+``s*b*h`` elements.  With sequence parallelism (``sequence_parallel=True``) the block's input
+and output are ``[s/T, b, h]`` and each all-reduce splits into its two halves: an
+all-gather before each column-parallel layer (forward; its backward is a reduce-scatter)
+and a reduce-scatter after each row-parallel layer (forward; its backward an all-gather):
+2 all-gathers + 2 reduce-scatters forward, 2 reduce-scatters + 2 all-gathers backward,
+the same bytes on the wire as the all-reduces, but the LayerNorms, residuals (and any
+dropout) now run on ``1/T`` of the tokens.  Then one more all-reduce after backward: see
+:func:`allreduce_sequence_parallel_grads`.  :func:`block_collectives` lists all of this.
+
+Why the LayerNorm gradients need that all-reduce: the LayerNorm weights are *replicated*
+on every TP rank, but with sequence parallelism each rank normalises only its own
+``s/T`` tokens.  ``dgamma = sum over tokens of dy * x_hat``, so each rank holds the sum
+over its tokens only: a partial sum.  Summing over the TP group gives the full gradient
+(and keeps the replicas identical).  The row-parallel biases, added after the
+reduce-scatter, are in the same situation.  Such parameters carry
+``param.sequence_parallel = True``.
+
+**QKV layout.**  ``linear_qkv`` is ONE column-parallel layer of ``3h`` outputs whose rows
+are ordered head by head, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (Megatron's layout), not
+``[Q | K | V]`` (nanoGPT's ``c_attn``).  A contiguous slice of the rows is then a whole
+number of heads *with* their q, k and v, so cutting it T ways gives each rank complete
+heads; with ``[Q | K | V]`` rank 0 would get only queries.  The serial block (``tp_group=None``,
+or TP=1) is this same code with the same layout, so TP=N reproduces its numbers (to fp32
+rounding); a test checks the serial block against nanoGPT's ``[Q | K | V]`` formulation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_sequence_parallel_grads,
+    divide,
+    tensor_parallel_size,
+)
+
+__all__ = ["SelfAttention", "MLP", "TransformerBlock", "allreduce_sequence_parallel_grads",
+           "block_collectives", "sublayer_seed"]
+
+
+def sublayer_seed(seed: int, index: int) -> int:
+    """The seed of sublayer ``index`` (0 qkv, 1 proj, 2 fc1, 3 fc2) of a block seeded ``seed``."""
+    return 1000 * seed + index
+
+
+class SelfAttention(torch.nn.Module):
+    """Causal self-attention; each TP rank owns ``num_attention_heads / T`` whole heads."""
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, sequence_parallel: bool = False,
+                 seed: int = 0, tp_group: str | None = "tp"):
+        super().__init__()
+        tp = tensor_parallel_size(tp_group)
+        self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
+        self.heads_per_rank = divide(num_attention_heads, tp, "num_attention_heads")
+        self.linear_qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size,
+                                               sequence_parallel=sequence_parallel,
+                                               seed=sublayer_seed(seed, 0), tp_group=tp_group)
+        self.linear_proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
+                                             sequence_parallel=sequence_parallel,
+                                             seed=sublayer_seed(seed, 1), tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]; s is the full sequence
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)  # each [b, heads_per_rank, s, head_dim]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        return self.linear_proj(y)  # partial sums over heads, reduced across TP
+
+
+class MLP(torch.nn.Module):
+    """``fc2(gelu(fc1(x)))``: fc1 split by output (column), fc2 by input (row); GELU stays local."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, sequence_parallel: bool = False,
+                 seed: int = 0, tp_group: str | None = "tp"):
+        super().__init__()
+        self.linear_fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size,
+                                               sequence_parallel=sequence_parallel,
+                                               seed=sublayer_seed(seed, 2), tp_group=tp_group)
+        self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True,
+                                            sequence_parallel=sequence_parallel,
+                                            seed=sublayer_seed(seed, 3), tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class TransformerBlock(torch.nn.Module):
+    """LayerNorm -> attention -> residual -> LayerNorm -> MLP -> residual, on ``[s, b, h]``.
+
+    ``sequence_parallel``: input and output are this rank's ``[s/T, b, h]`` slice of the
+    sequence; call :func:`allreduce_sequence_parallel_grads` after backward.
+    ``tp_group=None`` builds the serial block (also what you get when no groups exist).
+    No dropout: with TP, ranks would draw different masks for one tensor (rule 7).
+    """
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int | None = None,
+                 sequence_parallel: bool = False, seed: int = 0, tp_group: str | None = "tp",
+                 layernorm_epsilon: float = 1e-5):
+        super().__init__()
+        ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
+        self.sequence_parallel = sequence_parallel
+        self.input_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.self_attention = SelfAttention(hidden_size, num_attention_heads, sequence_parallel,
+                                            seed, tp_group)
+        self.pre_mlp_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.mlp = MLP(hidden_size, ffn_hidden_size, sequence_parallel, seed, tp_group)
+        for layernorm in (self.input_layernorm, self.pre_mlp_layernorm):
+            for param in layernorm.parameters():
+                param.sequence_parallel = sequence_parallel  # partial grads under SP: see module doc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x))
+        x = x + self.mlp(self.pre_mlp_layernorm(x))
+        return x
+
+
+def block_collectives(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int,
+                      sequence_parallel: bool = False, bytes_per_element: int = 4) -> list[dict]:
+    """Every TP collective of one block's forward + backward on one rank, in issue order.
+
+    Each row: ``phase``, ``op_name`` (the conjugate function), ``op`` (the collective) and
+    ``bytes`` in :mod:`tutorial_lib.comm`'s convention (all-reduce: the tensor;
+    reduce-scatter: the full input; all-gather: this rank's shard).
+    """
+    if tp_size == 1:
+        return []
+    full = seq_length * micro_batch_size * hidden_size * bytes_per_element
+    if not sequence_parallel:
+        forward = [("forward", "reduce_from_tensor_model_parallel_region", "all_reduce", full)] * 2
+        backward = [("backward", "copy_to_tensor_model_parallel_region", "all_reduce", full)] * 2
+        rows = forward + backward
+    else:
+        tokens_per_rank = divide(seq_length, tp_size, "seq_length")
+        shard = tokens_per_rank * micro_batch_size * hidden_size * bytes_per_element
+        gather = "gather_from_sequence_parallel_region"
+        scatter = "reduce_scatter_to_sequence_parallel_region"
+        layer = [("forward", gather, "all_gather", shard), ("forward", scatter, "reduce_scatter", full)]
+        undo = [("backward", scatter, "all_gather", shard), ("backward", gather, "reduce_scatter", full)]
+        # 2 LayerNorms (weight + bias) and 2 row-parallel biases: 6h gradient elements in one buffer.
+        sync = [("grad_sync", "allreduce_sequence_parallel_grads", "all_reduce",
+                 6 * hidden_size * bytes_per_element)]
+        rows = layer * 2 + undo * 2 + sync
+    return [dict(zip(("phase", "op_name", "op", "bytes"), row)) for row in rows]

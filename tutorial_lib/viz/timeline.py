@@ -1,0 +1,999 @@
+"""Timelines: what every rank did, and when, drawn from a recorded trace.
+
+``timeline(launch(...).trace)`` draws one lane per rank with time on the x axis
+(milliseconds since the first recorded event).  Compute spans recorded with
+``tracer.span("backward", microbatch=0)`` are grey bars labelled by their name;
+every collective and point-to-point op is a bar coloured by the kind of group it
+ran on (the course's :data:`~tutorial_lib.viz.colors.KIND_COLORS`).  When a rank
+records both, its lane splits into a *compute* row and a *comm* row, so an
+asynchronous op in flight during a compute span shows as two bars stacked one
+above the other: the gradient buckets' all-reduces visibly overlapping backward.
+Ops that overlap each other (two buckets in flight) stack into extra rows.
+
+What a bar means: it runs from the moment the op was issued to the moment it
+completed.  For an asynchronous op (``comm.isend``/``irecv``, a bucket's
+all-reduce) "completed" is when ``wait()`` returned, so the bar is the time the
+op was *in flight*, not the time the bytes spent on the wire.
+
+The widget is one self-contained HTML fragment (inline SVG, CSS and a small
+script; no kernel, no external file), so it works in the static book:
+
+* hover a bar for its op, group, shape, dtype, bytes, duration and tags;
+* drag across the chart to zoom into a time range (Reset zoom goes back);
+* Play sweeps a cursor through time (40 steps by default): bars fill in as the
+  cursor passes them and the caption says what every rank is doing at that
+  instant.  Frame 0 is the overview (everything drawn, no cursor).
+
+The drawing code knows nothing about traces: it draws :class:`Span` objects
+(rank, start, end, label, kind, lane), so a *planned* schedule can be drawn by
+the same code, in its own lane, next to what a run recorded::
+
+    planned = [(0, 0.0, 1.0, "F0", "compute", "planned"), ...]
+    timeline_from_spans(planned + trace_spans(trace), lanes=["planned", "compute", "comm"])
+
+Pure helpers turn the same events into numbers a chapter can assert:
+:func:`overlap_seconds` (how much of some ops' time falls inside compute spans of
+one name: proof that bucket all-reduces overlap backward) and
+:func:`busy_fraction` / :func:`bubble_fraction` (how much of the step each rank
+spends working, or idle: the pipeline bubble).
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from ..trace import Trace, TraceEvent
+from .colors import KIND_COLORS, kind_color, text_color
+
+INK = "#1b1f24"      # text, outlines, the cursor
+MUTED = "#57606a"    # secondary text
+GRID = "#e3e7eb"     # vertical grid lines
+TRACK = "#f4f6f8"    # the background of one row of bars
+SEPARATOR = "#d8dee4"  # between ranks
+SANS = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
+
+#: Layout, in SVG pixels.
+LEFT = 128.0        # x of the plot's left edge (rank and lane labels sit left of it)
+RIGHT = 16.0        # margin right of the plot
+AXIS_H = 30.0       # height of the time axis above the lanes
+ROW_H = 18.0        # height of one bar
+ROW_GAP = 3.0       # between stacked rows of one lane
+LANE_GAP = 5.0      # between the lanes (compute, comm) of one rank
+BAND_PAD = 7.0      # above the first and below the last lane of a rank
+MIN_W = 1.5         # the narrowest bar drawn: a 10 us op still shows
+CHAR_W = 5.9        # width of one character of a 10.5 px bar label, for fitting labels
+CAPTION_CHAR_W = 6.6  # width of one character of the 13 px caption, for sizing its box
+TICK_SPACING = 90.0  # aim for one axis tick per this many pixels
+
+#: What the legend calls each kind.
+KIND_NAMES = {
+    "compute": "compute", "tp": "tensor parallel", "cp": "context parallel",
+    "dp": "data parallel", "dp_cp": "data \u00d7 context parallel", "pp": "pipeline",
+    "mp": "model parallel", "embedding": "embedding", "ep": "expert parallel",
+    "expert_tp": "expert tensor parallel", "expert_dp": "expert data parallel",
+    "world": "all ranks", "custom": "custom group",
+}
+
+#: Tags added to a bar's label, and how: ``{"microbatch": 1}`` -> ``"mb1"``.
+LABEL_TAGS = (("microbatch", "mb{}"), ("mb", "mb{}"), ("phase", "{}"), ("bucket", "bucket {}"))
+
+#: The lanes a trace is drawn in when a rank has both compute spans and communication.
+TRACE_LANES = ("compute", "comm")
+
+
+# --- the data model: spans ---------------------------------------------------------
+
+
+@dataclass
+class Span:
+    """One bar: something a rank did (or was planned to do) from ``start`` to ``end``.
+
+    Times are in source units (seconds for traces); ``timeline_from_spans`` shows
+    them multiplied by its ``scale`` (1000: milliseconds).  ``kind`` picks the
+    colour (``compute`` or a group kind such as ``dp``); ``lane`` the row of the
+    rank's band it is drawn in (``""``: the only one).
+    """
+
+    rank: int
+    start: float
+    end: float
+    label: str
+    kind: str = "compute"
+    lane: str = ""
+    info: dict[str, str] = field(default_factory=dict)
+    """Rows of the hover tooltip (start, end and duration are added when drawn)."""
+    title: str = ""
+    """Heading of the tooltip; the label when empty."""
+    caption: str = ""
+    """How the cursor caption names this span; the label when empty."""
+
+    @classmethod
+    def coerce(cls, span: "Span | Sequence") -> "Span":
+        """A :class:`Span` from itself or a tuple ``(rank, start, end, label, kind[, lane])``."""
+        if isinstance(span, Span):
+            return span
+        items = tuple(span)
+        if not 5 <= len(items) <= 6:
+            raise ValueError(f"a span is (rank, start, end, label, kind[, lane]); got {span!r}")
+        rank, start, end, label, kind = items[:5]
+        lane = items[5] if len(items) == 6 else ""
+        return cls(int(rank), float(start), float(end), str(label), str(kind), str(lane))
+
+
+def _with_tags(label: str, tags: dict[str, Any]) -> str:
+    parts = [label]
+    for key, pattern in LABEL_TAGS:
+        if key in tags and tags[key] is not None:
+            parts.append(pattern.format(tags[key]))
+    return " ".join(parts)
+
+
+def event_label(event: TraceEvent, tags: bool = True) -> str:
+    """The short text on an event's bar: ``backward mb0``, ``all-reduce``, ``send \u2192 r1``.
+
+    ``tags``: append the microbatch, phase and bucket tags (``all-reduce mb0 bucket 1``).
+    """
+    if event.op == "compute":
+        return _with_tags(str(event.tags.get("name", "compute")), event.tags if tags else {})
+    label = event.op.replace("_", "-")
+    if event.peer is not None:
+        if event.op == "send":
+            label += f" \u2192 r{event.peer}"
+        elif event.op == "recv":
+            label += f" \u2190 r{event.peer}"
+        elif event.op == "broadcast":
+            label += f" from r{event.peer}"
+    return _with_tags(label, event.tags if tags else {})
+
+
+def format_bytes(n: int) -> str:
+    """``4096`` -> ``"4 KiB (4,096 B)"``; small counts stay plain bytes."""
+    if n < 1024:
+        return f"{n} B"
+    value, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.3g} {unit} ({n:,} B)"
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merge overlapping intervals into disjoint ones, sorted."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if b < a:
+            a, b = b, a
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(a: float, b: float, disjoint: list[tuple[float, float]]) -> float:
+    """Length of [a, b] inside the union of ``disjoint`` intervals."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in disjoint)
+
+
+def trace_spans(trace: Trace, ranks: Iterable[int] | None = None,
+                kinds: Iterable[str] | None = None, split: bool | None = None) -> list[Span]:
+    """The spans :func:`timeline` draws for a trace, times relative to its first event.
+
+    ``ranks``/``kinds`` keep only those ranks / kinds (``compute`` is the kind of a
+    compute span).  ``split`` puts compute spans in lane ``compute`` and ops in
+    lane ``comm``; ``None`` splits when both are present.
+    """
+    rel = trace.relative()
+    keep_ranks = None if ranks is None else set(ranks)
+    keep_kinds = None if kinds is None else set(kinds)
+    events = [e for e in rel if (keep_ranks is None or e.rank in keep_ranks)
+              and (keep_kinds is None or _kind(e) in keep_kinds)]
+    if split is None:
+        split = (any(e.op == "compute" for e in events)
+                 and any(e.op != "compute" for e in events))
+    computes: dict[int, list[tuple[float, float]]] = {}
+    for e in rel:  # overlap in the tooltip counts every compute span, even hidden ones
+        if e.op == "compute":
+            computes.setdefault(e.rank, []).append((e.t_start, e.t_end))
+    computes = {r: _union(v) for r, v in computes.items()}
+    spans = []
+    for e in events:
+        kind = _kind(e)
+        lane = ("compute" if e.op == "compute" else "comm") if split else ""
+        label = event_label(e)
+        info: dict[str, str] = {}
+        tags = {k: v for k, v in e.tags.items() if k != "name"}
+        if e.op == "compute":
+            title = f"{label} (compute, rank {e.rank})"
+        else:
+            title = f"{e.op} on the {kind} group, rank {e.rank}"
+            info["group ranks"] = str(list(e.group_ranks))
+            if e.peer is not None:
+                info["peer"] = f"rank {e.peer}"
+            info["shape"] = str(tuple(e.shape))
+            info["dtype"] = e.dtype or "-"
+            info["bytes"] = format_bytes(e.bytes)
+            if e.rank in computes and e.duration > 0:
+                inside = _covered(e.t_start, e.t_end, computes[e.rank])
+                info["overlaps compute"] = (f"{inside * 1e3:.3f} ms "
+                                            f"({100 * inside / e.duration:.0f}%)")
+        if e.splits:
+            info["splits"] = f"in {e.splits.get('input')}, out {e.splits.get('output')}"
+        if tags:
+            info["tags"] = ", ".join(f"{k}={v}" for k, v in tags.items())
+        caption = label if e.op == "compute" else f"{event_label(e, tags=False)} [{kind}]"
+        spans.append(Span(e.rank, e.t_start, e.t_end, label, kind, lane, info, title, caption))
+    return spans
+
+
+def _kind(e: TraceEvent) -> str:
+    return "compute" if e.op == "compute" else (e.group_kind or "world")
+
+
+# --- numbers: overlap and idle time ------------------------------------------------
+
+
+def _ops_match(e: TraceEvent, op, group_kind) -> bool:
+    if e.op == "compute":
+        return False
+    if op is not None and (e.op != op if isinstance(op, str) else e.op not in set(op)):
+        return False
+    return group_kind is None or e.group_kind == group_kind
+
+
+def overlap_seconds(trace: Trace, rank: int, compute_name: str, op: str | Iterable[str] | None = None,
+                    group_kind: str | None = None) -> float:
+    """Seconds of the selected ops' time on ``rank`` that fall inside compute spans named
+    ``compute_name``.
+
+    The ops are the communication events of ``rank`` with ``op`` (a name or several)
+    and ``group_kind``, when given.  Each op counts its own overlap, so two ops in
+    flight during the same millisecond of backward count it twice: divide by their
+    total duration (:func:`overlap_fraction`) for the share of communication hidden
+    behind compute.  Nested or repeated spans of that name count once.
+    """
+    spans = _union((e.t_start, e.t_end) for e in trace
+                   if e.rank == rank and e.op == "compute" and e.tags.get("name") == compute_name)
+    return sum(_covered(e.t_start, e.t_end, spans) for e in trace
+               if e.rank == rank and _ops_match(e, op, group_kind))
+
+
+def overlap_fraction(trace: Trace, rank: int, compute_name: str, op: str | Iterable[str] | None = None,
+                     group_kind: str | None = None) -> float:
+    """:func:`overlap_seconds` divided by the selected ops' total duration (0 if they took none)."""
+    total = sum(e.duration for e in trace if e.rank == rank and _ops_match(e, op, group_kind))
+    return overlap_seconds(trace, rank, compute_name, op, group_kind) / total if total > 0 else 0.0
+
+
+_COUNTS = {"compute": lambda e: e.op == "compute", "comm": lambda e: e.op != "compute",
+           "all": lambda e: True}
+
+
+def busy_fraction(trace: Trace, ranks: Iterable[int] | None = None, count: str = "compute",
+                  window: str = "global") -> dict[int, float]:
+    """Per rank, the fraction of the window covered by its events (overlaps counted once).
+
+    ``count``: which events make a rank busy: ``"compute"`` spans (default: time
+    spent blocked in a receive is idle, as in a pipeline bubble), ``"comm"`` or
+    ``"all"``.  ``window``: ``"global"`` (default) is from the first start to the
+    last end of the whole trace, the step every rank shares; ``"rank"`` is from
+    that rank's own first start to its own last end.
+    """
+    if count not in _COUNTS:
+        raise ValueError(f"count must be one of {sorted(_COUNTS)}, got {count!r}")
+    if window not in ("global", "rank"):
+        raise ValueError(f"window must be 'global' or 'rank', got {window!r}")
+    by_rank = trace.by_rank()
+    ranks = trace.ranks() if ranks is None else list(ranks)
+    out = {}
+    for r in ranks:
+        events = by_rank.get(r, [])
+        scope = trace.events if window == "global" else events
+        if not scope:
+            out[r] = 0.0
+            continue
+        w0, w1 = min(e.t_start for e in scope), max(e.t_end for e in scope)
+        busy = _union((e.t_start, e.t_end) for e in events if _COUNTS[count](e))
+        out[r] = _covered(w0, w1, busy) / (w1 - w0) if w1 > w0 else 0.0
+    return out
+
+
+def bubble_fraction(trace: Trace, ranks: Iterable[int] | None = None, count: str = "compute",
+                    window: str = "global") -> dict[int, float]:
+    """Per rank, the idle fraction of the window: ``1 - busy_fraction(...)``."""
+    return {r: 1.0 - b for r, b in busy_fraction(trace, ranks, count, window).items()}
+
+
+# --- layout ----------------------------------------------------------------------------
+
+
+def _nice_step(span: float, target: float) -> float:
+    """A 1-2-5 step giving about ``target`` ticks over ``span`` (the script does the same)."""
+    raw = span / max(target, 1.0)
+    power = 10 ** math.floor(math.log10(raw))
+    m = raw / power
+    return (1 if m < 1.5 else 2 if m < 3.5 else 5 if m < 7.5 else 10) * power
+
+
+def _ticks(d0: float, d1: float, plot_w: float) -> list[tuple[float, str]]:
+    step = _nice_step(d1 - d0, plot_w / TICK_SPACING)
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    first = math.ceil(d0 / step - 1e-9)
+    out = []
+    k = first
+    while k * step <= d1 + 1e-9 * step:
+        v = k * step
+        out.append((v, f"{0.0 if abs(v) < step * 1e-9 else v:.{decimals}f}"))
+        k += 1
+    return out
+
+
+def _pack(spans: list[tuple[int, Span]]) -> dict[int, int]:
+    """Greedy interval packing: index -> row, so that spans sharing a row never overlap."""
+    rows_end: list[float] = []
+    out = {}
+    for i, s in sorted(spans, key=lambda p: (p[1].start, -p[1].end)):
+        for row, end in enumerate(rows_end):
+            if end <= s.start:
+                rows_end[row] = s.end
+                out[i] = row
+                break
+        else:
+            out[i] = len(rows_end)
+            rows_end.append(s.end)
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3f}"
+
+
+class Timeline:
+    """A drawn timeline: ``.data`` holds every number drawn; ``to_html()`` the widget.
+
+    ``data`` keys: ``domain`` (first and last time shown, display units), ``x0`` and
+    ``plot_width`` (pixels: time t is drawn at ``x0 + (t - d0) * plot_width / (d1 - d0)``),
+    ``ranks``, ``lanes``, ``lane_boxes`` (per rank and lane: top y, rows, height),
+    ``bars`` (per span: rank, lane, row, start, end, x, y, w, h, label, kind, color),
+    ``frames`` (per player frame: cursor time or None, what each rank is doing,
+    the caption) and ``legend``.
+    """
+
+    def __init__(self, data: dict, playable: bool, interval_ms: int, note: str):
+        self.data = data
+        self.playable = playable
+        self.interval_ms = interval_ms
+        self.note = note
+
+    @property
+    def title(self) -> str:
+        return self.data["title"]
+
+    def __len__(self) -> int:
+        return len(self.data["frames"])
+
+    def __repr__(self) -> str:
+        d0, d1 = self.data["domain"]
+        return (f"Timeline({len(self.data['bars'])} bars on ranks {self.data['ranks']}, "
+                f"{d0:g}-{d1:g} {self.data['unit']}: {self.title!r})")
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def save(self, path: str) -> str:
+        """Write a standalone HTML page holding the timeline; returns ``path``."""
+        page = (f'<!doctype html>\n<html><head><meta charset="utf-8">'
+                f"<title>{html.escape(self.title)}</title></head>\n"
+                f'<body style="margin:24px;background:#f6f8fa">\n'
+                f"{self.to_html()}\n</body></html>\n")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+        return path
+
+    # -- rendering --
+
+    def to_html(self) -> str:
+        """The fragment.  Every render gets a fresh id, so copies on one page stay independent."""
+        d = self.data
+        uid = "tl-timeline-" + uuid.uuid4().hex[:12]
+        n = len(d["frames"])
+        classes = "tl-timeline tl-animation" if self.playable else "tl-timeline"
+        frame_attrs = f' data-frame="0" data-frames="{n}"' if self.playable else ""
+        legend = "".join(
+            f'<span class="tl-legend-item"><span class="tl-swatch" style="background:{color}">'
+            f"</span>{html.escape(text)}</span>" for _, color, text in d["legend"])
+        controls = ""
+        if self.playable:
+            controls = (
+                '<button type="button" class="tl-play" aria-label="Play or pause">'
+                "&#9654;&#xFE0E; Play</button>"
+                '<button type="button" class="tl-prev" title="Step back">&#8249; Back</button>'
+                '<button type="button" class="tl-next" title="Step forward">Next &#8250;</button>'
+                f'<input type="range" class="tl-slider" min="0" max="{n - 1}" step="1" value="0" '
+                f'aria-label="Cursor time">'
+                f'<span class="tl-anim-counter">overview</span>')
+        controls += ('<button type="button" class="tl-zoom-reset" disabled '
+                     'title="Show the whole time range">Reset zoom</button>')
+        body = (f'<div class="{classes}" id="{uid}"{frame_attrs} data-zoom="{_fmt(d["domain"][0])} '
+                f'{_fmt(d["domain"][1])}">\n'
+                f'<style>{_CSS.replace("UID", uid)}</style>\n'
+                f'<div class="tl-anim-title">{html.escape(d["title"])}</div>\n'
+                f'<div class="tl-legend">{legend}</div>\n'
+                f'<div class="tl-anim-caption" style="min-height:{self._caption_lines() * 1.4:.1f}em">'
+                f'{html.escape(d["frames"][0]["caption"])}</div>\n'
+                f'<div class="tl-stage">{self._svg(uid)}</div>\n'
+                # Outside the scrolling stage (which would clip it), positioned in the root.
+                f'<div class="tl-tooltip" role="tooltip" style="display:none"></div>\n'
+                f'<div class="tl-anim-controls">{controls}</div>\n'
+                + (f'<div class="tl-anim-note">{html.escape(self.note)}</div>\n' if self.note else ""))
+        # Non-ASCII as character references: the fragment reads right whatever the page's charset.
+        body = body.encode("ascii", "xmlcharrefreplace").decode("ascii")
+        payload = {
+            "d0": d["domain"][0], "d1": d["domain"][1], "x0": d["x0"], "pw": d["plot_width"],
+            "minw": MIN_W, "charw": CHAR_W, "spacing": TICK_SPACING, "unit": d["unit"],
+            "top": AXIS_H, "bottom": d["height"],
+            "tips": [[b["tip_title"], [[k, v] for k, v in b["tip"].items()]] for b in d["bars"]],
+            "times": [f["t"] for f in d["frames"]],
+            "captions": [f["caption"] for f in d["frames"]],
+            "interval": int(self.interval_ms),
+        }
+        # ensure_ascii: the script stays ASCII; "<" escaped so no label can end the <script>.
+        blob = json.dumps(payload, ensure_ascii=True).replace("<", "\\u003c")
+        script = _JS.replace("UID", uid).replace("DATA", blob)
+        return f"{body}<script>{script}</script>\n</div>"
+
+    def _caption_lines(self) -> int:
+        """Lines the longest caption needs at full width: the caption box keeps that height,
+        so the chart does not jump while the cursor plays."""
+        per_line = max(20, int((self.data["width"] - 34) / CAPTION_CHAR_W))
+        return max(2, max(math.ceil(len(f["caption"]) / per_line) for f in self.data["frames"]))
+
+    def _svg(self, uid: str) -> str:
+        d = self.data
+        x0, pw, width, height = d["x0"], d["plot_width"], d["width"], d["height"]
+        d0, d1 = d["domain"]
+        k = pw / (d1 - d0)
+        multi_lane = len(d["lanes"]) > 1 or d["lanes"][0] != ""
+        out = [f'<svg class="tl-chart" viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
+               f'height="{height:.0f}" font-family="{SANS}" role="img" '
+               f'aria-label="{html.escape(d["title"], quote=True)}">',
+               f'<defs><clipPath id="{uid}-clip"><rect x="{x0:.1f}" y="0" width="{pw:.1f}" '
+               f'height="{height:.0f}"/></clipPath></defs>']
+        # Rank bands: labels on the left, a track per row of bars, separators between ranks.
+        for i, band in enumerate(d["bands"]):
+            if i:
+                out.append(f'<line x1="8" x2="{width - 4:.0f}" y1="{band["y"]:.1f}" '
+                           f'y2="{band["y"]:.1f}" stroke="{SEPARATOR}" stroke-width="1"/>')
+            cy = band["y"] + band["h"] / 2
+            out.append(f'<text x="10" y="{cy + 4.5:.1f}" font-size="12.5" font-weight="600" '
+                       f'fill="{INK}">rank {band["rank"]}</text>')
+        for box in d["lane_boxes"]:
+            out.append(f'<rect x="{x0:.1f}" y="{box["y"] - 2:.1f}" width="{pw:.1f}" '
+                       f'height="{box["h"] + 4:.1f}" rx="3" fill="{TRACK}"/>')
+            if multi_lane and box["lane"]:
+                out.append(f'<text x="{x0 - 8:.1f}" y="{box["y"] + ROW_H / 2 + 3.8:.1f}" '
+                           f'font-size="10.5" text-anchor="end" fill="{MUTED}">'
+                           f'{html.escape(box["lane"])}</text>')
+        # The axis: ticks, labels and grid lines; the script redraws them on zoom.
+        out.append(f'<text x="{x0 - 8:.1f}" y="{AXIS_H - 12:.1f}" font-size="11" text-anchor="end" '
+                   f'fill="{MUTED}">time ({html.escape(d["unit"])})</text>')
+        out.append('<g class="tl-axis">')
+        for v, text in _ticks(d0, d1, pw):
+            x = x0 + (v - d0) * k
+            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{AXIS_H - 5:.1f}" y2="{height - 4:.1f}" '
+                       f'stroke="{GRID}" stroke-width="1"/>'
+                       f'<text x="{x:.1f}" y="{AXIS_H - 12:.1f}" font-size="11" text-anchor="middle" '
+                       f'fill="{MUTED}">{text}</text>')
+        out.append("</g>")
+        out.append(f'<line x1="{x0:.1f}" x2="{x0 + pw:.1f}" y1="{AXIS_H - 5:.1f}" '
+                   f'y2="{AXIS_H - 5:.1f}" stroke="#aeb6bf" stroke-width="1"/>')
+        # The bars, clipped to the plot (zoom moves them out of it).
+        out.append(f'<g class="tl-bars" clip-path="url(#{uid}-clip)">')
+        for i, b in enumerate(d["bars"]):
+            ink = text_color(b["color"])
+            edge = _darken(b["color"], 0.25)
+            label = html.escape(b["label"])
+            shown = "" if b["label_fits"] else ' display="none"'
+            ghost = (f'<rect class="tl-ghost" x="{b["x"]:.2f}" y="{b["y"]:.1f}" width="{b["w"]:.2f}" '
+                     f'height="{b["h"]:.1f}" rx="2" fill="{b["color"]}" fill-opacity="0.16"/>'
+                     if self.playable else "")
+            out.append(f'<g class="tl-bar" data-i="{i}" data-rank="{b["rank"]}" '
+                       f'data-kind="{html.escape(b["kind"], quote=True)}" data-s="{b["start"]!r}" '
+                       f'data-e="{b["end"]!r}">{ghost}'
+                       f'<rect class="tl-solid" x="{b["x"]:.2f}" y="{b["y"]:.1f}" width="{b["w"]:.2f}" '
+                       f'height="{b["h"]:.1f}" rx="2" fill="{b["color"]}" stroke="{edge}" '
+                       f'stroke-width="0.6"/>'
+                       f'<text class="tl-label" x="{max(b["x"], x0) + 4:.2f}" '
+                       f'y="{b["y"] + b["h"] / 2 + 3.7:.1f}" font-size="10.5" fill="{ink}" '
+                       f'pointer-events="none"{shown}>{label}</text></g>')
+        out.append("</g>")
+        # The cursor (player) and the zoom brush, hidden until used.
+        out.append(f'<g class="tl-cursor" display="none"><line x1="0" x2="0" y1="{AXIS_H - 5:.1f}" '
+                   f'y2="{height - 2:.1f}" stroke="{INK}" stroke-width="1.5"/>'
+                   f'<path d="M -5 {AXIS_H - 9:.1f} L 5 {AXIS_H - 9:.1f} L 0 {AXIS_H - 3:.1f} Z" '
+                   f'fill="{INK}"/></g>')
+        out.append(f'<rect class="tl-brush" x="0" y="{AXIS_H - 5:.1f}" width="0" '
+                   f'height="{height - AXIS_H + 3:.1f}" fill="#4e79a7" fill-opacity="0.15" '
+                   f'stroke="#4e79a7" stroke-width="1" display="none"/>')
+        out.append("</svg>")
+        return "".join(out)
+
+
+def _darken(color: str, amount: float) -> str:
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c * (1 - amount)):02x}" for c in rgb)
+
+
+def _kind_order(kinds: Iterable[str]) -> list[str]:
+    known = list(KIND_COLORS)
+    kinds = list(dict.fromkeys(kinds))
+    return ([k for k in dict.fromkeys(["compute"] + known) if k in kinds]
+            + [k for k in kinds if k not in known and k != "compute"])
+
+
+def _doing_text(captions: list[str]) -> str:
+    """``["backward", "all-reduce [dp]", "all-reduce [dp]"]`` -> ``"backward + 2\u00d7 all-reduce [dp]"``."""
+    counts: dict[str, int] = {}
+    for c in captions:
+        counts[c] = counts.get(c, 0) + 1
+    return " + ".join(f"{n}\u00d7 {c}" if n > 1 else c for c, n in counts.items()) or "idle"
+
+
+def _rank_list(ranks: list[int], order: list[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``"ranks 0\u20133"`` (a run in drawing order), else ``"ranks 0, 2"``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    pos = [order.index(r) for r in ranks]
+    if len(ranks) > 2 and pos == list(range(pos[0], pos[0] + len(pos))):
+        return f"ranks {ranks[0]}\u2013{ranks[-1]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _doing_caption(doing: dict[int, list[str]]) -> str:
+    """What every rank does at one instant; ranks doing the same thing share one entry."""
+    same: dict[str, list[int]] = {}
+    for r, captions in doing.items():
+        same.setdefault(_doing_text(captions), []).append(r)
+    order = list(doing)
+    return " \u00b7 ".join(f"{_rank_list(rs, order)}: {text}" for text, rs in same.items())
+
+
+def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = None,
+                        ranks: Iterable[int] | None = None,
+                        t_range: tuple[float, float] | None = None, width: int = 900,
+                        playable: bool = True, *, lanes: Sequence[str] | None = None,
+                        kinds: Iterable[str] | None = None, frames: int = 40,
+                        scale: float = 1000.0, unit: str = "ms",
+                        colors: dict[str, str] | None = None, note: str | None = None,
+                        interval_ms: int = 150) -> Timeline:
+    """Draw spans (``Span`` or ``(rank, start, end, label, kind[, lane])``): one band per rank.
+
+    ``ranks``: the bands, in order (default: every rank with a span).  ``lanes``:
+    the lanes of each band, top to bottom (default: ``planned``, ``compute``,
+    ``comm`` when present, then the rest in order of appearance).  ``kinds``: keep
+    spans of these kinds only.  Times are shown multiplied by ``scale`` in ``unit``
+    (seconds to ``ms`` by default; ``scale=1, unit="step"`` for a schedule in
+    slots); ``t_range`` (display units) fixes the range shown.  ``colors``
+    overrides the colour of a kind.  ``frames``: cursor positions of the player.
+    """
+    spans = [Span.coerce(s) for s in spans]
+    if kinds is not None:
+        keep = set(kinds)
+        spans = [s for s in spans if s.kind in keep]
+    if ranks is not None:
+        ranks = list(ranks)
+        keep_ranks = set(ranks)
+        spans = [s for s in spans if s.rank in keep_ranks]
+    else:
+        ranks = sorted({s.rank for s in spans})
+    if not spans or not ranks:
+        raise ValueError("timeline: nothing to draw (no spans, or the filters removed them all)")
+    if frames < 1:
+        raise ValueError(f"timeline: frames must be at least 1, got {frames}")
+    palette = {**KIND_COLORS, **(colors or {})}
+
+    def color_of(kind: str) -> str:
+        return palette.get(kind, kind_color(kind))
+
+    # The time range shown, in display units.
+    if t_range is not None:
+        d0, d1 = float(t_range[0]), float(t_range[1])
+        if not d1 > d0:
+            raise ValueError(f"timeline: t_range must be (start, end) with end > start, got {t_range}")
+        spans = [s for s in spans if s.end * scale > d0 and s.start * scale < d1]
+    elif spans:
+        d0 = min(s.start for s in spans) * scale
+        d1 = max(s.end for s in spans) * scale
+    else:
+        d0, d1 = 0.0, 1.0
+    if d1 <= d0:
+        d1 = d0 + 1.0
+
+    present = list(dict.fromkeys(s.lane for s in spans))
+    if lanes is None:
+        preferred = [lane for lane in ("planned", "compute", "comm") if lane in present]
+        lanes = preferred + [lane for lane in present if lane not in preferred] or [""]
+    else:
+        lanes = list(lanes)
+        missing = [lane for lane in present if lane not in lanes]
+        if missing:
+            raise ValueError(f"timeline: spans use lanes {missing} that are not in lanes={lanes}")
+
+    x0 = LEFT
+    plot_w = float(width) - LEFT - RIGHT
+    if plot_w < 100:
+        raise ValueError(f"timeline: width {width} leaves no room for the plot (need > {LEFT + RIGHT + 100:g})")
+    k = plot_w / (d1 - d0)
+
+    def x_of(t: float) -> float:
+        return x0 + (t - d0) * k
+
+    # Rows: pack the spans of each (rank, lane) so that no two in a row overlap.
+    groups: dict[tuple[int, str], list[tuple[int, Span]]] = {}
+    for i, s in enumerate(spans):
+        groups.setdefault((s.rank, s.lane), []).append((i, s))
+    row_of: dict[int, int] = {}
+    n_rows: dict[tuple[int, str], int] = {}
+    for key, members in groups.items():
+        packed = _pack(members)
+        row_of.update(packed)
+        n_rows[key] = max(packed.values()) + 1
+
+    bands, lane_boxes, lane_top = [], [], {}
+    y = AXIS_H
+    for r in ranks:
+        top = y
+        y += BAND_PAD
+        for j, lane in enumerate(lanes):
+            rows = n_rows.get((r, lane), 1)
+            h = rows * ROW_H + (rows - 1) * ROW_GAP
+            lane_top[(r, lane)] = y
+            lane_boxes.append({"rank": r, "lane": lane, "y": y, "rows": rows, "h": h})
+            y += h + (LANE_GAP if j < len(lanes) - 1 else 0)
+        y += BAND_PAD
+        bands.append({"rank": r, "y": top, "h": y - top})
+    height = y + 6
+
+    bars = []
+    order = sorted(range(len(spans)), key=lambda i: (ranks.index(spans[i].rank), spans[i].start))
+    for i in order:
+        s = spans[i]
+        start, end = s.start * scale, s.end * scale
+        xa, xb = x_of(max(start, d0)), x_of(min(end, d1))
+        w = max(MIN_W, xb - xa)
+        info = dict(s.info)
+        info["start"] = f"{start:.3f} {unit}"
+        info["end"] = f"{end:.3f} {unit}"
+        info["duration"] = f"{end - start:.3f} {unit}"
+        label_w = len(s.label) * CHAR_W + 8
+        bars.append({
+            "rank": s.rank, "lane": s.lane, "row": row_of[i], "start": start, "end": end,
+            "x": xa, "y": lane_top[(s.rank, s.lane)] + row_of[i] * (ROW_H + ROW_GAP),
+            "w": w, "h": ROW_H, "label": s.label, "kind": s.kind, "color": color_of(s.kind),
+            "label_fits": (min(xb, x0 + plot_w) - max(xa, x0)) >= label_w,
+            "caption": s.caption or s.label, "tip_title": s.title or s.label, "tip": info,
+        })
+
+    # Player frames: 0 is the overview; 1..frames sweep the cursor to the end.
+    total = len(bars)
+    kinds_drawn = _kind_order(b["kind"] for b in bars)
+    overview = (f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}, {total} bar"
+                f"{'s' if total != 1 else ''} over {d1 - d0:.3g} {unit}.")
+    overview += (" Press Play to sweep a cursor through time, hover a bar for details, "
+                 "drag across the chart to zoom." if playable else
+                 " Hover a bar for details; drag across the chart to zoom.")
+    frame_list = [{"t": None, "doing": {}, "caption": overview}]
+    if playable:
+        for f in range(1, frames + 1):
+            t = d0 + (d1 - d0) * f / frames
+            doing = {r: [b["caption"] for b in bars
+                         if b["rank"] == r and b["start"] <= t < b["end"]] for r in ranks}
+            caption = f"t = {t:.2f} {unit} \u2014 " + _doing_caption(doing)
+            if f == frames and not any(doing.values()):
+                caption = f"t = {t:.2f} {unit} \u2014 the end: every rank has finished."
+            frame_list.append({"t": t, "doing": doing, "caption": caption})
+
+    legend = [(kind, color_of(kind),
+               kind if kind == "compute" or kind not in KIND_NAMES else f"{kind} \u00b7 {KIND_NAMES[kind]}")
+              for kind in kinds_drawn]
+    data = {
+        "title": title or "Timeline", "unit": unit, "scale": scale, "domain": (d0, d1),
+        "x0": x0, "plot_width": plot_w, "width": float(width), "height": height,
+        "ranks": ranks, "lanes": lanes, "bands": bands, "lane_boxes": lane_boxes,
+        "bars": bars, "frames": frame_list, "legend": legend,
+    }
+    if note is None:
+        note = ("Hover a bar for details; drag across the chart to zoom into a time range.")
+    return Timeline(data, playable, interval_ms, note)
+
+
+def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None = None,
+             kinds: Iterable[str] | None = None, t_range: tuple[float, float] | None = None,
+             width: int = 900, playable: bool = True, *, split: bool | None = None,
+             frames: int = 40, interval_ms: int = 150) -> Timeline:
+    """Draw a recorded trace: one band per rank, time in ms since the first event.
+
+    ``ranks``: which ranks, in order.  ``kinds``: which kinds of bars to keep;
+    compute spans are kind ``"compute"``, so ``kinds=["dp", "compute"]`` shows the
+    data-parallel ops next to the compute they overlap.  ``t_range``: ``(start,
+    end)`` in ms.  ``split``: compute and comm in separate lanes of a rank's band
+    (default: when the trace has both).  ``playable``: add the cursor player.
+    """
+    if not len(trace):
+        raise ValueError("timeline: the trace is empty (was the launch run with trace=True?)")
+    ranks = None if ranks is None else list(ranks)
+    spans = trace_spans(trace, ranks=ranks, kinds=kinds, split=split)
+    if ranks is None:
+        ranks = sorted({s.rank for s in spans})
+    has_split = any(s.lane for s in spans)
+    lanes = list(TRACE_LANES) if has_split else [""]
+    if title is None:
+        n_ops = sum(1 for s in spans if s.kind != "compute")
+        n_compute = len(spans) - n_ops
+        title = (f"Timeline of ranks {list(ranks)}: {n_ops} communication op"
+                 f"{'s' if n_ops != 1 else ''}" + (f", {n_compute} compute span"
+                                                   f"{'s' if n_compute != 1 else ''}"
+                                                   if n_compute else ""))
+    note = ("A bar runs from when the op was issued to when it completed; for an asynchronous "
+            "op that is when wait() returned, so its bar is the time it was in flight. Ops "
+            "in flight at the same time stack into extra rows. Hover a bar for details; drag "
+            "across the chart to zoom.")
+    return timeline_from_spans(spans, title=title, ranks=ranks, t_range=t_range, width=width,
+                               playable=playable, lanes=lanes, frames=frames, note=note,
+                               interval_ms=interval_ms)
+
+
+_CSS = """
+#UID { font-family: SANS; color: #1b1f24; background: #ffffff; border: 1px solid #d0d7de;
+  border-radius: 8px; padding: 12px 16px 10px; margin: 0.6em 0; box-sizing: border-box;
+  max-width: 100%; line-height: 1.35; position: relative; }
+#UID .tl-anim-title { font-weight: 600; font-size: 15px; margin-bottom: 4px; }
+#UID .tl-legend { display: flex; flex-wrap: wrap; gap: 4px 16px; font-size: 12px; color: #3a4048;
+  margin: 0 0 6px; }
+#UID .tl-legend-item { display: inline-flex; align-items: center; gap: 6px; }
+#UID .tl-swatch { display: inline-block; width: 12px; height: 12px; border-radius: 3px;
+  box-shadow: inset 0 0 0 1px rgba(27, 31, 36, 0.18); }
+#UID .tl-anim-caption { font-size: 13px; color: #3a4048; min-height: 2.7em;
+  font-variant-numeric: tabular-nums; }
+#UID .tl-stage { position: relative; overflow-x: auto; }
+#UID svg.tl-chart { display: block; max-width: 100%; height: auto; user-select: none;
+  -webkit-user-select: none; cursor: crosshair; }
+#UID .tl-bar { cursor: default; }
+#UID .tl-bar:hover .tl-solid { stroke: #1b1f24; stroke-width: 1.6; }
+#UID .tl-bar.tl-on .tl-solid { stroke: #1b1f24; stroke-width: 1.4; }
+#UID .tl-tooltip { position: absolute; z-index: 10; pointer-events: none; background: #1b1f24;
+  color: #ffffff; font-size: 12px; line-height: 1.4; border-radius: 6px; padding: 7px 10px;
+  box-shadow: 0 6px 18px rgba(27, 31, 36, 0.22); max-width: 360px; }
+#UID .tl-tooltip .tl-tip-title { font-weight: 600; margin-bottom: 3px; }
+#UID .tl-tooltip table { border-collapse: collapse; margin: 0; }
+#UID .tl-tooltip td { padding: 0 10px 0 0; border: 0; vertical-align: top; background: none;
+  color: #ffffff; font-variant-numeric: tabular-nums; }
+#UID .tl-tooltip td.tl-tip-key { color: #aeb6bf; white-space: nowrap; }
+#UID .tl-anim-controls { display: flex; align-items: center; gap: 6px; margin-top: 8px; }
+#UID .tl-anim-controls button { font: inherit; font-size: 12.5px; line-height: 1.2;
+  padding: 4px 11px; border: 1px solid #c4cbd3; border-radius: 6px; background: #f6f8fa;
+  color: #1b1f24; cursor: pointer; margin: 0; }
+#UID .tl-anim-controls button:hover { background: #eaeef2; }
+#UID .tl-anim-controls button:disabled { opacity: 0.45; cursor: default; }
+#UID .tl-anim-controls button.tl-play { min-width: 5.8em; background: #1b1f24; color: #ffffff;
+  border-color: #1b1f24; }
+#UID .tl-anim-controls button.tl-play:hover { background: #3a4048; }
+#UID .tl-slider { flex: 1; min-width: 80px; margin: 0 4px; accent-color: #4e79a7; }
+#UID .tl-anim-counter { font-size: 12px; color: #57606a; min-width: 5.5em; text-align: right;
+  font-variant-numeric: tabular-nums; }
+#UID .tl-zoom-reset { margin-left: auto; }
+#UID .tl-anim-note { font-size: 12px; color: #57606a; margin-top: 6px; }
+""".replace("SANS", SANS)
+
+# Everything lives in one function (no global names) and looks only under its own root,
+# so any number of timelines can share a page.  ASCII only.
+_JS = r"""
+(function () {
+  var root = document.getElementById("UID");
+  if (!root) { return; }
+  var D = DATA;
+  var svg = root.querySelector("svg.tl-chart");
+  var NS = svg.namespaceURI;  // the SVG namespace, without writing out a URL
+  var tip = root.querySelector(".tl-tooltip");
+  var caption = root.querySelector(".tl-anim-caption");
+  var axis = root.querySelector(".tl-axis");
+  var cursorG = root.querySelector(".tl-cursor");
+  var brush = root.querySelector(".tl-brush");
+  var reset = root.querySelector(".tl-zoom-reset");
+  var nodes = root.querySelectorAll(".tl-bar");
+  var bars = [];
+  for (var i = 0; i < nodes.length; i++) {
+    var g = nodes[i], label = g.querySelector(".tl-label");
+    bars.push({g: g, s: parseFloat(g.getAttribute("data-s")), e: parseFloat(g.getAttribute("data-e")),
+               ghost: g.querySelector(".tl-ghost"), solid: g.querySelector(".tl-solid"),
+               label: label, lw: label.textContent.length * D.charw + 8});
+  }
+  var view = [D.d0, D.d1], cursor = null;
+  function X(t) { return D.x0 + (t - view[0]) * D.pw / (view[1] - view[0]); }
+  function T(x) { return view[0] + (x - D.x0) * (view[1] - view[0]) / D.pw; }
+  function niceStep(span, target) {
+    var raw = span / Math.max(target, 1), p = Math.pow(10, Math.floor(Math.log10(raw))), m = raw / p;
+    return (m < 1.5 ? 1 : m < 3.5 ? 2 : m < 7.5 ? 5 : 10) * p;
+  }
+  function el(name, attrs, text) {
+    var node = document.createElementNS(NS, name);
+    for (var k in attrs) { node.setAttribute(k, attrs[k]); }
+    if (text !== undefined) { node.textContent = text; }
+    return node;
+  }
+  function drawAxis() {
+    while (axis.firstChild) { axis.removeChild(axis.firstChild); }
+    var step = niceStep(view[1] - view[0], D.pw / D.spacing);
+    var dec = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+    for (var k = Math.ceil(view[0] / step - 1e-9); k * step <= view[1] + 1e-9 * step; k++) {
+      var v = k * step, x = X(v).toFixed(1);
+      if (Math.abs(v) < step * 1e-9) { v = 0; }
+      axis.appendChild(el("line", {x1: x, x2: x, y1: D.top - 5, y2: D.bottom - 4,
+                                   stroke: "#e3e7eb", "stroke-width": 1}));
+      axis.appendChild(el("text", {x: x, y: D.top - 12, "font-size": 11, "text-anchor": "middle",
+                                   fill: "#57606a"}, v.toFixed(dec)));
+    }
+  }
+  function layout() {
+    var left = D.x0, right = D.x0 + D.pw;
+    for (var i = 0; i < bars.length; i++) {
+      var b = bars[i], xs = X(b.s), xe = X(b.e);
+      var w = Math.max(D.minw, xe - xs);
+      if (b.ghost) { b.ghost.setAttribute("x", xs.toFixed(2)); b.ghost.setAttribute("width", w.toFixed(2)); }
+      var reached = cursor === null ? b.e : Math.min(b.e, Math.max(b.s, cursor));
+      var hidden = cursor !== null && cursor < b.s;
+      var xr = X(reached), ws = Math.max(D.minw, xr - xs);
+      b.solid.setAttribute("x", xs.toFixed(2));
+      b.solid.setAttribute("width", ws.toFixed(2));
+      b.solid.setAttribute("display", hidden ? "none" : "inline");
+      var vis0 = Math.max(xs, left), vis1 = Math.min(xr, right);
+      var fits = !hidden && vis1 - vis0 >= b.lw;
+      b.label.setAttribute("x", (vis0 + 4).toFixed(2));
+      b.label.setAttribute("display", fits ? "inline" : "none");
+      var on = cursor !== null && b.s <= cursor && cursor < b.e;
+      if (on) { b.g.classList.add("tl-on"); } else { b.g.classList.remove("tl-on"); }
+    }
+    if (cursor === null || cursor < view[0] || cursor > view[1]) {
+      cursorG.setAttribute("display", "none");
+    } else {
+      cursorG.setAttribute("display", "inline");
+      cursorG.setAttribute("transform", "translate(" + X(cursor).toFixed(2) + ",0)");
+    }
+    drawAxis();
+    root.setAttribute("data-zoom", view[0].toFixed(3) + " " + view[1].toFixed(3));
+    if (reset) { reset.disabled = (view[0] === D.d0 && view[1] === D.d1); }
+  }
+
+  // --- tooltip ---
+  function showTip(i, ev) {
+    var t = D.tips[i];
+    while (tip.firstChild) { tip.removeChild(tip.firstChild); }
+    var head = document.createElement("div");
+    head.className = "tl-tip-title";
+    head.textContent = t[0];
+    tip.appendChild(head);
+    var table = document.createElement("table");
+    for (var r = 0; r < t[1].length; r++) {
+      var tr = document.createElement("tr"), a = document.createElement("td"), b = document.createElement("td");
+      a.className = "tl-tip-key"; a.textContent = t[1][r][0]; b.textContent = t[1][r][1];
+      tr.appendChild(a); tr.appendChild(b); table.appendChild(tr);
+    }
+    tip.appendChild(table);
+    tip.style.display = "block";
+    moveTip(ev);
+  }
+  function moveTip(ev) {
+    // Inside the root, beside the pointer; flipped left or up where it would spill out.
+    var box = root.getBoundingClientRect(), w = tip.offsetWidth, h = tip.offsetHeight;
+    var px = ev.clientX - box.left, py = ev.clientY - box.top;
+    var x = px + 14, y = py + 16;
+    if (x + w > box.width - 4) { x = Math.max(4, px - w - 14); }
+    if (y + h > box.height - 4) { y = Math.max(4, py - h - 12); }
+    tip.style.left = x + "px";
+    tip.style.top = y + "px";
+  }
+  function barOf(target) {
+    while (target && target !== svg) {
+      if (target.classList && target.classList.contains("tl-bar")) { return target; }
+      target = target.parentNode;
+    }
+    return null;
+  }
+  svg.addEventListener("mouseover", function (ev) {
+    var g = barOf(ev.target);
+    if (g && !dragging) { showTip(parseInt(g.getAttribute("data-i"), 10), ev); }
+  });
+  svg.addEventListener("mousemove", function (ev) {
+    if (tip.style.display !== "none") { moveTip(ev); }
+  });
+  svg.addEventListener("mouseout", function (ev) {
+    var g = barOf(ev.target);
+    if (g && barOf(ev.relatedTarget) !== g) { tip.style.display = "none"; }
+  });
+
+  // --- zoom: drag across the chart; double-click or Reset zoom goes back ---
+  var dragging = false, dragX = 0;
+  function svgX(ev) {
+    var box = svg.getBoundingClientRect();
+    return (ev.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
+  }
+  function clampX(x) { return Math.max(D.x0, Math.min(D.x0 + D.pw, x)); }
+  svg.addEventListener("mousedown", function (ev) {
+    if (ev.button !== 0) { return; }
+    var x = svgX(ev);
+    if (x < D.x0 || x > D.x0 + D.pw) { return; }
+    dragging = true; dragX = x;
+    brush.setAttribute("x", x.toFixed(1)); brush.setAttribute("width", "0");
+    brush.setAttribute("display", "inline");
+    tip.style.display = "none";
+    ev.preventDefault();
+  });
+  window.addEventListener("mousemove", function (ev) {
+    if (!dragging) { return; }
+    var x = clampX(svgX(ev));
+    brush.setAttribute("x", Math.min(x, dragX).toFixed(1));
+    brush.setAttribute("width", Math.abs(x - dragX).toFixed(1));
+  });
+  window.addEventListener("mouseup", function (ev) {
+    if (!dragging) { return; }
+    dragging = false;
+    brush.setAttribute("display", "none");
+    var x = clampX(svgX(ev));
+    if (Math.abs(x - dragX) < 6) { return; }
+    var a = T(Math.min(x, dragX)), b = T(Math.max(x, dragX));
+    view = [a, b];
+    layout();
+  });
+  function resetZoom() { view = [D.d0, D.d1]; layout(); }
+  svg.addEventListener("dblclick", resetZoom);
+  if (reset) { reset.addEventListener("click", resetZoom); }
+
+  // --- the player: frame 0 is the overview, frames 1..n-1 sweep the cursor ---
+  var play = root.querySelector(".tl-play");
+  if (play) {
+    var slider = root.querySelector(".tl-slider");
+    var counter = root.querySelector(".tl-anim-counter");
+    var n = D.times.length, current = 0, timer = null;
+    var show = function (i) {
+      i = Math.max(0, Math.min(n - 1, i));
+      current = i;
+      cursor = D.times[i];
+      root.setAttribute("data-frame", String(i));
+      slider.value = String(i);
+      caption.textContent = D.captions[i];
+      counter.textContent = i === 0 ? "overview" : (cursor.toFixed(2) + " " + D.unit);
+      layout();
+    };
+    var stop = function () {
+      if (timer !== null) { clearInterval(timer); timer = null; }
+      play.textContent = "\u25B6\uFE0E Play";
+    };
+    var tick = function () {
+      show(current + 1);
+      if (current >= n - 1) { stop(); }
+    };
+    var start = function () {
+      if (n < 2) { return; }
+      // From the last frame, start over; otherwise move at once, so the click is felt.
+      if (current >= n - 1) { show(1); } else { tick(); if (current >= n - 1) { return; } }
+      timer = setInterval(tick, D.interval);
+      play.textContent = "\u275A\u275A Pause";
+    };
+    var step = function (by) { return function () { stop(); show(current + by); }; };
+    play.addEventListener("click", function () { if (timer === null) { start(); } else { stop(); } });
+    root.querySelector(".tl-prev").addEventListener("click", step(-1));
+    root.querySelector(".tl-next").addEventListener("click", step(1));
+    slider.addEventListener("input", function () { stop(); show(parseInt(slider.value, 10)); });
+  }
+  layout();
+})();
+"""
+
+__all__ = ["Span", "Timeline", "timeline", "timeline_from_spans", "trace_spans", "event_label",
+           "format_bytes", "overlap_seconds", "overlap_fraction", "busy_fraction",
+           "bubble_fraction", "KIND_NAMES"]
