@@ -678,9 +678,9 @@ def gpt_parameter_shapes(model_config, tp: int) -> list[tuple[str, tuple[int, ..
     holds, in registration order (the order DataParallel fills its buckets from, reversed).
 
     ``model_config`` needs ``hidden_size``, ``num_layers``, ``seq_length``, ``vocab_size``;
-    the MLP is ``4 * hidden_size`` wide.  Sharded: the vocabulary rows of both embeddings'
-    word table and the output layer, qkv and fc1 by output rows, proj and fc2 by input
-    columns.  Replicated: position table, LayerNorms, row-parallel biases.
+    the MLP is ``4 * hidden_size`` wide.  Sharded: the word table and the output layer by
+    vocabulary rows, qkv and fc1 (weights and biases) by output rows, proj and fc2 by input
+    columns.  Replicated: the position table, the LayerNorms, the row-parallel biases.
     """
     tp = _positive("tp", tp)
     h, ffn = model_config.hidden_size, 4 * model_config.hidden_size
@@ -749,6 +749,7 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
     sp = model_config.sequence_parallel if sequence_parallel is None else bool(sequence_parallel)
     s, h, layers = model_config.seq_length, model_config.hidden_size, model_config.num_layers
     shapes = gpt_parameter_shapes(model_config, tp)  # checks vocab and hidden divide over TP
+    _per_rank(model_config.num_attention_heads, tp, "num_attention_heads")
     if sp and tp > 1:
         _per_rank(s, tp, "seq_length")
     activation = s * b * h * bytes_per_element      # one [s, b, h] tensor

@@ -1,0 +1,348 @@
+"""The chapter's proof: TP + DP training on real gloo workers equals serial training.
+
+The reference is the serial model: the same :class:`GPTModel` class and seed with no
+process groups (world size 1), trained here in the test process by the plainest loop
+there is (the whole global batch at once, ``torch.nn.utils.clip_grad_norm_``,
+``torch.optim.Adam``), so it shares none of the code under test beyond the model.
+
+The parallel runs: (TP, DP) in (1, 4), (2, 2), (2, 4), (4, 1), (4, 2), one launch each
+(every TP value and every DP value appears), and in every launch four variants,
+each trained for 3 optimizer steps with M = 2 microbatches of gradient accumulation:
+
+=================  ==================  ==========  ================================
+variant            sequence parallel   ZeRO-1      clipping (max_norm below the norm)
+=================  ==================  ==========  ================================
+``plain``          no                  no          no
+``sp_clip``        yes                 no          yes (DataParallel + clip_grad_norm_)
+``zero1``          no                  yes         no
+``sp_zero1_clip``  yes                 yes         yes (inside the ZeRO-1 step)
+=================  ==================  ==========  ================================
+
+Compared with the serial run, fp32 throughout:
+
+* at initialisation, every parameter: shard == slice of the serial one, exactly (one seed);
+
+* the loss of each of the 3 steps, ``atol = rtol = 1e-5`` (the serial losses are ~3.5;
+  the parallel ones differ by summation order only: measured <= 5e-7);
+* the global gradient norm of each step when clipping, ``rtol = 1e-5``, and clipping
+  really scaled (the serial norms all exceed ``MAX_NORM``);
+* after step 1, before the optimizer: every parameter's gradient (shard vs slice of the
+  serial gradient; for ZeRO-1 the DP-averaged shards its optimizer holds, reassembled),
+  ``atol = 1e-7, rtol = 1e-4``: gradients are ~1e-2 at most and summation order moves
+  them by at most ~2e-8 (measured); and the gradient of the embedding output (the first
+  block's input), which is DP x the serial one (see :func:`test_tp_dp_training_equals_serial_training`);
+* after step 3: every parameter (shard vs slice), ``atol = rtol = 1e-4``.  Why looser:
+  Adam moves each weight by about ``lr * g / (|g| + eps)``, i.e. by ``lr`` whatever
+  ``|g|`` is, so a round-off difference in a gradient near ``eps`` becomes a difference
+  of order ``lr`` in the weight.  One gradient here is pure round-off: the attention's
+  key bias shifts every score of a query by the same amount, which softmax ignores, so
+  its true gradient is 0 and the computed one is ~5e-10 of noise that each layout draws
+  differently.  With torch's default ``eps = 1e-8`` that noise moves the key bias by up
+  to ~1e-3 differently per layout (measured); with ``eps = 1e-5`` (``lr = 1e-2``) by at most
+  ``lr * 5e-10 / 1e-5`` ~ 5e-7 a step.  Measured worst differences after 3 steps: ~1.5e-6
+  (every parameter, every layout), so the tolerance leaves a margin of ~60.
+
+And the trace: the collectives of step 1 on every rank equal, op for op and byte for
+byte, :func:`tutorial_lib.costs.tp_dp_step_collectives` (per op, group kind, phase tag
+and size), and every TP collective stays inside the rank's TP group, every DP one
+inside its DP group: nothing spans the world.
+"""
+import dataclasses
+import sys
+from collections import Counter
+from typing import NamedTuple
+
+import cloudpickle
+import pytest
+import torch
+
+from tutorial_lib import costs, parallel_state
+from tutorial_lib.config import ModelConfig, ParallelConfig
+from tutorial_lib.data_parallel import DataParallel, DistributedOptimizer
+from tutorial_lib.launch import launch
+from tutorial_lib.model import GPTModel
+from tutorial_lib.train import split_global_batch, synthetic_batch, train_step
+
+pytestmark = pytest.mark.dist
+
+# The workers get the functions below by value, so they never import this module (and
+# pytest with it: 0.2 s a rank).  Code that runs in a worker checks with _check, not a
+# bare assert, which pytest would rewrite into a call into pytest.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+CONFIG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=32)
+MODEL_SEED, DATA_SEED = 1, 0
+GLOBAL_BATCH, MICROBATCHES, STEPS = 8, 2, 3
+LR, EPS = 1e-2, 1e-5  # eps: see the module docstring
+MAX_NORM = 0.05  # below every step's gradient norm (checked), so clipping really scales
+BUCKET_BYTES = 4096  # several DataParallel buckets even for this tiny model
+LOSS_TOL = 1e-5
+NORM_RTOL = 1e-5
+GRAD_ATOL, GRAD_RTOL = 1e-7, 1e-4
+PARAM_TOL = 1e-4
+
+LAYOUTS = [(1, 4), (2, 2), (2, 4), (4, 1), (4, 2)]  # (TP, DP)
+
+
+class Variant(NamedTuple):
+    sequence_parallel: bool
+    zero1: bool
+    clip: bool
+
+
+VARIANTS = {
+    "plain": Variant(False, False, False),
+    "sp_clip": Variant(True, False, True),
+    "zero1": Variant(False, True, False),
+    "sp_zero1_clip": Variant(True, True, True),
+}
+
+
+def _max_norm(variant):
+    return MAX_NORM if variant.clip else None
+
+
+def _global_batch(step):
+    return synthetic_batch(DATA_SEED, step, GLOBAL_BATCH, CONFIG.seq_length, CONFIG.vocab_size)
+
+
+def _record_embedding_grads(model, store):
+    """Keep the gradient of the embedding's output (the first block's input) of each forward."""
+    def hook(module, inputs, output):
+        output.register_hook(lambda grad: store.append(grad.detach().clone()))
+    return model.embedding.register_forward_hook(hook)
+
+
+# --- the serial reference -------------------------------------------------------------------
+
+_SERIAL = {}
+
+
+def _serial(clip):
+    """Train the serial model on the whole global batch (cached per clip setting)."""
+    if clip in _SERIAL:
+        return _SERIAL[clip]
+    model = GPTModel(CONFIG, seed=MODEL_SEED, tp_group=None)
+    init_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+    embedding_grads = []
+    handle = _record_embedding_grads(model, embedding_grads)
+    losses, norms = [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(*_global_batch(step))
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            handle.remove()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if step == 0:
+            clipped_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    _SERIAL[clip] = {"init_params": init_params, "losses": losses, "norms": norms, "clipped_grads": clipped_grads,
+                     "embedding_grad": embedding_grads[0],
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _SERIAL[clip]
+
+
+# --- the workers ----------------------------------------------------------------------------
+
+
+def _train_worker(ctx, tp_size):
+    parallel_state.initialize_model_parallel(
+        ParallelConfig(ctx.world_size, tensor_model_parallel_size=tp_size), layout="megatron")
+    dp_rank, dp = parallel_state.get_rank_in("dp"), parallel_state.get_size("dp")
+    out = {"tp_rank": parallel_state.get_rank_in("tp"), "dp_rank": dp_rank,
+           "tp_group": parallel_state.get_group_ranks("tp"),
+           "dp_group": parallel_state.get_group_ranks("dp"), "variants": {}}
+    for name, variant in VARIANTS.items():
+        config = dataclasses.replace(CONFIG, sequence_parallel=variant.sequence_parallel)
+        model = GPTModel(config, seed=MODEL_SEED)
+        if variant.zero1:
+            wrapped = model
+            optimizer = DistributedOptimizer(model.parameters(), torch.optim.Adam, lr=LR, eps=EPS)
+        else:
+            wrapped = DataParallel(model, bucket_size_bytes=BUCKET_BYTES)
+            optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+        embedding_grads = []
+        handle = _record_embedding_grads(model, embedding_grads)
+        run = {"losses": [], "norms": [],
+               "init_params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        for step in range(STEPS):
+            batch = split_global_batch(_global_batch(step), dp_rank, dp)
+            with ctx.tracer.tags(variant=name, step=step):
+                result = train_step(wrapped, optimizer, batch, MICROBATCHES,
+                                    max_grad_norm=_max_norm(variant))
+            run["losses"].append(result.loss)
+            run["norms"].append(result.grad_norm)
+            if step == 0:
+                handle.remove()
+                run["embedding_grads"] = embedding_grads
+                run["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+                if variant.zero1:
+                    _check(len(optimizer.buffers) == 1, "one gradient domain expected")
+                    run["zero1_grad_shard"] = optimizer.buffers[0].main_param.grad.clone()
+        run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        run["partition_dims"] = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False)
+                                     else None) for n, p in model.named_parameters()}
+        out["variants"][name] = run
+    return out
+
+
+_RUNS = {}
+
+
+def _run(layout):
+    """One launch per layout, shared by the tests below (a failure is remembered, not retried)."""
+    if layout not in _RUNS:
+        tp, dp = layout
+        try:
+            _RUNS[layout] = launch(_train_worker, tp * dp, args=(tp,), timeout=180)
+        except Exception as err:  # noqa: BLE001 - re-raised by every test of this layout
+            _RUNS[layout] = err
+    if isinstance(_RUNS[layout], Exception):
+        raise _RUNS[layout]
+    return _RUNS[layout]
+
+
+# --- comparisons ----------------------------------------------------------------------------
+
+
+def _close(actual, expected, what, atol, rtol):
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if not torch.allclose(actual, expected, atol=atol, rtol=rtol):
+        worst = (actual - expected).abs().max().item()
+        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={atol}, rtol={rtol}")
+
+
+def _slice(full, partition_dim, tp_rank, tp):
+    """The piece of a serial tensor that TP rank ``tp_rank`` holds (all of it if replicated)."""
+    return full if partition_dim is None else full.chunk(tp, partition_dim)[tp_rank]
+
+
+def _zero1_grads(results, tp_rank, run_name):
+    """The DP-averaged gradients of TP rank ``tp_rank``, reassembled from the ZeRO-1 shards."""
+    holders = sorted((r for r in results if r["tp_rank"] == tp_rank), key=lambda r: r["dp_rank"])
+    flat = torch.cat([r["variants"][run_name]["zero1_grad_shard"] for r in holders])
+    grads, offset = {}, 0
+    for name, param in holders[0]["variants"][run_name]["params"].items():
+        grads[name] = flat[offset:offset + param.numel()].view_as(param)
+        offset += param.numel()
+    return grads
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"tp{t}_dp{d}" for t, d in LAYOUTS])
+def test_tp_dp_training_equals_serial_training(layout, variant):
+    """Initial shards, losses, norms, step-1 gradients and step-3 parameters equal the serial run's.
+
+    The gradient of the embedding output is a *replica's* gradient: DP averages only the
+    parameter gradients.  Replica r's loss is the mean over its B/D sequences, the serial
+    loss the mean over all B, so each of its activations' gradients is D times the
+    serial one (a microbatch's mean is over M times fewer sequences; its 1/M scale cancels that).
+    """
+    tp, dp = layout
+    v = VARIANTS[variant]
+    serial = _serial(v.clip)
+    results = _run(layout).results
+    micro = GLOBAL_BATCH // dp // MICROBATCHES
+    for rank, result in enumerate(results):
+        run, tp_rank, dp_rank = result["variants"][variant], result["tp_rank"], result["dp_rank"]
+        where = f"rank {rank} (tp {tp_rank}, dp {dp_rank}), {variant}"
+        for name, param in run["init_params"].items():  # one seed: shard == slice, bit for bit
+            expected = _slice(serial["init_params"][name], run["partition_dims"][name], tp_rank, tp)
+            assert torch.equal(param, expected), f"{where}: initial {name} is not my slice of the serial one"
+        assert run["losses"] == pytest.approx(serial["losses"], abs=LOSS_TOL, rel=LOSS_TOL), where
+        if v.clip:
+            assert run["norms"] == pytest.approx(serial["norms"], rel=NORM_RTOL), where
+            assert min(serial["norms"]) > MAX_NORM  # clipping really scaled the gradients
+        else:
+            assert run["norms"] == [None] * STEPS
+
+        grads = _zero1_grads(results, tp_rank, variant) if v.zero1 else run["grads"]
+        expected_grads = serial["clipped_grads"]  # equal to the raw ones when not clipping
+        for name, grad in grads.items():
+            dim = run["partition_dims"][name]
+            _close(grad, _slice(expected_grads[name], dim, tp_rank, tp), f"{where}: step-1 grad {name}",
+                   GRAD_ATOL, GRAD_RTOL)
+
+        assert len(run["embedding_grads"]) == MICROBATCHES
+        for i, got in enumerate(run["embedding_grads"]):
+            first = dp_rank * GLOBAL_BATCH // dp + i * micro
+            expected = dp * serial["embedding_grad"][:, first:first + micro]  # [s, b, h]
+            if v.sequence_parallel:
+                expected = expected.chunk(tp, dim=0)[tp_rank]  # my [s/T, b, h] slice
+            _close(got, expected, f"{where}: microbatch {i} embedding-output grad", GRAD_ATOL, GRAD_RTOL)
+
+        for name, param in run["params"].items():
+            dim = run["partition_dims"][name]
+            _close(param, _slice(serial["params"][name], dim, tp_rank, tp), f"{where}: step-3 param {name}",
+                   PARAM_TOL, PARAM_TOL)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"tp{t}_dp{d}" for t, d in LAYOUTS])
+def test_step_collectives_equal_the_prediction(layout, variant):
+    tp, dp = layout
+    v = VARIANTS[variant]
+    res = _run(layout)
+    config = dataclasses.replace(CONFIG, sequence_parallel=v.sequence_parallel)
+    rows = costs.tp_dp_step_collectives(
+        config, tp, dp, micro_batch_size=GLOBAL_BATCH // dp // MICROBATCHES,
+        num_microbatches=MICROBATCHES, zero1=v.zero1, bucket_size_bytes=BUCKET_BYTES, clip_grad=v.clip)
+    expected = Counter()
+    for row in rows:
+        expected[(row.op, row.group_kind, row.phase, row.bytes_each)] += row.count
+    for rank, result in enumerate(res.results):
+        run = result["variants"][variant]
+        shapes = [(n, tuple(p.shape)) for n, p in run["params"].items()]
+        assert shapes == costs.gpt_parameter_shapes(config, tp)
+        events = res.trace.filter(rank=rank, variant=variant, step=0, comm_only=True)
+        got = Counter((e.op, e.group_kind, e.tags.get("phase"), e.bytes) for e in events)
+        assert got == expected, f"rank {rank}: only traced {got - expected}, only predicted {expected - got}"
+        for e in events:  # TP inside a replica, DP across replicas: nothing spans the world
+            assert list(e.group_ranks) == result[f"{e.group_kind}_group"], e
+        if not v.zero1:  # the first buckets start inside the last microbatch's backward
+            buckets = events.filter(group_kind="dp", phase="backward")
+            assert any(e.tags["overlap"] for e in buckets)
+            assert all(e.tags.get("microbatch", MICROBATCHES - 1) == MICROBATCHES - 1 for e in buckets)
+
+
+# --- train_step without process groups ----------------------------------------------------
+
+
+def test_serial_train_step_with_microbatches_equals_the_whole_batch_loop():
+    """No groups: train_step is the serial loop, with M = 2 microbatches instead of one batch."""
+    model = GPTModel(CONFIG, seed=MODEL_SEED)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+    serial = _serial(True)
+    losses = [train_step(model, optimizer, _global_batch(step), MICROBATCHES, max_grad_norm=MAX_NORM)
+              for step in range(STEPS)]
+    assert [r.loss for r in losses] == pytest.approx(serial["losses"], abs=LOSS_TOL, rel=LOSS_TOL)
+    assert [r.grad_norm for r in losses] == pytest.approx(serial["norms"], rel=NORM_RTOL)
+    for name, param in model.named_parameters():
+        _close(param.detach(), serial["params"][name], name, PARAM_TOL, PARAM_TOL)
+
+
+def test_the_synthetic_data_is_learnable_and_layout_free():
+    ids, labels = _global_batch(0)
+    assert ids.shape == labels.shape == (GLOBAL_BATCH, CONFIG.seq_length)
+    assert torch.equal(ids[:, 1:], labels[:, :-1])  # labels are the next tokens
+    stride = (labels - ids) % CONFIG.vocab_size
+    assert ((stride >= 1) & (stride <= 3)).all() and (stride == stride[:, :1]).all()
+    assert torch.equal(_global_batch(0)[0], ids) and not torch.equal(_global_batch(1)[0], ids)
+    shares = [split_global_batch((ids, labels), r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([s[0] for s in shares]), ids)
+
+
+def test_microbatches_must_divide_the_replica_batch():
+    model = GPTModel(CONFIG)
+    with pytest.raises(ValueError, match=r"\(8 sequences\) must be divisible by num_microbatches \(3\)"):
+        train_step(model, torch.optim.Adam(model.parameters()), _global_batch(0), 3)
