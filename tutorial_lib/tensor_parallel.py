@@ -511,8 +511,15 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group="tp") ->
     """
     if tensor_parallel_size(tp_group) == 1:
         return
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    flagged = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    pending = [p for p in flagged if p.grad is None and hasattr(p, "main_grad")]
+    if pending:
+        # DataParallel keeps gradients in `main_grad` and sets `grad` only in
+        # finish_grad_sync(): before that there is nothing here to reduce.
+        raise RuntimeError(f"allreduce_sequence_parallel_grads found {len(pending)} sequence-parallel "
+                           f"parameters whose gradients are still in DataParallel's buckets; call "
+                           f"model.finish_grad_sync() first, then this function")
+    grads = [p.grad for p in flagged if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -140,3 +140,21 @@ def test_without_the_allreduce_sequence_parallel_layernorm_grads_are_partial_sum
             assert (wrong - full).abs().max() > 1e-2, f"{name} on rank {rank} should differ without the all-reduce"
         summed = sum(partials[rank][name][0] for rank in range(tp_size))
         _close(summed, full, f"{name}: the sum of the partial gradients")
+
+
+def _sp_grads_before_finish(ctx):
+    from tutorial_lib.data_parallel import DataParallel
+    parallel_state.initialize_model_parallel(ParallelConfig(2, tensor_model_parallel_size=2))
+    model = DataParallel(TransformerBlock(H, HEADS, sequence_parallel=True, seed=3))
+    x = torch.randn(S // 2, B, H, generator=torch.Generator().manual_seed(ctx.rank))
+    model(x).sum().backward()
+    try:
+        allreduce_sequence_parallel_grads(model.module)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sequence_parallel_grad_sync_refuses_to_run_before_data_parallel_has_finished():
+    messages = launch(_sp_grads_before_finish, 2).results
+    assert all("call model.finish_grad_sync() first" in m for m in messages), messages
