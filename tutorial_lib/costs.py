@@ -2,8 +2,10 @@
 
 Chapters print these predictions next to what the traced collectives actually
 did, and tests compare the two.  Everything here except
-:func:`measure_collective` is a pure function of its arguments: no processes,
-no torch.
+:func:`measure_collective` is a pure function of its arguments: no processes.
+(:func:`tp_dp_step_collectives` reads the block's collectives from
+:func:`tutorial_lib.transformer.block_collectives`, which lives beside the block
+it describes.)
 
 Sections, top to bottom:
 
@@ -13,6 +15,8 @@ Sections, top to bottom:
 4. **Measuring** collectives on the reader's machine (starts real processes).
 5. **Which parallelism uses which collective**, how often, on how many bytes,
    and the links it usually runs over (chapter 1's bandwidth table).
+6. **TP + DP: the collectives of one training step** (chapter 3).
+7. **ZeRO-1: optimizer state per rank.**
 
 Notation used in every docstring: ``N`` ranks in the group, ``B`` bytes handed
 to the op as counted by the library's byte convention (see :mod:`tutorial_lib.comm`):
@@ -830,7 +834,7 @@ def step_bytes_by_group(rows: Iterable[StepCollective]) -> dict[str, int]:
     return out
 
 
-# --- ZeRO-1: optimizer state per rank ------------------------------------------------------
+# --- 7. ZeRO-1: optimizer state per rank ---------------------------------------------------
 
 
 def zero1_state_bytes_per_rank(num_params: int, data_parallel_size: int,
