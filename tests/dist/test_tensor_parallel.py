@@ -21,6 +21,8 @@ from tutorial_lib import parallel_state
 from tutorial_lib import tensor_parallel as tp
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
+
+from .worker_checks import backward as _backward, check as _check, close as _close
 from tutorial_lib.transformer import TransformerBlock
 
 pytestmark = pytest.mark.dist
@@ -31,13 +33,7 @@ pytestmark = pytest.mark.dist
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _check(condition, message):
-    if not condition:
-        raise AssertionError(message)
-
-
 CONFIGS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]  # (TP, DP)
-ATOL = RTOL = 1e-5
 S, B, H = 8, 3, 8  # sequence, batch, hidden: divisible by every TP size tested
 
 
@@ -45,24 +41,6 @@ def _init(ctx, tp_size):
     parallel_state.initialize_model_parallel(
         ParallelConfig(ctx.world_size, tensor_model_parallel_size=tp_size), layout="megatron")
     return parallel_state.get_group_ranks("tp"), parallel_state.get_rank_in("tp")
-
-
-def _backward(y, dy):
-    """``y.backward(dy)``, as the scalar ``(y * dy).sum()``: the same gradient, bit for bit.
-
-    An explicit non-scalar gradient makes torch import sympy in each fresh worker
-    (about 0.4 s a rank), which would dominate these small tests.
-    """
-    (y * dy).sum().backward()
-
-
-def _close(actual, expected, what):
-    """fp32 closeness, ``|a - b| <= atol + rtol |b|`` (``torch.testing.assert_close`` would
-    import DTensor and sympy in every worker, about half a second a rank)."""
-    _check(actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    if not torch.allclose(actual, expected, atol=ATOL, rtol=RTOL):
-        worst = (actual - expected).abs().max().item()
-        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={ATOL}, rtol={RTOL}")
 
 
 def _exact(actual, expected, what):

@@ -16,6 +16,8 @@ import torch
 from tutorial_lib import parallel_state
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
+
+from .worker_checks import backward as _backward, check as _check, close as _close
 from tutorial_lib.transformer import TransformerBlock, allreduce_sequence_parallel_grads, block_collectives
 
 pytestmark = pytest.mark.dist
@@ -26,31 +28,7 @@ pytestmark = pytest.mark.dist
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _check(condition, message):
-    if not condition:
-        raise AssertionError(message)
-
-
-ATOL = RTOL = 1e-5
 S, B, H, HEADS = 8, 2, 16, 4
-
-
-def _backward(y, dy):
-    """``y.backward(dy)``, as the scalar ``(y * dy).sum()``: the same gradient, bit for bit.
-
-    An explicit non-scalar gradient makes torch import sympy in each fresh worker
-    (about 0.4 s a rank), which would dominate these small tests.
-    """
-    (y * dy).sum().backward()
-
-
-def _close(actual, expected, what):
-    """fp32 closeness, ``|a - b| <= atol + rtol |b|`` (``torch.testing.assert_close`` would
-    import DTensor and sympy in every worker, about half a second a rank)."""
-    _check(actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    if not torch.allclose(actual, expected, atol=ATOL, rtol=RTOL):
-        worst = (actual - expected).abs().max().item()
-        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={ATOL}, rtol={RTOL}")
 
 
 def _shard_of(full, param, i, T):

@@ -14,6 +14,7 @@ hint.
 from __future__ import annotations
 
 import html
+import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -116,3 +117,14 @@ def pick_hint(hint_pairs: list[tuple[str, str]], failing_matches: list[set], gen
         if name in common:
             return hint
     return generic
+
+
+def as_number(value) -> float | None:
+    """``value`` as a finite float, or ``None`` when a student's answer is not a number."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None

@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import Callable
 
 from ..launch import LaunchTimeout, WorkerError, launch
-from . import Case, CheckResult, pick_hint, run_case, stub_hint
+from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -336,18 +336,8 @@ RING_BYTES_MISTAKES = {
 }
 
 
-def _as_number(value) -> float | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _close(got, want) -> bool:
-    number = _as_number(got)
+    number = as_number(got)
     return number is not None and math.isclose(number, want, rel_tol=1e-9, abs_tol=1e-9)
 
 
@@ -380,7 +370,7 @@ def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
                 continue
             if isinstance(got, BaseException):
                 failing_matches.append(set())
-            elif _as_number(got) is None:
+            elif as_number(got) is None:
                 failing_matches.append({"not_a_number"})
             else:
                 failing_matches.append({name for name, wrong in RING_BYTES_MISTAKES.items()

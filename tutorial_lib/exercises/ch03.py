@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Callable
 
 from ..launch import LaunchTimeout, WorkerError, launch
-from . import Case, CheckResult, pick_hint, run_case, stub_hint
+from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -687,19 +687,9 @@ def _launch_groups() -> list[tuple[StepConfig, ...]]:
     return [tuple(g) for g in groups.values()]
 
 
-def _as_number(value) -> float | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 def _same_bytes(got, want) -> bool:
     return (isinstance(got, dict) and all(
-        _as_number(got.get(k)) is not None and math.isclose(_as_number(got[k]), want[k], rel_tol=1e-6, abs_tol=1e-6)
+        as_number(got.get(k)) is not None and math.isclose(as_number(got[k]), want[k], rel_tol=1e-6, abs_tol=1e-6)
         for k in ("tp", "dp")))
 
 
@@ -744,18 +734,18 @@ def check_step_bytes(fn: Callable) -> CheckResult:
             if _same_bytes(got, want):
                 result.cases.append(Case(_describe(cfg), True))
                 continue
-            if not isinstance(got, dict) or any(_as_number(got.get(k)) is None for k in ("tp", "dp")):
+            if not isinstance(got, dict) or any(as_number(got.get(k)) is None for k in ("tp", "dp")):
                 result.cases.append(Case(_describe(cfg), False, f"got {got!r}; the trace says {shown}"))
                 format_error = True
                 continue
             result.cases.append(Case(_describe(cfg), False,
-                                     f"got {{'tp': {_as_number(got['tp']):g}, 'dp': {_as_number(got['dp']):g}}}, "
+                                     f"got {{'tp': {as_number(got['tp']):g}, 'dp': {as_number(got['dp']):g}}}, "
                                      f"the trace says {shown}"))
             for key in ("tp", "dp"):
-                if not math.isclose(_as_number(got[key]), want[key], rel_tol=1e-6, abs_tol=1e-6):
+                if not math.isclose(as_number(got[key]), want[key], rel_tol=1e-6, abs_tol=1e-6):
                     failing[key].append({name for name, (part, switches) in STEP_MISTAKES.items()
                                          if part == key and math.isclose(
-                                             _as_number(got[key]), reference_step_bytes(cfg, **switches)[key],
+                                             as_number(got[key]), reference_step_bytes(cfg, **switches)[key],
                                              rel_tol=1e-6, abs_tol=1e-6)})
     if not result.passed:
         if format_error:

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..trace import Trace, TraceEvent
-from .colors import PALETTE, text_color
+from .colors import PALETTE, PLAYER_CONTROLS_CSS, SANS, text_color
 
 INK = "#1b1f24"        # text and highlight outlines
 MUTED = "#57606a"      # secondary text
@@ -37,7 +37,6 @@ SUM_COLOR = "#5b6b7c"  # a value reduced over every rank (all-reduce result)
 FULL, LIGHT = 0.8, 0.4  # how strongly a block shows its colour: dark text stays readable on both
 OLD_COLOR = "#e4e7eb"  # values about to be overwritten (broadcast targets)
 
-SANS = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 MONO = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'Liberation Mono', monospace"
 MONO_CHAR_W = 7.3      # width of one 12 px monospace character, for layout
 MAX_VALUES = 4         # values written per cell before eliding with "…"
@@ -133,19 +132,10 @@ _CSS = """
 #UID .tl-anim-caption { font-size: 13.5px; color: #3a4048; min-height: 2.7em; }
 #UID .tl-anim-stage { overflow-x: auto; }
 #UID .tl-frame svg { display: block; max-width: 100%; height: auto; }
-#UID .tl-anim-controls { display: flex; align-items: center; gap: 6px; margin-top: 8px; }
-#UID .tl-anim-controls button { font: inherit; font-size: 12.5px; line-height: 1.2;
-  padding: 4px 11px; border: 1px solid #c4cbd3; border-radius: 6px; background: #f6f8fa;
-  color: #1b1f24; cursor: pointer; margin: 0; }
-#UID .tl-anim-controls button:hover { background: #eaeef2; }
-#UID .tl-anim-controls button.tl-play { min-width: 5.8em; background: #1b1f24; color: #ffffff;
-  border-color: #1b1f24; }
-#UID .tl-anim-controls button.tl-play:hover { background: #3a4048; }
-#UID .tl-slider { flex: 1; min-width: 80px; margin: 0 4px; accent-color: #4e79a7; }
 #UID .tl-anim-counter { font-size: 12px; color: #57606a; min-width: 4.5em; text-align: right;
   font-variant-numeric: tabular-nums; }
 #UID .tl-anim-note { font-size: 12px; color: #57606a; margin-top: 6px; }
-""".replace("SANS", SANS)
+""".replace("SANS", SANS) + PLAYER_CONTROLS_CSS
 
 # The player.  Everything lives inside one function (no global names) and finds its
 # elements under its own root, so any number of players can share a page.  ASCII

@@ -62,3 +62,22 @@ def text_color(background: str) -> str:
     luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
     # Contrast with black is (L + 0.05) / 0.05, with white 1.05 / (L + 0.05): pick the larger.
     return "#1b1f24" if luminance > 0.179 else "#ffffff"
+
+
+# --- shared by the players (collective animations, timelines) ---------------------------
+
+SANS = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
+"""The font stack of every widget."""
+
+PLAYER_CONTROLS_CSS = """
+#UID .tl-anim-controls { display: flex; align-items: center; gap: 6px; margin-top: 8px; }
+#UID .tl-anim-controls button { font: inherit; font-size: 12.5px; line-height: 1.2;
+  padding: 4px 11px; border: 1px solid #c4cbd3; border-radius: 6px; background: #f6f8fa;
+  color: #1b1f24; cursor: pointer; margin: 0; }
+#UID .tl-anim-controls button:hover { background: #eaeef2; }
+#UID .tl-anim-controls button.tl-play { min-width: 5.8em; background: #1b1f24; color: #ffffff;
+  border-color: #1b1f24; }
+#UID .tl-anim-controls button.tl-play:hover { background: #3a4048; }
+#UID .tl-slider { flex: 1; min-width: 80px; margin: 0 4px; accent-color: #4e79a7; }
+"""
+"""Play / Back / Next buttons and the frame slider; ``#UID`` is the widget's root id."""

@@ -47,14 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..trace import Trace, TraceEvent
-from .colors import KIND_COLORS, kind_color, text_color
+from .colors import KIND_COLORS, PLAYER_CONTROLS_CSS, SANS, kind_color, text_color
 
 INK = "#1b1f24"      # text, outlines, the cursor
 MUTED = "#57606a"    # secondary text
 GRID = "#e3e7eb"     # vertical grid lines
 TRACK = "#f4f6f8"    # the background of one row of bars
 SEPARATOR = "#d8dee4"  # between ranks
-SANS = "system-ui, -apple-system, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 
 #: Layout, in SVG pixels.
 LEFT = 128.0        # x of the plot's left edge (rank and lane labels sit left of it)
@@ -774,21 +773,12 @@ _CSS = """
 #UID .tl-tooltip td { padding: 0 10px 0 0; border: 0; vertical-align: top; background: none;
   color: #ffffff; font-variant-numeric: tabular-nums; }
 #UID .tl-tooltip td.tl-tip-key { color: #aeb6bf; white-space: nowrap; }
-#UID .tl-anim-controls { display: flex; align-items: center; gap: 6px; margin-top: 8px; }
-#UID .tl-anim-controls button { font: inherit; font-size: 12.5px; line-height: 1.2;
-  padding: 4px 11px; border: 1px solid #c4cbd3; border-radius: 6px; background: #f6f8fa;
-  color: #1b1f24; cursor: pointer; margin: 0; }
-#UID .tl-anim-controls button:hover { background: #eaeef2; }
 #UID .tl-anim-controls button:disabled { opacity: 0.45; cursor: default; }
-#UID .tl-anim-controls button.tl-play { min-width: 5.8em; background: #1b1f24; color: #ffffff;
-  border-color: #1b1f24; }
-#UID .tl-anim-controls button.tl-play:hover { background: #3a4048; }
-#UID .tl-slider { flex: 1; min-width: 80px; margin: 0 4px; accent-color: #4e79a7; }
 #UID .tl-anim-counter { font-size: 12px; color: #57606a; min-width: 5.5em; text-align: right;
   font-variant-numeric: tabular-nums; }
 #UID .tl-zoom-reset { margin-left: auto; }
 #UID .tl-anim-note { font-size: 12px; color: #57606a; margin-top: 6px; }
-""".replace("SANS", SANS)
+""".replace("SANS", SANS) + PLAYER_CONTROLS_CSS
 
 # Everything lives in one function (no global names) and looks only under its own root,
 # so any number of timelines can share a page.  ASCII only.
