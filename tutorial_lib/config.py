@@ -219,16 +219,16 @@ def validate(
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size
 
-    # Rule 2 is a limit of this course's code, not of the method: Megatron runs
-    # TP and EP together, but then router, dispatch and sequence-parallel scatter
-    # must agree on which TP rank owns which tokens, which our MoE layer does not do.
+    # Rule 2 is the guides' guard, kept for the course's training runs: a limit of
+    # what the course trains and tests end to end, not of the method (Megatron runs TP
+    # and EP together: with sequence parallelism each TP rank routes its own tokens).
     if tp > 1 and ep > 1:
         raise ConfigError(
             "rule 2",
             f"tensor_model_parallel_size ({tp}) > 1 together with "
-            f"expert_model_parallel_size ({ep}) > 1 is not supported by this course's MoE "
-            f"layer (a tutorial guard, not a limit of the method: Megatron combines them); "
-            f"set one of them to 1",
+            f"expert_model_parallel_size ({ep}) > 1 is outside what this course trains and "
+            f"tests end to end (the guides' tutorial guard, not a limit of the method: "
+            f"Megatron combines them); set one of them to 1",
         )
     if etp != 1:
         raise ConfigError(

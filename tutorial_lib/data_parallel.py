@@ -66,7 +66,10 @@ class GradDomain:
     """The groups one kind of parameter lives in."""
 
     data_parallel_group: str
-    """Replicas of the same values: gradients are averaged over this group."""
+    """Replicas of the same values: gradients are summed over this group."""
+    averaging_group: str
+    """The sum is divided by this group's size: the number of dense replicas that each
+    averaged the loss over their own tokens (see :func:`gradient_divisor`)."""
     tensor_parallel_group: str
     """Parameters marked ``tensor_model_parallel`` are split over it; the others are copies."""
     model_parallel_groups: tuple[str, ...]
@@ -74,11 +77,22 @@ class GradDomain:
 
 
 DOMAINS = {
-    "dp": GradDomain("dp", "tp", ("tp", "pp")),
+    "dp": GradDomain("dp", "dp", "tp", ("tp", "pp")),
     # With context parallelism the dense weights are also replicated over CP ranks.
-    "dp_cp": GradDomain("dp_cp", "tp", ("tp", "pp")),
-    "expert_dp": GradDomain("expert_dp", "expert_tp", ("expert_tp", "ep", "pp")),
+    "dp_cp": GradDomain("dp_cp", "dp_cp", "tp", ("tp", "pp")),
+    # Experts are summed over their replicas but divided by the DENSE data-parallel size:
+    # the backward of MoE's all-to-all has already added, on the rank that owns an
+    # expert, the gradients of every EP rank's tokens.  After the sum over expert_dp
+    # every token of the global batch has contributed once, as after the dense sum, so
+    # the divisor is the same (Megatron: expert_gradient_scaling_factor = 1 / DP).
+    # Averaging over expert_dp instead would scale expert gradients by EP (x TP with SP).
+    "expert_dp": GradDomain("expert_dp", "dp_cp", "expert_tp", ("expert_tp", "ep", "pp")),
 }
+
+
+def gradient_divisor(domain: str) -> int:
+    """What a gradient summed over ``domain``'s replicas is divided by."""
+    return parallel_state.get_size(DOMAINS[_check_domain(domain)].averaging_group)
 
 
 def mark_tensor_parallel(param: torch.Tensor, partition_dim: int = 0) -> torch.Tensor:
@@ -246,7 +260,7 @@ class DataParallel(nn.Module):
             if not everything and len(bucket.ready) < len(bucket.params):
                 return
             # Scale before summing so that low-precision sums of many replicas cannot overflow.
-            bucket.grad_buffer.div_(parallel_state.get_size(bucket.domain))
+            bucket.grad_buffer.div_(gradient_divisor(bucket.domain))
             bucket.work = comm.all_reduce(bucket.grad_buffer, group=bucket.domain, async_op=True,
                                           tags={"phase": "backward", "bucket": bucket.index,
                                                 "overlap": not everything})
@@ -387,7 +401,7 @@ class ShardedBuffer:
     def reduce_scatter_grads(self) -> None:
         """``main_param.grad`` = this rank's slice of the DP-averaged gradient."""
         flat_grads = self._flatten([p.grad for p in self.params])
-        flat_grads.div_(parallel_state.get_size(self.group))
+        flat_grads.div_(gradient_divisor(self.domain))
         comm.reduce_scatter(self.main_param.grad, flat_grads, group=self.group)
 
     def all_gather_params(self) -> None:

@@ -22,7 +22,7 @@ from tutorial_lib import comm, parallel_state
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.costs import zero1_state_bytes_per_rank
 from tutorial_lib.data_parallel import (DataParallel, DistributedOptimizer, clip_grad_norm_,
-                                        mark_tensor_parallel, set_grad_domain)
+                                        gradient_divisor, mark_tensor_parallel, set_grad_domain)
 from tutorial_lib.grid import ProcessGrid
 from tutorial_lib.launch import launch
 from tutorial_lib.trace import get_tracer
@@ -388,10 +388,10 @@ def _powers_of_two_worker(ctx):
 
 
 def _sums(module, from_grad=True):
-    """Each parameter's values times its group size: the sum of 2**rank over the group."""
+    """Each parameter's values times its divisor: the sum of 2**rank over its group."""
     out = {}
     for name, p in module.named_parameters():
-        size = parallel_state.get_size(getattr(p, "allreduce_group", "dp"))
+        size = gradient_divisor(getattr(p, "allreduce_group", "dp"))
         values = (p.grad if from_grad else p.detach()) * size
         out[name] = sorted(set(values.flatten().tolist()))
     return out

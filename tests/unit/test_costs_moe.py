@@ -1,0 +1,53 @@
+"""``costs`` section 8 (MoE dispatch and combine) against numbers worked out by hand.
+
+The routing: EP = 2, N = 4 experts (rank 0 owns experts 0, 1; rank 1 owns 2, 3), h = 4,
+fp32 (a row is 16 bytes).  Rank 0 sends copies to experts [3, 1, 0, 2]: 4 to itself,
+2 to rank 1; rank 1 sends [0, 0, 5, 1]: 0 to rank 0, 6 to itself.  So counts = [[4, 2], [0, 6]].
+Rank 1 dispatches 6 rows (96 bytes), receives 2 + 6 = 8 (combine: 128 bytes).
+"""
+import pytest
+
+from tutorial_lib import costs
+
+
+def test_moe_all_to_all_bytes_is_tokens_times_topk_times_hidden_times_dtype():
+    assert costs.moe_all_to_all_bytes(8, 2, 16, 4) == 1024            # 8 * 2 * 16 * 4
+    assert costs.moe_all_to_all_bytes(4096, 8, 7168, 1) == 234_881_024  # V3-like, fp8 dispatch
+    assert costs.moe_all_to_all_bytes(0, 2, 16, 4) == 0
+    # the same product as chapter 1's table, with T = b * s
+    assert costs.moe_all_to_all_bytes(2 * 8, 2, 16, 2) == costs.ep_all_to_all_bytes(2, 8, 16, 2, 2)
+    with pytest.raises(ValueError, match="topk"):
+        costs.moe_all_to_all_bytes(8, -1, 16, 4)
+
+
+def test_send_counts_sum_each_ranks_load_over_the_destinations_experts():
+    assert costs.moe_send_counts([[3, 1, 0, 2], [0, 0, 5, 1]]) == [[4, 2], [0, 6]]
+    assert costs.moe_send_counts([[1, 2, 3, 4]]) == [[10]]
+    with pytest.raises(ValueError, match="divisible"):
+        costs.moe_send_counts([[1, 2, 3], [1, 2, 3]])
+
+
+def test_rank_all_to_alls_in_issue_order_with_hand_numbers():
+    counts = [[4, 2], [0, 6]]
+    rows = costs.moe_rank_all_to_alls(counts, rank=1, hidden=4, num_experts=4, bytes_per_element=4)
+    got = [(r.phase, r.op_name, r.payload, r.bytes, r.input_splits, r.output_splits) for r in rows]
+    assert got == [
+        ("forward", "dispatch", "counts", 32, (1, 1), (1, 1)),    # 4 int64 counts
+        ("forward", "dispatch", "tokens", 96, (0, 6), (2, 6)),    # row 1 out, column 1 in
+        ("forward", "combine", "tokens", 128, (2, 6), (0, 6)),    # the 8 received go back
+        ("backward", "combine", "tokens", 96, (0, 6), (2, 6)),
+        ("backward", "dispatch", "tokens", 128, (2, 6), (0, 6)),
+    ]
+    rank0 = costs.moe_rank_all_to_alls(counts, rank=0, hidden=4, num_experts=4, bytes_per_element=4)
+    assert [r.bytes for r in rank0] == [32, 96, 64, 96, 64]  # sends 6 rows, receives 4
+    # over the group, dispatch bytes sent = combine bytes sent (every copy comes back)
+    both = rank0 + rows
+    assert (sum(r.bytes for r in both if r.op_name == "dispatch" and r.payload == "tokens"
+                and r.phase == "forward")
+            == sum(r.bytes for r in both if r.op_name == "combine" and r.phase == "forward"))
+
+
+def test_one_ep_rank_communicates_nothing_and_bad_ranks_are_refused():
+    assert costs.moe_rank_all_to_alls([[12]], rank=0, hidden=4, num_experts=4) == []
+    with pytest.raises(ValueError, match="rank"):
+        costs.moe_rank_all_to_alls([[4, 2], [0, 6]], rank=2, hidden=4, num_experts=4)

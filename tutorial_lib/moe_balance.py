@@ -1,0 +1,312 @@
+"""DeepSeekMoE load balancing: the auxiliary losses and the auxiliary-loss-free bias.
+
+Pure torch functions on router outputs, written as the papers publish them:
+
+* DeepSeekMoE (Dai et al., 2024, arXiv:2401.06066), section 3.3: expert- and device-level losses;
+* DeepSeek-V2 (arXiv:2405.04434), section 2.2.3: adds the communication loss (with
+  device-limited routing);
+* DeepSeek-V3 (arXiv:2412.19437), section 2.1.2: bias-based balancing without an auxiliary
+  loss (Wang et al., 2024, arXiv:2408.15664, which also defines MaxVio) plus a small
+  sequence-wise loss;
+* the router z-loss, from ST-MoE (Zoph et al., 2022, arXiv:2202.08906), not a DeepSeek loss.
+
+Notation (the papers'): ``T`` tokens, ``N'`` routed experts, ``K'`` experts per token,
+``D`` devices (expert-parallel ranks), each holding ``N'/D`` experts, device ``d`` the
+contiguous block ``E_d = [d N'/D, (d+1) N'/D)``, and ``M`` the most devices one token
+may reach.  ``probs`` is ``[T, N']``: each token's router probabilities over *all* routed
+experts (softmax in DeepSeekMoE and V2), not only the top-k gates.  ``topk_idx`` is
+``[T, K']`` (int64): the experts each token was sent to.  Counts come from ``topk_idx``
+and carry no gradient; the gradient flows through ``probs`` alone.
+
+With perfectly even routing and uniform probabilities every balance loss equals its
+coefficient, so ``loss / coeff == 1`` is "balanced" and larger is worse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import comm
+
+# --- routing counts --------------------------------------------------------
+
+
+def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens sent to each expert: int64 ``[N']``, ``load[i] = #{(t, k): topk_idx[t, k] = i}``."""
+    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+
+
+def max_violation(load: torch.Tensor) -> float:
+    """MaxVio = (max_i load_i - mean load) / mean load  (Wang et al., 2024).
+
+    0 is perfect balance; 1 means the busiest expert has twice its fair share.
+    """
+    mean = load.double().mean()
+    if mean == 0:
+        raise ValueError("max_violation: the load is all zeros (no tokens were routed)")
+    return float((load.double().max() - mean) / mean)
+
+
+def _check_router_outputs(probs, topk_idx, num_experts, topk=None):
+    if probs.shape[-1] != num_experts:
+        raise ValueError(f"probs has {probs.shape[-1]} experts in its last dim but num_experts "
+                         f"is {num_experts}; pass probabilities over all routed experts")
+    if topk_idx.dtype != torch.int64 or topk_idx.shape[:-1] != probs.shape[:-1]:
+        raise ValueError(f"topk_idx must be int64 of shape {tuple(probs.shape[:-1])} + (K',), "
+                         f"got {topk_idx.dtype} {tuple(topk_idx.shape)}")
+    if topk is not None and topk_idx.shape[-1] != topk:
+        raise ValueError(f"topk_idx picks {topk_idx.shape[-1]} experts per token but topk is "
+                         f"{topk}; they are the same K'")
+
+
+def _experts_per_device(num_experts: int, num_devices: int) -> int:
+    if num_devices < 1 or num_experts % num_devices:
+        lower = max(num_devices, num_experts // num_devices * num_devices)
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_devices "
+                         f"({num_devices}): each device holds N'/D experts; try {lower} or "
+                         f"{lower + num_devices} experts")
+    return num_experts // num_devices
+
+
+def _expert_fractions(probs, topk_idx, num_experts, topk):
+    """f_i = N'/(K' T) * #tokens choosing i (no grad) and P_i = (1/T) sum_t probs[t, i]."""
+    T = probs.shape[0]
+    counts = expert_load(topk_idx, num_experts).to(probs.dtype)
+    f = counts * num_experts / (topk * T)
+    P = probs.sum(dim=0) / T
+    return f, P
+
+
+# --- DeepSeekMoE / DeepSeek-V2 auxiliary losses ----------------------------
+
+
+def expert_balance_loss(probs, topk_idx, num_experts, topk, coeff=1.0):
+    """Expert-level balance loss (DeepSeekMoE 3.3; DeepSeek-V2 2.2.3)::
+
+        L_ExpBal = alpha1 * sum_{i=1..N'} f_i P_i
+        f_i = N' / (K' T) * sum_t 1(token t selects expert i)
+        P_i = 1/T * sum_t s_{i,t}
+
+    1 at perfect balance; at most ``N'/K'``, reached when every token picks the same K'
+    experts and all probability lies on them.
+    """
+    _check_router_outputs(probs, topk_idx, num_experts, topk)
+    f, P = _expert_fractions(probs, topk_idx, num_experts, topk)
+    return coeff * (f * P).sum()
+
+
+def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1.0):
+    """Device-level balance loss (DeepSeekMoE 3.3; DeepSeek-V2 2.2.3)::
+
+        L_DevBal = alpha2 * sum_{d=1..D} f'_d P'_d
+        f'_d = 1/|E_d| * sum_{j in E_d} f_j        (the MEAN of f over the device's experts)
+        P'_d = sum_{j in E_d} P_j                  (the SUM of P over the device's experts)
+
+    1 at perfect balance; ``D`` when one device gets every pick and all the probability.
+    """
+    _check_router_outputs(probs, topk_idx, num_experts, topk)
+    per_device = _experts_per_device(num_experts, num_devices)
+    f, P = _expert_fractions(probs, topk_idx, num_experts, topk)
+    f_device = f.view(num_devices, per_device).mean(dim=1)
+    P_device = P.view(num_devices, per_device).sum(dim=1)
+    return coeff * (f_device * P_device).sum()
+
+
+def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_devices, coeff=1.0):
+    """Communication balance loss (DeepSeek-V2 2.2.3)::
+
+        L_CommBal = alpha3 * sum_{d=1..D} f''_d P''_d
+        f''_d = D / (M T) * sum_t 1(token t is sent to device d)
+        P''_d = sum_{j in E_d} P_j
+
+    A token is counted once per device, however many of its experts live there.  With
+    device-limited routing each token reaches at most M devices, so balanced traffic is
+    ``M T / D`` tokens per device and the loss is 1; one device receiving every token
+    (and all probability) gives ``D / M``.
+    """
+    _check_router_outputs(probs, topk_idx, num_experts)
+    per_device = _experts_per_device(num_experts, num_devices)
+    if not 1 <= max_devices <= num_devices:
+        raise ValueError(f"max_devices (M = {max_devices}) must be between 1 and num_devices "
+                         f"(D = {num_devices})")
+    T = probs.shape[0]
+    device_of_pick = topk_idx // per_device                        # [T, K']
+    reaches = torch.zeros(T, num_devices, dtype=torch.bool, device=probs.device)
+    reaches.scatter_(1, device_of_pick, True)                      # once per (token, device)
+    f = reaches.sum(dim=0).to(probs.dtype) * num_devices / (max_devices * T)
+    P = (probs.sum(dim=0) / T).view(num_devices, per_device).sum(dim=1)
+    return coeff * (f * P).sum()
+
+
+# --- DeepSeek-V3: complementary sequence-wise loss --------------------------
+
+
+def sequence_balance_loss(scores, topk_idx, num_experts, topk, coeff=1.0, group=None):
+    """Complementary sequence-wise balance loss (DeepSeek-V3 2.1.2), for each sequence::
+
+        L_Bal = alpha * sum_{i=1..N'} f_i P_i
+        f_i = N' / (K' S) * sum_t 1(token t selects expert i)      (t over the sequence)
+        s'_{i,t} = s_{i,t} / sum_{j=1..N'} s_{j,t}                  (over ALL routed experts)
+        P_i = 1/S * sum_t s'_{i,t}
+
+    averaged over the ``B`` sequences.  ``scores`` is ``[B, S, N']`` (sigmoid affinities s,
+    without the balancing bias), ``topk_idx`` is ``[B, S, K']``.  The paper writes the
+    indicator as ``s_{i,t} in Topk(s_t, K')`` (unbiased); the experts really used are
+    chosen by ``s + b``.  Pass whichever selection you mean to balance: ``biased_topk``'s
+    (what the experts receive) or ``torch.topk(scores, K').indices`` (the literal formula).
+
+    ``group``: ``None`` when each rank holds whole sequences.  When the tokens of each
+    sequence are split over ranks (context or sequence parallelism), name the group kind
+    that splits them (``"cp"``, ``"tp"``, ...): the per-sequence counts and the sequence
+    length are summed over it, so ``f`` is the whole sequence's.  Every rank then returns
+    the whole-sequence loss, and the gradient it backpropagates is the exact gradient of
+    that loss with respect to its own tokens (the same gradient as Megatron-Core's
+    per-rank partial loss), so summing router gradients over the group gives the serial one.
+    All ranks of the group must hold the same ``B`` sequences.
+    """
+    _check_router_outputs(scores, topk_idx, num_experts, topk)
+    if scores.dim() != 3:
+        raise ValueError(f"scores must be [B, S, N'] (one row of tokens per sequence), got "
+                         f"{tuple(scores.shape)}")
+    B, S_local, _ = scores.shape
+    counts = torch.zeros(B, num_experts, dtype=torch.int64, device=scores.device)
+    counts.scatter_add_(1, topk_idx.reshape(B, -1), torch.ones_like(topk_idx.reshape(B, -1)))
+    S = S_local
+    if group is not None:  # one all-reduce for the counts and the sequence length together
+        packed = torch.cat([counts.reshape(-1), torch.tensor([S_local], device=scores.device)])
+        comm.all_reduce(packed, group=group)
+        counts, S = packed[:-1].view(B, num_experts), int(packed[-1])
+    f = counts.to(scores.dtype) * num_experts / (topk * S)          # [B, N'], no grad
+    s_normalised = scores / scores.sum(dim=-1, keepdim=True)
+    P = s_normalised.sum(dim=1) / S                                  # this rank's tokens only
+    loss = coeff * (f * P).sum(dim=-1).mean()
+    if group is None:
+        return loss
+    whole = comm.all_reduce(loss.detach().clone(), group=group)     # sum of the parts
+    return whole + (loss - loss.detach())  # value: the whole loss; gradient: this rank's part
+
+
+# --- router z-loss (ST-MoE) ---------------------------------------------------
+
+
+def router_z_loss(logits, coeff=1.0):
+    """Router z-loss (ST-MoE): ``coeff * 1/T * sum_t (logsumexp_i logits[t, i])^2``.
+
+    Keeps router logits small so the softmax stays well-conditioned in low precision.
+    """
+    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+# --- DeepSeek-V3: auxiliary-loss-free balancing -------------------------------
+
+
+def biased_topk(scores, bias, k):
+    """Select experts by ``scores + bias``, gate with the UNBIASED ``scores`` (DeepSeek-V3 2.1.2).
+
+    Returns ``(topk_idx, gates)``: ``topk_idx[t]`` are the k largest ``s_{i,t} + b_i`` and
+    ``gates[t] = s_{topk_idx[t], t}``.  The bias only steers which experts are chosen; it
+    never enters the gating weights, so the model's output does not depend on it except
+    through the choice.  (V3 then normalises the gates to sum to 1 over the chosen experts.)
+    """
+    topk_idx = torch.topk(scores + bias, k, dim=-1).indices
+    return topk_idx, scores.gather(-1, topk_idx)
+
+
+def global_expert_load(topk_idx, num_experts, group=None):
+    """:func:`expert_load` summed over ``group`` (a group kind such as ``"dp"`` or ``"world"``).
+
+    ``None`` means this rank's tokens only (no communication; unlike ``comm``'s default).
+    For the bias update, use a group that covers every rank routing different tokens
+    through this layer, so that every rank applies the same update and the biases stay
+    identical: ``"dp"`` (it includes the expert-parallel ranks) with CP = 1, else ``"dp_cp"``.
+    """
+    load = expert_load(topk_idx, num_experts)
+    if group is not None:
+        comm.all_reduce(load, group=group)
+    return load
+
+
+@torch.no_grad()
+def update_expert_bias(bias, load, gamma):
+    """DeepSeek-V3's bias step, in place, after each training step::
+
+        b_i <- b_i + gamma * sign(mean_j load_j - load_i)
+
+    An overloaded expert's bias falls by gamma, an underloaded one's rises; an expert at
+    exactly the mean load keeps its bias.  ``load`` is the step's (global) expert load.
+    """
+    load = load.to(torch.float64)
+    bias.add_(gamma * torch.sign(load.mean() - load).to(bias.dtype))
+    return bias
+
+
+# --- configuration and the convenience entry point ----------------------------
+
+
+@dataclass
+class BalanceConfig:
+    """Which balancing terms a MoE layer uses, and how strongly.  Defaults: DeepSeek-V2."""
+
+    alpha1: float = 0.003
+    """Expert-level loss coefficient (DeepSeek-V2 and DeepSeekMoE 145B: 0.003)."""
+    alpha2: float = 0.05
+    """Device-level loss coefficient (DeepSeek-V2: 0.05)."""
+    alpha3: float = 0.02
+    """Communication loss coefficient (DeepSeek-V2: 0.02)."""
+    sequence_alpha: float = 0.0001
+    """Sequence-wise loss coefficient (DeepSeek-V3: 0.0001, "extremely small")."""
+    z_loss_coeff: float = 0.001
+    """Router z-loss coefficient (ST-MoE: 0.001)."""
+    gamma: float = 0.001
+    """Bias update speed (DeepSeek-V3: 0.001, then 0 for the last 500B tokens)."""
+    use_expert_loss: bool = True
+    """Add the expert-level loss (DeepSeekMoE, V2)."""
+    use_device_loss: bool = True
+    """Add the device-level loss (DeepSeekMoE, V2); needs ``num_devices``."""
+    use_communication_loss: bool = True
+    """Add the communication loss (V2); needs ``num_devices`` and ``max_devices``."""
+    use_sequence_loss: bool = False
+    """Add the sequence-wise loss (V3); needs ``probs`` shaped ``[B, S, N']``."""
+    use_z_loss: bool = False
+    """Add the router z-loss (ST-MoE); needs the router ``logits``."""
+    use_bias_balancing: bool = False
+    """Route with :func:`biased_topk`; call :func:`update_expert_bias` after each step (V3)."""
+
+    @classmethod
+    def deepseek_v3(cls) -> "BalanceConfig":
+        """V3's recipe: bias balancing plus the small sequence-wise loss, nothing else."""
+        return cls(use_expert_loss=False, use_device_loss=False, use_communication_loss=False,
+                   use_sequence_loss=True, use_bias_balancing=True)
+
+
+def total_aux_loss(config, probs, topk_idx, num_experts, topk, num_devices=1, max_devices=None,
+                   logits=None, sequence_group=None) -> dict:
+    """Every enabled loss of ``config``, by name; add ``sum(losses.values())`` to the LM loss.
+
+    ``probs``/``topk_idx``: ``[T, N']``/``[T, K']``, or ``[B, S, N']``/``[B, S, K']``
+    (required by the sequence-wise loss; flattened for the others).  ``max_devices``
+    defaults to ``num_devices`` (no device limit); with ``num_devices=1`` the device and
+    communication losses are the constant 1.  Keys: ``expert``, ``device``,
+    ``communication``, ``sequence``, ``z``.
+    """
+    flat_probs, flat_idx = probs.reshape(-1, num_experts), topk_idx.reshape(-1, topk_idx.shape[-1])
+    losses = {}
+    if config.use_expert_loss:
+        losses["expert"] = expert_balance_loss(flat_probs, flat_idx, num_experts, topk,
+                                               config.alpha1)
+    if config.use_device_loss:
+        losses["device"] = device_balance_loss(flat_probs, flat_idx, num_experts, topk,
+                                               num_devices, config.alpha2)
+    if config.use_communication_loss:
+        losses["communication"] = communication_balance_loss(
+            flat_probs, flat_idx, num_experts, num_devices, max_devices or num_devices,
+            config.alpha3)
+    if config.use_sequence_loss:
+        losses["sequence"] = sequence_balance_loss(probs, topk_idx, num_experts, topk,
+                                                   config.sequence_alpha, group=sequence_group)
+    if config.use_z_loss:
+        if logits is None:
+            raise ValueError("use_z_loss needs the router logits: pass logits=")
+        losses["z"] = router_z_loss(logits, config.z_loss_coeff)
+    return losses
