@@ -3,6 +3,7 @@
 * :mod:`.rank_map`: ranks on nodes x GPUs, coloured by communicator group;
 * :mod:`.collectives`: step-by-step players of recorded collectives;
 * :mod:`.timeline`: per-rank timelines of compute spans and communication;
+* :mod:`.moe_flow`: tokens moving between expert-parallel ranks, from recorded splits;
 * :mod:`.table`: a plain HTML table for chapter cells.
 
 The functions named like their modules (``timeline``, ``table``) are imported from
@@ -11,10 +12,11 @@ re-exporting them here would shadow the modules.
 """
 from .collectives import Animation, animate_collective, animate_ring, animate_ring_all_reduce
 from .colors import KIND_COLORS, PALETTE, group_color, kind_color
+from .moe_flow import animate_token_flow, dispatch_matrix
 from .rank_map import RankMap, rank_map, rank_map_explorer
 from .timeline import Timeline, bubble_fraction, busy_fraction, overlap_fraction, overlap_seconds
 
 __all__ = ["Animation", "animate_collective", "animate_ring", "animate_ring_all_reduce",
            "KIND_COLORS", "PALETTE", "group_color", "kind_color",
-           "RankMap", "rank_map", "rank_map_explorer",
+           "animate_token_flow", "dispatch_matrix", "RankMap", "rank_map", "rank_map_explorer",
            "Timeline", "bubble_fraction", "busy_fraction", "overlap_fraction", "overlap_seconds"]
