@@ -232,24 +232,24 @@ def test_biased_topk_selects_with_the_bias_and_gates_without_it():
 
 
 def test_bias_update_balances_a_skewed_router_without_touching_the_gates():
-    N, K, T, gamma, steps = 16, 2, 2048, 1e-3, 500
+    # 16,384 tokens a step keep the sampling noise of one batch's load (about 2 %) well
+    # below the 0.1 target, so MaxVio measures the router, not the dice.
+    N, K, T, gamma, steps = 16, 2, 16384, 1e-3, 400
     g = torch.Generator().manual_seed(0)
     preference = torch.linspace(2.0, -2.0, N)      # expert 0 strongly preferred, 15 shunned
     bias = torch.zeros(N)
-    recent = torch.zeros(N, dtype=torch.int64)
+    max_vio = []
     for step in range(steps):
         scores = torch.sigmoid(preference + torch.randn(T, N, generator=g))
         topk_idx, gates = mb.biased_topk(scores, bias, K)
         assert torch.equal(gates, scores.gather(-1, topk_idx))    # the bias never gates
         load = mb.expert_load(topk_idx, N)
-        if step == 0:
-            assert mb.max_violation(load) > 1.0                     # about 3.3 here
-        if step >= steps - 20:
-            recent += load
+        max_vio.append(mb.max_violation(load))
         mb.update_expert_bias(bias, load, gamma)
-    # one batch's MaxVio still jitters (0.03-0.12): a fixed-gamma sign rule moves every
-    # bias by +-gamma each step; the last 20 steps' load shows where the router settled
-    assert mb.max_violation(recent) < 0.1
+    assert max_vio[0] > 1.0                                         # about 3.4 here
+    first_balanced = next(i for i, v in enumerate(max_vio) if v < 0.1)
+    assert first_balanced <= 350, first_balanced                   # about 300 steps
+    assert max(max_vio[-50:]) < 0.1, max(max_vio[-50:])            # and it stays there
     assert bias[0] < 0 < bias[-1] and (bias.max() - bias.min()) > 0.3   # it took real bias
     assert (torch.topk(scores, K).indices != topk_idx).any()           # ...and it changed picks
 
