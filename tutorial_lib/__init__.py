@@ -12,6 +12,7 @@ Read it module by module, like the book's chapters:
 * :mod:`tutorial_lib.data_parallel`: gradient sync, buckets, clipping, ZeRO-1;
 * :mod:`tutorial_lib.moe`, :mod:`tutorial_lib.moe_balance`: DeepSeekMoE with expert parallelism;
 * :mod:`tutorial_lib.model`, :mod:`tutorial_lib.train`: a GPT model and one training step;
+* :mod:`tutorial_lib.pipeline_schedules`: pipeline schedules as pure data, and their simulator;
 * :mod:`tutorial_lib.costs`: closed-form predictions (bytes, alpha-beta times);
 * :mod:`tutorial_lib.viz`: widgets drawn from recorded traces.
 """

@@ -1,0 +1,365 @@
+"""Pipeline schedules as data: shapes, messages, simulated causality, bubbles, memory, the bug."""
+from collections import Counter, defaultdict
+from fractions import Fraction
+
+import pytest
+
+from tutorial_lib.config import ConfigError
+from tutorial_lib.pipeline_schedules import (
+    Action, DeadlockError, MismatchError, build_schedules, bubble_fraction, expected_bubble,
+    expected_peak_activations, gpipe, interleaved_one_f_one_b, makespan, num_warmup_microbatches,
+    one_f_one_b, peak_activations_in_flight, planned_spans, simulate,
+)
+
+# Every valid (schedule, PP, M, V): PP 1..6, M 1..12; interleaved needs V >= 2, PP >= 2, M % PP == 0.
+CASES = ([(name, pp, m, 1) for name in ("gpipe", "1f1b") for pp in range(1, 7) for m in range(1, 13)]
+         + [("interleaved", pp, m, v) for pp in range(2, 7) for m in range(pp, 13, pp) for v in (2, 3)])
+IDS = [f"{n}-pp{p}-m{m}-v{v}" for n, p, m, v in CASES]
+SIMULATED = {}
+
+
+def schedules(case):
+    name, pp, m, v = case
+    return build_schedules(name, pp, m, v)
+
+
+def timelines(case):
+    """Simulated with exact fractions (forward 1, backward 2, P2P free), cached across tests."""
+    if case not in SIMULATED:
+        SIMULATED[case] = simulate(schedules(case), Fraction(1), Fraction(2), Fraction(0))
+    return SIMULATED[case]
+
+
+def compute_order(actions):
+    return " ".join(a.label for a in actions if a.is_compute)
+
+
+# --- shape: each compute exactly once, warm-up counts -----------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_each_rank_runs_every_forward_and_backward_once_per_chunk(case):
+    name, pp, m, v = case
+    for rank, actions in schedules(case).items():
+        expected = Counter({(mb, c): 1 for mb in range(m) for c in range(v)})
+        for kind in ("forward", "backward"):
+            assert Counter((a.microbatch, a.stage) for a in actions if a.kind == kind) == expected
+        assert all(a.peer is None for a in actions if a.is_compute)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_warmup_forwards_before_the_first_backward(case):
+    name, pp, m, v = case
+    for rank, actions in schedules(case).items():
+        computes = [a.kind for a in actions if a.is_compute]
+        before_first_backward = computes.index("backward")
+        if name == "gpipe":
+            assert before_first_backward == m
+        elif name == "1f1b":
+            warmup = min(pp - rank - 1, m)  # the guide's rule, written out
+            assert num_warmup_microbatches(pp, m, rank) == warmup
+            assert before_first_backward == min(warmup + 1, m)  # steady state starts with a forward
+            steady = computes[warmup:warmup + 2 * (m - warmup)]
+            assert steady == ["forward", "backward"] * (m - warmup)
+        else:
+            warmup = v * m if m == pp else min(2 * (pp - rank - 1) + (v - 1) * pp, v * m)
+            assert num_warmup_microbatches(pp, m, rank, v) == warmup
+            assert before_first_backward == min(warmup + 1, v * m)
+            steady = computes[warmup:warmup + 2 * (v * m - warmup)]
+            assert steady == ["forward", "backward"] * (v * m - warmup)
+
+
+def test_hand_written_orders():
+    # 1F1B, PP=4, M=6, rank 1: two warm-up forwards, four 1F1B pairs, two cool-down backwards.
+    assert compute_order(one_f_one_b(4, 6, 1)) == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5"
+    assert compute_order(one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+    assert compute_order(one_f_one_b(4, 2, 0)) == "F0 F1 B0 B1"  # warm-up capped at M
+    assert compute_order(gpipe(3, 3, 2)) == "F0 F1 F2 B0 B1 B2"
+    # Interleaved, PP=2, M=4, V=2 (".1" = chunk 1): microbatches go through chunks in groups of PP,
+    # backwards take the chunks in reverse; rank 0 warms up with 2*(2-0-1) + (2-1)*2 = 4 forwards.
+    assert compute_order(interleaved_one_f_one_b(2, 4, 0, 2)) == (
+        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3")
+    # Megatron's figure (PP=4, M=8, V=2): device 1 runs 10 forwards before its first backward.
+    assert compute_order(interleaved_one_f_one_b(4, 8, 0, 2)).split()[:12] == [
+        "F0", "F1", "F2", "F3", "F0.1", "F1.1", "F2.1", "F3.1", "F4", "F5", "F6", "B0.1"]
+    # M == PP: Megatron runs every forward first.
+    assert compute_order(interleaved_one_f_one_b(2, 2, 1, 2)) == "F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1"
+    # V = 1 is plain 1F1B.
+    assert interleaved_one_f_one_b(4, 6, 2, 1) == one_f_one_b(4, 6, 2)
+
+
+# --- messages: peers, labels, every send matched in order -------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_peers_and_static_matching(case):
+    name, pp, m, v = case
+    scheds = schedules(case)
+    channels = defaultdict(lambda: {"send": [], "recv": []})  # (src, dst, payload) -> microbatches
+    for rank, actions in scheds.items():
+        for a in actions:
+            if a.is_compute:
+                continue
+            stage = a.model_stage(rank, pp)
+            payload = a.kind.split("_", 1)[1]
+            if a.kind == "send_activation":
+                assert stage < v * pp - 1 and a.peer == (rank + 1) % pp
+            elif a.kind == "recv_activation":
+                assert stage > 0 and a.peer == (rank - 1) % pp
+            elif a.kind == "send_grad":
+                assert stage > 0 and a.peer == (rank - 1) % pp
+            elif a.kind == "recv_grad":
+                assert stage < v * pp - 1 and a.peer == (rank + 1) % pp
+            elif a.kind == "send_labels":
+                assert (rank, stage, a.peer) == (0, 0, pp - 1)
+            else:
+                assert (rank, stage, a.peer) == (pp - 1, v * pp - 1, 0)
+            if a.kind.startswith("send"):
+                channels[(rank, a.peer, payload)]["send"].append(a.microbatch)
+            else:
+                channels[(a.peer, rank, payload)]["recv"].append(a.microbatch)
+    for key, ends in channels.items():
+        assert ends["send"] == ends["recv"], key  # same messages, same order: nothing left hanging
+    # Totals: one activation and one gradient per microbatch per stage boundary, one label message.
+    boundaries = v * pp - 1
+    totals = Counter()
+    for (_, _, payload), ends in channels.items():
+        totals[payload] += len(ends["send"])
+    assert totals == Counter({"activation": boundaries * m, "grad": boundaries * m,
+                              "labels": m if pp > 1 else 0}) - Counter()
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_labels_sent_before_stage0_forward_and_received_before_the_loss(case):
+    name, pp, m, v = case
+    scheds = schedules(case)
+    if pp == 1:
+        assert not any("labels" in a.kind for a in scheds[0])
+        return
+    first, last = scheds[0], scheds[pp - 1]
+    for mb in range(m):
+        forward0 = first.index(Action("forward", mb, 0))
+        assert first[forward0 - 1] == Action("send_labels", mb, 0, pp - 1)
+        loss = last.index(Action("forward", mb, v - 1))
+        assert last[loss - 1] == Action("recv_labels", mb, v - 1, 0)
+
+
+# --- simulation: completion and causality ----------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_simulation_completes_and_respects_causality(case):
+    name, pp, m, v = case
+    scheds, tl = schedules(case), timelines(case)
+    last = v * pp - 1
+    done = {}
+    for rank, timed in tl.items():
+        assert [t.action for t in timed] == scheds[rank]  # every action ran: no deadlock
+        assert all(t.start <= t.end for t in timed)
+        assert all(a.end <= b.start for a, b in zip(timed, timed[1:]))  # one thing at a time
+        for t in timed:
+            if t.action.is_compute:
+                stage = t.action.model_stage(rank, pp)
+                assert stage % pp == rank
+                done[(t.action.kind, t.action.microbatch, stage)] = t
+    for mb in range(m):
+        for s in range(last + 1):
+            fwd, bwd = done[("forward", mb, s)], done[("backward", mb, s)]
+            if s > 0:
+                assert fwd.start >= done[("forward", mb, s - 1)].end
+            assert bwd.start >= fwd.end  # backward after its own forward
+            if s < last:
+                assert bwd.start >= done[("backward", mb, s + 1)].end  # and after the next stage's
+        if last > 0:  # the loss waits for the labels read by stage 0
+            assert done[("forward", mb, last)].start >= done[("forward", mb, 0)].end
+
+
+def test_simulated_times_by_hand():
+    # 1F1B, PP=2, M=2, forward 1, backward 2.
+    tl = simulate(build_schedules("1f1b", 2, 2))
+    rank0 = [(t.action.label, t.start, t.end) for t in tl[0]
+             if t.action.is_compute or t.action.kind.startswith("recv")]
+    assert rank0 == [("F0", 0, 1), ("F1", 1, 2), ("recv_grad 0 <- 1", 2, 4), ("B0", 4, 6),
+                     ("recv_grad 1 <- 1", 6, 7), ("B1", 7, 9)]
+    rank1 = [(t.action.label, t.start, t.end) for t in tl[1] if t.action.is_compute]
+    assert rank1 == [("F0", 1, 2), ("B0", 2, 4), ("F1", 4, 5), ("B1", 5, 7)]
+    assert makespan(tl) == 9 == (2 + 2 - 1) * (1 + 2)
+
+
+def test_p2p_cost_delays_receives_and_grows_the_bubble():
+    c = Fraction(1, 4)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+        scheds = build_schedules(name, 4, 8, v)
+        tl = simulate(scheds, 1, 2, c)
+        sends = defaultdict(list)
+        for rank, timed in tl.items():
+            for t in timed:
+                if t.action.kind.startswith("send"):
+                    assert t.end - t.start == c
+                    sends[(rank, t.action.peer, t.action.kind[5:])].append(t)
+        for rank, timed in tl.items():
+            taken = Counter()
+            for t in timed:
+                if t.action.kind.startswith("recv"):
+                    key = (t.action.peer, rank, t.action.kind[5:])
+                    assert t.end >= sends[key][taken[key]].end
+                    taken[key] += 1
+        assert bubble_fraction(tl) > expected_bubble(4, 8, v)
+
+
+def test_result_does_not_depend_on_the_order_ranks_are_visited():
+    scheds = build_schedules("interleaved", 3, 6, 2)
+    backwards = {r: scheds[r] for r in reversed(range(3))}
+    assert simulate(backwards, 1, 3) == simulate(scheds, 1, 3)
+
+
+# --- the bubble ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [(1, 1), (1, 2), (1, 3), (2, 1), (1, 10)])
+def test_bubble_is_the_closed_form_for_any_forward_backward_ratio(ratio):
+    f, b = map(Fraction, ratio)
+    for name, pp, m, v in CASES:
+        tl = simulate(schedules((name, pp, m, v)), f, b, Fraction(0))
+        expected = Fraction(pp - 1, v * m + pp - 1)
+        assert bubble_fraction(tl) == expected == pytest.approx(expected_bubble(pp, m, v))
+        assert makespan(tl) == (v * m + pp - 1) * (f + b)
+        assert all(bubble_fraction(tl, r) == expected for r in tl)  # every rank idles alike
+
+
+def test_interleaving_shrinks_the_bubble():
+    for name, pp, m, v in CASES:
+        if name == "interleaved":
+            plain = bubble_fraction(timelines(("1f1b", pp, m, 1)))
+            assert bubble_fraction(timelines((name, pp, m, v))) < plain
+    assert expected_bubble(4, 8) == 3 / 11
+    assert expected_bubble(4, 8, 2) == 3 / 19
+    assert expected_bubble(1, 5) == 0
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_peak_activations_match_the_formula(case):
+    name, pp, m, v = case
+    for rank, actions in schedules(case).items():
+        peak = peak_activations_in_flight(actions)
+        assert peak == expected_peak_activations(name, pp, m, rank, v)
+        if name == "gpipe":
+            assert peak == m
+        elif name == "1f1b":
+            assert peak == min(pp - rank, m)
+        elif m >= 2 * pp and rank == 0:
+            # Korthikanti et al.: PP * (1 + (PP-1)/(V*PP)) full stages = V*PP + PP - 1 chunks.
+            assert Fraction(peak, v) == pp * (1 + Fraction(pp - 1, v * pp))
+
+
+# --- the seeds' batched-mode bug ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp", [3, 4, 5, 6])
+@pytest.mark.parametrize("m", [2, 3, 8])
+def test_wrong_recv_backward_peer_deadlocks_from_pp3(pp, m):
+    wrong = build_schedules("1f1b", pp, m, wrong_recv_backward_peer=True)
+    with pytest.raises(DeadlockError) as err:
+        simulate(wrong)
+    waiting = err.value.waiting
+    stuck_on_prev = [r for r, a in waiting.items() if a.kind == "recv_grad" and a.peer == (r - 1) % pp]
+    assert stuck_on_prev, waiting  # someone waits for a gradient from the previous rank
+    report = str(err.value)
+    assert all(f"rank {r}:" in report for r in range(pp))
+    assert "recv_grad" in report and "blocked" in report
+    assert sum(len(t) for t in err.value.partial.values()) < sum(len(a) for a in wrong.values())
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+def test_wrong_recv_backward_peer_looks_fine_with_pp2(m):
+    wrong = build_schedules("1f1b", 2, m, wrong_recv_backward_peer=True)
+    assert wrong == build_schedules("1f1b", 2, m)  # previous == next: the very same messages
+    assert simulate(wrong) == simulate(build_schedules("1f1b", 2, m))
+
+
+def test_wrong_peer_is_latent_without_a_steady_state():
+    # M = 1: only the last stage has a 1F1B pair, and it receives no gradient, so the bug hides.
+    wrong = build_schedules("1f1b", 4, 1, wrong_recv_backward_peer=True)
+    assert wrong == build_schedules("1f1b", 4, 1)
+
+
+# --- the simulator on hand-made mistakes ------------------------------------------------------
+
+
+def test_receive_first_on_both_sides_deadlocks():
+    scheds = {0: [Action("recv_grad", 0, peer=1), Action("send_activation", 0, peer=1)],
+              1: [Action("recv_activation", 0, peer=0), Action("send_grad", 0, peer=0)]}
+    with pytest.raises(DeadlockError) as err:
+        simulate(scheds)
+    assert err.value.waiting == {0: scheds[0][0], 1: scheds[1][0]}
+    assert "rank 1 is itself blocked" in str(err.value)
+
+
+def test_out_of_order_and_unreceived_messages_are_mismatches():
+    out_of_order = {0: [Action("send_activation", 1, peer=1), Action("send_activation", 0, peer=1)],
+                    1: [Action("recv_activation", 0, peer=0), Action("recv_activation", 1, peer=0)]}
+    with pytest.raises(MismatchError, match="microbatch 1"):
+        simulate(out_of_order)
+    unreceived = {0: [Action("forward", 0), Action("send_activation", 0, peer=1)], 1: [Action("forward", 0)]}
+    with pytest.raises(MismatchError, match="never received"):
+        simulate(unreceived)
+    wrong_stage = {0: [Action("send_grad", 0, peer=1)], 1: [Action("recv_grad", 0, peer=0)]}
+    with pytest.raises(MismatchError, match="model stage"):
+        simulate(wrong_stage)
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def test_validation_errors_name_the_numbers():
+    with pytest.raises(ConfigError, match=r"pp_size \(0\) must be an integer >= 1"):
+        one_f_one_b(0, 4, 0)
+    with pytest.raises(ConfigError, match=r"num_microbatches \(0\) must be an integer >= 1"):
+        gpipe(2, 0, 0)
+    with pytest.raises(ConfigError, match=r"rank \(2\) must be a pipeline rank in 0\.\.1"):
+        one_f_one_b(2, 4, 2)
+    with pytest.raises(ConfigError, match=r"num_microbatches \(6\) must be divisible by pp_size \(4\)"
+                                          r".*try 4 or 8"):
+        interleaved_one_f_one_b(4, 6, 0, 2)
+    with pytest.raises(ConfigError, match=r"try 3 microbatches"):
+        interleaved_one_f_one_b(3, 2, 0, 2)
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_size \(2\) > 1 needs pp_size >= 2"):
+        interleaved_one_f_one_b(1, 4, 0, 2)
+    with pytest.raises(ConfigError, match=r"virtual_pipeline_size \(0\)"):
+        interleaved_one_f_one_b(2, 4, 0, 0)
+    with pytest.raises(ConfigError, match=r"pp_size \(2\.0\)"):
+        gpipe(2.0, 4, 0)
+    with pytest.raises(ConfigError, match=r"m \(0\)"):
+        expected_bubble(4, 0)
+    with pytest.raises(ValueError, match="unknown schedule 'zb'"):
+        build_schedules("zb", 2, 2)
+    with pytest.raises(ValueError, match="needs the interleaved schedule"):
+        build_schedules("1f1b", 2, 2, 2)
+    with pytest.raises(ValueError, match="the peer must be another rank in 0..1"):
+        simulate({0: [Action("recv_grad", 0, peer=2)], 1: []})
+    with pytest.raises(ValueError, match="keyed by the pipeline ranks"):
+        simulate({1: []})
+    with pytest.raises(ValueError, match="unknown action kind"):
+        Action("send", 0, peer=1)
+    with pytest.raises(ValueError, match="peer"):
+        Action("forward", 0, peer=1)
+    with pytest.raises(ValueError, match="peer"):
+        Action("recv_grad", 0)
+
+
+# --- drawing ---------------------------------------------------------------------------------------
+
+
+def test_planned_spans_draw_with_the_timeline_widget():
+    from tutorial_lib.viz.timeline import timeline_from_spans
+
+    tl = simulate(build_schedules("interleaved", 2, 4, 2))
+    spans = planned_spans(tl)
+    assert len(spans) == 2 * 2 * 4 * 2 and {s[4] for s in spans} == {"compute"}
+    assert (0, 0, 1, "F0", "compute", "planned") in spans
+    assert {s[4] for s in planned_spans(tl, p2p=True)} == {"compute", "pp"}
+    html = timeline_from_spans(spans, scale=1, unit="step")._repr_html_()
+    assert "F0.1" in html
