@@ -909,8 +909,10 @@ def moe_rank_all_to_alls(send_counts: Sequence[Sequence[int]], rank: int, hidden
 
     Forward: the counts exchange (``N`` int64 numbers, one row of ``N/EP`` per peer), the
     dispatch (row ``rank`` of ``send_counts``), the combine (column ``rank``: what it
-    received goes back).  Backward: the combine's reverse, then the dispatch's.  With one
-    EP rank nothing is communicated.  ``send_counts`` comes from :func:`moe_send_counts`.
+    received goes back).  Backward: the combine's reverse, then the dispatch's; autograd
+    skips the dispatch's reverse when the layer's input does not require a gradient, so
+    the prediction assumes it does.  With one EP rank nothing is communicated.
+    ``send_counts`` comes from :func:`moe_send_counts`.
     """
     ep = len(send_counts)
     if not 0 <= rank < ep:

@@ -85,7 +85,8 @@ DOMAINS = {
     # expert, the gradients of every EP rank's tokens.  After the sum over expert_dp
     # every token of the global batch has contributed once, as after the dense sum, so
     # the divisor is the same (Megatron: expert_gradient_scaling_factor = 1 / DP).
-    # Averaging over expert_dp instead would scale expert gradients by EP (x TP with SP).
+    # Averaging over expert_dp instead would scale expert gradients by DP / EDP
+    # = EP * ETP / (TP * CP): 4x at TP 1 x EP 4, but right by accident at TP = EP.
     "expert_dp": GradDomain("expert_dp", "dp_cp", "expert_tp", ("expert_tp", "ep", "pp")),
 }
 
