@@ -1,0 +1,567 @@
+"""Checkers for chapter 5, DeepSeekMoE auxiliary losses.
+
+* :func:`check_expert_balance_loss`: the student's ``fn(probs, topk_idx, num_experts,
+  topk)`` is DeepSeekMoE's expert-level balance loss (coefficient 1).  The checker
+  compares the value *and* the gradient with respect to ``probs`` with
+  :func:`tutorial_lib.moe_balance.expert_balance_loss` on random routings, perfect balance,
+  a collapse onto K' experts and a routing that is not the top-k of ``probs`` (a biased
+  one).  Forgetting the ``N'/K'`` scaling, dividing by the tokens instead of the
+  assignments, using the top-k gates instead of the full probabilities, re-running top-k
+  instead of counting ``topk_idx``, and a loss cut off from autograd each get a hint.
+* :func:`check_biased_topk`: ``fn(scores, bias, k) -> (topk_idx, gates)`` is DeepSeek-V3's
+  biased selection: choose by ``scores + bias``, gate with the unbiased ``scores``.  Biased
+  gates, an ignored or subtracted bias, normalised gates and gates without a gradient each
+  get a hint.
+* :func:`check_update_bias`: ``fn(bias, load, gamma)`` is V3's bias step.  The checker
+  tries it on a few loads (an expert exactly at the mean included), on a bias that is a
+  leaf requiring grad, and in a 200-step simulation of a skewed router balanced with the
+  library's :func:`~tutorial_lib.moe_balance.biased_topk`: the trajectory must be the
+  library's and MaxVio must fall.  A flipped sign, a step proportional to the imbalance,
+  moving experts at the mean, an integer mean and an update that builds a graph each get
+  a hint.
+
+Everything runs in this process (no workers): a checker takes well under a second.
+Student code never makes a checker raise: exceptions and stubs become failed cases with
+a hint.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from .. import moe_balance as mb
+from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
+
+# --- hints (tests look for these exact strings) ---------------------------------------
+
+HINT_LOSS_NO_SCALE = (
+    "your loss is K'/N' times too small: f_i is the count of tokens choosing expert i "
+    "scaled by N'/(K'T), not divided by T alone. The scaling makes f_i = 1 for every "
+    "expert at perfect balance, so the loss is exactly 1 there."
+)
+HINT_LOSS_ASSIGNMENTS = (
+    "your loss is N' times too small: either f_i = count_i / (K'T), the fraction of the "
+    "K'T assignments (it is that fraction times N'), or you averaged f_i P_i over the "
+    "experts instead of summing. At perfect balance the loss must be exactly 1."
+)
+HINT_LOSS_PER_TOKEN = (
+    "your loss is K' times too large: divide the counts by the K'T assignments, not by "
+    "the T tokens. Each token makes K' picks, so balanced counts are K'T/N' per expert "
+    "and f_i = N'/(K'T) * count_i is then 1."
+)
+HINT_LOSS_GATES = (
+    "P_i must average the router probability of expert i over ALL T tokens, the "
+    "probabilities s_{i,t} of every expert, not only the top-k gates of the experts each "
+    "token chose. The unchosen experts' probabilities are what the gradient lowers or "
+    "raises: P_i = probs.mean(dim=0)."
+)
+HINT_LOSS_OWN_TOPK = (
+    "count the experts in topk_idx, the experts the tokens were really sent to. With a "
+    "bias or a device limit they are not torch.topk(probs, K'): one case routes with a "
+    "bias, and your counts followed probs instead."
+)
+HINT_LOSS_NO_GRAD = (
+    "the value is right but no gradient reaches probs: the loss must stay in autograd "
+    "(no .item(), float(), .detach() or torch.no_grad() on the P part), because its whole "
+    "purpose is the gradient it sends into the router."
+)
+HINT_LOSS_WRONG_GRAD = (
+    "the value is right but the gradient with respect to probs is not the library's "
+    "alpha * f_i / T: the gradient must flow through P_i only. f_i comes from counts "
+    "(torch.bincount of topk_idx), a constant that carries no gradient."
+)
+HINT_LOSS_FORMAT = (
+    "return the loss as a scalar torch tensor (shape ()), computed from probs so that "
+    "autograd can differentiate it."
+)
+HINT_LOSS_GENERIC = (
+    "L = sum_i f_i P_i with f_i = N'/(K'T) * (number of times expert i appears in topk_idx) "
+    "and P_i = (1/T) * sum_t probs[t, i]. torch.bincount(topk_idx.reshape(-1), "
+    "minlength=N') gives the counts."
+)
+
+HINT_TOPK_BIASED_GATES = (
+    "your gates include the bias. The bias only decides WHICH experts a token goes to; "
+    "the gate that weights an expert's output is its unbiased score s_{i,t}: "
+    "scores.gather(-1, topk_idx). Otherwise the bias would leak into the model's output "
+    "and into the gradients."
+)
+HINT_TOPK_IGNORES_BIAS = (
+    "your selection ignores the bias: choose the k largest scores + bias (the bias is "
+    "what steers tokens away from overloaded experts), then gate with the scores alone."
+)
+HINT_TOPK_SUBTRACTED = (
+    "add the bias, do not subtract it: an underloaded expert gets a positive bias so that "
+    "it is chosen more often. Select by scores + bias."
+)
+HINT_TOPK_NORMALISED = (
+    "return the raw affinities scores.gather(-1, topk_idx) as gates. DeepSeek-V3 "
+    "normalises them to sum to 1 afterwards, in the router (gates_from_scores), not here."
+)
+HINT_TOPK_NO_GRAD = (
+    "the gates carry no gradient to scores: the router learns through the gates, so take "
+    "them from scores with gather (only the selection, through the bias, has no gradient)."
+)
+HINT_TOPK_FORMAT = (
+    "return a pair (topk_idx, gates): topk_idx an int64 tensor [T, k] of expert indices, "
+    "gates a float tensor [T, k] with the gate of each chosen expert."
+)
+HINT_TOPK_GENERIC = (
+    "topk_idx = torch.topk(scores + bias, k, dim=-1).indices and gates = "
+    "scores.gather(-1, topk_idx)."
+)
+
+HINT_BIAS_FLIPPED = (
+    "the sign is flipped: an OVERLOADED expert (load above the mean) must get a LOWER "
+    "bias so fewer tokens choose it: b_i <- b_i + gamma * sign(mean load - load_i). With "
+    "your sign the busiest expert attracts even more tokens and MaxVio grows."
+)
+HINT_BIAS_PROPORTIONAL = (
+    "the rule moves every bias by exactly gamma, in the direction of the sign: gamma * "
+    "sign(mean - load_i), not a step proportional to the imbalance. The size of the "
+    "imbalance does not matter, only its direction."
+)
+HINT_BIAS_AT_MEAN = (
+    "an expert at exactly the mean load must keep its bias: sign(0) = 0. torch.sign does "
+    "this for you; a two-way choice (where(load > mean, -gamma, +gamma)) moves it anyway."
+)
+HINT_BIAS_INT_MEAN = (
+    "load is an int64 tensor of token counts: .mean() is not defined for integers. Convert "
+    "it first, load.float().mean() (or .double())."
+)
+HINT_BIAS_GRAPH = (
+    "the update built an autograd graph (or tried to, on a leaf that requires grad). The "
+    "bias is not learned by backpropagation: it is set by a rule outside autograd. Wrap "
+    "the update in torch.no_grad() (and update in place, or return a tensor without "
+    "grad_fn)."
+)
+HINT_BIAS_FORMAT = (
+    "update the bias in place and return it (or return the new bias): a float tensor of "
+    "shape [N'], the same shape and dtype as bias."
+)
+HINT_BIAS_GENERIC = (
+    "b_i <- b_i + gamma * sign(mean_j load_j - load_i), inside torch.no_grad(): "
+    "bias.add_(gamma * torch.sign(load.float().mean() - load))."
+)
+
+
+# --- exercise 5.1: the expert-level balance loss -----------------------------------------
+
+
+def _balanced_routing(num_tokens: int, num_experts: int, topk: int) -> torch.Tensor:
+    """Token t picks experts (t + j N'/K') mod N': every expert equally often."""
+    t = torch.arange(num_tokens).unsqueeze(1)
+    j = torch.arange(topk).unsqueeze(0)
+    return (t + j * (num_experts // topk)) % num_experts
+
+
+def loss_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
+    """``(name, probs [T, N'] float64, topk_idx [T, K'], N', K')`` for the expert-loss checker."""
+    cases = []
+    g = torch.Generator().manual_seed(5)
+    for N, K, T in ((8, 2, 32), (16, 4, 50)):
+        probs = torch.softmax(2 * torch.randn(T, N, generator=g, dtype=torch.float64), dim=-1)
+        cases.append((f"random routing: N'={N}, K'={K}, T={T}", probs,
+                      torch.topk(probs, K, dim=-1).indices, N, K))
+    N, K, T = 8, 2, 16
+    cases.append((f"perfect balance: N'={N}, K'={K}, T={T}, uniform probabilities (loss 1)",
+                  torch.full((T, N), 1.0 / N, dtype=torch.float64), _balanced_routing(T, N, K), N, K))
+    N, K, T = 8, 2, 12
+    logits = torch.randn(T, N, generator=g, dtype=torch.float64)
+    logits[:, :K] += 6.0  # nearly all the probability on experts 0 and 1
+    collapse = torch.softmax(logits, dim=-1)
+    cases.append((f"collapse: every token picks experts 0 and 1, N'={N}, K'={K} (loss near N'/K')",
+                  collapse, torch.arange(K).expand(T, K).clone(), N, K))
+    N, K, T = 8, 2, 24
+    probs = torch.softmax(torch.randn(T, N, generator=g, dtype=torch.float64), dim=-1)
+    bias = torch.linspace(0.4, -0.4, N, dtype=torch.float64)  # steers picks off the top-k
+    cases.append((f"routed with a bias (topk_idx is not the top-k of probs): N'={N}, K'={K}, T={T}",
+                  probs, torch.topk(probs + bias, K, dim=-1).indices, N, K))
+    return cases
+
+
+def _counts(topk_idx, num_experts, dtype):
+    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts).to(dtype)
+
+
+def expert_loss_variant(probs, topk_idx, num_experts, topk, mistake: str | None = None):
+    """The expert-level loss, or one classic mistake in it (for hints and tests).
+
+    ``mistake``: ``None`` (right), ``"no_scale"`` (f = count / T), ``"assignments"``
+    (f = count / (K'T), the same as averaging over experts), ``"per_token"``
+    (f = N' count / T), ``"gates"`` (P from the top-k gates only), ``"own_topk"``
+    (counts of ``torch.topk(probs, K')`` instead of ``topk_idx``).
+    """
+    T = probs.shape[0]
+    if mistake == "own_topk":
+        topk_idx = torch.topk(probs.detach(), topk, dim=-1).indices
+    counts = _counts(topk_idx, num_experts, probs.dtype)
+    scale = {None: num_experts / (topk * T), "own_topk": num_experts / (topk * T),
+             "gates": num_experts / (topk * T), "no_scale": 1.0 / T,
+             "assignments": 1.0 / (topk * T), "per_token": num_experts / T}[mistake]
+    f = counts * scale
+    if mistake == "gates":
+        chosen = torch.zeros_like(probs).scatter(1, topk_idx, 1.0)
+        P = (probs * chosen).sum(dim=0) / T
+    else:
+        P = probs.sum(dim=0) / T
+    return (f * P).sum()
+
+
+def _variant_grad(probs, topk_idx, num_experts, topk, mistake):
+    probs = probs.clone().requires_grad_(True)
+    expert_loss_variant(probs, topk_idx, num_experts, topk, mistake).backward()
+    return probs.grad
+
+
+LOSS_MISTAKES = ("no_scale", "assignments", "per_token", "gates", "own_topk")
+_LOSS_HINTS = [(HINT_LOSS_OWN_TOPK, "own_topk"), (HINT_LOSS_GATES, "gates"),
+               (HINT_LOSS_NO_SCALE, "no_scale"), (HINT_LOSS_ASSIGNMENTS, "assignments"),
+               (HINT_LOSS_PER_TOKEN, "per_token"), (HINT_LOSS_NO_GRAD, "no_grad"),
+               (HINT_LOSS_WRONG_GRAD, "wrong_grad"), (HINT_LOSS_FORMAT, "format")]
+
+
+def _same_value(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def check_expert_balance_loss(fn: Callable) -> CheckResult:
+    """Check ``fn(probs, topk_idx, num_experts, topk) -> loss`` (coefficient 1).
+
+    ``probs`` is ``[T, N']`` float64 and requires grad; ``topk_idx`` is ``[T, K']`` int64.
+    The value must equal :func:`moe_balance.expert_balance_loss`'s (relative 1e-9) and so
+    must the gradient of the loss with respect to ``probs``.
+    """
+    result = CheckResult("Exercise 5.1: expert_balance_loss")
+    values, failing = [], []
+    for name, probs, topk_idx, N, K in loss_cases():
+        want = float(mb.expert_balance_loss(probs, topk_idx, N, K))
+        reference = probs.clone().requires_grad_(True)
+        mb.expert_balance_loss(reference, topk_idx, N, K).backward()
+        mine = probs.clone().requires_grad_(True)
+        case, got = run_case(name, lambda: fn(mine, topk_idx.clone(), N, K), want,
+                             compare=lambda *_: False)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, NotImplementedError):
+            break
+        if isinstance(got, BaseException):
+            failing.append(set())
+            continue
+        if isinstance(got, torch.Tensor):
+            value = as_number(got.detach()) if got.numel() == 1 else None
+        else:
+            value = as_number(got)
+        if value is None:
+            case.detail = f"returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}, expected a scalar"
+            failing.append({"format"})
+            continue
+        if not _same_value(value, want):
+            case.detail = f"loss {value:.6g}, expected {want:.6g}"
+            failing.append({m for m in LOSS_MISTAKES
+                            if _same_value(value, float(expert_loss_variant(probs, topk_idx, N, K, m)))})
+            continue
+        if not isinstance(got, torch.Tensor) or got.grad_fn is None:
+            case.detail = f"loss {value:.6g} is right, but it carries no gradient to probs"
+            failing.append({"no_grad"})
+            continue
+        try:
+            got.backward()
+        except Exception as err:  # noqa: BLE001 - the student's graph, not ours
+            case.detail = f"the loss's backward raised {type(err).__name__}: {err}"
+            failing.append({"wrong_grad"})
+            continue
+        if mine.grad is None or not torch.allclose(mine.grad, reference.grad, rtol=1e-9, atol=1e-12):
+            worst = "no gradient" if mine.grad is None else \
+                f"differs by up to {(mine.grad - reference.grad).abs().max().item():.3g}"
+            case.detail = f"loss {value:.6g} is right, but d loss / d probs {worst}"
+            if mine.grad is None:
+                failing.append({"no_grad"})
+            else:  # a mistake whose value happens to be right here shows in the gradient
+                failing.append({"wrong_grad"} | {m for m in LOSS_MISTAKES if torch.allclose(
+                    mine.grad, _variant_grad(probs, topk_idx, N, K, m), rtol=1e-9, atol=1e-12)})
+            continue
+        case.passed, case.detail = True, ""
+    if not result.passed:
+        result.hint = stub_hint(values) or pick_hint(_LOSS_HINTS, failing, HINT_LOSS_GENERIC)
+    return result
+
+
+# --- exercise 5.2: biased top-k selection -------------------------------------------------
+
+
+def topk_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """``(name, scores [T, N'], bias [N'], k)`` for the biased-selection checker."""
+    cases = [("the chapter's example: a bias of 1 pushes expert 2 in",
+              torch.tensor([[0.9, 0.8, 0.1, 0.2], [0.3, 0.7, 0.6, 0.5]]),
+              torch.tensor([0.0, 0.0, 1.0, 0.0]), 2)]
+    g = torch.Generator().manual_seed(11)
+    scores = torch.sigmoid(torch.randn(20, 8, generator=g))
+    cases.append(("zero bias: plain top-k of the scores", scores, torch.zeros(8), 2))
+    scores = torch.sigmoid(torch.randn(32, 16, generator=g) + torch.linspace(1.5, -1.5, 16))
+    cases.append(("sigmoid scores, a bias that changes many choices, k=4", scores,
+                  torch.linspace(-0.3, 0.3, 16), 4))
+    scores = torch.sigmoid(torch.randn(12, 8, generator=g))
+    cases.append(("a bias that is a leaf requiring grad (it must get none)", scores,
+                  torch.linspace(0.2, -0.2, 8).requires_grad_(True), 3))
+    return cases
+
+
+def topk_variant(scores, bias, k, mistake: str | None = None):
+    """Biased top-k, or one classic mistake (for hints and tests)."""
+    b = bias.detach()
+    selection = {None: scores + b, "biased_gates": scores + b, "normalised": scores + b,
+                 "ignores_bias": scores, "subtracted": scores - b}[mistake]
+    topk_idx = torch.topk(selection.detach(), k, dim=-1).indices
+    gates = (scores + b if mistake == "biased_gates" else scores).gather(-1, topk_idx)
+    if mistake == "normalised":
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return topk_idx, gates
+
+
+TOPK_MISTAKES = ("biased_gates", "ignores_bias", "subtracted", "normalised")
+_TOPK_HINTS = [(HINT_TOPK_FORMAT, "format"), (HINT_TOPK_BIASED_GATES, "biased_gates"),
+               (HINT_TOPK_IGNORES_BIAS, "ignores_bias"), (HINT_TOPK_SUBTRACTED, "subtracted"),
+               (HINT_TOPK_NORMALISED, "normalised"), (HINT_TOPK_NO_GRAD, "no_grad")]
+
+
+def _by_expert(topk_idx, gates):
+    """Rows sorted by expert index, so any order of the k picks compares equal."""
+    order = torch.argsort(topk_idx, dim=-1)
+    return topk_idx.gather(-1, order), gates.detach().to(torch.float64).gather(-1, order)
+
+
+def _same_routing(got, want) -> bool:
+    (gi, gg), (wi, wg) = _by_expert(*got), _by_expert(*want)
+    return torch.equal(gi, wi) and torch.allclose(gg, wg, rtol=1e-6, atol=1e-7)
+
+
+def _valid_pair(got, scores, k) -> bool:
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        return False
+    idx, gates = got
+    return (isinstance(idx, torch.Tensor) and isinstance(gates, torch.Tensor)
+            and idx.shape == (scores.shape[0], k) and gates.shape == (scores.shape[0], k)
+            and not idx.is_floating_point() and not idx.is_complex())
+
+
+def check_biased_topk(fn: Callable) -> CheckResult:
+    """Check ``fn(scores, bias, k) -> (topk_idx, gates)`` against :func:`moe_balance.biased_topk`.
+
+    The k picks of a token may come in any order (gates in the same order).  ``scores``
+    requires grad: ``gates.sum().backward()`` must give the library's ``scores.grad``, and
+    a bias that requires grad must get no gradient.
+    """
+    result = CheckResult("Exercise 5.2: biased_topk")
+    values, failing = [], []
+    for name, scores, bias, k in topk_cases():
+        want = mb.biased_topk(scores, bias.detach(), k)
+        mine_scores = scores.clone().requires_grad_(True)
+        mine_bias = bias.detach().clone().requires_grad_(bias.requires_grad)
+        case, got = run_case(name, lambda: fn(mine_scores, mine_bias, k), want, compare=lambda *_: False)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, NotImplementedError):
+            break
+        if isinstance(got, BaseException):
+            failing.append(set())
+            continue
+        if not _valid_pair(got, scores, k):
+            case.detail = f"returned {type(got).__name__}, expected (topk_idx [T, {k}], gates [T, {k}])"
+            failing.append({"format"})
+            continue
+        if not _same_routing(got, want):
+            wrong = int((~(_by_expert(*got)[0] == _by_expert(*want)[0]).all(dim=-1)).sum())
+            case.detail = (f"{wrong} of {scores.shape[0]} tokens chose other experts" if wrong else
+                           "the same experts, but other gate values")
+            failing.append({m for m in TOPK_MISTAKES if _same_routing(got, topk_variant(scores, bias, k, m))})
+            continue
+        gates = got[1]
+        if gates.grad_fn is None:
+            case.detail = "right experts and gates, but the gates carry no gradient to scores"
+            failing.append({"no_grad"})
+            continue
+        try:
+            gates.sum().backward()
+        except Exception as err:  # noqa: BLE001
+            case.detail = f"gates.sum().backward() raised {type(err).__name__}: {err}"
+            failing.append(set())
+            continue
+        reference = scores.clone().requires_grad_(True)
+        mb.biased_topk(reference, bias.detach(), k)[1].sum().backward()
+        if mine_scores.grad is None or not torch.allclose(mine_scores.grad, reference.grad):
+            case.detail = "right experts and gates, but d gates / d scores differs from the library's"
+            failing.append({"no_grad"} if mine_scores.grad is None else set())
+            continue
+        if mine_bias.grad is not None and bool(mine_bias.grad.abs().sum() > 0):
+            case.detail = "the bias received a gradient: it must only steer the choice"
+            failing.append({"biased_gates"})
+            continue
+        case.passed, case.detail = True, ""
+    if not result.passed:
+        result.hint = stub_hint(values) or pick_hint(_TOPK_HINTS, failing, HINT_TOPK_GENERIC)
+    return result
+
+
+# --- exercise 5.3: the bias update ---------------------------------------------------------
+
+SIM_EXPERTS, SIM_TOPK, SIM_TOKENS, SIM_STEPS, SIM_GAMMA = 16, 2, 512, 200, 0.005
+SIM_MAX_VIOLATION = 0.15
+"""The simulation passes when the last 20 steps' summed load has MaxVio below this (and the
+bias follows the library's trajectory); at step 0 it is about 3."""
+
+
+def update_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, float]]:
+    """``(name, bias, load, gamma)`` for the direct cases of the bias-update checker."""
+    return [
+        ("load [3, 1, 2, 2] (mean 2), gamma 0.01",
+         torch.zeros(4), torch.tensor([3, 1, 2, 2]), 0.01),
+        ("a bias that already moved; loads of 8 experts, two exactly at the mean",
+         torch.linspace(-0.05, 0.05, 8), torch.tensor([40, 10, 25, 25, 31, 19, 30, 20]), 0.001),
+        ("a bias that is a leaf requiring grad (no graph may be built)",
+         torch.zeros(6, requires_grad=True), torch.tensor([9, 1, 5, 6, 4, 5]), 0.01),
+    ]
+
+
+def update_variant(bias, load, gamma, mistake: str | None = None):
+    """A new bias tensor: the right rule or one classic mistake (for hints and tests)."""
+    with torch.no_grad():
+        load = load.to(torch.float64)
+        mean = load.mean()
+        if mistake == "flipped":
+            step = gamma * torch.sign(load - mean)
+        elif mistake == "proportional":
+            step = gamma * (mean - load)
+        elif mistake == "relative":
+            step = gamma * (mean - load) / mean
+        elif mistake == "at_mean":
+            step = torch.where(load > mean, -gamma, gamma).to(torch.float64)
+        else:
+            step = gamma * torch.sign(mean - load)
+        return bias.detach() + step.to(bias.dtype)
+
+
+UPDATE_MISTAKES = ("flipped", "proportional", "relative", "at_mean")
+_UPDATE_HINTS = [(HINT_BIAS_FORMAT, "format"), (HINT_BIAS_INT_MEAN, "int_mean"),
+                 (HINT_BIAS_FLIPPED, "flipped"), (HINT_BIAS_PROPORTIONAL, "proportional"),
+                 (HINT_BIAS_PROPORTIONAL, "relative"), (HINT_BIAS_AT_MEAN, "at_mean"),
+                 (HINT_BIAS_GRAPH, "graph")]
+
+
+class _NotABias(TypeError):
+    """The update returned something that is not a bias (raised by the simulation)."""
+
+
+def _explain_error(err: BaseException) -> set:
+    """The mistake an exception from the student's update points to, if any."""
+    if isinstance(err, _NotABias):
+        return {"format"}
+    text = str(err)
+    if "mean" in text and ("Long" in text or "dtype" in text):
+        return {"int_mean"}
+    if "leaf Variable that requires grad" in text:
+        return {"graph"}
+    return set()
+
+
+def _apply_update(fn, bias, load, gamma):
+    """The student's new bias: the returned tensor, or ``bias`` itself if None was returned."""
+    out = fn(bias, load, gamma)
+    return bias if out is None else out
+
+
+def simulate_bias_balancing(update: Callable, steps: int = SIM_STEPS, gamma: float = SIM_GAMMA):
+    """A skewed sigmoid router balanced by ``update``: ``(MaxVio at step 0, MaxVio of the
+    last 20 steps' summed load, final bias)``.
+
+    Expert i's affinity is ``sigmoid(2 - 4 i / (N'-1) + noise)``: expert 0 is strongly
+    preferred.  Each step routes ``SIM_TOKENS`` tokens with :func:`moe_balance.biased_topk`
+    and calls ``update(bias, load, gamma)`` (in place, or returning the new bias).
+    """
+    g = torch.Generator().manual_seed(0)
+    preference = torch.linspace(2.0, -2.0, SIM_EXPERTS)
+    bias = torch.zeros(SIM_EXPERTS)
+    recent = torch.zeros(SIM_EXPERTS, dtype=torch.int64)
+    first = None
+    for step in range(steps):
+        scores = torch.sigmoid(preference + torch.randn(SIM_TOKENS, SIM_EXPERTS, generator=g))
+        topk_idx, gates = mb.biased_topk(scores, bias.detach(), SIM_TOPK)
+        load = mb.expert_load(topk_idx, SIM_EXPERTS)
+        if first is None:
+            first = mb.max_violation(load)
+        if step >= steps - 20:
+            recent += load
+        new = _apply_update(update, bias, load.clone(), gamma)
+        if not isinstance(new, torch.Tensor) or new.shape != bias.shape:
+            raise _NotABias(f"the update returned {type(new).__name__}, expected a tensor of shape "
+                            f"{tuple(bias.shape)}")
+        bias = new.detach().to(torch.float32)
+    return first, mb.max_violation(recent), bias
+
+
+@lru_cache(maxsize=None)
+def _simulated(mistake: str | None):
+    return simulate_bias_balancing(lambda b, load, gamma: update_variant(b, load, gamma, mistake))
+
+
+def check_update_bias(fn: Callable) -> CheckResult:
+    """Check ``fn(bias, load, gamma)``: in place (returning the bias or None) or returning a
+    new bias; ``load`` is int64 token counts.  Direct cases, then the simulation."""
+    result = CheckResult("Exercise 5.3: update_bias")
+    values, failing = [], []
+    for name, bias, load, gamma in update_cases():
+        want = update_variant(bias, load, gamma)
+        start = bias.detach().clone().requires_grad_(bias.requires_grad)
+        case, got = run_case(name, lambda: _apply_update(fn, start, load.clone(), gamma), want,
+                             compare=lambda *_: False)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, NotImplementedError):
+            break
+        if isinstance(got, BaseException):
+            failing.append(_explain_error(got))
+            continue
+        if not isinstance(got, torch.Tensor) or got.shape != bias.shape:
+            case.detail = f"returned {type(got).__name__}, expected the new bias (shape {tuple(bias.shape)})"
+            failing.append({"format"})
+            continue
+        if not torch.allclose(got.detach().double(), want.double(), atol=1e-7, rtol=0):
+            case.detail = f"bias {got.detach().tolist()}, expected {[round(v, 6) for v in want.tolist()]}"
+            failing.append({m for m in UPDATE_MISTAKES if torch.allclose(
+                got.detach().double(), update_variant(bias, load, gamma, m).double(), atol=1e-7, rtol=0)})
+            continue
+        if got.grad_fn is not None:
+            case.detail = "right values, but the new bias has a grad_fn: the update built a graph"
+            failing.append({"graph"})
+            continue
+        case.passed, case.detail = True, ""
+    if values and isinstance(values[-1], NotImplementedError):
+        result.hint = stub_hint(values)
+        return result
+    name = (f"simulation: {SIM_STEPS} steps of {SIM_TOKENS} tokens, N'={SIM_EXPERTS}, "
+            f"K'={SIM_TOPK}, gamma={SIM_GAMMA}, a router that prefers expert 0")
+    first, settled, want_bias = _simulated(None)
+    case, got = run_case(name, lambda: simulate_bias_balancing(fn), None, compare=lambda *_: False)
+    result.cases.append(case)
+    if isinstance(got, BaseException):
+        failing.append(_explain_error(got))
+    else:
+        _, got_settled, got_bias = got
+        if got_settled < SIM_MAX_VIOLATION and torch.allclose(got_bias, want_bias, atol=1e-5, rtol=0):
+            case.passed, case.detail = True, ""
+        else:
+            case.detail = (f"MaxVio {first:.2f} at the start, {got_settled:.2f} over the last 20 steps "
+                           f"(the library's rule: {settled:.2f}); final bias of expert 0 "
+                           f"{got_bias[0].item():+.3f} (library {want_bias[0].item():+.3f})")
+            failing.append({m for m in UPDATE_MISTAKES
+                            if torch.allclose(got_bias, _simulated(m)[2], atol=1e-5, rtol=0)})
+    if not result.passed:
+        result.hint = pick_hint(_UPDATE_HINTS, failing, HINT_BIAS_GENERIC)
+    return result
+
+
+__all__ = ["check_expert_balance_loss", "check_biased_topk", "check_update_bias",
+           "expert_loss_variant", "topk_variant", "update_variant", "simulate_bias_balancing",
+           "loss_cases", "topk_cases", "update_cases"]
