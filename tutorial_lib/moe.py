@@ -526,9 +526,22 @@ class MoELayer(torch.nn.Module):
             sequence_group=self.tp_group if split_over_tp else None)
 
     @torch.no_grad()
+    def global_load(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """This step's expert load summed over every rank that routed different tokens.
+
+        That is the data-parallel ranks (EP ranks included) and, under sequence
+        parallelism, the TP ranks too: each of them routed its own slice of the tokens.
+        """
+        serial = self.ep_group is None and self.tp_group is None
+        if serial or not parallel_state.is_initialized():
+            return moe_balance.expert_load(topk_idx, self.num_experts)
+        split_over_tp = self.sequence_parallel and tensor_parallel_size(self.tp_group) > 1
+        groups = ("tp", "dp_cp") if split_over_tp else ("dp_cp",)
+        return moe_balance.global_expert_load(topk_idx, self.num_experts, groups)
+
     def update_expert_bias(self, load: torch.Tensor) -> None:
         """V3's bias step with ``balance.gamma``; pass the step's *global* load
-        (:func:`moe_balance.global_expert_load` over ``"dp"``) so every rank moves alike."""
+        (:meth:`global_load`) so every rank moves alike."""
         if self.router.expert_bias is None:
             raise RuntimeError("this layer has no expert bias: build it with a BalanceConfig "
                                "whose use_bias_balancing=True")

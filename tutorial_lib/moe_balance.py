@@ -214,16 +214,20 @@ def biased_topk(scores, bias, k):
 
 
 def global_expert_load(topk_idx, num_experts, group=None):
-    """:func:`expert_load` summed over ``group`` (a group kind such as ``"dp"`` or ``"world"``).
+    """:func:`expert_load` summed over ``group``: a group kind such as ``"dp"``, or several.
 
     ``None`` means this rank's tokens only (no communication; unlike ``comm``'s default).
-    For the bias update, use a group that covers every rank routing different tokens
-    through this layer, so that every rank applies the same update and the biases stay
-    identical: ``"dp"`` (it includes the expert-parallel ranks) with CP = 1, else ``"dp_cp"``.
+    For the bias update, sum over every rank routing different tokens through this
+    layer, so that every rank applies the same update and the biases stay identical:
+    ``"dp"`` (it includes the expert-parallel ranks) with CP = 1, else ``"dp_cp"``; under
+    sequence parallelism the TP ranks route different tokens too, so pass
+    ``("tp", "dp_cp")`` (two all-reduces over orthogonal groups sum over their product,
+    Megatron's TP x CP x DP group).  :meth:`tutorial_lib.moe.MoELayer.global_load` picks
+    the groups for you.
     """
     load = expert_load(topk_idx, num_experts)
-    if group is not None:
-        comm.all_reduce(load, group=group)
+    for kind in ((group,) if isinstance(group, str) else (group or ())):
+        comm.all_reduce(load, group=kind)
     return load
 
 

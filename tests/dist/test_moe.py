@@ -305,3 +305,24 @@ def test_ep4_dp2_equal_the_serial_layer_world8():
     _check_all_to_alls(res.results, res.trace, "ep4", 1, 4, 8)
     _check_powers_of_two(res.results, "ep4", 1)
     assert res.results[0]["ep4"]["groups"]["expert_dp"] == [0, 4]
+
+
+def _bias_load_under_sequence_parallel(ctx):
+    parallel_state.initialize_model_parallel(ParallelConfig(4, tensor_model_parallel_size=2))
+    balance = BalanceConfig(use_bias_balancing=True, gamma=0.01)
+    layer = moe.MoELayer(H, N, K, FFN, score_function="sigmoid", balance=balance,
+                         sequence_parallel=True, seed=5)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(100 + ctx.rank // 2))
+    _, info = layer(x)  # each TP rank routes its half of the sequence
+    load = layer.global_load(info["topk_idx"])
+    layer.update_expert_bias(load)
+    return info["tokens_per_expert"].tolist(), load.tolist(), layer.router.expert_bias.tolist()
+
+
+def test_bias_load_is_summed_over_every_rank_that_routed_tokens_under_sequence_parallel():
+    results = launch(_bias_load_under_sequence_parallel, 4).results
+    local_loads = [r[0] for r in results]
+    total = [sum(col) for col in zip(*local_loads)]
+    assert all(r[1] == total for r in results)  # TP and DP ranks all counted
+    assert local_loads[0] != local_loads[1]  # the two TP ranks routed different tokens
+    assert all(r[2] == results[0][2] for r in results)  # so every bias moved alike
