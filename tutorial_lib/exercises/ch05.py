@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from .. import moe_balance as mb
-from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
+from . import CheckResult, as_number, pick_hint, run_case, stub_hint
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 

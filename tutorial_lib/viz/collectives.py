@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..trace import Trace, TraceEvent
-from .colors import PALETTE, PLAYER_CONTROLS_CSS, SANS, text_color
+from .colors import PALETTE, PLAYER_CONTROLS_CSS, SANS, text_color, write_page
 
 INK = "#1b1f24"        # text and highlight outlines
 MUTED = "#57606a"      # secondary text
@@ -115,13 +115,7 @@ class Animation:
 
     def save(self, path: str) -> str:
         """Write a standalone HTML page holding the animation; returns ``path``."""
-        page = (f'<!doctype html>\n<html><head><meta charset="utf-8">'
-                f"<title>{html.escape(self.title)}</title></head>\n"
-                f'<body style="margin:24px;background:#f6f8fa">\n'
-                f"{self.to_html()}\n</body></html>\n")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(page)
-        return path
+        return write_page(path, self.title, self.to_html())
 
 
 _CSS = """

@@ -81,3 +81,15 @@ PLAYER_CONTROLS_CSS = """
 #UID .tl-slider { flex: 1; min-width: 80px; margin: 0 4px; accent-color: #4e79a7; }
 """
 """Play / Back / Next buttons and the frame slider; ``#UID`` is the widget's root id."""
+
+
+def write_page(path: str, title: str, fragment: str) -> str:
+    """Write ``fragment`` (a widget's HTML) as a standalone page; returns ``path``."""
+    import html
+    page = (f'<!doctype html>\n<html><head><meta charset="utf-8">'
+            f"<title>{html.escape(title)}</title></head>\n"
+            f'<body style="margin:24px;background:#f6f8fa">\n'
+            f"{fragment}\n</body></html>\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return path

@@ -36,14 +36,13 @@ precomputed SVG frames and an inline script, so it plays in the static book.
 """
 from __future__ import annotations
 
-import html
 import math
 import re
 from dataclasses import dataclass, field
 
 from ..trace import Trace, TraceEvent
 from .collectives import INK, LINE, MUTED, Animation, _darken, _mix, _rect, _svg, _text
-from .colors import KIND_COLORS, PALETTE, SANS, text_color
+from .colors import KIND_COLORS, PALETTE, text_color
 
 __all__ = ["TokenFlow", "TokenFlowAnimation", "animate_token_flow", "dispatch_matrix"]
 
@@ -757,7 +756,7 @@ def _frames(flow: TokenFlow) -> list[_State]:
         detail = (" (" + ", ".join(f"e{j * flow.experts_per_rank + l} {c}" for l, c in enumerate(pe))
                   + ")") if pe is not None else ""
         per.append(f"r{ranks[j]} {recv[j]}{detail}")
-    st.caption = (f"Expert compute: each rank runs its local experts on the copies it received: "
+    st.caption = ("Expert compute: each rank runs its local experts on the copies it received: "
                   + ", ".join(per) + f". Busiest: rank {ranks[busiest]} with {recv[busiest]}"
                   + (f" = {recv[busiest] / mean:.2f} \u00d7 the mean {mean:.1f}" if mean else "")
                   + (f"; rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} received "

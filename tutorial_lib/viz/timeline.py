@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..trace import Trace, TraceEvent
-from .colors import KIND_COLORS, PLAYER_CONTROLS_CSS, SANS, kind_color, text_color
+from .colors import KIND_COLORS, PLAYER_CONTROLS_CSS, SANS, kind_color, text_color, write_page
 
 INK = "#1b1f24"      # text, outlines, the cursor
 MUTED = "#57606a"    # secondary text
@@ -386,13 +386,7 @@ class Timeline:
 
     def save(self, path: str) -> str:
         """Write a standalone HTML page holding the timeline; returns ``path``."""
-        page = (f'<!doctype html>\n<html><head><meta charset="utf-8">'
-                f"<title>{html.escape(self.title)}</title></head>\n"
-                f'<body style="margin:24px;background:#f6f8fa">\n'
-                f"{self.to_html()}\n</body></html>\n")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(page)
-        return path
+        return write_page(path, self.title, self.to_html())
 
     # -- rendering --
 
