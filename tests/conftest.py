@@ -36,3 +36,51 @@ def chromium_browser():
             yield browser
         finally:
             browser.close()
+
+
+class FragmentPage:
+    """Widget HTML fragments on one ``file://`` page, with what went wrong recorded."""
+
+    def __init__(self, page):
+        self.page = page
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.on("request", lambda r: self.requests.append(r.url))
+
+    def play_advances(self, animation, seconds: float = 3.0) -> int:
+        """Click the player's Play button; its ``data-frame`` must rise within ``seconds``."""
+        import time
+        start = int(animation.get_attribute("data-frame"))
+        animation.locator(".tl-play").click()
+        deadline = time.time() + seconds
+        while int(animation.get_attribute("data-frame")) == start and time.time() < deadline:
+            time.sleep(0.05)
+        now = int(animation.get_attribute("data-frame"))
+        assert now > start, f"Play did not advance data-frame within {seconds:g} s"
+        return now
+
+    def assert_clean(self) -> None:
+        """No script error on the page, and nothing fetched from outside the file."""
+        assert self.errors == [], self.errors
+        assert all(u.startswith("file:") for u in self.requests), self.requests
+
+
+@pytest.fixture
+def fragment_page(chromium_browser, tmp_path):
+    """``open(*fragments, width=, height=)`` -> a :class:`FragmentPage`; pages close after the test."""
+    opened = []
+
+    def open_page(*fragments, width=1000, height=900):
+        path = tmp_path / f"fragments{len(opened)}.html"
+        path.write_text("<!doctype html><html><head><meta charset='utf-8'></head>"
+                        "<body style='margin:24px;background:#f6f8fa'>" + "".join(fragments)
+                        + "</body></html>", encoding="utf-8")
+        view = FragmentPage(chromium_browser.new_page(viewport={"width": width, "height": height}))
+        opened.append(view)
+        view.page.goto(path.as_uri())
+        return view
+
+    yield open_page
+    for view in opened:
+        view.page.close()

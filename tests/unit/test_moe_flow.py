@@ -365,37 +365,22 @@ def test_html_is_self_contained_and_two_players_do_not_clash(dispatch_run, tmp_p
 
 
 @pytest.mark.browser
-def test_the_token_flow_plays_in_chromium(dispatch_run, tmp_path, chromium_browser):
+def test_the_token_flow_plays_in_chromium(dispatch_run, tmp_path, fragment_page):
     anim = animate_token_flow(dispatch_run.trace)
-    page_file = tmp_path / "flow.html"
-    page_file.write_text("<!doctype html><html><head><meta charset='utf-8'></head>"
-                         "<body style='margin:24px;background:#f6f8fa'>"
-                         + anim.to_html() + anim.to_html() + "</body></html>", encoding="utf-8")
-    page = chromium_browser.new_page(viewport={"width": 1200, "height": 900})
-    try:
-        errors, requests = [], []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.on("request", lambda r: requests.append(r.url))
-        page.goto(page_file.as_uri())
-        first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
-        assert first.get_attribute("data-frame") == "0"
-        first.locator(".tl-play").click()
-        deadline = time.time() + 3
-        while int(first.get_attribute("data-frame")) == 0 and time.time() < deadline:
-            time.sleep(0.05)
-        assert int(first.get_attribute("data-frame")) > 0, "Play did not advance within 3 s"
-        assert second.get_attribute("data-frame") == "0"  # the other player is untouched
-        first.locator(".tl-play").click()  # pause
-        second.locator(".tl-next").click()
-        assert second.get_attribute("data-frame") == "1"
-        assert second.locator(".tl-frame:visible").count() == 1
-        caption = second.locator(".tl-anim-caption").inner_text()
-        assert caption.startswith("Dispatch 1/4: rank 0 sends 12 copies")
-        # the flying squares animate (CSS), and land where the frame draws them
-        assert second.locator(".tl-frame:visible .tl-moe-fly").count() == 12
-        time.sleep(1.5)
-        second.screenshot(path=str(tmp_path / "flow.png"))
-        assert errors == [], errors
-        assert all(u.startswith("file:") for u in requests), requests
-    finally:
-        page.close()
+    view = fragment_page(anim.to_html(), anim.to_html(), width=1200, height=900)
+    page = view.page
+    first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
+    assert first.get_attribute("data-frame") == "0"
+    view.play_advances(first)
+    assert second.get_attribute("data-frame") == "0"  # the other player is untouched
+    first.locator(".tl-play").click()  # pause
+    second.locator(".tl-next").click()
+    assert second.get_attribute("data-frame") == "1"
+    assert second.locator(".tl-frame:visible").count() == 1
+    caption = second.locator(".tl-anim-caption").inner_text()
+    assert caption.startswith("Dispatch 1/4: rank 0 sends 12 copies")
+    # the flying squares animate (CSS), and land where the frame draws them
+    assert second.locator(".tl-frame:visible .tl-moe-fly").count() == 12
+    time.sleep(1.5)
+    second.screenshot(path=str(tmp_path / "flow.png"))
+    view.assert_clean()

@@ -366,87 +366,67 @@ def test_an_async_op_visibly_overlaps_backward(real_run):
 # --- in a real browser -----------------------------------------------------------------------------
 
 
-def _wait_for(predicate, seconds=3.0):
-    deadline = time.time() + seconds
-    while not predicate() and time.time() < deadline:
-        time.sleep(0.05)
-    return predicate()
-
-
 @pytest.mark.browser
 @pytest.mark.dist
-def test_the_timeline_plays_and_explains_itself_in_chromium(tmp_path, chromium_browser, real_run):
+def test_the_timeline_plays_and_explains_itself_in_chromium(tmp_path, fragment_page, real_run):
     """Two timelines on one page: Play moves one cursor, hover shows a tooltip, drag zooms."""
     recorded = timeline(real_run.trace, title="A transfer in flight during backward")
     made_up = timeline(synthetic(), title="Two buckets overlap backward")
-    page_file = tmp_path / "timeline.html"
-    page_file.write_text("<!doctype html><html><head><meta charset='utf-8'></head>"
-                         "<body style='margin:24px;background:#f6f8fa'>" + recorded.to_html()
-                         + made_up.to_html() + "</body></html>", encoding="utf-8")
-    page = chromium_browser.new_page(viewport={"width": 1000, "height": 1100})
-    try:
-        errors, requests = [], []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.on("request", lambda r: requests.append(r.url))
-        page.goto(page_file.as_uri())
-        first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
-        assert page.locator(".tl-animation").count() == 2
-        assert first.get_attribute("data-frame") == "0"
-        first_zoom = first.get_attribute("data-zoom")
+    view = fragment_page(recorded.to_html(), made_up.to_html(), width=1000, height=1100)
+    page = view.page
+    first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
+    assert page.locator(".tl-animation").count() == 2
+    assert first.get_attribute("data-frame") == "0"
+    first_zoom = first.get_attribute("data-zoom")
 
-        # Play advances the first cursor only.
-        first.locator("button.tl-play").click()
-        assert _wait_for(lambda: int(first.get_attribute("data-frame")) > 0), \
-            "Play did not advance data-frame within 3 s"
-        assert second.get_attribute("data-frame") == "0"
-        first.locator("button.tl-play").click()  # pause
+    # Play advances the first cursor only.
+    view.play_advances(first)
+    assert second.get_attribute("data-frame") == "0"
+    first.locator("button.tl-play").click()  # pause
 
-        # The slider moves the second cursor: the caption and the revealed bars follow Python.
-        second.locator(".tl-slider").fill("9")
-        assert second.get_attribute("data-frame") == "9"
-        frame = made_up.data["frames"][9]
-        assert second.locator(".tl-anim-caption").inner_text() == frame["caption"]
-        shown = second.locator(".tl-solid").evaluate_all(
-            "rs => rs.filter(r => r.getAttribute('display') !== 'none').length")
-        assert shown == sum(1 for b in made_up.data["bars"] if b["start"] <= frame["t"])
-        assert second.locator(".tl-bar.tl-on").count() == sum(len(v) for v in frame["doing"].values())
-        assert second.locator(".tl-cursor").get_attribute("display") == "inline"
+    # The slider moves the second cursor: the caption and the revealed bars follow Python.
+    second.locator(".tl-slider").fill("9")
+    assert second.get_attribute("data-frame") == "9"
+    frame = made_up.data["frames"][9]
+    assert second.locator(".tl-anim-caption").inner_text() == frame["caption"]
+    shown = second.locator(".tl-solid").evaluate_all(
+        "rs => rs.filter(r => r.getAttribute('display') !== 'none').length")
+    assert shown == sum(1 for b in made_up.data["bars"] if b["start"] <= frame["t"])
+    assert second.locator(".tl-bar.tl-on").count() == sum(len(v) for v in frame["doing"].values())
+    assert second.locator(".tl-cursor").get_attribute("display") == "inline"
 
-        # Hovering a bar shows its tooltip; leaving hides it.
-        tip = second.locator(".tl-tooltip")
-        assert not tip.is_visible()
-        second.locator(".tl-bar[data-kind='pp']").hover()  # not reached yet: its ghost shows
-        assert tip.is_visible()
-        text = tip.inner_text()
-        assert "recv on the pp group" in text and "bfloat16" in text and "8 B" in text
-        assert "duration" in text and f"{MS:.3f} ms" in text
-        page.mouse.move(2, 2)
-        assert not tip.is_visible()
+    # Hovering a bar shows its tooltip; leaving hides it.
+    tip = second.locator(".tl-tooltip")
+    assert not tip.is_visible()
+    second.locator(".tl-bar[data-kind='pp']").hover()  # not reached yet: its ghost shows
+    assert tip.is_visible()
+    text = tip.inner_text()
+    assert "recv on the pp group" in text and "bfloat16" in text and "8 B" in text
+    assert "duration" in text and f"{MS:.3f} ms" in text
+    page.mouse.move(2, 2)
+    assert not tip.is_visible()
 
-        # Dragging across the chart zooms; Reset zoom goes back.
-        before = second.get_attribute("data-zoom")
-        chart = second.locator("svg.tl-chart").bounding_box()
-        scale = chart["width"] / made_up.data["width"]
-        x_a = chart["x"] + (tlmod.LEFT + 200) * scale
-        x_b = chart["x"] + (tlmod.LEFT + 400) * scale
-        y = chart["y"] + 60 * scale
-        page.mouse.move(x_a, y)
-        page.mouse.down()
-        page.mouse.move(x_b, y, steps=4)
-        page.mouse.up()
-        z0, z1 = map(float, second.get_attribute("data-zoom").split())
-        d0, d1 = made_up.data["domain"]
-        pw = made_up.data["plot_width"]
-        assert z0 == pytest.approx(d0 + 200 / pw * (d1 - d0), abs=0.2)
-        assert z1 == pytest.approx(d0 + 400 / pw * (d1 - d0), abs=0.2)
-        assert first.get_attribute("data-zoom") == first_zoom  # the other chart did not zoom
-        page.mouse.move(2, 2)
-        page.screenshot(path=str(tmp_path / "timeline_zoomed.png"), full_page=True)
-        second.locator(".tl-zoom-reset").click()
-        assert second.get_attribute("data-zoom") == before
+    # Dragging across the chart zooms; Reset zoom goes back.
+    before = second.get_attribute("data-zoom")
+    chart = second.locator("svg.tl-chart").bounding_box()
+    scale = chart["width"] / made_up.data["width"]
+    x_a = chart["x"] + (tlmod.LEFT + 200) * scale
+    x_b = chart["x"] + (tlmod.LEFT + 400) * scale
+    y = chart["y"] + 60 * scale
+    page.mouse.move(x_a, y)
+    page.mouse.down()
+    page.mouse.move(x_b, y, steps=4)
+    page.mouse.up()
+    z0, z1 = map(float, second.get_attribute("data-zoom").split())
+    d0, d1 = made_up.data["domain"]
+    pw = made_up.data["plot_width"]
+    assert z0 == pytest.approx(d0 + 200 / pw * (d1 - d0), abs=0.2)
+    assert z1 == pytest.approx(d0 + 400 / pw * (d1 - d0), abs=0.2)
+    assert first.get_attribute("data-zoom") == first_zoom  # the other chart did not zoom
+    page.mouse.move(2, 2)
+    page.screenshot(path=str(tmp_path / "timeline_zoomed.png"), full_page=True)
+    second.locator(".tl-zoom-reset").click()
+    assert second.get_attribute("data-zoom") == before
 
-        page.screenshot(path=str(tmp_path / "timeline.png"), full_page=True)
-        assert errors == [], errors
-        assert all(u.startswith("file:") for u in requests), requests
-    finally:
-        page.close()
+    page.screenshot(path=str(tmp_path / "timeline.png"), full_page=True)
+    view.assert_clean()
