@@ -13,6 +13,7 @@ Read it module by module, like the book's chapters:
 * :mod:`tutorial_lib.moe`, :mod:`tutorial_lib.moe_balance`: DeepSeekMoE with expert parallelism;
 * :mod:`tutorial_lib.model`, :mod:`tutorial_lib.train`: a GPT model and one training step;
 * :mod:`tutorial_lib.pipeline_schedules`: pipeline schedules as pure data, and their simulator;
+* :mod:`tutorial_lib.p2p`: the pipeline's point-to-point helpers in three modes;
 * :mod:`tutorial_lib.costs`: closed-form predictions (bytes, alpha-beta times);
 * :mod:`tutorial_lib.viz`: widgets drawn from recorded traces.
 """
