@@ -869,20 +869,31 @@ def moe_all_to_all_bytes(tokens: int, topk: int, hidden: int, bytes_per_element:
     return tokens * topk * hidden * bytes_per_element
 
 
+def moe_rank_send_splits(tokens_per_expert: Sequence[int], ep_size: int) -> list[int]:
+    """Token copies one EP rank sends to each EP rank: its ``input_split_sizes``.
+
+    ``tokens_per_expert`` is the rank's routing load over all ``N`` experts (after any
+    capacity dropping); rank ``j`` owns experts ``[j N/EP, (j+1) N/EP)``.
+    """
+    num_experts = len(tokens_per_expert)
+    if ep_size < 1 or num_experts % ep_size:
+        raise ValueError(f"need N experts divisible by EP; got N = {num_experts}, EP = {ep_size}")
+    local = num_experts // ep_size
+    return [int(sum(tokens_per_expert[j * local:(j + 1) * local])) for j in range(ep_size)]
+
+
 def moe_send_counts(tokens_per_expert_by_rank: Sequence[Sequence[int]]) -> list[list[int]]:
     """``counts[i][j]``: token copies EP rank ``i`` sends to EP rank ``j``.
 
-    ``tokens_per_expert_by_rank[i]`` is rank ``i``'s routing load over all ``N`` experts
-    (after any capacity dropping); rank ``j`` owns experts ``[j N/EP, (j+1) N/EP)``.
+    ``tokens_per_expert_by_rank[i]`` is rank ``i``'s routing load over all ``N`` experts;
+    each row is :func:`moe_rank_send_splits` of that rank.
     """
     ep = len(tokens_per_expert_by_rank)
     num_experts = len(tokens_per_expert_by_rank[0]) if ep else 0
     if ep == 0 or num_experts % ep or any(len(row) != num_experts for row in tokens_per_expert_by_rank):
         raise ValueError(f"need one load row of N experts per EP rank, N divisible by EP; got "
                          f"{ep} rows of lengths {[len(r) for r in tokens_per_expert_by_rank]}")
-    local = num_experts // ep
-    return [[int(sum(row[j * local:(j + 1) * local])) for j in range(ep)]
-            for row in tokens_per_expert_by_rank]
+    return [moe_rank_send_splits(row, ep) for row in tokens_per_expert_by_rank]
 
 
 @dataclass(frozen=True)

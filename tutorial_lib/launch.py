@@ -447,8 +447,7 @@ class _Collector:
                 target.flush()
         elif kind == "ok":
             self.results[rank] = cloudpickle.loads(message[2])
-            self.events.extend(TraceEvent(**{**e, "group_ranks": tuple(e["group_ranks"]),
-                                             "shape": tuple(e["shape"])}) for e in message[3])
+            self.events.extend(Trace.from_dicts(message[3]))
             self.finished.add(rank)
         elif kind == "error":
             self.failures.append(WorkerError(rank, message[2], message[3]))

@@ -51,3 +51,12 @@ def test_one_ep_rank_communicates_nothing_and_bad_ranks_are_refused():
     assert costs.moe_rank_all_to_alls([[12]], rank=0, hidden=4, num_experts=4) == []
     with pytest.raises(ValueError, match="rank"):
         costs.moe_rank_all_to_alls([[4, 2], [0, 6]], rank=2, hidden=4, num_experts=4)
+
+
+def test_one_ranks_splits_are_its_row_of_the_send_matrix():
+    loads = [[3, 0, 1, 2], [0, 0, 4, 1]]  # 4 experts on 2 EP ranks: experts 0-1 on rank 0
+    assert costs.moe_rank_send_splits(loads[0], 2) == [3, 3]
+    assert costs.moe_rank_send_splits(loads[1], 2) == [0, 5]
+    assert costs.moe_send_counts(loads) == [costs.moe_rank_send_splits(row, 2) for row in loads]
+    with pytest.raises(ValueError, match=r"N = 3, EP = 2"):
+        costs.moe_rank_send_splits([1, 1, 1], 2)

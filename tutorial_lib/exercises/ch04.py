@@ -183,16 +183,12 @@ def send_splits_cases():
 
 
 def reference_send_splits(topk_idx, num_experts: int, ep_size: int) -> list[int]:
-    """Rows this rank sends to each EP rank: the library's count.
-
-    ``costs.moe_send_counts`` takes every EP rank's per-expert load and returns the send
-    matrix; a rank's own row is its ``input_splits`` (the dispatcher's rule: expert ``e``
-    lives on rank ``e // (N / EP)``).
+    """Rows this rank sends to each EP rank: the library's count, ``costs.moe_rank_send_splits``
+    (the dispatcher's rule: expert ``e`` lives on rank ``e // (N / EP)``).
     """
-    from ..costs import moe_send_counts
+    from ..costs import moe_rank_send_splits
     from ..moe_balance import expert_load
-    load = expert_load(topk_idx, num_experts).tolist()
-    return moe_send_counts([load] * ep_size)[0]
+    return moe_rank_send_splits(expert_load(topk_idx, num_experts).tolist(), ep_size)
 
 
 def _splits_mistakes(topk_idx, num_experts: int, ep_size: int) -> dict[str, list[int]]:
