@@ -1,0 +1,467 @@
+"""Checkers for chapter 7, pipeline P2P modes.
+
+* :func:`check_send_forward_recv_backward`: the student's
+  ``fn(tensor, shape, dtype) -> gradient or None`` plays
+  :func:`tutorial_lib.p2p.send_forward_recv_backward` in one steady-state round on
+  ``PP = 2, 3, 4`` real gloo ranks, against the library's ``send_backward_recv_forward``
+  on the neighbour.  ``PP = 2`` alone cannot tell the next stage from the previous one,
+  so the seeds' wrong peer only fails from ``PP = 3`` on; the deadlock report (or the
+  trace) names the wrong peer.
+* :func:`check_send_first`: the student's rule ``fn(stage, pp, helper) -> bool`` says
+  which end of each exchange sends first with *blocking* send/recv.  The checker runs
+  the 1F1B steady state (every stage: ``send_forward_recv_backward``, then
+  ``send_backward_recv_forward``) on ``PP = 2 .. 5`` ranks with that rule, and reads the
+  deadlock report when it hangs: which two neighbours chose the same order.
+* :func:`check_megatron_p2p_mode`: which mode Megatron's training script ends up with,
+  for each schedule and flag, with the NVLink rule of the seeds named as a mistake.
+
+Student code never makes a checker raise: exceptions, deadlocks and stubs become failed
+cases with a hint.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Callable
+
+from .. import p2p
+from ..launch import LaunchTimeout, WorkerError, launch
+from . import Case, CheckResult, pick_hint, run_case, stub_hint
+
+NUMEL = 6  # elements of every message: small, so a round costs milliseconds
+_WAIT = re.compile(r"waiting in (send to|recv from) rank (\d+)")
+
+# --- hints (tests look for these exact strings) ---------------------------------------
+
+HINT_RECV_FROM_PREVIOUS = (
+    "you receive the gradient from the previous stage: that is the seeds' bug. The gradient "
+    "of the activation you send is computed by the stage that consumes it, the NEXT stage, "
+    "so in send_forward_recv_backward both messages go to and come from p2p.next_rank(). "
+    "With PP = 2 the previous and the next rank of a 2-stage ring are the same rank, which "
+    "is why the mistake only shows from PP = 3 on."
+)
+HINT_SEND_TO_PREVIOUS = (
+    "the activation goes to the wrong stage: the forward pass runs from stage s to stage "
+    "s + 1, so send_forward_recv_backward sends to p2p.next_rank() (and receives the "
+    "gradient from the same rank)."
+)
+HINT_LAST_STAGE = (
+    "the last stage has no next stage (p2p.next_rank() is None): there, return None without "
+    "communicating, as the library's helpers do."
+)
+HINT_RETURNED_SENT = (
+    "you returned the activation you sent, not the gradient you received: allocate a buffer "
+    "(torch.empty(shape, dtype=dtype)), receive into it, wait, and return the buffer."
+)
+HINT_RETURNED_NONE = (
+    "a stage that has a next stage returned None: it must return the gradient received from "
+    "the next stage (only the last stage returns None)."
+)
+HINT_EMPTY_BUFFER = (
+    "the returned buffer does not hold the gradient: receive into the tensor you return and "
+    "wait for the receive (comm.wait_all) before returning it."
+)
+HINT_USED_LIBRARY = (
+    "your function called the library's p2p helper: the point is to write it from the "
+    "traced ops of tutorial_lib.comm (isend/irecv, batch_isend_irecv, or send/recv)."
+)
+HINT_NO_P2P = (
+    "no traced send and receive were recorded by your function: use the ops of "
+    "tutorial_lib.comm (not torch.distributed directly) with group='pp', and wait for the "
+    "handles they return (comm.wait_all), which is when the trace records them."
+)
+HINT_FIX_DEADLOCK = (
+    "the ranks deadlocked: some rank waits for a message its neighbour never sends. In one "
+    "steady-state round stage s sends its activation to s + 1 and receives the gradient from "
+    "s + 1, while stage s + 1 does the opposite; check that your function sends and receives "
+    "exactly once, both with p2p.next_rank()."
+)
+HINT_FIX_GENERIC = (
+    "send_forward_recv_backward(tensor, shape, dtype): on the last stage return None; "
+    "otherwise send `tensor` to p2p.next_rank() and receive a tensor of `shape` and `dtype` "
+    "from the same rank, post both before waiting for either, and return what you received."
+)
+
+HINT_ALL_SEND_FIRST = (
+    "deadlock: every stage sends first. A blocking send returns only once the peer has posted "
+    "the matching receive (always on gloo; on NCCL once a message is larger than its eager "
+    "buffer), and both ends of the first exchange are stuck in their sends. The two ends of "
+    "every exchange must choose opposite orders."
+)
+HINT_ALL_RECV_FIRST = (
+    "deadlock: every stage receives first, so nobody ever sends. The two ends of every "
+    "exchange must choose opposite orders."
+)
+HINT_NOT_BOOL = "return True (this end sends first) or False (it receives first), nothing else."
+HINT_ORDER_GENERIC = (
+    "each exchange has two ends, stage s in send_forward_recv_backward and stage s + 1 in "
+    "send_backward_recv_forward, and exactly one of them must send first. Any rule that gives "
+    "the two ends of every link opposite answers works: by the parity of the stage (Megatron's "
+    "choice), or by the helper."
+)
+
+MODE_ANSWERS = {"sequential": "sequential", "serial": "sequential", "overlapped": "overlapped",
+                "overlap": "overlapped", "batched": "batched", "batch": "batched"}
+HINT_MODE_FORMAT = "return one of 'sequential', 'overlapped' or 'batched'."
+HINT_SEEDS_NVLINK = (
+    "that is the seeds' rule (NVLink -> overlapped, otherwise batched), and it is not what "
+    "Megatron does: the hardware is never inspected. The training script sets batch_p2p_comm = "
+    "not overlap_p2p_comm, and turns overlap_p2p_comm off unless the schedule is interleaved."
+)
+HINT_OVERLAP_WITHOUT_INTERLEAVING = (
+    "without the interleaved schedule Megatron's training script sets overlap_p2p_comm = "
+    "False whatever the flags say (the non-interleaved schedule cannot overlap its P2P), so "
+    "batch_p2p_comm = not overlap_p2p_comm = True: batched."
+)
+HINT_OVERLAP_IS_DEFAULT = (
+    "with the interleaved schedule overlap is on by default: the flag is "
+    "--no-overlap-p2p-communication (store_false into overlap_p2p_comm), so unless it is given "
+    "the mode is overlapped."
+)
+HINT_FLAG_TURNS_OVERLAP_OFF = (
+    "--no-overlap-p2p-communication turns overlap off, and batch_p2p_comm = not "
+    "overlap_p2p_comm turns batching on: batched."
+)
+HINT_NEVER_SEQUENTIAL = (
+    "the training script never produces the sequential mode: batch_p2p_comm = not "
+    "overlap_p2p_comm, so one of the two is always on."
+)
+HINT_MODE_GENERIC = (
+    "two steps: overlap_p2p_comm = (not no_overlap_flag) and interleaved; then "
+    "batch_p2p_comm = not overlap_p2p_comm."
+)
+
+
+# --- the pipeline in a worker ------------------------------------------------------------------
+
+
+def _init(ctx) -> int:
+    from ..p2p_timing import init_pipeline
+    return init_pipeline(ctx)
+
+
+def _summary(value, sent):
+    """What a stage's answer was, in a form that crosses process boundaries cheaply."""
+    import torch
+    if value is None:
+        return None
+    if value is sent:
+        return "the sent tensor"
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}"
+    flat = value.detach().float().flatten()
+    if flat.numel() == NUMEL and bool((flat == flat[0]).all()):
+        return float(flat[0])
+    return f"a tensor of shape {tuple(value.shape)} with values {flat[:3].tolist()}..."
+
+
+def _fix_peer_worker(ctx, fn):
+    import torch
+    stage = _init(ctx)
+    activation = torch.full((NUMEL,), 100.0 + stage)
+    gradient = torch.full((NUMEL,), 200.0 + stage)
+
+    def student():
+        with ctx.tracer.tags(student=True):
+            return _summary(fn(activation, (NUMEL,), torch.float32), activation)
+
+    def library():
+        got = p2p.send_backward_recv_forward(gradient, (NUMEL,), mode="batched")
+        return None if got is None else float(got[0])
+
+    if stage % 2 == 0:  # the steady-state round of tutorial_lib.p2p_timing, by parity
+        grad = student()
+        act = library()
+    else:
+        act = library()
+        grad = student()
+    return {"grad": grad, "act": act}
+
+
+def _expected_fix(pp: int) -> list[dict]:
+    return [{"grad": None if s == pp - 1 else 200.0 + s + 1, "act": None if s == 0 else 100.0 + s - 1}
+            for s in range(pp)]
+
+
+def _peer_mistakes_in_trace(trace) -> set:
+    found = set()
+    for e in trace:
+        if e.op in ("send", "recv") and e.peer != e.rank + 1:
+            found.add("recv_from_previous" if e.op == "recv" else "send_to_previous")
+    return found
+
+
+def _peer_mistakes_in_report(report: dict[int, str]) -> set:
+    """Student ops a rank is stuck in whose peer is not the next stage."""
+    found = set()
+    for rank, text in report.items():
+        match = _WAIT.search(text)
+        if match and "'student': True" in text and int(match.group(2)) != rank + 1:
+            found.add("recv_from_previous" if match.group(1) == "recv from" else "send_to_previous")
+    return found
+
+
+def _short_report(report: dict[int, str]) -> str:
+    return "; ".join(f"rank {r}: {text.split(' on ')[0]}" for r, text in sorted(report.items()))
+
+
+def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> CheckResult:
+    """Launch ``fn(tensor, shape, dtype)`` as stage s's half of a steady-state round on PP = 2, 3, 4.
+
+    Stage ``s`` sends activations filled with ``100 + s`` and gradients with
+    ``200 + s``, so the gradient a stage receives names the stage it came from.
+    After a deadlock or an unfilled stub the larger pipelines are skipped.
+    """
+    result = CheckResult("Exercise 7.1: send_forward_recv_backward")
+    values, failing = [], []
+    for pp in (2, 3, 4):
+        expected = _expected_fix(pp)
+
+        def attempt(pp=pp):
+            try:
+                out = launch(_fix_peer_worker, pp, args=(fn,), timeout=timeout, print_output=False)
+            except WorkerError as err:
+                if err.summary.startswith("NotImplementedError"):
+                    raise NotImplementedError from None
+                raise
+            return out.results, out.trace.filter(student=True)
+
+        case, got = run_case(f"PP={pp}", attempt, expected,
+                             compare=lambda got, want: isinstance(got, tuple) and got[0] == want)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, NotImplementedError):
+            break
+        if isinstance(got, LaunchTimeout):
+            case.detail = f"deadlocked after {timeout:g} s ({_short_report(got.report)})"
+            failing.append(_peer_mistakes_in_report(got.report) or {"deadlock"})
+            break
+        if isinstance(got, WorkerError):
+            case.detail = f"rank {got.rank} raised {got.summary}"
+            summary = got.summary
+            if "peer rank None" in summary:
+                if got.rank == pp - 1:
+                    failing.append({"last_stage"})
+                else:
+                    failing.append({"recv_from_previous"} if "recv:" in summary else {"send_to_previous"})
+            else:
+                failing.append(set())
+            continue
+        if not isinstance(got, tuple):
+            failing.append(set())
+            continue
+        results, trace = got
+        if case.passed:
+            if any("p2p_op" in e.tags for e in trace):
+                case.passed, case.detail = False, "the values are right, but your code called p2p's helper"
+                failing.append({"used_library"})
+            elif not trace.filter(op="send").events or not trace.filter(op="recv").events:
+                case.passed, case.detail = False, "the values are right, but no traced send and receive were recorded"
+                failing.append({"no_p2p"})
+            continue
+        bad = next(s for s in range(pp) if results[s] != expected[s])
+        case.detail = f"stage {bad} returned {results[bad]['grad']!r}, expected {expected[bad]['grad']!r}"
+        if results[bad]["act"] != expected[bad]["act"]:
+            case.detail += (f"; its neighbour's send_backward_recv_forward got {results[bad]['act']!r}"
+                            f" instead of {expected[bad]['act']!r}")
+        mistakes = _peer_mistakes_in_trace(trace)
+        grads = [r["grad"] for r in results]
+        if any(g == "the sent tensor" or (isinstance(g, float) and g == 100.0 + s)
+               for s, g in enumerate(grads)):
+            mistakes.add("returned_sent")
+        if any(g is None for g in grads[:-1]):
+            mistakes.add("returned_none")
+        if grads[-1] is not None:
+            mistakes.add("last_stage")
+        if any(isinstance(g, str) and g.startswith("a tensor") for g in grads):
+            mistakes.add("empty_buffer")
+        failing.append(mistakes)
+    if not result.passed:
+        result.hint = stub_hint(values) or pick_hint(
+            [(HINT_RECV_FROM_PREVIOUS, "recv_from_previous"), (HINT_SEND_TO_PREVIOUS, "send_to_previous"),
+             (HINT_LAST_STAGE, "last_stage"), (HINT_RETURNED_SENT, "returned_sent"),
+             (HINT_RETURNED_NONE, "returned_none"), (HINT_EMPTY_BUFFER, "empty_buffer"),
+             (HINT_USED_LIBRARY, "used_library"), (HINT_NO_P2P, "no_p2p"),
+             (HINT_FIX_DEADLOCK, "deadlock")],
+            failing, HINT_FIX_GENERIC)
+    return result
+
+
+# --- exercise 7.2: who sends first? ---------------------------------------------------------------
+
+ORDER_PIPELINES = (2, 3, 4, 5)
+HELPERS = ("send_forward_recv_backward", "send_backward_recv_forward")
+
+
+def _blocking_exchange(ctx, rule, helper: str, tensor, peer: int):
+    """One exchange with blocking send/recv, in the order ``rule`` says; the received tensor."""
+    import torch
+
+    from .. import comm
+    stage, pp = _init_stage(), ctx.world_size
+    received = torch.empty_like(tensor)
+    with ctx.tracer.tags(p2p_op=helper):
+        if rule(stage, pp, helper):
+            comm.send(tensor, peer, group="pp")
+            comm.recv(received, peer, group="pp")
+        else:
+            comm.recv(received, peer, group="pp")
+            comm.send(tensor, peer, group="pp")
+    return float(received[0])
+
+
+def _init_stage() -> int:
+    from .. import parallel_state
+    return parallel_state.get_rank_in("pp")
+
+
+def _order_worker(ctx, rule):
+    """The 1F1B steady state as Megatron runs it: every stage, forward exchange first."""
+    import torch
+    stage = _init(ctx)
+    pp = ctx.world_size
+    answers = {h: rule(stage, pp, h) for h in HELPERS}
+    bad = {h: a for h, a in answers.items() if not isinstance(a, bool)}
+    if bad:
+        raise TypeError(f"the rule returned {bad!r} at stage {stage}; return True or False")
+    grad = act = None
+    if stage < pp - 1:
+        grad = _blocking_exchange(ctx, rule, HELPERS[0], torch.full((NUMEL,), 100.0 + stage), stage + 1)
+    if stage > 0:
+        act = _blocking_exchange(ctx, rule, HELPERS[1], torch.full((NUMEL,), 200.0 + stage), stage - 1)
+    return {"grad": grad, "act": act}
+
+
+def _deadlocked_pairs(report: dict[int, str]) -> list[tuple[int, int, str]]:
+    """Neighbours stuck on each other in the same op: ``(a, b, 'send' or 'recv')``."""
+    waits = {}
+    for rank, text in report.items():
+        match = _WAIT.search(text)
+        if match:
+            waits[rank] = ("send" if match.group(1) == "send to" else "recv", int(match.group(2)))
+    pairs = []
+    for a, (op, b) in sorted(waits.items()):
+        if a < b and waits.get(b) == (op, a):
+            pairs.append((a, b, op))
+    return pairs
+
+
+def check_send_first(fn: Callable, timeout: float = 6.0) -> CheckResult:
+    """Run the blocking 1F1B steady state with ``fn(stage, pp, helper) -> bool`` on PP = 2 .. 5."""
+    result = CheckResult("Exercise 7.2: send_first")
+    values, failing = [], []
+    for pp in ORDER_PIPELINES:
+        expected = _expected_fix(pp)
+
+        def attempt(pp=pp):
+            try:
+                return launch(_order_worker, pp, args=(fn,), timeout=timeout, print_output=False).results
+            except WorkerError as err:
+                if err.summary.startswith("NotImplementedError"):
+                    raise NotImplementedError from None
+                if err.summary.startswith("TypeError: the rule returned"):
+                    raise TypeError(err.summary.split(": ", 1)[1]) from None
+                raise
+
+        case, got = run_case(f"PP={pp}", attempt, expected)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, NotImplementedError):
+            break
+        if isinstance(got, TypeError) and "the rule returned" in str(got):
+            failing.append({"not_bool"})
+            break
+        if isinstance(got, LaunchTimeout):
+            waiting = [text for text in got.report.values() if not text.startswith("finished")]
+            pairs = _deadlocked_pairs(got.report)
+            if waiting and len(waiting) == pp and all(t.startswith("waiting in send") for t in waiting):
+                kind = "all_send"
+            elif waiting and len(waiting) == pp and all(t.startswith("waiting in recv") for t in waiting):
+                kind = "all_recv"
+            else:
+                kind = "pair"
+            detail = f"deadlocked after {timeout:g} s ({_short_report(got.report)})"
+            if pairs:
+                a, b, op = pairs[0]
+                verb = "send" if op == "send" else "receive"
+                detail += (f". Stages {a} and {b} both {verb} first in their exchange: "
+                           f"rule({a}, {pp}, '{HELPERS[0]}') == rule({b}, {pp}, '{HELPERS[1]}')")
+            case.detail = detail
+            failing.append({kind})
+            break
+        failing.append(set())
+    if not result.passed:
+        hint = stub_hint(values) or pick_hint(
+            [(HINT_NOT_BOOL, "not_bool"), (HINT_ALL_SEND_FIRST, "all_send"),
+             (HINT_ALL_RECV_FIRST, "all_recv"), (HINT_ORDER_GENERIC, "pair")],
+            failing, HINT_ORDER_GENERIC)
+        passed_small = [c.name for c in result.cases if c.passed]
+        if passed_small and "NotImplementedError" not in hint:
+            hint += (f" ({', '.join(passed_small)} passed: with fewer stages there are fewer links, "
+                     "and a rule can get every one of them right by accident.)")
+        result.hint = hint
+    return result
+
+
+# --- exercise 7.3: which mode does Megatron run? ----------------------------------------------------
+
+
+def megatron_training_mode(interleaved: bool, no_overlap_flag: bool) -> str:
+    """The reference: what Megatron's training script ends up with (the NVLink input is ignored)."""
+    overlap_p2p_comm = (not no_overlap_flag) and interleaved
+    return p2p.mode_from_megatron_flags(overlap_p2p_comm)
+
+
+def normalize_mode(answer) -> str | None:
+    if not isinstance(answer, str):
+        return None
+    return MODE_ANSWERS.get(answer.strip().lower())
+
+
+def check_megatron_p2p_mode(fn: Callable) -> CheckResult:
+    """Check ``fn(interleaved, no_overlap_flag, nvlink) -> mode`` on all 8 combinations."""
+    result = CheckResult("Exercise 7.3: megatron_p2p_mode")
+    values, failing = [], []
+    for interleaved, no_overlap_flag, nvlink in itertools.product((False, True), repeat=3):
+        want = megatron_training_mode(interleaved, no_overlap_flag)
+        name = f"interleaved={interleaved}, no_overlap_flag={no_overlap_flag}, nvlink={nvlink}"
+        case, got = run_case(name, lambda i=interleaved, f=no_overlap_flag, n=nvlink: fn(i, f, n),
+                             want, compare=lambda got, want: normalize_mode(got) == want)
+        values.append(got)
+        result.cases.append(case)
+        if isinstance(got, NotImplementedError):
+            break
+        if case.passed:
+            continue
+        if isinstance(got, BaseException):
+            failing.append(set())
+            continue
+        mode = normalize_mode(got)
+        if mode is None:
+            failing.append({"format"})
+            continue
+        mistakes = set()
+        if mode == ("overlapped" if nvlink else "batched"):
+            mistakes.add("nvlink")
+        if mode == "sequential":
+            mistakes.add("sequential")
+        if mode == "overlapped" and not interleaved:
+            mistakes.add("overlap_without_interleaving")
+        if mode == "batched" and interleaved and not no_overlap_flag:
+            mistakes.add("overlap_is_default")
+        if mode == "overlapped" and no_overlap_flag:
+            mistakes.add("flag")
+        failing.append(mistakes)
+    if not result.passed:
+        result.hint = stub_hint(values) or pick_hint(
+            [(HINT_MODE_FORMAT, "format"), (HINT_SEEDS_NVLINK, "nvlink"),
+             (HINT_NEVER_SEQUENTIAL, "sequential"),
+             (HINT_OVERLAP_WITHOUT_INTERLEAVING, "overlap_without_interleaving"),
+             (HINT_OVERLAP_IS_DEFAULT, "overlap_is_default"),
+             (HINT_FLAG_TURNS_OVERLAP_OFF, "flag")],
+            failing, HINT_MODE_GENERIC)
+    return result
+
+
+__all__ = ["check_send_forward_recv_backward", "check_send_first", "check_megatron_p2p_mode",
+           "megatron_training_mode", "normalize_mode"]

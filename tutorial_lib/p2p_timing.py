@@ -1,0 +1,189 @@
+"""Timing the three pipeline P2P modes on this machine: one steady-state round at a time.
+
+In the steady state of 1F1B every stage, once per microbatch, calls
+``send_forward_recv_backward`` (activation out to the next stage, its gradient back
+from it) and ``send_backward_recv_forward`` (gradient out to the previous stage, the
+next activation back from it).  Stage ``s``'s first call meets stage ``s + 1``'s
+second call: each link between neighbours carries one activation forward and one
+gradient backward, at the same time.
+
+:func:`steady_state_round` does exactly that once, with no compute in between.  The
+calls are ordered by stage parity (even stages: forward exchange first; odd stages:
+backward exchange first), so that in the first phase the links (0, 1), (2, 3), ...
+exchange at once and in the second phase (1, 2), (3, 4), ...: no link waits for
+another, and every link is used once per round in both directions.
+
+:func:`measure_p2p_modes` launches ``pp`` gloo ranks and times that round for every
+mode and message size, the modes taking turns at every repetition so that they are
+measured side by side under the same load.  Each round's time comes from the trace:
+from the moment the last rank started its round to the moment the last rank
+finished it (as :func:`tutorial_lib.costs.samples_from_trace` does for collectives).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import p2p, parallel_state
+
+#: Message sizes (bytes of one activation, float32) from a few bytes to 4 MiB.
+DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2)
+
+ACTIVATION, GRADIENT = 100.0, 200.0
+"""Stage ``s`` sends activations filled with ``100 + s`` and gradients with ``200 + s``."""
+
+
+def steady_state_round(mode: str, numel: int, wrong_recv_backward_peer: bool = False) -> dict:
+    """One steady-state round on this stage in ``mode``: both exchanges, ordered by parity.
+
+    Sends ``numel`` float32 values each way.  Returns ``{"grad": g, "act": a}``: the
+    first value of the gradient received from the next stage and of the activation
+    received from the previous one (``None`` where the stage has no such neighbour).
+    """
+    stage = parallel_state.get_rank_in("pp")
+    activation = torch.full((numel,), ACTIVATION + stage)
+    gradient = torch.full((numel,), GRADIENT + stage)
+
+    def forward_exchange():
+        return p2p.send_forward_recv_backward(activation, (numel,), mode=mode,
+                                              wrong_recv_backward_peer=wrong_recv_backward_peer)
+
+    def backward_exchange():
+        return p2p.send_backward_recv_forward(gradient, (numel,), mode=mode)
+
+    if stage % 2 == 0:
+        grad, act = forward_exchange(), backward_exchange()
+    else:
+        act = backward_exchange()
+        grad = forward_exchange()
+    return {"grad": None if grad is None else grad[0].item(),
+            "act": None if act is None else act[0].item()}
+
+
+def expected_round(stage: int, pp: int) -> dict:
+    """What :func:`steady_state_round` returns on ``stage`` when every peer is right."""
+    return {"grad": None if stage == pp - 1 else GRADIENT + stage + 1,
+            "act": None if stage == 0 else ACTIVATION + stage - 1}
+
+
+def init_pipeline(ctx) -> int:
+    """Build the groups with every rank a pipeline stage (``PP = world size``); return the stage."""
+    from .config import ParallelConfig
+    parallel_state.initialize_model_parallel(
+        ParallelConfig(ctx.world_size, pipeline_model_parallel_size=ctx.world_size))
+    return parallel_state.get_rank_in("pp")
+
+
+def _timing_worker(ctx, modes: Sequence[str], sizes: Sequence[int], repeats: int,
+                   warmup: int) -> list[str]:
+    """In every rank: each size, ``warmup + repeats`` times, every mode in turn, barrier first."""
+    import torch.distributed as dist
+    stage = init_pipeline(ctx)
+    expected = expected_round(stage, ctx.world_size)
+    wrong = []
+    for size in sizes:
+        numel = max(1, size // 4)
+        for iteration in range(warmup + repeats):
+            # The modes take turns, starting with a different one each time: none of them
+            # is always the first after the barrier.
+            for k in range(len(modes)):
+                mode = modes[(iteration + k) % len(modes)]
+                dist.barrier()  # untraced: every round starts from (nearly) the same moment
+                with ctx.tracer.tags(measured_mode=mode, size=size, iteration=iteration,
+                                     warmup=iteration < warmup):
+                    got = steady_state_round(mode, numel)
+                if got != expected:
+                    wrong.append(f"{mode}, {size} B, iteration {iteration}: got {got}, "
+                                 f"expected {expected}")
+    return wrong
+
+
+@dataclass(frozen=True)
+class ModeTiming:
+    """One mode on one message size: the median time of one steady-state round."""
+
+    mode: str
+    """``sequential``, ``overlapped`` or ``batched``."""
+    nbytes: int
+    """Bytes of one message (one activation; each gradient is as large)."""
+    pp: int
+    """Pipeline stages (ranks)."""
+    seconds: float
+    """Median over the repetitions of one round's time (last start to last end)."""
+    bytes_sent: int
+    """Bytes all stages sent in one round, from the trace: ``2 (PP - 1) nbytes``."""
+    messages: int
+    """Sends in one round, all stages together: ``2 (PP - 1)``."""
+    quartiles: tuple[float, float] = (0.0, 0.0)
+    """25th and 75th percentiles of the round times: how much the repetitions scattered."""
+
+
+def timings_from_trace(trace, pp: int) -> list[ModeTiming]:
+    """One :class:`ModeTiming` per (mode, size) of a :func:`measure_p2p_modes` trace.
+
+    A round's time is ``max(t_end) - max(first t_start per rank)``: from the moment
+    the last rank began its round (before that, the others only wait for it) until
+    the last rank is done.  The median over the non-warm-up repetitions is kept.
+    """
+    rounds: dict[tuple, list] = {}
+    for e in trace:
+        if "measured_mode" not in e.tags or e.tags.get("warmup"):
+            continue
+        key = (e.tags["measured_mode"], e.tags["size"], e.tags["iteration"])
+        rounds.setdefault(key, []).append(e)
+    per_size: dict[tuple, list[float]] = {}
+    sent: dict[tuple, set] = {}
+    for (mode, size, _), events in rounds.items():
+        first_start = {}
+        for e in events:
+            first_start[e.rank] = min(first_start.get(e.rank, e.t_start), e.t_start)
+        per_size.setdefault((mode, size), []).append(
+            max(e.t_end for e in events) - max(first_start.values()))
+        sends = [e for e in events if e.op == "send"]
+        sent.setdefault((mode, size), set()).add((sum(e.bytes for e in sends), len(sends)))
+    out = []
+    for (mode, size), times in sorted(per_size.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if len(sent[(mode, size)]) != 1:
+            raise RuntimeError(f"{mode} at {size} B sent different bytes in different rounds: "
+                               f"{sorted(sent[(mode, size)])}")
+        (nbytes_sent, messages), = sent[(mode, size)]
+        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+        out.append(ModeTiming(mode, max(4, size - size % 4), pp, max(statistics.median(times), 1e-9),
+                              nbytes_sent, messages, (q1, q3)))
+    return out
+
+
+def measure_p2p_modes(sizes: Sequence[int] = DEFAULT_SIZES, pp: int = 4,
+                      modes: Sequence[str] = p2p.MODES, repeats: int = 10, warmup: int = 2,
+                      timeout: float = 120.0):
+    """Time one steady-state round in each mode for each message size, on ``pp`` gloo ranks.
+
+    Returns ``(timings, run)``: a list of :class:`ModeTiming` (sorted by size, then
+    mode) and the :class:`~tutorial_lib.launch.LaunchResult` whose trace they came
+    from.  Raises ``AssertionError`` if any round received a wrong value.
+    """
+    from .launch import launch
+    for mode in modes:
+        p2p._check_mode(mode)
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
+        raise ValueError(f"pp must be a whole number >= 2 (a pipeline needs two stages to "
+                         f"talk), got {pp!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if not sizes or any(int(s) < 1 for s in sizes):
+        raise ValueError(f"sizes must be a non-empty list of byte counts >= 1, got {list(sizes)}")
+    run = launch(_timing_worker, pp, args=(tuple(modes), [int(s) for s in sizes], int(repeats),
+                                           int(warmup)), timeout=timeout, print_output=False)
+    wrong = [line for rank_lines in run.results for line in rank_lines]
+    assert not wrong, "rounds received wrong values:\n" + "\n".join(wrong[:5])
+    return timings_from_trace(run.trace, pp), run
+
+
+def ratios_to(timings: Sequence[ModeTiming], reference: str = "batched") -> dict[tuple, float]:
+    """``{(mode, nbytes, pp): seconds / seconds of reference}`` for every timing."""
+    ref = {(t.nbytes, t.pp): t.seconds for t in timings if t.mode == reference}
+    return {(t.mode, t.nbytes, t.pp): t.seconds / ref[(t.nbytes, t.pp)]
+            for t in timings if (t.nbytes, t.pp) in ref}
