@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import comm, moe_balance, parallel_state
+from . import comm, fp8, moe_balance, parallel_state
 from .config import ConfigError
 from .data_parallel import set_grad_domain
 from .tensor_parallel import (
@@ -331,13 +331,35 @@ class DispatchState:
 
 
 class AllToAllDispatcher:
-    """Token-choice dispatch over the EP group (Megatron's ``MoEAlltoAllTokenDispatcher``)."""
+    """Token-choice dispatch over the EP group (Megatron's ``MoEAlltoAllTokenDispatcher``).
 
-    def __init__(self, num_experts: int, ep_group: str | None = "ep"):
+    ``dispatch_precision`` and ``combine_precision``: how the token rows travel, each a
+    ``(forward, backward)`` pair of :data:`tutorial_lib.fp8.PRECISIONS` (the dispatch's
+    backward carries gradients the way a combine does, and vice versa), e.g. DeepSeek-V3's
+    :data:`~tutorial_lib.fp8.DEEPSEEK_V3_DISPATCH` and ``DEEPSEEK_V3_COMBINE``.  ``None`` (the
+    default): rows travel in their own dtype through :func:`all_to_all`, unchanged.  Either
+    way each direction is one all-to-all with the same splits; the int64 counts exchange is
+    never quantized.  Both are plain attributes: a precision recipe sets them after
+    construction (:func:`tutorial_lib.precision.apply_recipe`).
+    """
+
+    def __init__(self, num_experts: int, ep_group: str | None = "ep",
+                 dispatch_precision: tuple[str, str] | None = None,
+                 combine_precision: tuple[str, str] | None = None):
         self.num_experts, self.ep_group = num_experts, ep_group
         self.ep_size = _group_size(ep_group)
         self.num_local_experts = divide(num_experts, self.ep_size, "num_experts",
                                         by="expert_model_parallel_size")
+        self.dispatch_precision = fp8.check_precision_pair(dispatch_precision)
+        self.combine_precision = fp8.check_precision_pair(combine_precision)
+
+    def _move_rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                   op_name: str, precision) -> torch.Tensor:
+        """The token all-to-all: as is (``precision=None``) or encoded by :func:`fp8.all_to_all`."""
+        if precision is None:
+            return all_to_all(rows, self.ep_group, output_splits, input_splits, op_name)
+        return fp8.all_to_all(rows, self.ep_group, output_splits, input_splits, op_name,
+                              fp8.check_precision_pair(precision))
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``[EP, N/EP]`` sent counts -> ``[EP, N/EP]`` received: row j is what rank j sends me."""
@@ -368,7 +390,8 @@ class AllToAllDispatcher:
         send_positions = positions[torch.argsort(experts, stable=True)]
         rows = tokens[send_positions // topk]
         # 4. the uneven all-to-all
-        received = all_to_all(rows, self.ep_group, output_splits, input_splits, "dispatch")
+        received = self._move_rows(rows, output_splits, input_splits, "dispatch",
+                                   self.dispatch_precision)
         # 5. rows arrive grouped by source rank, then local expert: regroup by local expert
         local_expert_of_row = torch.arange(local).repeat(ep).repeat_interleave(
             received_counts.reshape(-1))
@@ -384,8 +407,8 @@ class AllToAllDispatcher:
         inverse[state.local_order] = torch.arange(state.local_order.numel())
         by_source = expert_output[inverse]
         # 4'. the all-to-all back, splits swapped
-        returned = all_to_all(by_source, self.ep_group, state.input_splits, state.output_splits,
-                              "combine")
+        returned = self._move_rows(by_source, state.input_splits, state.output_splits, "combine",
+                                   self.combine_precision)
         # 3'. un-permute each copy to its (token, k) slot
         copies = returned.new_zeros((state.num_tokens * state.topk, returned.shape[-1]))
         copies = copies.index_copy(0, state.send_positions, returned)
@@ -424,6 +447,10 @@ class MoELayer(torch.nn.Module):
     go to the :class:`Router`; ``capacity_factor`` (``None``: dropless); ``balance``
     (``None``: no aux losses; ``use_bias_balancing`` gives the router its bias).
 
+    ``dispatch_precision`` / ``combine_precision``: how the token rows travel, each a
+    ``(forward, backward)`` pair (see :class:`AllToAllDispatcher`; ``None``, the default, moves
+    them in their own dtype).  Gates and the weighted sum stay fp32 whatever they are.
+
     Parameter seeds: router ``1000 * seed + 10``, routed experts ``1000 * seed + 11``,
     shared experts ``1000 * seed + 12``.
     """
@@ -435,7 +462,9 @@ class MoELayer(torch.nn.Module):
                  capacity_factor: float | None = None,
                  balance: moe_balance.BalanceConfig | None = None,
                  sequence_parallel: bool = False, seed: int = 0,
-                 ep_group: str | None = "ep", tp_group: str | None = "tp"):
+                 ep_group: str | None = "ep", tp_group: str | None = "tp",
+                 dispatch_precision: tuple[str, str] | None = None,
+                 combine_precision: tuple[str, str] | None = None):
         super().__init__()
         ep_size, tp_size = _group_size(ep_group), tensor_parallel_size(tp_group)
         if tp_size > 1 and not sequence_parallel:
@@ -454,7 +483,8 @@ class MoELayer(torch.nn.Module):
         self.router = Router(hidden_size, num_experts, topk, score_function, routed_scaling_factor,
                              normalize_topk, device_limit, self.num_devices, use_bias,
                              seed=1000 * seed + 10)
-        self.dispatcher = AllToAllDispatcher(num_experts, ep_group)
+        self.dispatcher = AllToAllDispatcher(num_experts, ep_group, dispatch_precision,
+                                             combine_precision)
         self.experts = RoutedExperts(num_experts, hidden_size, ffn_hidden_size, ep_size,
                                      _group_rank(ep_group), seed=1000 * seed + 11)
         self.shared_experts = None

@@ -1,0 +1,380 @@
+"""Checkers for chapter 8, FP8 communication on the expert-parallel path.
+
+* :func:`check_quantize_1x128`: the student's ``fn(x)`` returns ``(q, scales)`` for
+  ``x [T, H]``: E4M3 values and one scale per token per 128 channels.  Compared with
+  :func:`tutorial_lib.fp8.quantize_1x128` after dequantization (one E4M3 step of slack, so
+  ``x * (448 / amax)`` and ``x / (amax / 448)`` both pass).  Per-tensor or per-token scales,
+  the scale turned upside down, no amax floor and rounding
+  to integers instead of E4M3 each get a hint; scales of the wrong shape (tiles along the
+  tokens, say) get the format hint.
+* :func:`check_payload_bytes`: bytes of one rank's dispatch all-to-all for ``T`` tokens,
+  top-``K``, hidden ``H``, in each precision (the trace's convention: every copy, the
+  rank's own included), against :func:`tutorial_lib.fp8.wire_bytes_per_row`.
+* :func:`check_keep_ends_in_bf16`: the student's ``fn(base, num_layers)`` returns a recipe
+  that keeps the first and the last layer in BF16 (matmuls and the MoE communication) and
+  changes nothing else; checked on the module names of models of 2 to 61 layers.
+
+Student code never makes a checker raise: exceptions and stubs become failed cases.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
+
+# --- hints ----------------------------------------------------------------------------------
+
+HINT_Q_FORMAT = (
+    "return a pair (q, scales): q with x's shape (torch.float8_e4m3fn values, or their float "
+    "values) and scales of shape [T, H // 128], one per token per 128 channels (a tile is 1 "
+    "token x 128 channels, not 128 tokens x 1 channel)."
+)
+HINT_Q_PER_TENSOR = (
+    "you used one scale for the whole tensor. DeepSeek-V3 gives every token its own scale for "
+    "each tile of 128 channels: amax over x.view(T, H // 128, 128) along the last dimension."
+)
+HINT_Q_PER_TOKEN = (
+    "you used one scale per token (amax over all H channels). The tile is 1x128: each token "
+    "has H // 128 scales, one per block of 128 consecutive channels, so an outlier channel "
+    "only coarsens its own tile."
+)
+HINT_Q_INVERTED = (
+    "your scale is upside down (448 / amax). Use scale = amax / 448, q = x / scale, so that "
+    "x ~= q * scale and the largest value of each tile lands on 448."
+)
+HINT_Q_NO_FLOOR = (
+    "a token of zeros gave a zero scale, and 0 / 0 = NaN. Clamp amax to at least "
+    "fp8.AMAX_FLOOR (1e-4) before dividing by 448."
+)
+HINT_Q_INTEGERS = (
+    "your q values are whole numbers: round by casting to torch.float8_e4m3fn (3 mantissa "
+    "bits: 0.1171875 is a value, 0.1 is not), after clamping to +-448, not with torch.round."
+)
+HINT_Q_GENERIC = (
+    "tiles = x.float().view(T, H // 128, 128); scale = tiles.abs().amax(-1).clamp(min=1e-4) "
+    "/ 448; q = (tiles / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), "
+    "reshaped back to [T, H]."
+)
+
+HINT_BYTES_FORMAT = "return one number: the bytes this rank's dispatch all-to-all moves."
+HINT_BYTES_NO_SCALES = (
+    "you left out the scales: each token copy carries one scale per 128 channels beside its H "
+    "FP8 bytes (4 bytes each as fp32, 1 byte each as a power-of-two exponent)."
+)
+HINT_BYTES_ONE_SCALE = (
+    "you counted one scale per token copy. There is one per tile of 128 channels: H / 128 of "
+    "them per copy."
+)
+HINT_BYTES_SCALE_SIZE = (
+    "the scale sizes are swapped: 'fp8' sends fp32 scales (4 bytes per tile), 'fp8_pow2' a "
+    "one-byte exponent per tile."
+)
+HINT_BYTES_TOKENS = (
+    "you counted tokens, not token copies: each token goes to K experts, so the dispatch sends "
+    "T * K rows."
+)
+HINT_BYTES_BITS = "you counted bits: divide by 8 (a byte per FP8 value, 2 per BF16, 4 per fp32)."
+HINT_BYTES_ELEMENT = (
+    "check the bytes per element: fp32 4, bf16 2, FP8 1 (+ scales)."
+)
+HINT_BYTES_GENERIC = (
+    "bytes = T * K * row, with row = 4H (fp32), 2H (bf16), H + 4 H/128 (fp8), H + H/128 (fp8_pow2)."
+)
+
+HINT_ENDS_FORMAT = (
+    "return a PrecisionRecipe (e.g. dataclasses.replace(base, rules=[...] + base.rules))."
+)
+HINT_ENDS_MUTATED = (
+    "your function changed the recipe it was given. Build a new one: "
+    "dataclasses.replace(base, rules=new_rules + list(base.rules))."
+)
+HINT_ENDS_LAST = (
+    "the last layer is still FP8: layers are numbered from 0, so the last one is "
+    "layers.{num_layers - 1}."
+)
+HINT_ENDS_FIRST = "layer 0 is still FP8: keep the first layer (layers.0.*) in BF16 too."
+HINT_ENDS_MOE = (
+    "the MoE parts of an end layer are still FP8: its experts, shared experts and dispatcher "
+    "(the name layers.<i>.mlp.dispatcher decides the dispatch and combine precision). A rule "
+    "such as ('layers.<i>.*', 'bf16') covers them all."
+)
+HINT_ENDS_TOO_MUCH = (
+    "you changed layers between the first and the last (or the embedding, head or defaults): "
+    "everything but the two end layers must stay exactly as in the base recipe."
+)
+HINT_ENDS_GENERIC = (
+    "put ('layers.0.*', 'bf16') and (f'layers.{num_layers - 1}.*', 'bf16') before the base "
+    "recipe's rules: the first matching rule wins."
+)
+
+
+# --- exercise 8.1: 1x128 quantization ------------------------------------------------------
+
+
+def quantize_cases():
+    """(name, x) for every case the checker tries."""
+    import torch
+    g = torch.Generator().manual_seed(8)
+    outlier = torch.randn(3, 384, generator=g)
+    outlier[:, 200] = 1e3
+    zeros = torch.randn(4, 256, generator=g)
+    zeros[2] = 0
+    return [
+        ("4 tokens x 256 channels, N(0, 1)", torch.randn(4, 256, generator=g)),
+        ("3 tokens x 384, channel 200 is 1000", outlier),
+        ("4 tokens x 256, token 2 all zeros", zeros),
+        ("2 tokens x 128, tiny values (amax 1e-6)", torch.randn(2, 128, generator=g) * 1e-6),
+        ("256 tokens x 128, N(0, 25)", torch.randn(256, 128, generator=g) * 5),
+        ("1 token x 1024, bf16", torch.randn(1, 1024, generator=g).bfloat16()),
+    ]
+
+
+def _quantize_mistakes(x):
+    """What each classic mistake returns for ``x``: (q, scales)."""
+    import torch
+    from .. import fp8
+    t, h = x.shape
+    xf = x.float()
+    out = {}
+    per_tensor = (xf.abs().max().clamp(min=fp8.AMAX_FLOOR) / 448).expand(t, h // 128)
+    per_token = (xf.abs().amax(dim=1, keepdim=True).clamp(min=fp8.AMAX_FLOOR) / 448).expand(t, h // 128)
+    for name, scales in (("per_tensor", per_tensor), ("per_token", per_token)):
+        full = scales.repeat_interleave(128, dim=1)
+        out[name] = ((xf / full).clamp(-448, 448).to(fp8.E4M3), scales)
+    tiles = xf.view(t, h // 128, 128)
+    amax = tiles.abs().amax(-1)
+    with torch.no_grad():
+        out["no_floor"] = ((tiles / (amax / 448)[..., None]).clamp(-448, 448).to(fp8.E4M3).view(t, h),
+                           amax / 448)
+    return out
+
+
+def _dequantize(answer, shape):
+    """The student's (q, scales) as x_hat [T, H] float32, or None if the format is wrong."""
+    import torch
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        return None
+    q, scales = answer
+    if not (isinstance(q, torch.Tensor) and isinstance(scales, torch.Tensor)):
+        return None
+    t, h = shape
+    if tuple(q.shape) != (t, h) or tuple(scales.shape) != (t, h // 128):
+        return None
+    return q.float() * scales.float().repeat_interleave(128, dim=1)
+
+
+def _dequantized_close(got, want, scales) -> bool:
+    """Within one E4M3 step of the reference everywhere (ties may round either way)."""
+    import torch
+    if got is None or not torch.isfinite(got).all():
+        return False
+    step = want.abs() / 8 + scales.float().repeat_interleave(128, dim=1) * 2.0 ** -9
+    return bool(((got - want).abs() <= step * 1.0001).all())
+
+
+def _quantize_matches(answer, x, mistake_answer) -> bool:
+    import torch
+    got, mine = _dequantize(answer, x.shape), _dequantize(mistake_answer, x.shape)
+    if got is None or mine is None:
+        return False
+    return bool(torch.equal(torch.nan_to_num(got, 1e30), torch.nan_to_num(mine, 1e30)))
+
+
+_QUANTIZE_HINTS = [(HINT_Q_NO_FLOOR, "no_floor"),
+                   (HINT_Q_PER_TENSOR, "per_tensor"), (HINT_Q_PER_TOKEN, "per_token")]
+
+
+def check_quantize_1x128(fn) -> CheckResult:
+    """Run ``fn(x)`` on every case of :func:`quantize_cases`; see the module docstring."""
+    import torch
+    from .. import fp8
+    result = CheckResult("Exercise 8.1: quantize in 1x128 tiles")
+    failing, values, format_error, inverted, integers = [], [], False, False, False
+    for name, x in quantize_cases():
+        q_ref, s_ref = fp8.quantize_1x128(x)
+        want = fp8.dequantize_1x128(q_ref, s_ref)
+        case, got = run_case(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
+        values.append(got)
+        if isinstance(got, BaseException):
+            result.cases.append(case)
+            continue
+        x_hat = _dequantize(got, x.shape)
+        if x_hat is None:
+            format_error = True
+            result.cases.append(Case(name, False, "not a pair (q [T, H], scales [T, H // 128])"))
+            continue
+        scales = got[1].float()
+        if _dequantized_close(x_hat, want, s_ref) and torch.allclose(scales, s_ref, rtol=1e-5):
+            result.cases.append(Case(name, True))
+            continue
+        if torch.allclose(scales * s_ref, torch.ones_like(s_ref), rtol=1e-4):
+            inverted = True
+        q_float = got[0].float()
+        if torch.equal(q_float, q_float.round()) and not torch.equal(q_ref.float(), q_ref.float().round()):
+            integers = True
+        worst = (torch.nan_to_num(x_hat, 1e30) - want).abs().max().item()
+        result.cases.append(Case(name, False, f"dequantized q * scale is off by up to {worst:.3g} "
+                                              f"(scales {scales.flatten()[:3].tolist()}..., "
+                                              f"expected {s_ref.flatten()[:3].tolist()}...)"))
+        failing.append({m for m, ans in _quantize_mistakes(x).items() if _quantize_matches(got, x, ans)})
+    if not result.passed:
+        result.hint = (stub_hint(values) or (HINT_Q_FORMAT if format_error else None)
+                       or (HINT_Q_INVERTED if inverted else None)
+                       or (HINT_Q_INTEGERS if integers else None)
+                       or pick_hint(_QUANTIZE_HINTS, failing, HINT_Q_GENERIC))
+    return result
+
+
+# --- exercise 8.2: the payload bytes ------------------------------------------------------
+
+
+def payload_cases():
+    """(name, tokens, topk, hidden, precision)."""
+    cases = [(f"DeepSeek-V3: 4096 tokens, top-8, H = 7168, {p}", 4096, 8, 7168, p)
+             for p in ("fp32", "bf16", "fp8", "fp8_pow2")]
+    cases += [("1 token, top-1, H = 128, fp8", 1, 1, 128, "fp8"),
+              ("3 tokens, top-2, H = 256, fp8_pow2", 3, 2, 256, "fp8_pow2"),
+              ("10 tokens, top-4, H = 384, bf16", 10, 4, 384, "bf16")]
+    return cases
+
+
+def reference_payload_bytes(tokens, topk, hidden, precision) -> int:
+    from .. import fp8
+    return tokens * topk * fp8.wire_bytes_per_row(hidden, precision)
+
+
+def _payload_mistakes(tokens, topk, hidden, precision) -> dict[str, float]:
+    copies, tiles = tokens * topk, hidden // 128
+    right = reference_payload_bytes(tokens, topk, hidden, precision)
+    out = {"tokens": right / topk if topk > 1 else -1, "bits": 8 * right}
+    if precision.startswith("fp8"):
+        out["no_scales"] = copies * hidden
+        out["one_scale"] = copies * (hidden + (1 if precision == "fp8_pow2" else 4))
+        out["scale_size"] = copies * (hidden + tiles * (4 if precision == "fp8_pow2" else 1))
+    else:
+        out["element"] = copies * hidden * (4 if precision == "bf16" else 2)
+    return out
+
+
+_PAYLOAD_HINTS = [(HINT_BYTES_NO_SCALES, "no_scales"), (HINT_BYTES_ONE_SCALE, "one_scale"),
+                  (HINT_BYTES_SCALE_SIZE, "scale_size"), (HINT_BYTES_TOKENS, "tokens"),
+                  (HINT_BYTES_BITS, "bits"), (HINT_BYTES_ELEMENT, "element")]
+
+
+def check_payload_bytes(fn) -> CheckResult:
+    """``fn(tokens, topk, hidden, precision)`` -> bytes; see the module docstring."""
+    result = CheckResult("Exercise 8.2: the bytes of the dispatch")
+    failing, values, format_error = [], [], False
+    for name, t, k, h, p in payload_cases():
+        want = reference_payload_bytes(t, k, h, p)
+        case, got = run_case(name, lambda: fn(t, k, h, p), want,
+                             compare=lambda a, b: as_number(a) is not None
+                             and math.isclose(as_number(a), b, rel_tol=1e-12))
+        values.append(got)
+        result.cases.append(case)
+        if case.passed or isinstance(got, BaseException):
+            continue
+        number = as_number(got)
+        if number is None:
+            format_error = True
+            continue
+        failing.append({m for m, v in _payload_mistakes(t, k, h, p).items()
+                        if math.isclose(number, v, rel_tol=1e-12)})
+    if not result.passed:
+        result.hint = (stub_hint(values) or (HINT_BYTES_FORMAT if format_error else None)
+                       or pick_hint(_PAYLOAD_HINTS, failing, HINT_BYTES_GENERIC))
+    return result
+
+
+# --- exercise 8.3: a recipe with BF16 ends --------------------------------------------------
+
+
+def deepseek_module_names(num_layers: int, first_moe_layer: int = 3) -> list[str]:
+    """The names ``DeepSeekModel`` gives its modules (dense layers before ``first_moe_layer``)."""
+    names = ["embedding.word_embeddings"]
+    for i in range(num_layers):
+        p = f"layers.{i}"
+        names += [f"{p}.input_layernorm", f"{p}.self_attention.linear_qkv",
+                  f"{p}.self_attention.core_attention", f"{p}.self_attention.linear_proj",
+                  f"{p}.pre_mlp_layernorm"]
+        if i < first_moe_layer:
+            names += [f"{p}.mlp.linear_fc1", f"{p}.mlp.linear_fc2"]
+        else:
+            names += [f"{p}.mlp.router", f"{p}.mlp.experts", f"{p}.mlp.shared_experts",
+                      f"{p}.mlp.dispatcher"]
+    return names + ["final_layernorm", "output_layer"]
+
+
+ENDS_CASES = [("2 layers, layer 1 MoE", 2, 1), ("4 layers, 1 dense", 4, 1),
+              ("12 layers, 3 dense", 12, 3), ("61 layers (DeepSeek-V3: 3 dense, 58 MoE)", 61, 3)]
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
+    """Which rules the student's recipe breaks on one model: a set of mistake names."""
+    problems = set()
+    for name in deepseek_module_names(num_layers, first_moe):
+        layer, want_base = _layer_of(name), base.precision_of(name)
+        got = recipe.precision_of(name)
+        if layer in (0, num_layers - 1):
+            ok = got == "bf16" if want_base.startswith("fp8") else got in ("bf16", "fp32")
+            if not ok:
+                moe_part = ".mlp." in name and "linear_fc" not in name
+                problems.add("moe" if moe_part else "first" if layer == 0 else "last")
+        elif got != want_base:
+            problems.add("too_much")
+    if (recipe.default, recipe.dispatch, recipe.combine) != (base.default, base.dispatch, base.combine):
+        problems.add("too_much")
+    return problems
+
+
+_ENDS_HINTS = [(HINT_ENDS_MUTATED, "mutated"), (HINT_ENDS_TOO_MUCH, "too_much"),
+               (HINT_ENDS_LAST, "last"), (HINT_ENDS_FIRST, "first"), (HINT_ENDS_MOE, "moe")]
+
+
+def check_keep_ends_in_bf16(fn) -> CheckResult:
+    """``fn(base, num_layers)`` -> a recipe; see the module docstring."""
+    from ..precision import PrecisionRecipe, get_recipe
+    result = CheckResult("Exercise 8.3: a recipe that keeps the first and last layers in BF16")
+    failing, values, format_error = [], [], False
+    for name, num_layers, first_moe in ENDS_CASES:
+        base = get_recipe("deepseek_v3")
+        pristine = copy.deepcopy(base)
+        case, got = run_case(name, lambda: fn(base, num_layers), None, compare=lambda a, b: False)
+        values.append(got)
+        if isinstance(got, BaseException):
+            result.cases.append(case)
+            continue
+        if not isinstance(got, PrecisionRecipe):
+            format_error = True
+            result.cases.append(Case(name, False, f"got {type(got).__name__}, not a PrecisionRecipe"))
+            continue
+        problems = _ends_problems(got, pristine, num_layers, first_moe)
+        if base.to_dict() != pristine.to_dict():
+            problems.add("mutated")
+        if not problems:
+            result.cases.append(Case(name, True))
+            continue
+        wrong = [n for n in deepseek_module_names(num_layers, first_moe)
+                 if (_layer_of(n) in (0, num_layers - 1) and pristine.precision_of(n).startswith("fp8")
+                     and got.precision_of(n) != "bf16")
+                 or (_layer_of(n) not in (0, num_layers - 1) and got.precision_of(n) != pristine.precision_of(n))]
+        shown = ", ".join(f"{n} -> {got.precision_of(n)}" for n in wrong[:3])
+        result.cases.append(Case(name, False, f"{len(wrong)} module(s) wrong, e.g. {shown}"
+                                 if wrong else "the recipe's default or communication changed"
+                                 if "too_much" in problems else "it changed the base recipe"))
+        failing.append(problems)
+    if not result.passed:
+        result.hint = (stub_hint(values) or (HINT_ENDS_FORMAT if format_error else None)
+                       or pick_hint(_ENDS_HINTS, failing, HINT_ENDS_GENERIC))
+    return result
+
+
+__all__ = ["check_quantize_1x128", "check_payload_bytes", "check_keep_ends_in_bf16",
+           "quantize_cases", "payload_cases", "reference_payload_bytes", "deepseek_module_names",
+           "ENDS_CASES"]

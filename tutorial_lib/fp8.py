@@ -1,0 +1,338 @@
+"""FP8 as DeepSeek-V3 uses it: 1x128 tiles, packed rows, and an all-to-all in any precision.
+
+Read it top to bottom, like the chapter:
+
+1. **The format.**  E4M3 (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, largest
+   value 448, smallest normal 2**-6.  Rounding to nearest with 3 mantissa bits is off by at most
+   1/17 of a normal value (the worst case is halfway between 1 and 1 + 1/8).
+2. **Tiles and scales** (:func:`quantize_1x128`).  Each token's hidden vector is cut into tiles
+   of 128 channels; each tile gets its own scale ``amax / 448`` (amax clamped to at least
+   :data:`AMAX_FLOOR`, so an all-zero tile has a finite scale), optionally rounded *up* to a
+   power of two.  Values are divided by the scale, clamped to +-448 explicitly (a cast to
+   float8 saturates or gives NaN depending on the torch build and device; the clamp makes the
+   library's answer independent of which) and cast.  :func:`dequantize_1x128` multiplies back,
+   in float.  :func:`quantize_per_tensor` (one scale for everything) is here to compare with,
+   and :func:`fake_quantize_blocks` does 128x128 blocks, as V3 quantizes weights.
+3. **Rows on the wire** (:func:`pack_rows`).  gloo refuses float8 in all-to-all, and one
+   collective per token batch is the point, so each token's FP8 bytes and its scales share one
+   ``uint8`` row: ``H`` bytes + 4 per tile (fp32 scales) or + 1 per tile (a power-of-two
+   scale as its biased exponent, like the E8M0 format).  Bit-exact both ways.
+4. **The all-to-all** (:func:`all_to_all`).  An autograd function whose forward and backward
+   each take their own precision (:data:`PRECISIONS`): MoE dispatch's backward is a combine of
+   gradients and the combine's backward is a dispatch, and DeepSeek-V3 sends only two of the
+   four in FP8 (:data:`DEEPSEEK_V3_DISPATCH`, :data:`DEEPSEEK_V3_COMBINE`).  Whatever the
+   precision, it is one traced ``comm.all_to_all`` with the same splits, so the order and
+   number of collectives never change; the event's tag ``precision`` says which.
+
+Hidden sizes that are not a multiple of 128 are refused by the quantizers unless
+``pad=True``: the last tile is then shorter (its amax is taken over the channels that exist)
+and no padding travels.  The all-to-all always pads this way, so the course's small models
+(hidden 8, 64, ...) can run the FP8 path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import comm
+from .trace import get_tracer
+
+__all__ = [
+    "E4M3", "E4M3_MAX", "E4M3_MIN_NORMAL", "TILE", "AMAX_FLOOR", "PRECISIONS",
+    "DEEPSEEK_V3_DISPATCH", "DEEPSEEK_V3_COMBINE", "FP8_DISPATCH", "FP8_COMBINE",
+    "num_tiles", "tile_scales", "quantize_1x128", "dequantize_1x128", "fake_quantize_1x128",
+    "quantize_per_tensor", "dequantize_per_tensor", "fake_quantize_blocks", "round_to_bf16",
+    "pack_rows", "unpack_rows", "row_bytes", "wire_bytes_per_row", "all_to_all",
+    "check_precision", "check_precision_pair", "encode", "decode",
+]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+"""The largest finite E4M3 value (1.75 * 2**8)."""
+E4M3_MIN_NORMAL = 2.0 ** -6
+"""The smallest normal E4M3 value; below it the relative spacing of values grows."""
+TILE = 128
+"""Channels per tile along the hidden dimension (DeepSeek-V3's 1x128 activation tiles)."""
+AMAX_FLOOR = 1e-4
+"""A tile's amax is clamped to at least this before the scale is taken (DeepSeek-V3's
+inference kernels use the same floor), so an all-zero tile gets a finite, nonzero scale."""
+
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_pow2")
+"""What a tensor can travel as: ``fp32`` (4 bytes per value), ``bf16`` (2), ``fp8`` (1, plus a
+4-byte fp32 scale per 128 values), ``fp8_pow2`` (1, plus a 1-byte power-of-two exponent per
+128 values)."""
+
+DEEPSEEK_V3_DISPATCH = ("fp8", "bf16")
+"""(forward, backward) of the dispatch in DeepSeek-V3: tokens go out in FP8 (the up-projection
+consumes FP8 anyway); the gradients coming back, a combine, stay BF16."""
+DEEPSEEK_V3_COMBINE = ("bf16", "fp8")
+"""(forward, backward) of the combine in DeepSeek-V3: expert outputs come back in BF16; the
+gradients going out to the experts, a dispatch, travel in FP8 (the down-projection's dgrad
+consumes FP8)."""
+FP8_DISPATCH = ("fp8", "fp8")
+"""The 4D guide's "dispatch/combine may use FP8": both directions of the dispatch in FP8."""
+FP8_COMBINE = ("fp8", "fp8")
+"""Likewise for the combine."""
+
+
+# --- 1. checks that teach ------------------------------------------------------------------
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else a ``ValueError`` listing them."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def check_precision_pair(pair) -> tuple[str, str] | None:
+    """A ``(forward, backward)`` pair of precisions (a single name means both), or ``None``."""
+    if pair is None:
+        return None
+    if isinstance(pair, str):
+        pair = (pair, pair)
+    pair = tuple(pair)
+    if len(pair) != 2:
+        raise ValueError(f"a communication precision is a (forward, backward) pair such as "
+                         f"('fp8', 'bf16'), got {pair!r}")
+    return check_precision(pair[0]), check_precision(pair[1])
+
+
+def num_tiles(hidden: int, pad: bool = False, tile: int = TILE) -> int:
+    """Tiles per row: ``hidden / tile``; with ``pad`` the last one may be shorter."""
+    if hidden % tile and not pad:
+        raise ValueError(f"hidden size {hidden} is not a multiple of the {tile}-wide tile "
+                         f"({hidden} = {hidden // tile} x {tile} + {hidden % tile}); use pad=True "
+                         f"(the last tile is then {hidden % tile} channels wide) or a multiple of "
+                         f"{tile}, e.g. {math.ceil(hidden / tile) * tile}")
+    return math.ceil(hidden / tile)
+
+
+# --- 2. tiles and scales -------------------------------------------------------------------
+
+
+def _scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """``amax / 448`` (amax at least AMAX_FLOOR); with ``pow2`` rounded up to a power of two,
+    so no value can exceed 448 after the division."""
+    scale = amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return scale
+
+
+def _to_e4m3(scaled: torch.Tensor) -> torch.Tensor:
+    # Explicit clamp: torch's cast saturates on this CPU build, gives NaN on other paths.
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _tiled(x: torch.Tensor, pad: bool, tile: int) -> torch.Tensor:
+    """``[..., H]`` float32 -> ``[..., tiles, tile]``, zero-padded (zeros never raise an amax)."""
+    hidden = x.shape[-1]
+    tiles = num_tiles(hidden, pad, tile)
+    x = x.float()
+    if tiles * tile != hidden:
+        x = torch.nn.functional.pad(x, (0, tiles * tile - hidden))
+    return x.reshape(*x.shape[:-1], tiles, tile)
+
+
+def tile_scales(x: torch.Tensor, pow2: bool = False, pad: bool = False,
+                tile: int = TILE) -> torch.Tensor:
+    """``[..., H]`` -> ``[..., H/128]`` fp32: each tile's ``max(amax, AMAX_FLOOR) / 448``."""
+    return _scale_from_amax(_tiled(x, pad, tile).abs().amax(dim=-1), pow2)
+
+
+def quantize_1x128(x: torch.Tensor, pow2: bool = False, pad: bool = False,
+                   tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., H]`` -> ``(q [..., H] float8_e4m3fn, scales [..., H/128] fp32)``.
+
+    One scale per token per 128 channels: ``x ~= q * scale`` tile by tile.
+    """
+    hidden = x.shape[-1]
+    tiles = _tiled(x, pad, tile)
+    scales = _scale_from_amax(tiles.abs().amax(dim=-1), pow2)
+    q = _to_e4m3(tiles / scales.unsqueeze(-1))
+    return q.reshape(*x.shape[:-1], tiles.shape[-2] * tile)[..., :hidden], scales
+
+
+def dequantize_1x128(q: torch.Tensor, scales: torch.Tensor, tile: int = TILE,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of :func:`quantize_1x128`, computed in float32, returned as ``dtype``."""
+    hidden = q.shape[-1]
+    if scales.shape[-1] != math.ceil(hidden / tile):
+        raise ValueError(f"{scales.shape[-1]} scales for a hidden size of {hidden}: expected "
+                         f"ceil({hidden} / {tile}) = {math.ceil(hidden / tile)}")
+    per_channel = scales.float().repeat_interleave(tile, dim=-1)[..., :hidden]
+    return (q.float() * per_channel).to(dtype)
+
+
+def fake_quantize_1x128(x: torch.Tensor, pow2: bool = False, pad: bool = True) -> torch.Tensor:
+    """Quantize then dequantize (what FP8 does to the numbers), in ``x``'s dtype."""
+    q, scales = quantize_1x128(x, pow2=pow2, pad=pad)
+    return dequantize_1x128(q, scales, dtype=x.dtype)
+
+
+def quantize_per_tensor(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor (for comparison): ``(q, scale [])``."""
+    scale = _scale_from_amax(x.float().abs().amax(), pow2)
+    return _to_e4m3(x.float() / scale), scale
+
+
+def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
+def fake_quantize_blocks(w: torch.Tensor, block: int = TILE, pow2: bool = False) -> torch.Tensor:
+    """Quantize-dequantize a weight ``[..., out, in]`` in ``block x block`` blocks (V3's weights).
+
+    Edge blocks may be smaller; leading dimensions (stacked experts) are blocked separately.
+    """
+    *lead, rows, cols = w.shape
+    br, bc = math.ceil(rows / block), math.ceil(cols / block)
+    padded = torch.nn.functional.pad(w.float(), (0, bc * block - cols, 0, br * block - rows))
+    blocks = padded.reshape(*lead, br, block, bc, block)
+    scales = _scale_from_amax(blocks.abs().amax(dim=(-3, -1), keepdim=True), pow2)
+    q = _to_e4m3(blocks / scales)
+    out = (q.float() * scales).reshape(*lead, br * block, bc * block)[..., :rows, :cols]
+    return out.to(w.dtype)
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to bfloat16 and back to its own dtype (what a BF16 tensor can hold)."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+# --- 3. rows on the wire -------------------------------------------------------------------
+
+
+def _scale_bytes(pow2: bool) -> int:
+    return 1 if pow2 else 4
+
+
+def pack_rows(q: torch.Tensor, scales: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+    """``q [T, H]`` float8 + ``scales [T, tiles]`` -> ``[T, H + 4 tiles]`` uint8 (``+ tiles``
+    with ``pow2``: each scale as its exponent + 127, one byte)."""
+    if q.dtype != E4M3:
+        raise TypeError(f"pack_rows takes float8_e4m3fn values, got {q.dtype}")
+    if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
+        raise ValueError(f"pack_rows takes q [T, H] and scales [T, tiles], got "
+                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
+    if pow2:
+        exponent = torch.log2(scales.float())
+        if not torch.equal(exponent, exponent.round()) or (exponent.numel() and exponent.abs().max() > 127):
+            raise ValueError("pow2=True packs each scale as a one-byte exponent: every scale must "
+                             "be a power of two between 2**-127 and 2**127 (quantize with "
+                             "pow2=True)")
+        scale_bytes = (exponent.round().to(torch.int32) + 127).to(torch.uint8)
+    else:
+        scale_bytes = scales.float().contiguous().view(torch.uint8)
+    return torch.cat([q.contiguous().view(torch.uint8), scale_bytes], dim=1)
+
+
+def unpack_rows(rows: torch.Tensor, hidden: int, pow2: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_rows`: ``[T, row_bytes]`` uint8 -> ``(q [T, H], scales [T, tiles])``."""
+    tiles = num_tiles(hidden, pad=True)
+    width = hidden + tiles * _scale_bytes(pow2)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != width:
+        raise ValueError(f"unpack_rows expects [T, {width}] uint8 rows for hidden {hidden} "
+                         f"({'pow2' if pow2 else 'fp32'} scales), got {tuple(rows.shape)} {rows.dtype}")
+    q = rows[:, :hidden].contiguous().view(E4M3)
+    tail = rows[:, hidden:].contiguous()
+    if pow2:
+        scales = torch.exp2(tail.to(torch.float32) - 127)
+    else:
+        scales = tail.view(torch.float32)
+    return q, scales
+
+
+def row_bytes(hidden: int, pow2: bool = False) -> int:
+    """Bytes of one packed FP8 row: ``H + 4 * ceil(H/128)`` (``+ ceil(H/128)`` with pow2)."""
+    return hidden + num_tiles(hidden, pad=True) * _scale_bytes(pow2)
+
+
+def wire_bytes_per_row(hidden: int, precision: str) -> int:
+    """Bytes one token copy of hidden size ``hidden`` occupies on the wire in ``precision``."""
+    check_precision(precision)
+    if precision == "fp32":
+        return 4 * hidden
+    if precision == "bf16":
+        return 2 * hidden
+    return row_bytes(hidden, pow2=precision == "fp8_pow2")
+
+
+# --- 4. the all-to-all ---------------------------------------------------------------------
+
+
+def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """``[R, H]`` -> what travels: fp32, bf16, or packed uint8 FP8 rows."""
+    if precision == "fp32":
+        return x.float()
+    if precision == "bf16":
+        return x.bfloat16()
+    pow2 = precision == "fp8_pow2"
+    q, scales = quantize_1x128(x, pow2=pow2, pad=True)
+    return pack_rows(q, scales, pow2=pow2)
+
+
+def decode(wire: torch.Tensor, precision: str, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """What arrived -> ``[R, H]`` of ``dtype`` (FP8 dequantized in float32 first)."""
+    if precision in ("fp32", "bf16"):
+        return wire.to(dtype)
+    q, scales = unpack_rows(wire, hidden, pow2=precision == "fp8_pow2")
+    return dequantize_1x128(q, scales, dtype=dtype)
+
+
+def _exchange(x, group, output_splits, input_splits, precision, op_name, phase):
+    """One traced all-to-all of ``x`` encoded in ``precision`` (encoded and decoded locally when
+    the group has one rank: the numbers do not depend on the EP size)."""
+    wire = encode(x, precision)
+    if comm_group_size(group) > 1:
+        out = wire.new_empty((sum(output_splits), *wire.shape[1:]))
+        with get_tracer().tags(op_name=op_name, phase=phase, payload="tokens", precision=precision):
+            wire = comm.all_to_all(out, wire.contiguous(), group, output_splits, input_splits)
+    return decode(wire, precision, x.shape[-1], x.dtype)
+
+
+class _PrecisionAllToAll(torch.autograd.Function):
+    """Forward: rows ``input_splits[j]`` to group rank j, in ``precisions[0]``.
+    Backward: the reverse all-to-all of the gradient, in ``precisions[1]``."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits, op_name, precisions):
+        ctx.group, ctx.splits, ctx.op_name = group, (output_splits, input_splits), op_name
+        ctx.backward_precision = precisions[1]
+        return _exchange(x, group, output_splits, input_splits, precisions[0], op_name, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        dx = _exchange(grad, ctx.group, input_splits, output_splits, ctx.backward_precision,
+                       ctx.op_name, "backward")
+        return dx, None, None, None, None, None
+
+
+def comm_group_size(group) -> int:
+    """Ranks in this rank's group of kind ``group`` (1 when serial or no groups are built)."""
+    from . import parallel_state
+    if group is None or not parallel_state.is_initialized():
+        return 1
+    return parallel_state.get_size(group)
+
+
+def all_to_all(x: torch.Tensor, group: str | None, output_splits: list[int],
+               input_splits: list[int], op_name: str = "all_to_all",
+               precision: tuple[str, str] | str = ("fp32", "fp32")) -> torch.Tensor:
+    """Uneven all-to-all of ``[R, H]`` rows whose forward and backward each travel in their own
+    precision, ``(forward, backward)``; the output has ``x``'s dtype.
+
+    One ``comm.all_to_all`` per direction, tagged ``op_name``, ``phase``, ``payload="tokens"``
+    and ``precision``; with a group of one rank the values are still encoded and decoded (the
+    rounding FP8 would cause), but nothing is sent.
+    """
+    precision = check_precision_pair(precision)
+    if x.dim() != 2:
+        raise ValueError(f"fp8.all_to_all moves rows [R, H], got shape {tuple(x.shape)}")
+    return _PrecisionAllToAll.apply(x, group, list(output_splits), list(input_splits),
+                                    op_name, precision)
