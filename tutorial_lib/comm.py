@@ -184,22 +184,26 @@ def _check_peer(peer: int, ranks, op: str, kind: str) -> None:
         raise ValueError(f"{op}: rank {peer} cannot {op} to or from itself")
 
 
-def send(tensor: torch.Tensor, dst: int, group="world") -> None:
-    """Blocking send to global rank ``dst``."""
+def send(tensor: torch.Tensor, dst: int, group="world", tag: int = 0) -> None:
+    """Blocking send to global rank ``dst``.
+
+    ``tag``: messages between two ranks are matched in order *per tag*, so two streams
+    (say activations and labels) with different tags cannot take each other's place.
+    """
     kind, pg, ranks = _resolve(group)
     _check_peer(dst, ranks, "send", kind)
     event = _begin("send", tensor, kind, ranks, peer=dst)
-    dist.send(tensor.contiguous(), dst=dst, group=pg)
+    dist.send(tensor.contiguous(), dst=dst, group=pg, tag=tag)
     _finish(event, None)
 
 
-def recv(tensor: torch.Tensor, src: int, group="world") -> torch.Tensor:
-    """Blocking receive from global rank ``src`` into ``tensor``."""
+def recv(tensor: torch.Tensor, src: int, group="world", tag: int = 0) -> torch.Tensor:
+    """Blocking receive from global rank ``src`` into ``tensor`` (``tag``: see :func:`send`)."""
     kind, pg, ranks = _resolve(group)
     _check_peer(src, ranks, "recv", kind)
     event = _begin("recv", tensor, kind, ranks, peer=src)
     event.values_in = None  # the buffer's old contents are not data
-    dist.recv(tensor, src=src, group=pg)
+    dist.recv(tensor, src=src, group=pg, tag=tag)
     _finish(event, tensor)
     return tensor
 
@@ -230,26 +234,27 @@ def _p2p_event(op: str, tensor, peer: int, group) -> tuple:
     return event, pg
 
 
-def isend(tensor: torch.Tensor, dst: int, group="world") -> TracedWork:
+def isend(tensor: torch.Tensor, dst: int, group="world", tag: int = 0) -> TracedWork:
     event, pg = _p2p_event("send", tensor, dst, group)
-    return TracedWork(dist.isend(tensor.contiguous(), dst=dst, group=pg), event, None)
+    return TracedWork(dist.isend(tensor.contiguous(), dst=dst, group=pg, tag=tag), event, None)
 
 
-def irecv(tensor: torch.Tensor, src: int, group="world") -> TracedWork:
+def irecv(tensor: torch.Tensor, src: int, group="world", tag: int = 0) -> TracedWork:
     event, pg = _p2p_event("recv", tensor, src, group)
-    return TracedWork(dist.irecv(tensor, src=src, group=pg), event, tensor)
+    return TracedWork(dist.irecv(tensor, src=src, group=pg, tag=tag), event, tensor)
 
 
 def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group="world") -> list[TracedWork]:
-    """Issue several sends/receives as one batch: ``ops`` holds ``("send"|"recv", tensor, peer)``."""
+    """Issue several sends/receives as one batch: ``ops`` holds ``("send"|"recv", tensor, peer)``,
+    optionally with a fourth element, the ``tag`` (see :func:`send`)."""
     p2p_ops, events = [], []
-    for op, tensor, peer in ops:
+    for op, tensor, peer, *tag in ops:
         if op not in ("send", "recv"):
             raise ValueError(f"batch_isend_irecv: op must be 'send' or 'recv', got {op!r}")
         event, pg = _p2p_event(op, tensor, peer, group)
         event.tags["batched"] = True
         fn = dist.isend if op == "send" else dist.irecv
-        p2p_ops.append(dist.P2POp(fn, tensor, peer, group=pg))
+        p2p_ops.append(dist.P2POp(fn, tensor, peer, group=pg, tag=tag[0] if tag else 0))
         events.append((event, tensor if op == "recv" else None))
     works = dist.batch_isend_irecv(p2p_ops)
     return [TracedWork(w, e, t) for w, (e, t) in zip(works, events)]

@@ -20,7 +20,9 @@ guide's checklist, with the TP+EP+DP guide's head-count rule added as rule 8):
 5. routed experts are not tensor-parallel (``expert_tensor_parallel_size == 1``);
 6. the sequence divides over TP ranks when MoE sequence parallelism is on;
 7. no dropout with tensor or expert parallelism;
-8. attention heads divide over TP ranks.
+8. attention heads divide over TP ranks;
+9. layers divide over pipeline stages (times the virtual stages of the
+   interleaved schedule): :func:`check_pipeline_layers`.
 
 The grid alone (what ``python -m tutorial_lib.grid`` draws) only needs the
 structural rules: :func:`check_grid`.
@@ -118,6 +120,18 @@ class ModelConfig:
 
     sequence_parallel: bool = False
     """Split activations along the sequence between TP ranks outside the matmuls."""
+
+    ffn_hidden_size: int | None = None
+    """Width of the dense MLPs (``None``: ``4 * hidden_size``)."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Width of each routed and shared expert (``None``: ``hidden_size``, fine-grained experts)."""
+
+    num_shared_experts: int = 1
+    """Always-on experts per MoE layer (DeepSeekMoE's shared experts; 0 for none)."""
+
+    first_k_dense_replace: int = 1
+    """The first this-many layers keep a dense MLP even when ``num_experts > 0`` (DeepSeek-V3: 3)."""
 
 
 @dataclass
@@ -301,6 +315,7 @@ def validate(
             f"or expert_model_parallel_size ({ep}) is > 1: ranks would draw different "
             f"masks for what must be one tensor; set dropout=0.0",
         )
+    check_pipeline_layers(model.num_layers, parallel.pipeline_model_parallel_size)
     if model.num_attention_heads % tp:
         raise ConfigError(
             "rule 8",
@@ -308,3 +323,27 @@ def validate(
             f"tensor_model_parallel_size ({tp}) so each TP rank owns whole heads; try "
             f"{_nearest_multiples(model.num_attention_heads, tp)} heads",
         )
+
+
+def check_pipeline_layers(num_layers: int, pipeline_model_parallel_size: int,
+                          virtual_pipeline_model_parallel_size: int = 1) -> int:
+    """Rule 9: ``num_layers`` splits evenly into ``PP * V`` model stages; returns layers per stage.
+
+    Each of the ``PP`` ranks holds ``V`` chunks (``V = 1`` without interleaving), and
+    every chunk the same number of consecutive layers, so stages cost the same.
+    """
+    _check_positive_int("num_layers", num_layers)
+    _check_positive_int("pipeline_model_parallel_size", pipeline_model_parallel_size)
+    _check_positive_int("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+    stages = pipeline_model_parallel_size * virtual_pipeline_model_parallel_size
+    if num_layers % stages:
+        what = (f"pipeline_model_parallel_size ({pipeline_model_parallel_size})"
+                if virtual_pipeline_model_parallel_size == 1 else
+                f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+                f"({pipeline_model_parallel_size} x {virtual_pipeline_model_parallel_size} = {stages})")
+        raise ConfigError(
+            "rule 9",
+            f"num_layers ({num_layers}) must be divisible by {what} so every pipeline stage "
+            f"holds the same number of layers; try num_layers {_nearest_multiples(num_layers, stages)}",
+        )
+    return num_layers // stages

@@ -317,17 +317,25 @@ class DataParallel(nn.Module):
 
 def _reduce_squared_norms(squares: dict[str, torch.Tensor],
                           sharded_over_data_parallel: bool = False) -> torch.Tensor:
-    """Sum each domain's local squared norm over the groups holding distinct pieces."""
+    """Sum each domain's local squared norm over the groups holding distinct pieces.
+
+    The pipeline sum comes last, once, over the total: stages can hold different
+    domains (a dense first stage has no experts), so a per-domain all-reduce over PP
+    would be issued by some stages and not others, and the collectives would pair up
+    wrongly.  Every other group of a domain lies inside one stage.
+    """
     total = torch.zeros(1, dtype=torch.float32)
-    for name in sorted(squares):  # the same order on every rank
+    for name in sorted(squares):  # the same order on every rank of the stage
         domain, square = DOMAINS[name], squares[name].reshape(1).float()
-        groups = domain.model_parallel_groups
+        groups = tuple(g for g in domain.model_parallel_groups if g != "pp")
         if sharded_over_data_parallel:
             groups = (domain.data_parallel_group,) + groups
         for group in groups:
             if parallel_state.get_size(group) > 1:  # a group of one rank has nothing to add
                 comm.all_reduce(square, group=group)
         total += square
+    if parallel_state.get_size("pp") > 1:
+        comm.all_reduce(total, group="pp")
     return total.sqrt()
 
 

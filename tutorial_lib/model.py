@@ -48,15 +48,19 @@ serial reference: no second implementation to drift.
 Choices, to keep it small: no dropout (rule 7), no weight tying between the embedding
 and the output layer (Megatron ties them by default; with pipeline parallelism that
 costs an extra all-reduce over the ``embedding`` group), no bias in the output layer
-(as in Megatron), dense MLPs only.  A later chapter extends this file with a
-DeepSeek-style model and ``forward_stage`` for pipelines; the three steps of
-:meth:`GPTModel.forward` (embed, blocks, head + loss) are where a stage cuts in.
+(as in Megatron), dense MLPs only.  The three steps of :meth:`GPTModel.forward`
+(embed, blocks, head + loss) are where a pipeline stage cuts in: see
+:class:`DeepSeekModel` at the end of this file.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, check_pipeline_layers
+from .moe import MoELayer
+from .moe_balance import BalanceConfig
 from .tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -66,9 +70,10 @@ from .tensor_parallel import (
     tensor_parallel_size,
     vocab_parallel_cross_entropy,
 )
-from .transformer import TransformerBlock
+from .transformer import MLP, SelfAttention, TransformerBlock
 
-__all__ = ["GPTModel", "GPTEmbedding", "component_seed"]
+__all__ = ["GPTModel", "GPTEmbedding", "component_seed", "DeepSeekModel", "DeepSeekBlock",
+           "Microbatch", "layer_range", "attach_aux_loss"]
 
 # Which component of the model a derived seed belongs to (see component_seed).
 WORD_EMBEDDING, POSITION_EMBEDDING, OUTPUT_LAYER, FIRST_BLOCK = 0, 1, 2, 10
@@ -165,3 +170,243 @@ class GPTModel(torch.nn.Module):
         logits = self.output_layer(hidden)                        # [s, b, V/T]: my vocabulary slice
         losses = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
         return losses.mean()
+
+
+# === A DeepSeek-style model that a pipeline can cut into stages ===========================
+#
+# The GPT above runs whole on every rank.  With pipeline parallelism each rank holds a
+# *stage*: a contiguous range of layers, plus the embedding on the first stage and the
+# final norm, LM head and loss on the last (Megatron's ``pre_process`` / ``post_process``).
+# One class serves every cut: ``DeepSeekModel(config, stage=s, num_stages=n)`` builds
+# only stage s's modules, with the same weights the whole model (``num_stages=1``) has
+# there, because every weight is drawn from a seed derived from its *global* layer index.
+#
+#     stage 0:        input_ids [b, s] -> embedding -> layers [0, L/n)        -> hidden [s, b, h]
+#     middle stage:   hidden [s, b, h] -> layers [k L/n, (k+1) L/n)          -> hidden [s, b, h]
+#     last stage:     hidden [s, b, h] -> its layers -> final norm -> head -> loss (scalar)
+#
+# What crosses a stage boundary is one activation tensor [s, b, h] forward and its
+# gradient backward: :mod:`tutorial_lib.pipeline` moves them with :mod:`tutorial_lib.p2p`.
+
+
+class Microbatch(NamedTuple):
+    """What a stage may need to know about the microbatch it is running.
+
+    Every rank can compute ``sample_ids`` and ``step`` from the schedule alone; only the
+    first stage holds ``input_ids``, and only the last stage ``labels`` (they travel from
+    the first stage along the pipeline group).
+    """
+
+    input_ids: torch.Tensor | None
+    """``[b, s]`` token ids (first stage only)."""
+    labels: torch.Tensor | None
+    """``[b, s]`` next-token targets (last stage only)."""
+    sample_ids: torch.Tensor
+    """``[b]`` each row's index in the global batch: it seeds that row's dropout masks."""
+    step: int = 0
+    """The optimizer step: a new step draws new dropout masks."""
+
+
+def layer_range(num_layers: int, num_stages: int, stage: int) -> range:
+    """The global indices of the layers model stage ``stage`` of ``num_stages`` holds.
+
+    Contiguous and equal (rule 9): stage ``k`` holds ``[k L/n, (k+1) L/n)``.  With the
+    interleaved schedule, rank ``r``'s chunk ``c`` is model stage ``c * PP + r``.
+    """
+    per_stage = check_pipeline_layers(num_layers, num_stages)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage ({stage}) must be in 0..{num_stages - 1} for {num_stages} stages")
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Forward: return ``hidden`` unchanged.  Backward: also send ``scale`` into ``aux_loss``.
+
+    A MoE layer's balance loss is computed in the middle of the network, on whatever
+    stage holds that layer, but the pipeline only backpropagates from the last stage's
+    loss.  Tying the aux loss to the activation that flows on means that when the
+    gradient of that activation arrives, the aux loss gets its own gradient too, as if
+    it had been added to the final loss (Megatron's ``MoEAuxLossAutoScaler``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, aux_loss, scale):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+def attach_aux_loss(hidden: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """``hidden``, with ``aux_loss`` backpropagated (times ``scale``) whenever ``hidden`` is."""
+    return _AttachAuxLoss.apply(hidden, aux_loss, scale)
+
+
+def _dropout_mask(shape, p: float, sample_ids: torch.Tensor, seed: int, step: int, layer: int,
+                  site: int) -> torch.Tensor:
+    """``[s, b, h]`` keep-mask scaled by ``1/(1-p)``; column ``j`` drawn from sample ``sample_ids[j]``.
+
+    Each row of the global batch gets its own generator, seeded by (model seed, step,
+    row, layer, site), so the mask does not depend on which rank, microbatch or stage
+    runs the row: every layout drops the same activations.  (Megatron draws masks from
+    a per-rank CUDA RNG state instead; its runs then differ between layouts.)
+    """
+    s, b, h = shape
+    columns = []
+    for row in sample_ids.tolist():
+        key = (((seed * 1_000_003 + step) * 1_000_003 + row) * 1009 + layer) * 7 + site
+        generator = torch.Generator().manual_seed(key % (2 ** 63))
+        columns.append(torch.rand(s, h, generator=generator) >= p)
+    return torch.stack(columns, dim=1).float() / (1.0 - p)
+
+
+class DeepSeekBlock(torch.nn.Module):
+    """``x + drop(attn(ln(x)))``, then ``+ drop(mlp(ln(x)))`` with a dense MLP or a DeepSeekMoE layer.
+
+    ``layer_number``: the global index; layers below ``first_k_dense_replace`` (or all of
+    them when ``num_experts == 0``) are dense.  A MoE layer uses DeepSeek-V3's routing
+    (sigmoid scores, top-k normalised) and balancing (bias on the global load plus the
+    sequence-wise loss).  With TP > 1 the attention and dense MLP are tensor-parallel on
+    the whole sequence, and the MoE layer splits the sequence over TP itself (see
+    :class:`~tutorial_lib.moe.MoELayer`), so the block's input and output are the full
+    ``[s, b, h]`` on every TP rank.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int = 0,
+                 tp_group: str | None = "tp", ep_group: str | None = "ep"):
+        super().__init__()
+        h, block_seed = config.hidden_size, component_seed(seed, FIRST_BLOCK + layer_number)
+        self.layer_number, self.dropout, self.seed = layer_number, config.dropout, seed
+        self.input_layernorm = torch.nn.LayerNorm(h)
+        self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group)
+        self.pre_mlp_layernorm = torch.nn.LayerNorm(h)
+        self.is_moe = bool(config.num_experts) and layer_number >= config.first_k_dense_replace
+        if self.is_moe:
+            self.mlp = MoELayer(
+                h, config.num_experts, config.moe_router_topk, config.moe_ffn_hidden_size or h,
+                num_shared_experts=config.num_shared_experts, score_function="sigmoid",
+                balance=BalanceConfig.deepseek_v3(),
+                sequence_parallel=tensor_parallel_size(tp_group) > 1, seed=block_seed,
+                ep_group=ep_group, tp_group=tp_group)
+        else:
+            self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, False, block_seed, tp_group)
+
+    def _drop(self, x: torch.Tensor, batch: Microbatch | None, site: int) -> torch.Tensor:
+        if not self.training or self.dropout == 0.0:
+            return x
+        if batch is None:
+            raise ValueError("dropout > 0 needs the Microbatch (its sample_ids seed the masks)")
+        return x * _dropout_mask(x.shape, self.dropout, batch.sample_ids, self.seed, batch.step,
+                                 self.layer_number, site)
+
+    def forward(self, x: torch.Tensor, batch: Microbatch | None = None):
+        """``[s, b, h]`` -> ``([s, b, h], info)``; ``info`` is the MoE layer's (``{}`` if dense)."""
+        x = x + self._drop(self.self_attention(self.input_layernorm(x)), batch, 0)
+        info = {}
+        if self.is_moe:
+            y, info = self.mlp(self.pre_mlp_layernorm(x))
+        else:
+            y = self.mlp(self.pre_mlp_layernorm(x))
+        return x + self._drop(y, batch, 1), info
+
+
+class DeepSeekModel(torch.nn.Module):
+    """One pipeline stage of a small DeepSeek-style decoder (all of it when ``num_stages=1``).
+
+    ``config``: a :class:`~tutorial_lib.config.ModelConfig` (``num_experts > 0`` makes
+    layers from ``first_k_dense_replace`` on MoE layers).  ``stage`` / ``num_stages``: which
+    model stage this is; the first holds the embedding, the last the final LayerNorm,
+    LM head and loss.  ``seed``: every weight derives from it and from its global layer
+    index, so all cuts of the model hold the same numbers.  ``tp_group`` / ``ep_group``:
+    group kinds (``None`` or no process groups: serial).
+
+    Module names follow Megatron and keep global layer indices (``layers.5.mlp.router``
+    is the same module on every layout), so a precision recipe can name layers.
+    """
+
+    def __init__(self, config: ModelConfig, stage: int = 0, num_stages: int = 1, seed: int = 0,
+                 tp_group: str | None = "tp", ep_group: str | None = "ep"):
+        super().__init__()
+        if config.sequence_parallel:
+            raise ValueError("DeepSeekModel keeps the whole sequence between layers (its MoE layers "
+                             "split it over TP themselves); set sequence_parallel=False")
+        if config.dropout and (tensor_parallel_size(tp_group) > 1):
+            raise ValueError(f"dropout ({config.dropout}) with tensor parallelism breaks rule 7; "
+                             f"set dropout=0.0")
+        tp = tensor_parallel_size(tp_group)
+        divide(config.vocab_size, tp, "vocab_size")
+        divide(config.num_attention_heads, tp, "num_attention_heads")
+        self.config, self.tp_group, self.ep_group = config, tp_group, ep_group
+        self.stage, self.num_stages = stage, num_stages
+        self.pre_process, self.post_process = stage == 0, stage == num_stages - 1
+        self.aux_loss_scale = 1.0
+        """What each aux loss's gradient is scaled by: ``1/M`` with ``M`` microbatches."""
+        h = config.hidden_size
+        if self.pre_process:
+            self.embedding = GPTEmbedding(config, seed, tp_group)
+        self.layers = torch.nn.ModuleDict(
+            {str(i): DeepSeekBlock(config, i, seed, tp_group, ep_group)
+             for i in layer_range(config.num_layers, num_stages, stage)})
+        if self.post_process:
+            self.final_layernorm = torch.nn.LayerNorm(h)
+            self.output_layer = ColumnParallelLinear(
+                h, config.vocab_size, bias=False, gather_output=False,
+                seed=component_seed(seed, OUTPUT_LAYER), tp_group=tp_group)
+        self.reset_step_stats()
+
+    # --- per-step statistics the trainer reads ---------------------------------------
+
+    def moe_layers(self) -> dict[int, torch.nn.Module]:
+        """Global layer index -> the MoE layer, for this stage's MoE blocks."""
+        return {block.layer_number: block.mlp for block in self.layers.values() if block.is_moe}
+
+    def reset_step_stats(self) -> None:
+        """Forget the aux-loss sums and expert loads of the last step."""
+        self.aux_loss_sums: dict[str, float] = {}
+        self.expert_loads = {i: torch.zeros(self.config.num_experts, dtype=torch.int64)
+                             for i in self.moe_layers()}
+
+    # --- the stage -----------------------------------------------------------------
+
+    def forward_stage(self, hidden: torch.Tensor | None, batch: Microbatch) -> torch.Tensor:
+        """Run this stage on one microbatch.
+
+        First stage: ``hidden`` is ignored, ``batch.input_ids`` are embedded.  Every stage:
+        its layers.  Last stage: returns the mean next-token loss over the microbatch's
+        tokens (a scalar, the same on every TP rank); the others return ``[s, b, h]``.
+        Each MoE layer's balance losses are attached to the activations (their gradient
+        is ``aux_loss_scale``) and summed into ``aux_loss_sums`` for the log.
+        """
+        if self.pre_process:
+            if batch.input_ids is None:
+                raise ValueError("the first stage needs batch.input_ids")
+            hidden = self.embedding(batch.input_ids)             # [s, b, h]
+        elif hidden is None:
+            raise ValueError(f"stage {self.stage} needs the previous stage's activation")
+        for block in self.layers.values():
+            hidden, info = block(hidden, batch)
+            if info:
+                with torch.no_grad():
+                    self.expert_loads[block.layer_number] += torch.bincount(
+                        info["topk_idx"].reshape(-1), minlength=self.config.num_experts)
+                for name, value in info["aux_losses"].items():
+                    hidden = attach_aux_loss(hidden, value, self.aux_loss_scale)
+                    self.aux_loss_sums[name] = self.aux_loss_sums.get(name, 0.0) + float(value.detach())
+        if not self.post_process:
+            return hidden
+        if batch.labels is None:
+            raise ValueError("the last stage needs batch.labels (sent from the first stage)")
+        logits = self.output_layer(self.final_layernorm(hidden))  # [s, b, V/T]
+        return vocab_parallel_cross_entropy(logits, batch.labels.t(), self.tp_group).mean()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, sample_ids=None, step: int = 0):
+        """The whole model (``num_stages=1``): mean loss of ``[b, s]`` ids and labels."""
+        if not (self.pre_process and self.post_process):
+            raise ValueError("forward() runs the whole model; a pipeline stage uses forward_stage()")
+        if sample_ids is None:
+            sample_ids = torch.arange(input_ids.shape[0])
+        return self.forward_stage(None, Microbatch(input_ids, labels, sample_ids, step))

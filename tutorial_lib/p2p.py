@@ -114,34 +114,47 @@ def _check_mode(mode: str) -> None:
 
 
 def _communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = None,
-                 recv: tuple[tuple, torch.dtype, int] | None = None) -> torch.Tensor | None:
+                 recv: tuple[tuple, torch.dtype, int] | None = None,
+                 send_tag: int = 0, recv_tag: int = 0,
+                 unwaited_sends: list | None = None) -> torch.Tensor | None:
     """Send ``send = (tensor, peer)`` and/or receive ``recv = (shape, dtype, peer)``.
 
-    Returns the received tensor (or ``None`` when nothing is received).
+    Returns the received tensor (or ``None`` when nothing is received).  The tags
+    keep separate streams between the same two ranks apart (the executor in
+    :mod:`tutorial_lib.pipeline` gives activations and gradients their own).
+    ``unwaited_sends``: a list to append the send's handle to instead of waiting on it
+    (Megatron's ``overlap_p2p_comm``: the sender moves on, and waits later); not
+    possible in sequential mode, whose send blocks by definition.
     """
     _check_mode(mode)
+    if unwaited_sends is not None and mode == "sequential":
+        raise ValueError("sequential mode blocks in every send; unwaited sends need the "
+                         "overlapped or batched mode")
     received = torch.empty(recv[0], dtype=recv[1]) if recv is not None else None
     with get_tracer().tags(p2p_mode=mode, p2p_op=name):
         if mode == "sequential":
             send_first = parallel_state.get_rank_in("pp") % 2 == 0  # parity breaks the cycle
             if send is not None and (send_first or recv is None):
-                comm.send(send[0], send[1], group="pp")
+                comm.send(send[0], send[1], group="pp", tag=send_tag)
             if recv is not None:
-                comm.recv(received, recv[2], group="pp")
+                comm.recv(received, recv[2], group="pp", tag=recv_tag)
             if send is not None and not (send_first or recv is None):
-                comm.send(send[0], send[1], group="pp")
+                comm.send(send[0], send[1], group="pp", tag=send_tag)
             return received
 
-        sends = [("send", send[0], send[1])] if send is not None else []
-        recvs = [("recv", received, recv[2])] if recv is not None else []
+        sends = [("send", send[0], send[1], send_tag)] if send is not None else []
+        recvs = [("recv", received, recv[2], recv_tag)] if recv is not None else []
         if mode == "overlapped":
-            send_works = [comm.isend(t, peer, group="pp") for _, t, peer in sends]
-            recv_works = [comm.irecv(t, peer, group="pp") for _, t, peer in recvs]
+            send_works = [comm.isend(t, peer, group="pp", tag=tag) for _, t, peer, tag in sends]
+            recv_works = [comm.irecv(t, peer, group="pp", tag=tag) for _, t, peer, tag in recvs]
         else:  # batched
             works = comm.batch_isend_irecv(sends + recvs, group="pp")
             send_works, recv_works = works[:len(sends)], works[len(sends):]
         # All ops are already posted, so the wait order does not matter for progress;
         # waiting on the receive first makes a hang show up as "recv from rank k".
+        if unwaited_sends is not None:
+            unwaited_sends.extend(send_works)
+            send_works = []
         comm.wait_all(recv_works + send_works)
         return received
 

@@ -1,0 +1,313 @@
+"""Train the DeepSeek-style model on any valid 4D grid: TP x PP x EP x DP.
+
+``examples/train_4d.py`` is a command line around this module; chapters and tests call
+it directly.  One step on every rank::
+
+    global batch (synthetic, from the seed)  -> my DP replica's rows -> M microbatches
+    pipeline schedule (GPipe / 1F1B / interleaved) over my chunks    pipeline.forward_backward_pipelining
+        activations and gradients between stages                     P2P in the chosen mode
+        labels from the first stage to the last                      isend / recv
+        TP collectives inside each layer, EP all-to-alls in each MoE layer
+    gradients: dense over DP, experts over expert-DP (divided by DP)  DataParallel.finish_grad_sync
+    router / shared-expert gradients summed over TP (MoE splits the sequence over TP)
+    clip by the global norm (reduced over TP, PP, EP)                data_parallel.clip_grad_norm_
+    Adam
+    expert bias: the step's expert load summed over every rank that routed tokens, then
+        each bias moves by gamma towards balance (DeepSeek-V3)       one all-reduce per group
+    log: LM loss and aux losses summed over PP, averaged over DP     one small all-reduce each
+
+**Layout independence.**  The same arguments give the same model, data and updates on
+every grid, so the per-step losses agree with the one-rank run to fp32 rounding:
+weights are drawn from seeds of their global layer index (:class:`~tutorial_lib.model.DeepSeekModel`),
+the batch from ``(seed, step)``, dropout masks from each row's global index, and the
+balancing is DeepSeek-V3's, which has no per-rank term: the sequence-wise loss counts
+whole sequences (each sequence lives on one DP replica; under TP its tokens are split
+and the counts are summed over TP), and the expert bias moves on the *global* load.
+(DeepSeek-V2-style losses computed per microbatch and per rank would change with M
+and DP: their means of products are not products of means.)
+
+The logged ``loss`` is the language-model loss alone, the mean over every token of the
+global batch; the balance losses are logged under their own keys.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from . import comm, parallel_state
+from .config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers, validate
+from .data_parallel import DataParallel, clip_grad_norm_
+from .model import DeepSeekModel, Microbatch
+from .moe_balance import max_violation, update_expert_bias
+from .pipeline import check_schedule_and_mode, forward_backward_pipelining
+from .tensor_parallel import allreduce_sequence_parallel_grads
+from .trace import get_tracer
+from .train import synthetic_batch
+
+__all__ = ["TrainingArgs", "validate_args", "build_chunks", "train_worker", "train",
+           "format_progress"]
+
+SCHEDULE_FLAGS = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved"}
+
+
+@dataclass
+class TrainingArgs:
+    """Everything ``train_4d.py`` takes; field names are Megatron's flags with ``_`` for ``-``."""
+
+    world_size: int = 1
+    """Ranks to start (ignored under torchrun, which says how many there are)."""
+    tensor_model_parallel_size: int = 1
+    """TP: ranks splitting each attention / dense-MLP weight."""
+    pipeline_model_parallel_size: int = 1
+    """PP: pipeline stages."""
+    virtual_pipeline_model_parallel_size: int = 2
+    """V: model chunks per rank for ``schedule="interleaved"`` (ignored by the other schedules)."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks splitting the routed experts."""
+    num_microbatches: int = 4
+    """M: microbatches per DP replica per step (the pipeline's M)."""
+    global_batch_size: int = 16
+    """Sequences per step, split over the DP replicas, then into microbatches."""
+    seq_length: int = 16
+    """Tokens per sequence."""
+    num_layers: int = 4
+    """Decoder layers (split evenly over PP x V stages: rule 9)."""
+    hidden_size: int = 32
+    """Residual width."""
+    num_attention_heads: int = 4
+    """Attention heads (divisible by TP: rule 8)."""
+    vocab_size: int = 64
+    """Vocabulary (divisible by TP)."""
+    num_experts: int = 4
+    """Routed experts per MoE layer; 0 trains a dense model."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    first_k_dense_replace: int = 1
+    """Leading layers with a dense MLP."""
+    num_shared_experts: int = 1
+    """Shared experts per MoE layer."""
+    dropout: float = 0.0
+    """Dropout on the attention and MLP outputs (0 with TP or EP > 1: rule 7)."""
+    steps: int = 5
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seeds the weights, the data and the dropout masks."""
+    lr: float = 3e-3
+    """Adam learning rate."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved``."""
+    p2p_mode: str = "batched"
+    """P2P mode: ``sequential``, ``overlapped`` or ``batched`` (Megatron's default)."""
+    timeout: float = 600.0
+    """Seconds before the launcher declares a hang and prints what each rank waits in."""
+
+    def configs(self) -> tuple[ParallelConfig, ModelConfig, TrainConfig]:
+        """The three dataclasses the validator and the model take."""
+        parallel = ParallelConfig(self.world_size, self.tensor_model_parallel_size,
+                                  self.pipeline_model_parallel_size, self.expert_model_parallel_size)
+        model = ModelConfig(self.num_layers, self.hidden_size, self.num_attention_heads,
+                            self.seq_length, self.vocab_size, self.num_experts,
+                            self.moe_router_topk, self.dropout,
+                            num_shared_experts=self.num_shared_experts,
+                            first_k_dense_replace=self.first_k_dense_replace)
+        return parallel, model, TrainConfig(self.global_batch_size, self.num_microbatches)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.virtual_pipeline_model_parallel_size if self.schedule == "interleaved" else 1
+
+
+def validate_args(args: TrainingArgs) -> None:
+    """Every rule, checked before any worker starts; raises :class:`ConfigError`."""
+    check_schedule_and_mode(args.schedule, args.p2p_mode)
+    for name in ("steps",):
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("malformed", f"{name} must be a whole number >= 1, got {value!r}")
+    parallel, model, train = args.configs()
+    validate(parallel, model, train)
+    pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
+    if args.schedule == "interleaved":
+        if pp < 2 or v < 2:
+            raise ConfigError("interleaved schedule",
+                              f"the interleaved schedule needs pipeline_model_parallel_size >= 2 and "
+                              f"virtual_pipeline_model_parallel_size >= 2, got {pp} and {v}")
+        if args.num_microbatches % pp:
+            raise ConfigError("interleaved schedule",
+                              f"num_microbatches ({args.num_microbatches}) must be divisible by "
+                              f"pipeline_model_parallel_size ({pp}) for the interleaved schedule")
+    check_pipeline_layers(args.num_layers, pp, v)
+
+
+def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
+    """This rank's model chunks: chunk ``c`` is model stage ``c * PP + pp_rank``."""
+    _, model, _ = args.configs()
+    pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
+    rank = parallel_state.get_rank_in("pp") if parallel_state.is_initialized() else 0
+    return [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed)
+            for c in range(v)]
+
+
+def _microbatches(args: TrainingArgs, step: int, first_stage: bool) -> list[Microbatch]:
+    """My replica's microbatches of this step; ids and labels only on the first stage."""
+    dp = parallel_state.get_size("dp")
+    dp_rank = parallel_state.get_rank_in("dp")
+    input_ids, labels = synthetic_batch(args.seed, step, args.global_batch_size, args.seq_length,
+                                        args.vocab_size)
+    share = args.global_batch_size // dp
+    rows = share // args.num_microbatches
+    out = []
+    for i in range(args.num_microbatches):
+        start = dp_rank * share + i * rows
+        ids = torch.arange(start, start + rows)
+        out.append(Microbatch(input_ids[start:start + rows] if first_stage else None,
+                              labels[start:start + rows] if first_stage else None, ids, step))
+    return out
+
+
+def _sum_over(tensor: torch.Tensor, groups) -> torch.Tensor:
+    for group in groups:
+        if parallel_state.get_size(group) > 1:
+            comm.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _update_expert_biases(chunks: list[DeepSeekModel], args: TrainingArgs) -> list[float]:
+    """V3's bias step on the global load of each of my MoE layers; returns their MaxVio."""
+    layers = [(chunk.expert_loads[i], layer) for chunk in chunks for i, layer in chunk.moe_layers().items()]
+    if not layers:
+        return []
+    loads = torch.stack([load for load, _ in layers])               # [my MoE layers, N]
+    groups = ["dp_cp"] + (["tp"] if args.tensor_model_parallel_size > 1 else [])
+    with get_tracer().tags(phase="expert_bias"):
+        _sum_over(loads, groups)  # every rank that routed its own tokens
+    violations = []
+    for load, (_, layer) in zip(loads, layers):
+        update_expert_bias(layer.router.expert_bias, load, layer.balance.gamma)
+        violations.append(max_violation(load))
+    return violations
+
+
+def train_worker(ctx, args: TrainingArgs, on_step=None) -> list[dict]:
+    """Train on this rank; every rank returns the same per-step records.
+
+    ``on_step(record)`` is called on every rank after each step (rank 0 prints).
+    """
+    parallel, _, _ = args.configs()
+    parallel.world_size = ctx.world_size
+    parallel_state.initialize_model_parallel(parallel)
+    tracer = get_tracer()
+    torch.manual_seed(args.seed)
+    chunks = build_chunks(args)
+    pp_rank, pp = parallel_state.get_rank_in("pp"), parallel_state.get_size("pp")
+    modules = torch.nn.ModuleList(chunks)
+    sync = parallel_state.get_size("dp") > 1 or parallel_state.get_size("expert_dp") > 1
+    model = DataParallel(modules) if sync else modules
+    optimizer = torch.optim.Adam(modules.parameters(), lr=args.lr)
+    m, dp = args.num_microbatches, parallel_state.get_size("dp")
+    rows = args.global_batch_size // dp // m
+    shape = (args.seq_length, rows, args.hidden_size)
+    records = []
+    for step in range(args.steps):
+        started = time.perf_counter()
+        model.zero_grad()
+        optimizer.zero_grad()
+        for chunk in chunks:
+            chunk.reset_step_stats()
+            chunk.aux_loss_scale = 1.0 / m
+        with tracer.tags(step=step):
+            with model.no_sync() if sync else nullcontext():  # sync once, after the last backward
+                out = forward_backward_pipelining(chunks, _microbatches(args, step, pp_rank == 0),
+                                                  args.schedule, args.p2p_mode, shape)
+            if sync:
+                with tracer.span("grad_sync"):
+                    model.finish_grad_sync()
+            if args.tensor_model_parallel_size > 1:
+                allreduce_sequence_parallel_grads(modules, "tp")
+            grad_norm = None
+            if args.clip_grad > 0:
+                with tracer.span("clip_grad"):
+                    grad_norm = float(clip_grad_norm_(modules.parameters(), args.clip_grad))
+            with tracer.span("optimizer"):
+                optimizer.step()
+            violations = _update_expert_biases(chunks, args)
+            # the log: LM loss (last stage), aux losses and MaxVio (every stage), over PP then DP
+            aux_names = ["sequence"]
+            local = [sum(out.losses.values()) / m]
+            local += [sum(c.aux_loss_sums.get(name, 0.0) for c in chunks) / m for name in aux_names]
+            local += [sum(violations), len(violations)]
+            logged = torch.tensor(local, dtype=torch.float64)
+            with tracer.tags(phase="logging"):
+                _sum_over(logged, ["pp"])
+                _sum_over(logged, ["dp"])
+            logged /= dp  # the DP replicas' mean (MaxVio and the layer count are equal on all)
+        elapsed = time.perf_counter() - started
+        record = {"step": step, "loss": float(logged[0])}
+        if args.num_experts:
+            record.update({f"{name}_balance_loss": float(logged[1 + i]) for i, name in enumerate(aux_names)})
+            layers = float(logged[-1])
+            record["max_violation"] = float(logged[-2]) / layers if layers else 0.0
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        record.update({"step_time_s": elapsed,
+                       "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
+                       "peak_activations": out.peak_activations})
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records
+
+
+def format_progress(record: dict, steps: int) -> str:
+    """One human line per step: ``step 3/10  loss 3.9512  ...``."""
+    parts = [f"step {record['step'] + 1}/{steps}", f"loss {record['loss']:.4f}"]
+    if "sequence_balance_loss" in record:
+        parts.append(f"seq-balance {record['sequence_balance_loss']:.2e}")
+        parts.append(f"MaxVio {record['max_violation']:.3f}")
+    if "grad_norm" in record:
+        parts.append(f"grad-norm {record['grad_norm']:.3f}")
+    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    return "  ".join(parts)
+
+
+def _print_on_rank_0(ctx, args):
+    def on_step(record):
+        if ctx.rank == 0:
+            print(format_progress(record, args.steps), flush=True)
+    return on_step
+
+
+def train(args: TrainingArgs, progress: bool = False, trace: bool = False, **launch_kwargs):
+    """Validate, launch ``args.world_size`` gloo/NCCL workers, train; returns the ``LaunchResult``.
+
+    ``result.results[0]`` is the list of per-step records.  Raises :class:`ConfigError`
+    before starting anything when the grid or the batch breaks a rule.
+    """
+    from .launch import launch
+    validate_args(args)
+    launch_kwargs.setdefault("timeout", args.timeout)
+    return launch(_worker, args.world_size, args=(args, progress), trace=trace,
+                  print_output=progress, **launch_kwargs)
+
+
+def _worker(ctx, args, progress):
+    return train_worker(ctx, args, _print_on_rank_0(ctx, args) if progress else None)
+
+
+def args_from_dict(values: dict) -> TrainingArgs:
+    """A :class:`TrainingArgs` from a dict with Megatron flag names (``-`` or ``_``)."""
+    known = {f.name for f in fields(TrainingArgs)}
+    clean = {k.replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(clean) - known)
+    if unknown:
+        raise ConfigError("malformed", f"unknown training options {unknown}; known: {sorted(known)}")
+    return TrainingArgs(**clean)
+
+
+def args_to_dict(args: TrainingArgs) -> dict:
+    return asdict(args)
