@@ -40,6 +40,7 @@ timeline draws next to the planned schedule.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,7 @@ from .pipeline_schedules import PAYLOAD, SCHEDULE_NAMES, Action, build_schedules
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "forward_backward_pipelining", "helper_name", "group_actions",
-           "check_schedule_and_mode"]
+           "check_schedule_and_mode", "SyntheticStage"]
 
 LABEL_KINDS = ("send_labels", "recv_labels")
 
@@ -243,3 +244,46 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch], sc
             p2p(step)
     comm.wait_all(unwaited_labels + (unwaited or []))
     return result
+
+
+# --- a stage with a known cost, for measuring schedules ------------------------------------
+
+
+class _Busy(torch.autograd.Function):
+    """Identity that takes ``forward_seconds`` forward and ``backward_seconds`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, forward_seconds, backward_seconds):
+        time.sleep(forward_seconds)
+        ctx.backward_seconds = backward_seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_seconds)
+        return grad, None, None
+
+
+class SyntheticStage(torch.nn.Module):
+    """A stand-in stage whose forward takes ``forward_seconds`` and backward ``backward_seconds``.
+
+    To see a schedule's bubble, every stage must cost the same, and on a laptop the
+    ranks share a few cores, so real layers slow each other down.  This stage waits
+    instead of computing (a sleep frees the core), while the executor, the P2P
+    messages and the labels are the real ones: the recorded timeline is the
+    schedule's, not the CPU scheduler's.  It has one weight so that autograd has a
+    backward to run, and the same ``forward_stage`` interface as
+    :class:`~tutorial_lib.model.DeepSeekModel`.
+    """
+
+    def __init__(self, stage: int, num_stages: int, tensor_shape: tuple,
+                 forward_seconds: float = 0.01, backward_seconds: float = 0.02):
+        super().__init__()
+        self.stage, self.num_stages, self.tensor_shape = stage, num_stages, tuple(tensor_shape)
+        self.forward_seconds, self.backward_seconds = forward_seconds, backward_seconds
+        self.weight = torch.nn.Parameter(torch.ones(()))
+
+    def forward_stage(self, hidden: torch.Tensor | None, batch: Microbatch) -> torch.Tensor:
+        x = self.weight.expand(self.tensor_shape) if hidden is None else hidden * self.weight
+        y = _Busy.apply(x, self.forward_seconds, self.backward_seconds)
+        return y.mean() if self.stage == self.num_stages - 1 else y
