@@ -126,6 +126,17 @@ class LaunchTimeout(RuntimeError):
 # --- choosing a backend -----------------------------------------------------------
 
 
+def process_group_backend(backend: str) -> str:
+    """What ``init_process_group`` gets: with NCCL, gloo stays registered for CPU tensors.
+
+    ``"cpu:gloo,cuda:nccl"`` makes every collective pick its backend by the tensor's
+    device: tensors on ``ctx.device`` (a GPU) go over NCCL, and the chapters' model code,
+    which keeps its tensors on the CPU so that it runs anywhere, goes over gloo instead
+    of failing with "no backend for device cpu".
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def default_backend(world_size: int) -> str:
     """``nccl`` when every rank can have its own GPU, else ``gloo``."""
     import torch
@@ -221,7 +232,7 @@ def _worker_main(rank, world_size, backend, init_method, payload, out_queue, run
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = f"cuda:{torch.cuda.current_device()}"
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
+        dist.init_process_group(process_group_backend(backend), init_method=init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=options["timeout"] + 60))
         fn, args, kwargs = cloudpickle.loads(payload)
@@ -513,7 +524,8 @@ def run_under_torchrun(fn: Callable[..., Any], args: tuple = (), kwargs: dict | 
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
     tracer = set_tracer(Tracer(rank, enabled=trace, capture_values=capture_values))
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+    dist.init_process_group(process_group_backend(backend), init_method="env://", rank=rank,
+                            world_size=world_size)
     try:
         ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
                             local_rank=local_rank)
