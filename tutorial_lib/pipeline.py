@@ -53,7 +53,8 @@ from .pipeline_schedules import PAYLOAD, SCHEDULE_NAMES, Action, build_schedules
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "forward_backward_pipelining", "helper_name", "group_actions",
-           "check_schedule_and_mode", "SyntheticStage"]
+           "check_schedule_and_mode", "SyntheticStage", "synthetic_microbatches",
+           "synthetic_run_name", "measure_synthetic_schedules"]
 
 LABEL_KINDS = ("send_labels", "recv_labels")
 
@@ -287,3 +288,61 @@ class SyntheticStage(torch.nn.Module):
         x = self.weight.expand(self.tensor_shape) if hidden is None else hidden * self.weight
         y = _Busy.apply(x, self.forward_seconds, self.backward_seconds)
         return y.mean() if self.stage == self.num_stages - 1 else y
+
+
+def synthetic_microbatches(num_microbatches: int, first_stage: bool, rows: int = 2,
+                           seq_length: int = 4) -> list[Microbatch]:
+    """``M`` microbatches of zeros for :class:`SyntheticStage` (ids and labels on the first stage only)."""
+    out = []
+    for i in range(num_microbatches):
+        tokens = torch.zeros(rows, seq_length, dtype=torch.int64) if first_stage else None
+        out.append(Microbatch(tokens, tokens, torch.arange(i * rows, (i + 1) * rows)))
+    return out
+
+
+def synthetic_run_name(schedule: str, num_microbatches: int, virtual_pipeline_size: int = 1) -> str:
+    """The ``run`` tag of one measured schedule: ``"1f1b M=8"``, ``"interleaved M=8 V=2"``."""
+    chunks = f" V={virtual_pipeline_size}" if schedule == "interleaved" else ""
+    return f"{schedule} M={num_microbatches}{chunks}"
+
+
+def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float = 0.01,
+                                backward_seconds: float = 0.02, repeats: int = 1) -> dict:
+    """Worker: run each ``(schedule, M, V)`` of ``runs`` on a pure pipeline of :class:`SyntheticStage`.
+
+    Every rank of the launch is one pipeline stage (``PP = world size``).  With ``V``
+    chunks a chunk costs ``1/V`` of a stage, so every schedule does the same work.
+    One untraced interleaved step first opens every connection (neighbours, the
+    wrap-around, the labels); then each run is traced ``repeats`` times, its events
+    tagged ``run=synthetic_run_name(schedule, M, V)`` and ``repeat``, with a barrier
+    before each step.  Returns ``{run name: [the executor's peak_activations, per repeat]}``.
+    """
+    import torch.distributed as dist
+
+    from .config import ParallelConfig
+
+    pp = ctx.world_size
+    parallel_state.initialize_model_parallel(ParallelConfig(pp, pipeline_model_parallel_size=pp))
+    rank = parallel_state.get_rank_in("pp")
+    shape = (4, 2, 8)  # [s, b, h]: small, the messages cost little next to the stage
+
+    def step(schedule, m, v):
+        chunks = [SyntheticStage(c * pp + rank, pp * v, shape, forward_seconds / v,
+                                 backward_seconds / v) for c in range(v)]
+        mode = "overlapped" if schedule == "interleaved" else "batched"
+        return forward_backward_pipelining(chunks, synthetic_microbatches(m, rank == 0, shape[1],
+                                                                          shape[0]), schedule, mode, shape)
+
+    tracer = get_tracer()
+    enabled, tracer.enabled = tracer.enabled, False
+    if pp > 1:
+        step("interleaved", pp, 2)
+    tracer.enabled = enabled
+    peaks: dict = {}
+    for schedule, m, v in runs:
+        for repeat in range(repeats):
+            dist.barrier()
+            name = synthetic_run_name(schedule, m, v)
+            with tracer.tags(run=name, repeat=repeat):
+                peaks.setdefault(name, []).append(step(schedule, m, v).peak_activations)
+    return peaks

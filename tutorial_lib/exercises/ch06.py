@@ -1,0 +1,304 @@
+"""Checkers for chapter 6, pipeline parallelism in the 4D grid.
+
+* :func:`check_one_f_one_b`: the student's ``fn(pp_size, num_microbatches, rank) -> [Action]``
+  writes one rank's non-interleaved 1F1B list.  The checker compares every rank's list
+  with :func:`tutorial_lib.pipeline_schedules.one_f_one_b` for PP = 1 .. 5 (most cases at
+  PP >= 3, where a wrong peer shows), then plays the student's lists of all ranks together
+  in :func:`~tutorial_lib.pipeline_schedules.simulate`.  It names the classic mistakes: a
+  wrong warm-up count, a wrong peer, a backward before its forward, missing labels.
+* :func:`check_bubble`: the student's ``fn(pp, m, v) -> float`` predicts the bubble; the
+  checker compares it with the closed form and with the simulated schedule.
+* :func:`check_stage_holdings`: the student's ``fn(num_layers, pp, v, rank) -> dict`` says
+  which layers a rank holds (all its chunks), whether it holds the embedding and the head,
+  and what it does with the labels.
+
+Student code never makes a checker raise: exceptions and stubs become failed cases.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+from typing import Callable
+
+from ..model import layer_range
+from ..pipeline_schedules import (Action, SimulationError, build_schedules, expected_bubble,
+                                  num_warmup_microbatches, one_f_one_b, simulate, bubble_fraction)
+from . import Case, CheckResult, as_number, run_case, stub_hint
+
+# --- exercise 6.1: one rank's 1F1B list ------------------------------------------------------
+
+#: (PP, M) of the cases: PP = 1 and 2 for the edges, most at PP >= 3 where peers differ.
+ONE_F_ONE_B_CASES = [(1, 3), (2, 1), (2, 4), (3, 2), (3, 6), (4, 3), (4, 8), (5, 2), (5, 7)]
+
+HINT_WARMUP = (
+    "the warm-up count is wrong: rank r runs min(PP - r - 1, M) forwards before its first "
+    "backward (num_warmup_microbatches). The last stage has none, it alternates from the "
+    "start; rank 0 fills the PP - 1 stages after it; and never more forwards than there are "
+    "microbatches."
+)
+HINT_BACKWARD_FIRST = (
+    "a backward runs before the forward of the same microbatch. In the steady state each "
+    "pair is: forward of microbatch warmup + i, THEN backward of microbatch i. On the last "
+    "stage (no warm-up) that means F0 B0 F1 B1 ..."
+)
+HINT_PEER = (
+    "a message goes to or comes from the wrong rank. Activations go r -> r + 1 and their "
+    "gradients come back r + 1 -> r: so recv_grad is FROM the next rank (the seeds' bug "
+    "receives it from the previous one), send_grad TO the previous one. Labels go from rank 0 "
+    "to rank PP - 1."
+)
+HINT_LABELS = (
+    "the labels are missing or in the wrong place: with PP > 1, rank 0 sends microbatch k's "
+    "labels to rank PP - 1 just before forward k (send_labels), and rank PP - 1 receives them "
+    "just before its forward k (recv_labels), which computes the loss."
+)
+HINT_MESSAGES = (
+    "the compute order is right but the messages are not: before a forward, receive the "
+    "activation from the previous rank (not on rank 0); after it, send the output to the next "
+    "rank (not on the last). Before a backward, receive the gradient from the next rank (not "
+    "on the last); after it, send the input's gradient to the previous rank (not on rank 0)."
+)
+HINT_ORDER = (
+    "the order of forwards and backwards differs from 1F1B: warm-up forwards 0 .. w - 1, then "
+    "M - w pairs (forward w + i, backward i), then the remaining w backwards."
+)
+HINT_TYPE = ("return a list of tutorial_lib.pipeline_schedules.Action, e.g. "
+             "[Action('recv_activation', 0, peer=0), Action('forward', 0), ...].")
+HINT_DEADLOCK = (
+    "every rank has the library's computes and messages, but played together the ranks block: inside "
+    "one gap between two computes, post the send before the receive (a send never waits, a "
+    "receive does)."
+)
+
+
+def _gaps(actions: list[Action]) -> list[tuple[str, Counter]]:
+    """Each compute with the multiset of messages just before it; the last entry: after the end."""
+    out, pending = [], Counter()
+    for a in actions:
+        if a.is_compute:
+            out.append((a.label, pending))
+            pending = Counter()
+        else:
+            pending[(a.kind, a.microbatch, a.stage, a.peer)] += 1
+    out.append(("end", pending))
+    return out
+
+
+def _diagnose(got: list[Action], want: list[Action], pp: int, m: int, rank: int) -> tuple[str | None, str]:
+    """(mistake name, one-line detail) for a rank whose list differs from the reference.
+
+    ``(None, "")`` when only the order of messages inside a gap between two computes
+    differs: that may be fine, and the simulation of all ranks decides.
+    """
+    if not isinstance(got, (list, tuple)) or not all(isinstance(a, Action) for a in got):
+        return "type", f"rank {rank}: got {type(got).__name__}, not a list of Action"
+    computes = [a for a in got if a.is_compute]
+    forwards = [a for a in computes if a.kind == "forward"]
+    stray = [a for a in computes if not 0 <= a.microbatch < m]
+    if stray:
+        name = "warmup" if len(forwards) > m else "order"
+        return name, (f"rank {rank}: {stray[0].label} runs microbatch {stray[0].microbatch}, but the "
+                      f"microbatches are 0 .. {m - 1}")
+    seen = set()
+    for a in computes:
+        if a.kind == "backward" and a.microbatch not in seen:
+            return "backward_first", f"rank {rank}: backward {a.microbatch} comes before forward {a.microbatch}"
+        if a.kind == "forward":
+            seen.add(a.microbatch)
+    if [a.label for a in computes] != [a.label for a in want if a.is_compute]:
+        kinds = [a.kind for a in computes]
+        before = kinds.index("backward") if "backward" in kinds else len(kinds)
+        warmup = num_warmup_microbatches(pp, m, rank)
+        # warm-up forwards, then the first steady pair's forward, then the first backward
+        if before != min(warmup + 1, m):
+            return "warmup", (f"rank {rank}: {before} forwards before the first backward; with "
+                              f"{warmup} warm-up forwards there are {min(warmup + 1, m)} (computes "
+                              f"{' '.join(a.label for a in computes)})")
+        return "order", (f"rank {rank}: computes {' '.join(a.label for a in computes)}, expected "
+                         f"{' '.join(a.label for a in want if a.is_compute)}")
+    by_key = {(a.kind, a.microbatch): a.peer for a in want if not a.is_compute}
+    for a in got:
+        if not a.is_compute and (a.kind, a.microbatch) in by_key and by_key[(a.kind, a.microbatch)] != a.peer:
+            return "peer", (f"rank {rank}: {a.kind} of microbatch {a.microbatch} with rank {a.peer}, "
+                            f"expected rank {by_key[(a.kind, a.microbatch)]}")
+    for (label, mine), (_, ref) in zip(_gaps(got), _gaps(want)):
+        if mine != ref:
+            missing, extra = ref - mine, mine - ref
+            what = "labels" if any(k[0].endswith("labels") for k in missing + extra) else "messages"
+            parts = []
+            if missing:
+                parts.append("missing " + ", ".join(f"{k[0]} {k[1]} (peer {k[3]})" for k in missing))
+            if extra:
+                parts.append("unexpected " + ", ".join(f"{k[0]} {k[1]} (peer {k[3]})" for k in extra))
+            where = "after the last compute" if label == "end" else f"before {label}"
+            return what, f"rank {rank}, {where}: {'; '.join(parts)}"
+    return None, ""  # the same messages around the same computes, in another order: simulate
+
+
+_PRIORITY = [("type", HINT_TYPE), ("backward_first", HINT_BACKWARD_FIRST), ("warmup", HINT_WARMUP),
+             ("order", HINT_ORDER), ("peer", HINT_PEER), ("labels", HINT_LABELS),
+             ("messages", HINT_MESSAGES), ("deadlock", HINT_DEADLOCK)]
+
+
+def _pick(mistakes: list[str], generic: str) -> str:
+    for name, hint in _PRIORITY:
+        if name in mistakes:
+            return hint
+    return generic
+
+
+def check_one_f_one_b(fn: Callable[[int, int, int], list]) -> CheckResult:
+    """Compare ``fn(pp_size, num_microbatches, rank)`` with the library's 1F1B; simulate it."""
+    result = CheckResult("Exercise 6.1: one rank's 1F1B action list")
+    attempts, mistakes = [], []
+    for pp, m in ONE_F_ONE_B_CASES:
+        name = f"PP={pp}, M={m}"
+        lists, failed = {}, None
+        for rank in range(pp):
+            want = one_f_one_b(pp, m, rank)
+            case, got = run_case(name, lambda r=rank: fn(pp, m, r), want,
+                                 compare=lambda g, w: isinstance(g, (list, tuple)) and list(g) == w)
+            attempts.append(got)
+            if isinstance(got, Exception):
+                failed = case
+                break
+            lists[rank] = got
+            if not case.passed:
+                kind, detail = _diagnose(got, want, pp, m, rank)
+                if kind is not None:
+                    mistakes.append(kind)
+                    failed = Case(name, False, detail)
+                    break
+        if failed is None:
+            try:
+                simulate({r: list(acts) for r, acts in lists.items()})
+            except SimulationError as err:  # only reachable if the lists differ within a gap
+                mistakes.append("deadlock")
+                failed = Case(name, False, f"simulating every rank's list: {str(err).splitlines()[0]}")
+        result.cases.append(failed or Case(name, True))
+    if not result.passed:
+        result.hint = stub_hint(attempts) or _pick(mistakes, HINT_ORDER)
+    return result
+
+
+# --- exercise 6.2: predict the bubble --------------------------------------------------------
+
+BUBBLE_CASES = [(1, 4, 1), (2, 2, 1), (3, 6, 1), (4, 4, 1), (4, 8, 1), (8, 16, 1), (4, 8, 2),
+                (2, 4, 3), (3, 9, 3)]
+
+HINT_IDLE_OVER_WORK = (
+    "you divided the idle time by the useful work, (PP - 1) / M: the bubble fraction is idle "
+    "time over the whole step, which is the work plus the idle time: (PP - 1) / (M + PP - 1)."
+)
+HINT_FORGOT_V = (
+    "with V chunks per rank each fill and drain step costs one chunk, 1/V of a stage: the "
+    "bubble is (PP - 1) / (V * M + PP - 1)."
+)
+HINT_BUBBLE_GENERIC = (
+    "count in units of one microbatch's forward + backward on one stage: each rank works M of "
+    "them and waits PP - 1 (the fill before its first forward and the drain after its last "
+    "backward), so the idle fraction is (PP - 1) / (M + PP - 1); with interleaving the "
+    "wait shrinks to (PP - 1) / V."
+)
+
+
+def check_bubble(fn: Callable[[int, int, int], float]) -> CheckResult:
+    """Compare ``fn(pp, m, v)`` with the closed form and with the simulated schedule."""
+    result = CheckResult("Exercise 6.2: predict the bubble")
+    attempts, named = [], []
+    for pp, m, v in BUBBLE_CASES:
+        schedule = "interleaved" if v > 1 else "1f1b"
+        simulated = float(bubble_fraction(simulate(build_schedules(schedule, pp, m, v), Fraction(1, v),
+                                                   Fraction(2, v))))
+        formula = expected_bubble(pp, m, v)
+        assert abs(simulated - formula) < 1e-12  # the library's own claim, checked here too
+        case, got = run_case(f"PP={pp}, M={m}, V={v}", lambda: fn(pp, m, v), formula,
+                             compare=lambda g, w: as_number(g) is not None and abs(as_number(g) - w) < 1e-9)
+        attempts.append(got)
+        if not case.passed and not isinstance(got, Exception):
+            value = as_number(got)
+            case.detail = (f"got {got!r}, expected {formula:.4f} (the simulated {schedule} schedule "
+                           f"idles {simulated:.4f} of the step)")
+            if value is not None and pp > 1 and abs(value - (pp - 1) / (v * m)) < 1e-9:
+                named.append("idle_over_work")
+            elif value is not None and abs(value - (pp - 1) / (m + pp - 1)) < 1e-9:
+                named.append("forgot_v")
+            else:
+                named.append("other")
+        result.cases.append(case)
+    if not result.passed:
+        hint = HINT_BUBBLE_GENERIC
+        if named and all(n == "idle_over_work" for n in named):
+            hint = HINT_IDLE_OVER_WORK
+        elif named and all(n == "forgot_v" for n in named):
+            hint = HINT_FORGOT_V
+        result.hint = stub_hint(attempts) or hint
+    return result
+
+
+# --- exercise 6.3: who holds what --------------------------------------------------------------
+
+HOLDINGS_CASES = [(4, 1, 1, 0), (8, 2, 1, 0), (8, 2, 1, 1), (12, 3, 1, 1), (8, 2, 2, 0), (8, 2, 2, 1),
+                  (12, 3, 2, 2), (12, 2, 3, 0), (16, 4, 2, 3)]
+
+HINT_CONTIGUOUS = (
+    "with interleaving a rank's chunks are NOT neighbours: chunk c of rank r is model stage "
+    "c * PP + r (layer_range(num_layers, PP * V, c * PP + r)), so rank 0 holds stages 0, PP, "
+    "2 PP, ...: the pipeline visits every rank V times."
+)
+HINT_HEAD = (
+    "the head (final norm, LM head, loss) sits on the LAST model stage, V * PP - 1, which is "
+    "chunk V - 1 of rank PP - 1; the embedding on model stage 0, chunk 0 of rank 0. The "
+    "labels follow: rank 0 sends them, the rank with the head receives them (nobody moves "
+    "labels when PP = 1)."
+)
+HINT_HOLDINGS_TYPE = ("return a dict with keys 'layers' (list of global layer indices, chunk by "
+                      "chunk), 'embedding' (bool), 'head' (bool) and 'labels' ('send', 'recv' or None).")
+HINT_HOLDINGS_GENERIC = (
+    "model stage s holds layers [s L / (PP V), (s + 1) L / (PP V)); rank r runs model stages "
+    "r, PP + r, 2 PP + r, ... in that order."
+)
+
+
+def stage_holdings(num_layers: int, pp: int, v: int, rank: int) -> dict:
+    """The reference: what pipeline rank ``rank`` holds with ``V = v`` chunks per rank."""
+    stages = [c * pp + rank for c in range(v)]
+    layers = [i for s in stages for i in layer_range(num_layers, pp * v, s)]
+    labels = None if pp == 1 else "send" if rank == 0 else "recv" if rank == pp - 1 else None
+    return {"layers": layers, "embedding": 0 in stages, "head": pp * v - 1 in stages, "labels": labels}
+
+
+def check_stage_holdings(fn: Callable[[int, int, int, int], dict]) -> CheckResult:
+    """Compare ``fn(num_layers, pp, v, rank)`` with :func:`stage_holdings`."""
+    result = CheckResult("Exercise 6.3: which rank holds which layers, and the label path")
+    attempts, named = [], set()
+    for layers, pp, v, rank in HOLDINGS_CASES:
+        want = stage_holdings(layers, pp, v, rank)
+
+        def same(got, expected):
+            return isinstance(got, dict) and {k: (list(got[k]) if k == "layers" else got[k])
+                                              for k in expected if k in got} == expected
+
+        case, got = run_case(f"L={layers}, PP={pp}, V={v}, rank {rank}", lambda: fn(layers, pp, v, rank),
+                             want, compare=same)
+        attempts.append(got)
+        if not case.passed and not isinstance(got, Exception):
+            if not isinstance(got, dict) or set(want) - set(got):
+                named.add("type")
+            else:
+                per = layers // (pp * v)
+                contiguous = list(range(rank * v * per, (rank + 1) * v * per))
+                if list(got["layers"]) == contiguous and contiguous != want["layers"]:
+                    named.add("contiguous")
+                if (got["embedding"], got["head"], got["labels"]) != (want["embedding"], want["head"],
+                                                                       want["labels"]):
+                    named.add("ends")
+        result.cases.append(case)
+    if not result.passed:
+        hint = HINT_HOLDINGS_GENERIC
+        for name, text in (("type", HINT_HOLDINGS_TYPE), ("contiguous", HINT_CONTIGUOUS), ("ends", HINT_HEAD)):
+            if name in named:
+                hint = text
+                break
+        result.hint = stub_hint(attempts) or hint
+    return result
