@@ -1,6 +1,6 @@
 """Pipeline parallelism on CPU ranks: train_4d's throughput per layout, and the bubble measured.
 
-    python bench/bench_pipeline.py                 # ~1.5-4 minutes on 2 cores (load)
+    python bench/bench_pipeline.py                 # ~1.5-4 minutes on 2 cores (depends on load)
     python bench/bench_pipeline.py --quick         # ~10-35 s: 3 layouts, PP 2 only, 1 round
     python bench/bench_pipeline.py --tables 2 --bubble-steps 4
 
