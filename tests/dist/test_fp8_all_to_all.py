@@ -31,7 +31,8 @@ import torch
 from tutorial_lib import fp8, moe, parallel_state, precision
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
-from tutorial_lib.transformer import TransformerBlock
+
+from ..tiny_deepseek import TinyDeepSeek
 
 pytestmark = pytest.mark.dist
 
@@ -68,28 +69,6 @@ def _raw_all_to_all(ctx):
     return out
 
 
-class TinyDeepSeek(torch.nn.Module):
-    """Two blocks named like DeepSeekModel: layer 0 dense, layer 1 MoE."""
-
-    def __init__(self, hidden=128, vocab=32, ep_group="ep"):
-        super().__init__()
-        self.embedding = torch.nn.ModuleDict({"word_embeddings": torch.nn.Embedding(vocab, hidden)})
-        self.layers = torch.nn.ModuleList([TransformerBlock(hidden, 4, 2 * hidden, seed=i, tp_group=None)
-                                           for i in range(2)])
-        self.layers[1].mlp = moe.MoELayer(hidden, 4, 2, 32, num_shared_experts=1, seed=5,
-                                          ep_group=ep_group, tp_group=None)
-        self.final_layernorm = torch.nn.LayerNorm(hidden)
-        self.output_layer = torch.nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.embedding["word_embeddings"](ids)
-        for block in self.layers:
-            x = x + block.self_attention(block.input_layernorm(x))
-            y = block.mlp(block.pre_mlp_layernorm(x))
-            x = x + (y[0] if isinstance(y, tuple) else y)
-        return self.output_layer(self.final_layernorm(x))
-
-
 def _moe_layers(ctx):
     g = torch.Generator().manual_seed(ctx.rank)
     x0, dy = torch.randn(8, 2, H, generator=g), torch.randn(8, 2, H, generator=g)
@@ -117,7 +96,7 @@ def _tiny_model(ctx):
     losses = {}
     for recipe in ("bf16", "deepseek_v3"):
         torch.manual_seed(0)
-        model = TinyDeepSeek()
+        model = TinyDeepSeek(num_layers=2, ep_group="ep", moe_seed=5)
         precision.apply_recipe(model, recipe)
         with ctx.tracer.tags(part="model", recipe=recipe):
             logits = model(ids)

@@ -14,38 +14,16 @@ import torch.nn.functional as F
 from tutorial_lib import fp8, moe, precision
 from tutorial_lib.precision import (PrecisionRecipe, apply_recipe, get_recipe, recipe_from_file,
                                     remove_recipe, resolve_recipe)
-from tutorial_lib.transformer import TransformerBlock
+
+from ..tiny_deepseek import TinyDeepSeek
 
 HIDDEN, VOCAB = 128, 32
-
-
-class TinyDeepSeek(torch.nn.Module):
-    """Three blocks named like DeepSeekModel: layer 0 dense, layers 1 and 2 MoE."""
-
-    def __init__(self, num_layers=3):
-        super().__init__()
-        self.embedding = torch.nn.ModuleDict({"word_embeddings": torch.nn.Embedding(VOCAB, HIDDEN)})
-        self.layers = torch.nn.ModuleList([TransformerBlock(HIDDEN, 4, 2 * HIDDEN, seed=i, tp_group=None)
-                                           for i in range(num_layers)])
-        for i in range(1, num_layers):
-            self.layers[i].mlp = moe.MoELayer(HIDDEN, 4, 2, 32, num_shared_experts=1, seed=i,
-                                              ep_group=None, tp_group=None)
-        self.final_layernorm = torch.nn.LayerNorm(HIDDEN)
-        self.output_layer = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, ids):
-        x = self.embedding["word_embeddings"](ids)
-        for block in self.layers:
-            x = x + block.self_attention(block.input_layernorm(x))
-            y = block.mlp(block.pre_mlp_layernorm(x))
-            x = x + (y[0] if isinstance(y, tuple) else y)
-        return self.output_layer(self.final_layernorm(x))
 
 
 @pytest.fixture
 def model():
     torch.manual_seed(0)
-    return TinyDeepSeek()
+    return TinyDeepSeek(num_layers=3, hidden=HIDDEN, vocab=VOCAB)
 
 
 IDS = torch.randint(0, VOCAB, (8, 2), generator=torch.Generator().manual_seed(1))
