@@ -28,7 +28,8 @@ Two tables:
    scheduling and bubbles cost on top of the same arithmetic, not speedups.  One
    torch thread per rank (the launcher's default for 8 ranks on 2 cores), tracing off.
 2. **The pipeline bubble, measured vs the formula.**  ``forward_backward_pipelining``
-   (the real executor, batched P2P, labels sent from the first stage to the last)
+   (the real executor, batched P2P, labels sent from the first stage to the last;
+   run by ``pipeline.measure_synthetic_schedules``, the harness chapter 6 uses)
    on ``SyntheticStage`` stages that *sleep* a known time instead of computing: a
    rank's stage costs ``--forward-ms`` forward and ``--backward-ms`` backward (with
    interleaving each of its V = 2 chunks costs half of that, so every schedule
@@ -44,7 +45,7 @@ Two tables:
    and the difference (what the P2P messages, the Python between actions and the
    sleep's overshoot add, and on a loaded machine the milliseconds a sleeping rank
    waits for a core when it wakes; the formula assumes they cost nothing); the step time
-   (slowest rank, barrier to barrier) beside the ideal ``(V M + PP - 1)(f + b) / V``;
+   (slowest rank, its first to its last recorded event of the step) beside the ideal ``(V M + PP - 1)(f + b) / V``;
    and the peak activations each rank held (``StepOutput.peak_activations``, in
    chunk-microbatches, rank 0 first) beside
    ``pipeline_schedules.expected_peak_activations`` (asserted equal).  The column
@@ -144,46 +145,20 @@ def table_layouts(args) -> None:
 # --- table 2: the bubble with synthetic stages -------------------------------------------
 
 
-def _pipeline_steps(ctx, schedule: str, m: int, v: int, forward_s: float, backward_s: float,
-                    steps: int) -> dict:
-    """``steps`` pipeline steps of synthetic stages on this rank, each after a barrier."""
-    import torch
-    import torch.distributed as dist
-    from tutorial_lib import parallel_state
-    from tutorial_lib.config import ParallelConfig
-    from tutorial_lib.model import Microbatch
-    from tutorial_lib.pipeline import SyntheticStage, forward_backward_pipelining
-    from tutorial_lib.trace import get_tracer
-
-    pp = ctx.world_size
-    parallel_state.initialize_model_parallel(
-        ParallelConfig(pp, pipeline_model_parallel_size=pp))
-    rank = parallel_state.get_rank_in("pp")
-    shape = (4, 1, 8)  # [s, b, h]: small, so the P2P messages cost what a message costs
-    chunks = [SyntheticStage(c * pp + rank, pp * v, shape, forward_s / v, backward_s / v)
-              for c in range(v)]
-    tracer = get_tracer()
-    times, peaks = [], []
-    for step in range(steps):
-        # One row of zeros per microbatch: ids and labels only on the first stage (the
-        # executor sends the labels to the last); synthetic stages ignore their values.
-        tokens = (lambda: torch.zeros(1, shape[0], dtype=torch.int64)) if rank == 0 else None
-        microbatches = [Microbatch(tokens and tokens(), tokens and tokens(), torch.tensor([i]),
-                                   step) for i in range(m)]
-        for chunk in chunks:
-            chunk.zero_grad()
-        dist.barrier()
-        t0 = time.perf_counter()
-        with tracer.tags(step=step):
-            out = forward_backward_pipelining(chunks, microbatches, schedule, "batched", shape)
-        times.append(time.perf_counter() - t0)
-        peaks.append(out.peak_activations)
-    dist.barrier()
-    return {"times": times, "peaks": peaks}
+def _step_seconds(trace, pp: int, repeat: int) -> float:
+    """One traced step's length on its slowest rank: first event start to last event end."""
+    lengths = []
+    for rank in range(pp):
+        events = trace.filter(repeat=repeat, rank=rank).events
+        assert events, f"rank {rank} recorded nothing in step {repeat}"
+        lengths.append(max(e.t_end for e in events) - min(e.t_start for e in events))
+    return max(lengths)
 
 
 def table_bubble(args) -> None:
+    from tutorial_lib import pipeline_schedules
     from tutorial_lib.launch import launch
+    from tutorial_lib.pipeline import measure_synthetic_schedules, synthetic_run_name
     from tutorial_lib.pipeline_schedules import (build_schedules, expected_bubble,
                                                  expected_peak_activations, simulate)
     from tutorial_lib.viz.timeline import bubble_fraction
@@ -198,14 +173,16 @@ def table_bubble(args) -> None:
     for _ in range(args.bubble_rounds):
         for config in configs:  # every configuration once per round: load hits all alike
             schedule, pp, m, v = config
-            result = launch(_pipeline_steps, pp, args=(schedule, m, v, f, b, args.bubble_steps),
+            result = launch(measure_synthetic_schedules, pp,
+                            args=([(schedule, m, v)], f, b, args.bubble_steps, "batched"),
                             threads=1, print_output=False, timeout=600)
             for step in range(1, args.bubble_steps):  # step 0 is warm-up
-                per_rank = bubble_fraction(result.trace.filter(step=step), count="compute",
+                per_rank = bubble_fraction(result.trace.filter(repeat=step), count="compute",
                                            window="global")
                 bubbles[config].append(statistics.mean(per_rank[r] for r in range(pp)))
-                step_ms[config].append(max(r["times"][step] for r in result.results) * 1e3)
-            measured_peaks = [result.results[r]["peaks"] for r in range(pp)]
+                step_ms[config].append(_step_seconds(result.trace, pp, step) * 1e3)
+            run = synthetic_run_name(schedule, m, v)
+            measured_peaks = [result.results[r][run] for r in range(pp)]
             expected = [expected_peak_activations(schedule, pp, m, r, v) for r in range(pp)]
             for step in range(args.bubble_steps):
                 if [p[step] for p in measured_peaks] != expected:
@@ -222,10 +199,7 @@ def table_bubble(args) -> None:
         ideal_ms = (v * m + pp - 1) * (f + b) / v * 1e3
         simulated = simulate(build_schedules(schedule, pp, m, v), f / v, b / v,
                              args.sim_p2p_ms / 1e3)
-        end = max(t.end for timeline in simulated.values() for t in timeline)
-        simulated_bubble = statistics.mean(
-            1 - sum(t.end - t.start for t in timeline if t.action.is_compute) / end
-            for timeline in simulated.values())
+        simulated_bubble = pipeline_schedules.bubble_fraction(simulated)  # mean over the ranks
         rows.append([schedule, pp, m, v, measured, formula, measured - formula, simulated_bubble,
                      round(statistics.median(step_ms[config])), round(ideal_ms),
                      "/".join(map(str, peaks[config][0])), "/".join(map(str, peaks[config][1]))])

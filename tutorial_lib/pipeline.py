@@ -307,7 +307,8 @@ def synthetic_run_name(schedule: str, num_microbatches: int, virtual_pipeline_si
 
 
 def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float = 0.01,
-                                backward_seconds: float = 0.02, repeats: int = 1) -> dict:
+                                backward_seconds: float = 0.02, repeats: int = 1,
+                                p2p_mode: str | None = None) -> dict:
     """Worker: run each ``(schedule, M, V)`` of ``runs`` on a pure pipeline of :class:`SyntheticStage`.
 
     Every rank of the launch is one pipeline stage (``PP = world size``).  With ``V``
@@ -315,7 +316,9 @@ def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float =
     One untraced interleaved step first opens every connection (neighbours, the
     wrap-around, the labels); then each run is traced ``repeats`` times, its events
     tagged ``run=synthetic_run_name(schedule, M, V)`` and ``repeat``, with a barrier
-    before each step.  Returns ``{run name: [the executor's peak_activations, per repeat]}``.
+    before each step.  ``p2p_mode``: one mode for every run (default: overlapped for the
+    interleaved schedule, as Megatron runs it, batched for the others).  Returns
+    ``{run name: [the executor's peak_activations, per repeat]}``.
     """
     import torch.distributed as dist
 
@@ -329,7 +332,7 @@ def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float =
     def step(schedule, m, v):
         chunks = [SyntheticStage(c * pp + rank, pp * v, shape, forward_seconds / v,
                                  backward_seconds / v) for c in range(v)]
-        mode = "overlapped" if schedule == "interleaved" else "batched"
+        mode = p2p_mode or ("overlapped" if schedule == "interleaved" else "batched")
         return forward_backward_pipelining(chunks, synthetic_microbatches(m, rank == 0, shape[1],
                                                                           shape[0]), schedule, mode, shape)
 

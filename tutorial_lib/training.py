@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -56,13 +56,10 @@ from .moe_balance import max_violation, update_expert_bias
 from .pipeline import check_schedule_and_mode, forward_backward_pipelining
 from .tensor_parallel import allreduce_sequence_parallel_grads
 from .trace import get_tracer
-from .train import synthetic_batch
+from .train import split_global_batch, split_microbatches, synthetic_batch
 
 __all__ = ["TrainingArgs", "validate_args", "build_chunks", "train_worker", "train",
            "format_progress"]
-
-SCHEDULE_FLAGS = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved"}
-
 
 @dataclass
 class TrainingArgs:
@@ -188,19 +185,13 @@ def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
 
 def _microbatches(args: TrainingArgs, step: int, first_stage: bool) -> list[Microbatch]:
     """My replica's microbatches of this step; ids and labels only on the first stage."""
-    dp = parallel_state.get_size("dp")
-    dp_rank = parallel_state.get_rank_in("dp")
     input_ids, labels = synthetic_batch(args.seed, step, args.global_batch_size, args.seq_length,
                                         args.vocab_size)
-    share = args.global_batch_size // dp
-    rows = share // args.num_microbatches
-    out = []
-    for i in range(args.num_microbatches):
-        start = dp_rank * share + i * rows
-        ids = torch.arange(start, start + rows)
-        out.append(Microbatch(input_ids[start:start + rows] if first_stage else None,
-                              labels[start:start + rows] if first_stage else None, ids, step))
-    return out
+    rows = torch.arange(args.global_batch_size)  # each row's index in the global batch
+    mine = split_global_batch((input_ids, labels, rows), parallel_state.get_rank_in("dp"),
+                              parallel_state.get_size("dp"))
+    return [Microbatch(ids if first_stage else None, targets if first_stage else None, sample_ids, step)
+            for ids, targets, sample_ids in split_microbatches(mine, args.num_microbatches)]
 
 
 def _sum_over(tensor: torch.Tensor, groups) -> torch.Tensor:
@@ -237,7 +228,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None) -> list[dict]:
     tracer = get_tracer()
     torch.manual_seed(args.seed)
     chunks = build_chunks(args)
-    pp_rank, pp = parallel_state.get_rank_in("pp"), parallel_state.get_size("pp")
+    pp_rank = parallel_state.get_rank_in("pp")
     modules = torch.nn.ModuleList(chunks)
     sync = parallel_state.get_size("dp") > 1 or parallel_state.get_size("expert_dp") > 1
     model = DataParallel(modules) if sync else modules
@@ -340,7 +331,3 @@ def args_from_dict(values: dict) -> TrainingArgs:
     if unknown:
         raise ConfigError("malformed", f"unknown training options {unknown}; known: {sorted(known)}")
     return TrainingArgs(**clean)
-
-
-def args_to_dict(args: TrainingArgs) -> dict:
-    return asdict(args)

@@ -26,7 +26,7 @@ from typing import Callable
 
 from .. import p2p
 from ..launch import LaunchTimeout, WorkerError, launch
-from . import Case, CheckResult, pick_hint, run_case, stub_hint
+from . import CheckResult, pick_hint, run_case, stub_hint
 
 NUMEL = 6  # elements of every message: small, so a round costs milliseconds
 _WAIT = re.compile(r"waiting in (send to|recv from) rank (\d+)")
