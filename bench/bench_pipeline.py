@@ -6,7 +6,7 @@
 
 Two tables:
 
-1. **train_4d per layout.**  ``tutorial_lib.training.train`` (what
+1. **train_4d per layout.**  ``tutorial_lib.train_4d.train`` (what
    ``examples/train_4d.py`` runs) on 8 ranks in several layouts (DP8, TP2 x DP4,
    PP2 x DP4, PP4 x DP2, PP2 x TP2 x DP2, PP2 x DP4 with EP2 (Megatron carves EP
    out of DP: the routed experts split over 2 ranks, each expert replicated over an
@@ -85,7 +85,7 @@ QUICK_LAYOUTS = ("DP8", "PP2 x DP4", "PP4 x DP2, interleaved V=2")
 
 
 def _training_args(args, world: int, tp: int, pp: int, ep: int, schedule: str):
-    from tutorial_lib.training import TrainingArgs
+    from tutorial_lib.train_4d import TrainingArgs
     return TrainingArgs(world_size=world, tensor_model_parallel_size=tp,
                         pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                         schedule=schedule, virtual_pipeline_model_parallel_size=2,
@@ -97,7 +97,7 @@ def _training_args(args, world: int, tp: int, pp: int, ep: int, schedule: str):
 
 
 def table_layouts(args) -> None:
-    from tutorial_lib.training import train
+    from tutorial_lib.train_4d import train
     cores = os.cpu_count() or 1
     # name, world, TP, PP, EP, schedule, torch threads per rank
     # The reference first: one rank with one thread, as each of the 8 ranks has.

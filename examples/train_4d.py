@@ -7,7 +7,9 @@
 
 Without torchrun it starts ``--world-size`` workers itself (gloo on CPU, NCCL when every
 rank has a GPU).  Under torchrun (one node, or ``--nnodes`` nodes) torchrun's world is
-used and ``--world-size`` is ignored.  Flags carry Megatron's names.  ``--config FILE``
+used and ``--world-size`` is ignored.  Flags carry Megatron's names and are built from the
+fields of the config dataclasses (``tutorial_lib.config.add_arguments``): ``--help`` prints
+each field's docstring and its default.  ``--config FILE``
 reads the same options from a JSON or TOML file (keys spelled like the flags, with
 ``-`` or ``_``); flags given on the command line win.  An invalid grid or batch exits
 with status 2 and the validator's message before any worker starts.
@@ -20,7 +22,7 @@ loss and MaxVio under their own keys, ``grad_norm``, timings); otherwise one lin
 ``--precision-recipe bf16`` or ``deepseek_v3`` (or a recipe file, chapter 8) trains with
 simulated BF16 / FP8 matmuls and BF16 / FP8 MoE communication; the default ``fp32`` changes
 nothing.  With bf16 or FP8 the layouts agree at the first step and drift apart by rounding
-(about 1e-3 in 5 steps; ``tutorial_lib.training``).  An unknown name or unreadable file
+(about 1e-3 in 5 steps; ``tutorial_lib.train_4d``).  An unknown name or unreadable file
 exits with status 2 before any worker starts.
 """
 from __future__ import annotations
@@ -31,37 +33,10 @@ import os
 import sys
 from dataclasses import fields
 
-from tutorial_lib.config import ConfigError
+from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
-from tutorial_lib.training import TrainingArgs, args_from_dict, format_progress, train, train_worker, validate_args
-
-HELP = {
-    "world_size": "ranks to start (ignored under torchrun)",
-    "tensor_model_parallel_size": "TP: ranks splitting each attention / dense MLP weight",
-    "pipeline_model_parallel_size": "PP: pipeline stages",
-    "virtual_pipeline_model_parallel_size": "model chunks per rank with --schedule interleaved",
-    "expert_model_parallel_size": "EP: ranks splitting the routed experts",
-    "num_microbatches": "microbatches per data-parallel replica per step",
-    "global_batch_size": "sequences per step, split over DP replicas, then microbatches",
-    "seq_length": "tokens per sequence",
-    "num_layers": "decoder layers",
-    "hidden_size": "residual width",
-    "num_attention_heads": "attention heads",
-    "vocab_size": "vocabulary size",
-    "num_experts": "routed experts per MoE layer (0: dense model)",
-    "moe_router_topk": "experts per token",
-    "first_k_dense_replace": "leading layers with a dense MLP",
-    "num_shared_experts": "shared experts per MoE layer",
-    "dropout": "dropout probability (0 with TP or EP > 1)",
-    "steps": "optimizer steps",
-    "seed": "seeds weights, data and dropout",
-    "lr": "Adam learning rate",
-    "clip_grad": "clip the global gradient norm (0: off)",
-    "schedule": "pipeline schedule: 1f1b, gpipe or interleaved",
-    "p2p_mode": "P2P mode: sequential, overlapped or batched",
-    "precision_recipe": "precision recipe: fp32, bf16, deepseek_v3 or a .json / .toml recipe file",
-    "timeout": "seconds before a hang is reported and the workers are stopped",
-}
+from tutorial_lib.train_4d import (CONFIG_FIELDS, TrainingArgs, args_from_dict, format_progress, train,
+                                   train_worker, validate_args)
 
 
 def _load_config_file(path: str) -> dict:
@@ -72,22 +47,32 @@ def _load_config_file(path: str) -> dict:
         return json.load(handle)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options of :class:`TrainingArgs`, each with its field's docstring and default."""
+    parser = argparse.ArgumentParser(
+        description=f"{__doc__.splitlines()[0]}  Under torchrun, torchrun's world is used and "
+                    f"--world-size is ignored.")
+    for title, cls in (("parallelism", ParallelConfig), ("batch", TrainConfig), ("model", ModelConfig)):
+        group = parser.add_argument_group(f"{title} (tutorial_lib.config.{cls.__name__})")
+        add_arguments(group, TrainingArgs, CONFIG_FIELDS[cls])
+    taken = {name for names in CONFIG_FIELDS.values() for name in names}
+    add_arguments(parser.add_argument_group("run (tutorial_lib.train_4d.TrainingArgs)"), TrainingArgs,
+                  [f.name for f in fields(TrainingArgs) if f.name not in taken])
+    parser.add_argument("--config", metavar="FILE",
+                        help="JSON or TOML file with any of the options above (keys spelled like the "
+                             "flags, with - or _); flags given on the command line win")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per step")
+    return parser
+
+
 def parse_args(argv=None) -> tuple[TrainingArgs, bool]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    defaults = TrainingArgs()
-    for f in fields(TrainingArgs):
-        flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, type=type(getattr(defaults, f.name)), default=None,
-                            help=f"{HELP[f.name]} (default {getattr(defaults, f.name)})")
-    parser.add_argument("--config", help="JSON or TOML file with any of the options above")
-    parser.add_argument("--json", action="store_true", help="one JSON object per step")
-    namespace = parser.parse_args(argv)
-    values = _load_config_file(namespace.config) if namespace.config else {}
+    """The run's options: the config file's (if any), then the flags given, which win."""
+    given = vars(build_parser().parse_args(argv))  # TrainingArgs' options only when given
+    config, as_json = given.pop("config"), given.pop("json")
+    values = _load_config_file(config) if config else {}
     values = {k.replace("-", "_"): v for k, v in values.items()}
-    values.update({f.name: getattr(namespace, f.name) for f in fields(TrainingArgs)
-                   if getattr(namespace, f.name) is not None})
-    return args_from_dict(values), namespace.json
+    values.update(given)
+    return args_from_dict(values), as_json
 
 
 def main(argv=None) -> int:

@@ -1,18 +1,115 @@
-"""Shared by the chapters' exercise tests: read a notebook's tagged cells and run them.
+"""Every chapter's exercise cells, and the helpers the exercise tests share.
 
-Every chapter's exercises follow one pattern (see CONTRIBUTING.md): a stub cell tagged
-``exercise-stub`` defining a function whose body raises NotImplementedError, a cell tagged
-``exercise-check`` that calls the checker on it, and a folded cell tagged ``solution``
-that defines ``<name>_solution`` and asserts the checker passes.
+Each exercise in a chapter notebook is three cells: a stub tagged ``exercise-stub``
+that ends in ``raise NotImplementedError``, a check tagged ``exercise-check`` that is
+exactly ``checker(name)``, and a solution tagged ``solution`` (folded in the book) that
+defines ``<name>_solution`` and ends in ``assert checker(<name>_solution)``.
+
+:data:`CHAPTERS` lists them all.  ``tests/unit/test_exercises_notebooks.py`` checks the
+cells and runs the stubs and solutions whose checkers start no process;
+``tests/dist/test_exercises_notebooks.py`` runs the ones that launch gloo workers.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import nbformat
 import pytest
+import torch
+import torch.nn.functional as F
+
+from tutorial_lib import comm, moe_balance, p2p
+from tutorial_lib.deepseek import layer_range
+from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08
+from tutorial_lib.pipeline_schedules import Action
+from tutorial_lib.viz.table import table
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise of a chapter notebook."""
+
+    stub: str
+    """The function the stub defines; the solution cell defines ``<stub>_solution``."""
+    checker: Callable
+    """Its checker (the check cell calls it by its ``__name__``)."""
+    launches: tuple[str, ...] = ()
+    """Which of its runs, ``"stub"`` and ``"solution"``, start gloo workers (they are
+    tested in tests/dist)."""
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """A notebook's exercises, in notebook order, and what their cells need."""
+
+    notebook: str
+    """The notebook's file name in ``notebooks/``."""
+    exercises: tuple[Exercise, ...]
+    setup: dict = field(default_factory=dict)
+    """What the notebook's setup cell imports that the exercise cells use (the checkers
+    are added by name)."""
+    min_cases: int = 3
+    """The fewest cases a passing checker of this chapter may have run."""
+
+    @property
+    def path(self) -> Path:
+        return NOTEBOOKS / self.notebook
+
+    def namespace(self) -> dict:
+        return {**self.setup, **{e.checker.__name__: e.checker for e in self.exercises}}
+
+
+BOTH = ("stub", "solution")  # the checker launches workers before it calls the student's code
+
+CHAPTERS = [
+    Chapter("01_communicator_groups.ipynb", (
+        Exercise("rank_to_coords", ch01.check_rank_to_coords),
+        Exercise("data_parallel_group", ch01.check_data_parallel_group),
+    ), min_cases=7),
+    Chapter("02_collectives.ipynb", (
+        Exercise("my_ring_all_gather", ch02.check_ring_all_gather, launches=BOTH),
+        Exercise("ring_all_reduce_bytes", ch02.check_ring_all_reduce_bytes, launches=BOTH),
+        Exercise("choose_collectives", ch02.check_choose_collectives),
+    ), {"torch": torch, "comm": comm, "SCENARIOS": ch02.SCENARIOS}),
+    Chapter("03_tp_dp.ipynb", (
+        Exercise("row_parallel_linear", ch03.check_row_parallel_linear, launches=BOTH),
+        Exercise("gradient_groups", ch03.check_gradient_groups),
+        Exercise("step_bytes", ch03.check_step_bytes, launches=("solution",)),
+    ), {"torch": torch, "F": F, "comm": comm, "GRADIENT_CASES": ch03.GRADIENT_CASES,
+        "StepConfig": ch03.StepConfig}),
+    Chapter("04_moe_ep.ipynb", (
+        Exercise("send_splits", ch04.check_send_splits),
+        Exercise("gradient_domains", ch04.check_gradient_domains),
+        Exercise("layer_bytes_sent", ch04.check_layer_bytes_sent, launches=("solution",)),
+    ), {"torch": torch, "table": table, "GRADIENT_DOMAIN_CASES": ch04.GRADIENT_DOMAIN_CASES},
+        min_cases=6),
+    Chapter("05_moe_aux_losses.ipynb", (
+        Exercise("expert_balance_loss", ch05.check_expert_balance_loss),
+        Exercise("biased_topk", ch05.check_biased_topk),
+        Exercise("update_bias", ch05.check_update_bias),
+    ), {"torch": torch, "F": F, "moe_balance": moe_balance}),
+    Chapter("06_pipeline_4d.ipynb", (
+        Exercise("my_one_f_one_b", ch06.check_one_f_one_b),
+        Exercise("bubble", ch06.check_bubble),
+        Exercise("holdings", ch06.check_stage_holdings),
+    ), {"Action": Action, "layer_range": layer_range}),
+    Chapter("07_p2p_modes.ipynb", (
+        Exercise("my_send_forward_recv_backward", ch07.check_send_forward_recv_backward,
+                 launches=BOTH),
+        Exercise("send_first", ch07.check_send_first, launches=BOTH),
+        Exercise("megatron_p2p_mode", ch07.check_megatron_p2p_mode),
+    ), {"torch": torch, "comm": comm, "p2p": p2p}),
+    Chapter("08_fp8_communication.ipynb", (
+        Exercise("quantize_1x128", ch08.check_quantize_1x128),
+        Exercise("payload_bytes", ch08.check_payload_bytes),
+        Exercise("keep_ends_in_bf16", ch08.check_keep_ends_in_bf16),
+    ), {"torch": torch, "dataclasses": dataclasses}, min_cases=4),
+]
 
 
 def tagged_cells(notebook: Path, tag: str) -> list[str]:
@@ -27,41 +124,96 @@ def run_cell(notebook: Path, source: str, namespace: dict) -> dict:
     return namespace
 
 
-def exercise_tests(notebook: Path, exercises: list[tuple[str, object, str]], namespace: dict,
-                   min_cases: int = 3):
-    """The three tests every chapter's exercises must pass; assign them to module names.
+def exercise_cell_tests(*, launching: bool):
+    """The tests every chapter's exercises must pass; assign them to module names.
 
-    ``exercises`` lists, in notebook order, (function the stub defines, its checker,
-    the solution's name).
+    ``launching``: run the stubs and solutions whose checkers start gloo workers (for
+    tests/dist), or the others (for tests/unit, which also checks the cells).
     """
+    runs = [(chapter, index) for chapter in CHAPTERS for index in range(len(chapter.exercises))]
 
-    def test_notebook_has_the_three_cells_of_each_exercise():
-        stubs, checks = tagged_cells(notebook, "exercise-stub"), tagged_cells(notebook, "exercise-check")
-        solutions = tagged_cells(notebook, "solution")
-        assert len(stubs) == len(checks) == len(solutions) == len(exercises)
-        for (name, checker, solution), stub, check, answer in zip(exercises, stubs, checks, solutions):
+    def params(run: str):
+        return [pytest.param(chapter, index, id=f"{chapter.notebook[:2]}-{chapter.exercises[index].stub}")
+                for chapter, index in runs if (run in chapter.exercises[index].launches) == launching]
+
+    @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda chapter: chapter.notebook[:2])
+    def test_notebook_has_the_three_cells_of_each_exercise(chapter):
+        stubs, checks, solutions = (tagged_cells(chapter.path, tag)
+                                    for tag in ("exercise-stub", "exercise-check", "solution"))
+        assert len(stubs) == len(checks) == len(solutions) == len(chapter.exercises)
+        for exercise, stub, check, answer in zip(chapter.exercises, stubs, checks, solutions):
+            name, checker = exercise.stub, exercise.checker.__name__
             assert f"def {name}(" in stub
             assert stub.rstrip().endswith("raise NotImplementedError")
-            assert check.strip() == f"{checker.__name__}({name})"
-            assert answer.rstrip().endswith(f"assert {checker.__name__}({solution})")
+            assert check.strip() == f"{checker}({name})"
+            assert answer.rstrip().endswith(f"assert {checker}({name}_solution)")
 
-    @pytest.mark.parametrize("index", range(len(exercises)))
-    def test_stub_fails_with_the_stub_hint(index):
-        name, checker, _ = exercises[index]
-        stub = run_cell(notebook, tagged_cells(notebook, "exercise-stub")[index], namespace)[name]
-        result = checker(stub)  # must not raise
+    @pytest.mark.parametrize("chapter,index", params("stub"))
+    def test_stub_fails_with_the_stub_hint(chapter, index):
+        exercise = chapter.exercises[index]
+        cell = tagged_cells(chapter.path, "exercise-stub")[index]
+        stub = run_cell(chapter.path, cell, chapter.namespace())[exercise.stub]
+        result = exercise.checker(stub)  # must not raise
         assert not result.passed
         assert "NotImplementedError" in result.hint
         assert "Hint:" in str(result) and "NotImplementedError" in result._repr_html_()
 
-    @pytest.mark.parametrize("index", range(len(exercises)))
-    def test_solution_cell_passes(index):
-        name, checker, solution = exercises[index]
+    @pytest.mark.parametrize("chapter,index", params("solution"))
+    def test_solution_cell_passes(chapter, index):
+        exercise = chapter.exercises[index]
         # the cell ends in `assert checker(solution)`: running it is the first check
-        defined = run_cell(notebook, tagged_cells(notebook, "solution")[index], namespace)
-        result = checker(defined[solution])
+        cell = tagged_cells(chapter.path, "solution")[index]
+        defined = run_cell(chapter.path, cell, chapter.namespace())
+        result = exercise.checker(defined[f"{exercise.stub}_solution"])
         assert result.passed, str(result)
-        assert len(result.cases) >= min_cases and "PASS" in str(result)
+        assert len(result.cases) >= chapter.min_cases and "PASS" in str(result)
 
+    if launching:
+        return test_stub_fails_with_the_stub_hint, test_solution_cell_passes
     return (test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
             test_solution_cell_passes)
+
+
+def assert_hint(result, hint: str) -> None:
+    """The checker failed and gave exactly ``hint``, which its printed result shows."""
+    assert not result.passed
+    assert result.hint == hint, str(result)
+    assert hint in str(result)
+
+
+def assert_reason(result, situation: str, reason: str) -> None:
+    """Only ``situation`` failed, and the hint names it and gives ``reason``."""
+    assert not result.passed
+    assert [c.name for c in result.cases if not c.passed] == [situation]
+    assert result.hint.startswith(f"{situation}: ") and reason in result.hint, result.hint
+
+
+def raising(error: Exception):
+    """A student's answer that raises ``error`` whatever it is given."""
+    def answer(*args, **kwargs):
+        raise error
+    return answer
+
+
+def answers_checker_tests(checker, garbage: list, error: Exception):
+    """Two tests for a checker of ``fn() -> {situation: answer}``; assign them to module names.
+
+    Garbage instead of the dict fails with a hint, and ``fn`` raising ``error`` becomes a
+    failed case that names it: the checker never raises.
+    """
+    @pytest.mark.parametrize("garbage", garbage)
+    def test_never_raises_on_garbage(garbage):
+        result = checker(lambda: garbage)
+        assert not result.passed and result.hint
+
+    def test_turns_an_exception_into_a_case():
+        result = checker(raising(error))
+        assert not result.passed and f"raised {type(error).__name__}" in result.cases[0].detail
+
+    return test_never_raises_on_garbage, test_turns_an_exception_into_a_case
+
+
+def hint_cases(pairs: list, ids=None):
+    """Parametrize a test over ``(wrong answer, its hint)`` pairs, named after the answers."""
+    return pytest.mark.parametrize("wrong,hint", pairs,
+                                   ids=ids or (lambda value: getattr(value, "__name__", "hint")))

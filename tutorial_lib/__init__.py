@@ -11,9 +11,14 @@ Read it module by module, like the book's chapters:
 * :mod:`tutorial_lib.tensor_parallel`, :mod:`tutorial_lib.transformer`: TP layers and a block;
 * :mod:`tutorial_lib.data_parallel`: gradient sync, buckets, clipping, ZeRO-1;
 * :mod:`tutorial_lib.moe`, :mod:`tutorial_lib.moe_balance`: DeepSeekMoE with expert parallelism;
-* :mod:`tutorial_lib.model`, :mod:`tutorial_lib.train`: a GPT model and one training step;
+* :mod:`tutorial_lib.data`: the synthetic batches and how a global batch is cut;
+* :mod:`tutorial_lib.gpt`, :mod:`tutorial_lib.tp_dp_step`: chapter 3's GPT and its TP + DP step;
+* :mod:`tutorial_lib.deepseek`: the DeepSeek-style model a pipeline cuts into stages;
 * :mod:`tutorial_lib.pipeline_schedules`: pipeline schedules as pure data, and their simulator;
-* :mod:`tutorial_lib.p2p`: the pipeline's point-to-point helpers in three modes;
+* :mod:`tutorial_lib.p2p`, :mod:`tutorial_lib.p2p_timing`: the pipeline's point-to-point helpers;
+* :mod:`tutorial_lib.pipeline`: the executor that runs a schedule with real stages;
+* :mod:`tutorial_lib.train_4d`: the 4D training run (``examples/train_4d.py``);
+* :mod:`tutorial_lib.fp8`, :mod:`tutorial_lib.precision`: FP8 tiles and precision recipes;
 * :mod:`tutorial_lib.costs`: closed-form predictions (bytes, alpha-beta times);
 * :mod:`tutorial_lib.viz`: widgets drawn from recorded traces.
 """

@@ -132,7 +132,7 @@ def _record_start(buffer: list[torch.Tensor | None], ring: _Ring) -> None:
         event.values_in = _values(torch.stack([buffer[c] for c in held]))
 
 
-def _exchange(send_chunk: int, send: torch.Tensor, recv_chunk: int, ring: _Ring,
+def ring_exchange(send_chunk: int, send: torch.Tensor, recv_chunk: int, ring: _Ring,
               group) -> torch.Tensor:
     """One ring step: send a chunk to the next rank while receiving one from the previous.
 
@@ -153,14 +153,14 @@ def _exchange(send_chunk: int, send: torch.Tensor, recv_chunk: int, ring: _Ring,
 # --- the two phases -----------------------------------------------------------------
 
 
-def _reduce_scatter_steps(buffer: list[torch.Tensor], ring: _Ring, group) -> None:
+def reduce_scatter_steps(buffer: list[torch.Tensor], ring: _Ring, group) -> None:
     """N-1 steps, in place on ``buffer``: afterwards ``buffer[ring.index]`` is the full sum."""
     n, i = ring.size, ring.index
     tracer = get_tracer()
     for s in range(n - 1):
         send_c, recv_c = (i - s - 1) % n, (i - s - 2) % n
         with tracer.tags(phase="reduce_scatter", step=s):
-            incoming = _exchange(send_c, buffer[send_c], recv_c, ring, group)
+            incoming = ring_exchange(send_c, buffer[send_c], recv_c, ring, group)
             # The local add is recorded too: its values_out is the new partial sum.
             with ring.span("ring_reduce", chunk=recv_c) as event:
                 event.values_in = _values(buffer[recv_c])
@@ -168,14 +168,14 @@ def _reduce_scatter_steps(buffer: list[torch.Tensor], ring: _Ring, group) -> Non
                 event.values_out = _values(buffer[recv_c])
 
 
-def _all_gather_steps(buffer: list[torch.Tensor | None], ring: _Ring, group) -> None:
+def all_gather_steps(buffer: list[torch.Tensor | None], ring: _Ring, group) -> None:
     """N-1 steps, in place on ``buffer``: each rank forwards the chunk it got last."""
     n, i = ring.size, ring.index
     tracer = get_tracer()
     for s in range(n - 1):
         send_c, recv_c = (i - s) % n, (i - s - 1) % n
         with tracer.tags(phase="all_gather", step=s):
-            buffer[recv_c] = _exchange(send_c, buffer[send_c], recv_c, ring, group)
+            buffer[recv_c] = ring_exchange(send_c, buffer[send_c], recv_c, ring, group)
 
 
 # --- the public functions ------------------------------------------------------------
@@ -204,7 +204,7 @@ def ring_all_gather(chunk: torch.Tensor, group="world") -> torch.Tensor:
         buffer: list[torch.Tensor | None] = [None] * ring.size
         buffer[ring.index] = chunk.detach().clone()
         _record_start(buffer, ring)
-        _all_gather_steps(buffer, ring, group)
+        all_gather_steps(buffer, ring, group)
     return torch.cat(buffer, dim=0)
 
 
@@ -228,10 +228,10 @@ def _ring(tensor: torch.Tensor, group, algorithm: str, gather: bool) -> torch.Te
     tracer = get_tracer()
     with tracer.tags(algorithm=algorithm, call=ring.new_call()):
         _record_start(buffer, ring)
-        _reduce_scatter_steps(buffer, ring, group)
+        reduce_scatter_steps(buffer, ring, group)
         if not gather:
             return buffer[ring.index]
-        _all_gather_steps(buffer, ring, group)
+        all_gather_steps(buffer, ring, group)
     return torch.cat(buffer, dim=0)
 
 

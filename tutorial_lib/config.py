@@ -1,4 +1,4 @@
-"""Configuration dataclasses and the validator that teaches.
+"""Configuration dataclasses, the validator that teaches, and the command line built from them.
 
 Every distributed run in this course starts from three small dataclasses:
 
@@ -7,14 +7,18 @@ Every distributed run in this course starts from three small dataclasses:
 * :class:`ModelConfig` says what model is trained;
 * :class:`TrainConfig` says how a global batch is split into microbatches.
 
-:func:`validate` checks them against the seven rules of the guides' practical
-checklist, plus malformed input (zero, negative or non-integer sizes).  Each
-broken rule raises :class:`ConfigError` whose message names the rule, the numbers
-that broke it, and a fix.  The rules are numbered as in the course (the 4D
-guide's checklist, with the TP+EP+DP guide's head-count rule added as rule 8):
+Each field is documented once, by the string literal under it; :func:`add_arguments`
+turns those fields and docstrings into ``--name-with-dashes`` options, as Megatron builds
+its command line from its config dataclasses (``examples/train_4d.py``).
+
+:func:`validate` checks them, before any process starts, against the rules a layout
+must satisfy, plus malformed input (zero, negative or non-integer sizes).  Each broken
+rule raises :class:`ConfigError` whose message names the rule, the numbers that broke
+it, and a fix.  The numbers are the same in every chapter (chapters 1, 4 and 6 break
+them on purpose):
 
 1. the world divides into the model-parallel grid;
-2. the tutorial guard: tensor and expert parallelism are not combined (yet);
+2. this course's guard: tensor and expert parallelism are not combined (yet);
 3. microbatches: ``num_microbatches >= 1`` and they divide the batch;
 4. routed experts divide evenly over expert-parallel ranks;
 5. routed experts are not tensor-parallel (``expert_tensor_parallel_size == 1``);
@@ -29,8 +33,13 @@ structural rules: :func:`check_grid`.
 """
 from __future__ import annotations
 
+import argparse
+import ast
+import inspect
 import numbers
-from dataclasses import dataclass, fields
+import textwrap
+import typing
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
 #: The layouts a grid can be built in; see :mod:`tutorial_lib.grid`.
 LAYOUTS = ("megatron", "course", "visualizer")
@@ -95,13 +104,13 @@ class ModelConfig:
     """The model being trained: a small DeepSeek-style decoder."""
 
     num_layers: int = 4
-    """Decoder blocks; pipeline stages split them into contiguous ranges."""
+    """Decoder blocks; pipeline stages split them into contiguous ranges of equal length (rule 9)."""
 
     hidden_size: int = 32
     """Width of the residual stream (H)."""
 
     num_attention_heads: int = 4
-    """Attention heads; tensor parallelism gives each TP rank a whole number of heads."""
+    """Attention heads; tensor parallelism gives each TP rank a whole number of heads (rule 8)."""
 
     seq_length: int = 16
     """Tokens per sequence (S)."""
@@ -233,15 +242,15 @@ def validate(
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size
 
-    # Rule 2 is the guides' guard, kept for the course's training runs: a limit of
-    # what the course trains and tests end to end, not of the method (Megatron runs TP
-    # and EP together: with sequence parallelism each TP rank routes its own tokens).
+    # Rule 2 is this course's guard for its training runs: a limit of what the course
+    # trains and tests end to end, not of the method (Megatron runs TP and EP together:
+    # with sequence parallelism each TP rank routes its own tokens).
     if tp > 1 and ep > 1:
         raise ConfigError(
             "rule 2",
             f"tensor_model_parallel_size ({tp}) > 1 together with "
             f"expert_model_parallel_size ({ep}) > 1 is outside what this course trains and "
-            f"tests end to end (the guides' tutorial guard, not a limit of the method: "
+            f"tests end to end (a guard of this course, not a limit of the method: "
             f"Megatron combines them); set one of them to 1",
         )
     if etp != 1:
@@ -347,3 +356,87 @@ def check_pipeline_layers(num_layers: int, pipeline_model_parallel_size: int,
             f"holds the same number of layers; try num_layers {_nearest_multiples(num_layers, stages)}",
         )
     return num_layers // stages
+
+
+# --- the command line, built from the dataclasses ---------------------------
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring of each field of dataclass ``cls``: the string literal under the field.
+
+    Read from the source of ``cls`` and its bases with :mod:`ast`.  A field made by
+    :func:`config_fields` has no source of its own: it takes the docstring of the field
+    it copies, found through ``metadata["config"]``.
+    """
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # a builtin, or a class made at run time
+            continue
+        body = tree.body[0].body
+        for statement, after in zip(body, body[1:]):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[statement.target.id] = inspect.cleandoc(after.value.value)
+    for f in fields(cls):
+        if "config" in f.metadata:
+            docs[f.name] = field_docs(f.metadata["config"])[f.name]
+    return {f.name: docs[f.name] for f in fields(cls) if f.name in docs}
+
+
+def config_fields(sources: dict, defaults: dict | None = None) -> type:
+    """A dataclass holding, flat, the fields named in ``sources`` (``{config class: names}``).
+
+    Each field keeps the type and the default of the config dataclass it comes from,
+    unless ``defaults`` gives another default, and names that class in
+    ``metadata["config"]``, so its docstring stays the one documentation
+    (:func:`field_docs`).  A dataclass that inherits from the result takes those fields
+    as keyword arguments and attributes of its own (``TrainingArgs(num_layers=8)``).
+    """
+    defaults = defaults or {}
+    copied = []
+    for cls, names in sources.items():
+        types, known = typing.get_type_hints(cls), {f.name: f for f in fields(cls)}
+        for name in names:
+            default = defaults.get(name, known[name].default)
+            copied.append((name, types[name], field(default=default, metadata={"config": cls})))
+    return make_dataclass("ConfigFields", copied)
+
+
+def _help_text(doc: str) -> str:
+    """A docstring as one line of ``--help``: no reST markup, no ``%`` for argparse to expand."""
+    for role in (":class:", ":func:", ":mod:", ":data:", ":meth:"):
+        doc = doc.replace(role + "`~", "`").replace(role, "")
+    return " ".join(doc.replace("``", "").replace("`", "").split()).replace("%", "%%")
+
+
+def add_arguments(parser, cls, names=None) -> None:
+    """Add one ``--name-with-dashes`` option per field of dataclass ``cls`` (or per name in ``names``).
+
+    The type comes from the annotation (``int | None`` parses an ``int``; ``bool`` gives
+    ``--flag`` / ``--no-flag``), the help from the field's docstring followed by its default,
+    ``choices`` and ``metavar`` from the field's metadata.  An option left out of the
+    command line is left out of the parsed namespace too (``argparse.SUPPRESS``), so the
+    caller can tell it from one given with the default value.
+    """
+    types, docs = typing.get_type_hints(cls), field_docs(cls)
+    known = {f.name: f for f in fields(cls)}
+    for name in names if names is not None else list(known):
+        f, kind = known[name], types[name]
+        kind = next((arg for arg in typing.get_args(kind) if arg is not type(None)), kind)
+        options = {"dest": name, "default": argparse.SUPPRESS, "help": _help_text(docs.get(name, ""))}
+        if f.default is MISSING:
+            options["required"] = True
+        else:
+            options["help"] += f" (default: {f.default})".replace("%", "%%")
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = kind
+        if "choices" in f.metadata:
+            options["choices"] = f.metadata["choices"]
+        elif kind is not bool:
+            options["metavar"] = f.metadata.get("metavar", {int: "N", float: "X"}.get(kind, "VALUE"))
+        parser.add_argument("--" + name.replace("_", "-"), **options)

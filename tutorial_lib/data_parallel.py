@@ -315,7 +315,7 @@ class DataParallel(nn.Module):
 # With ZeRO the gradients are sharded over DP too, so there the DP group is added.
 
 
-def _reduce_squared_norms(squares: dict[str, torch.Tensor],
+def reduce_squared_norms(squares: dict[str, torch.Tensor],
                           sharded_over_data_parallel: bool = False) -> torch.Tensor:
     """Sum each domain's local squared norm over the groups holding distinct pieces.
 
@@ -348,7 +348,7 @@ def get_grad_norm(params, default_domain: str = "dp") -> torch.Tensor:
         if p.grad is not None and counts_in_grad_norm(p, domain):
             square += p.grad.detach().float().square().sum()
     with get_tracer().tags(phase="clip_grad"):
-        return _reduce_squared_norms(squares)
+        return reduce_squared_norms(squares)
 
 
 def clip_grad_norm_(params, max_norm: float, default_domain: str = "dp",
@@ -466,7 +466,7 @@ class DistributedOptimizer:
         # The gradients are now sharded over DP as well: the DP group joins the sum.
         squares = {b.domain: (b.main_param.grad.square() * b.norm_mask).sum() for b in self.buffers}
         with get_tracer().tags(phase="clip_grad"):
-            norm = _reduce_squared_norms(squares, sharded_over_data_parallel=True)
+            norm = reduce_squared_norms(squares, sharded_over_data_parallel=True)
         scale = torch.clamp(max_norm / (norm + eps), max=1.0)
         for b in self.buffers:
             b.main_param.grad.mul_(scale)

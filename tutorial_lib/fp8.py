@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from . import comm
+from . import comm, parallel_state
 from .trace import get_tracer
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "quantize_per_tensor", "dequantize_per_tensor", "fake_quantize_blocks", "round_to_bf16",
     "pack_rows", "unpack_rows", "row_bytes", "wire_bytes_per_row", "all_to_all",
     "check_precision", "check_precision_pair", "encode", "decode",
+    "scale_from_amax", "encoded_all_to_all", "PrecisionAllToAll",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -71,7 +72,8 @@ DEEPSEEK_V3_COMBINE = ("bf16", "fp8")
 gradients going out to the experts, a dispatch, travel in FP8 (the down-projection's dgrad
 consumes FP8)."""
 FP8_DISPATCH = ("fp8", "fp8")
-"""The 4D guide's "dispatch/combine may use FP8": both directions of the dispatch in FP8."""
+"""Every leg in FP8, the simplest reading of "the dispatch and combine may use FP8": both
+directions of the dispatch in FP8 (DeepSeek-V3 keeps some legs in BF16: see above)."""
 FP8_COMBINE = ("fp8", "fp8")
 """Likewise for the combine."""
 
@@ -112,7 +114,7 @@ def num_tiles(hidden: int, pad: bool = False, tile: int = TILE) -> int:
 # --- 2. tiles and scales -------------------------------------------------------------------
 
 
-def _scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     """``amax / 448`` (amax at least AMAX_FLOOR); with ``pow2`` rounded up to a power of two,
     so no value can exceed 448 after the division."""
     scale = amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
@@ -139,7 +141,7 @@ def _tiled(x: torch.Tensor, pad: bool, tile: int) -> torch.Tensor:
 def tile_scales(x: torch.Tensor, pow2: bool = False, pad: bool = False,
                 tile: int = TILE) -> torch.Tensor:
     """``[..., H]`` -> ``[..., H/128]`` fp32: each tile's ``max(amax, AMAX_FLOOR) / 448``."""
-    return _scale_from_amax(_tiled(x, pad, tile).abs().amax(dim=-1), pow2)
+    return scale_from_amax(_tiled(x, pad, tile).abs().amax(dim=-1), pow2)
 
 
 def quantize_1x128(x: torch.Tensor, pow2: bool = False, pad: bool = False,
@@ -150,7 +152,7 @@ def quantize_1x128(x: torch.Tensor, pow2: bool = False, pad: bool = False,
     """
     hidden = x.shape[-1]
     tiles = _tiled(x, pad, tile)
-    scales = _scale_from_amax(tiles.abs().amax(dim=-1), pow2)
+    scales = scale_from_amax(tiles.abs().amax(dim=-1), pow2)
     q = _to_e4m3(tiles / scales.unsqueeze(-1))
     return q.reshape(*x.shape[:-1], tiles.shape[-2] * tile)[..., :hidden], scales
 
@@ -174,7 +176,7 @@ def fake_quantize_1x128(x: torch.Tensor, pow2: bool = False, pad: bool = True) -
 
 def quantize_per_tensor(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for the whole tensor (for comparison): ``(q, scale [])``."""
-    scale = _scale_from_amax(x.float().abs().amax(), pow2)
+    scale = scale_from_amax(x.float().abs().amax(), pow2)
     return _to_e4m3(x.float() / scale), scale
 
 
@@ -192,7 +194,7 @@ def fake_quantize_blocks(w: torch.Tensor, block: int = TILE, pow2: bool = False)
     br, bc = math.ceil(rows / block), math.ceil(cols / block)
     padded = torch.nn.functional.pad(w.float(), (0, bc * block - cols, 0, br * block - rows))
     blocks = padded.reshape(*lead, br, block, bc, block)
-    scales = _scale_from_amax(blocks.abs().amax(dim=(-3, -1), keepdim=True), pow2)
+    scales = scale_from_amax(blocks.abs().amax(dim=(-3, -1), keepdim=True), pow2)
     q = _to_e4m3(blocks / scales)
     out = (q.float() * scales).reshape(*lead, br * block, bc * block)[..., :rows, :cols]
     return out.to(w.dtype)
@@ -284,18 +286,18 @@ def decode(wire: torch.Tensor, precision: str, hidden: int, dtype: torch.dtype) 
     return dequantize_1x128(q, scales, dtype=dtype)
 
 
-def _exchange(x, group, output_splits, input_splits, precision, op_name, phase):
+def encoded_all_to_all(x, group, output_splits, input_splits, precision, op_name, phase):
     """One traced all-to-all of ``x`` encoded in ``precision`` (encoded and decoded locally when
     the group has one rank: the numbers do not depend on the EP size)."""
     wire = encode(x, precision)
-    if comm_group_size(group) > 1:
+    if parallel_state.group_size(group) > 1:
         out = wire.new_empty((sum(output_splits), *wire.shape[1:]))
         with get_tracer().tags(op_name=op_name, phase=phase, payload="tokens", precision=precision):
             wire = comm.all_to_all(out, wire.contiguous(), group, output_splits, input_splits)
     return decode(wire, precision, x.shape[-1], x.dtype)
 
 
-class _PrecisionAllToAll(torch.autograd.Function):
+class PrecisionAllToAll(torch.autograd.Function):
     """Forward: rows ``input_splits[j]`` to group rank j, in ``precisions[0]``.
     Backward: the reverse all-to-all of the gradient, in ``precisions[1]``."""
 
@@ -303,22 +305,14 @@ class _PrecisionAllToAll(torch.autograd.Function):
     def forward(ctx, x, group, output_splits, input_splits, op_name, precisions):
         ctx.group, ctx.splits, ctx.op_name = group, (output_splits, input_splits), op_name
         ctx.backward_precision = precisions[1]
-        return _exchange(x, group, output_splits, input_splits, precisions[0], op_name, "forward")
+        return encoded_all_to_all(x, group, output_splits, input_splits, precisions[0], op_name, "forward")
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        dx = _exchange(grad, ctx.group, input_splits, output_splits, ctx.backward_precision,
+        dx = encoded_all_to_all(grad, ctx.group, input_splits, output_splits, ctx.backward_precision,
                        ctx.op_name, "backward")
         return dx, None, None, None, None, None
-
-
-def comm_group_size(group) -> int:
-    """Ranks in this rank's group of kind ``group`` (1 when serial or no groups are built)."""
-    from . import parallel_state
-    if group is None or not parallel_state.is_initialized():
-        return 1
-    return parallel_state.get_size(group)
 
 
 def all_to_all(x: torch.Tensor, group: str | None, output_splits: list[int],
@@ -334,5 +328,5 @@ def all_to_all(x: torch.Tensor, group: str | None, output_splits: list[int],
     precision = check_precision_pair(precision)
     if x.dim() != 2:
         raise ValueError(f"fp8.all_to_all moves rows [R, H], got shape {tuple(x.shape)}")
-    return _PrecisionAllToAll.apply(x, group, list(output_splits), list(input_splits),
+    return PrecisionAllToAll.apply(x, group, list(output_splits), list(input_splits),
                                     op_name, precision)

@@ -16,15 +16,16 @@ Three layouts are taught (see chapter 1):
     share the pipeline dimension.  The dense grid is ``tp-cp-dp-pp``, the expert
     grid ``etp-ep-edp-pp``.  EP is carved out of the dense data-parallel ranks.
 ``course``
-    This course's 4D guide: ``rank = (((dp * PP + pp) * TP + tp) * EP + ep)``,
-    i.e. order ``ep-tp-cp-pp-dp`` (CP slotted in after TP; it is 1 in the guide).
+    The 4D order the course's pipeline chapter starts from:
+    ``rank = (((dp * PP + pp) * TP + tp) * EP + ep)``, i.e. order ``ep-tp-cp-pp-dp``
+    (CP slotted in after TP, where the formula has none).
 ``visualizer``
     The communicator-groups visualizer: ``rank = tp + TP*(ep + EP*(cp + CP*(dp + DP*pp)))``,
     order ``tp-ep-cp-dp-pp``.  It counts EP as a dimension of its own.
 
 In the single-grid layouts the dense data-parallel group varies both ``dp`` and
 ``ep``: ranks with different EP coordinates process different tokens, so they are
-replicas of every dense weight (the guides' "fixed (tp, ep), varying dp" would
+replicas of every dense weight (a group of "fixed (tp, ep), varying dp" would
 leave those replicas drifting apart).  Its size is ``world / (TP * CP * PP)`` in
 every layout, as in Megatron.
 """

@@ -49,11 +49,11 @@ from . import comm, fp8, moe_balance, parallel_state
 from .config import ConfigError
 from .data_parallel import set_grad_domain
 from .tensor_parallel import (
+    derive_seed,
     divide,
     gather_from_sequence_parallel_region,
     init_linear_master,
     scatter_to_sequence_parallel_region,
-    tensor_parallel_size,
 )
 from .trace import get_tracer
 
@@ -62,18 +62,12 @@ __all__ = [
     "Router", "swiglu", "init_experts_master", "RoutedExperts", "SharedExperts",
     "capacity_per_expert", "capacity_keep_mask", "all_to_all", "DispatchState",
     "AllToAllDispatcher", "weighted_sum_of_copies", "MoELayer",
+    "AllToAll",
 ]
 
 
-def _group_size(group: str | None) -> int:
-    """Ranks in this rank's group of kind ``group``; 1 when serial or no groups are built."""
-    if group is None or not parallel_state.is_initialized():
-        return 1
-    return parallel_state.get_size(group)
-
-
-def _group_rank(group: str | None) -> int:
-    return 0 if _group_size(group) == 1 else parallel_state.get_rank_in(group)
+# Which part of an MoE layer a derived seed belongs to (after a block's sublayers 0-3).
+ROUTER, ROUTED_EXPERTS, SHARED_EXPERTS = 10, 11, 12
 
 
 # --- 1. the router -------------------------------------------------------------------------
@@ -125,8 +119,10 @@ def select_experts(scores: torch.Tensor, topk: int, bias: torch.Tensor | None = 
                    device_limit: int | None = None, num_devices: int = 1) -> torch.Tensor:
     """The ``[T, K]`` experts each token goes to: top-k of ``scores + bias`` (within M devices).
 
-    The bias steers the *choice* only (V3); with no bias and no device limit this is
-    ``torch.topk(scores, K)``, and with a bias it is :func:`moe_balance.biased_topk`'s choice.
+    The bias steers the *choice* only (DeepSeek-V3, section 2.1.2): the gates come from
+    the unbiased scores (:func:`gates_from_scores`), so the bias never enters the output
+    except through the choice.  With no bias and no device limit this is
+    ``torch.topk(scores, K)``.
     """
     selection = scores if bias is None else scores + bias
     if device_limit is not None:
@@ -279,7 +275,7 @@ def capacity_keep_mask(topk_idx: torch.Tensor, gates: torch.Tensor, num_experts:
     return keep.view_as(topk_idx)
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """Forward: rows ``input_splits[j]`` go to EP rank j.  Backward: the reverse all-to-all."""
 
     @staticmethod
@@ -301,9 +297,9 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, group: str | None, output_splits: list[int],
                input_splits: list[int], op_name: str) -> torch.Tensor:
     """Autograd-correct uneven all-to-all over ``group`` (identity on one rank)."""
-    if _group_size(group) == 1:
+    if parallel_state.group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, list(output_splits), list(input_splits), op_name)
+    return AllToAll.apply(x, group, list(output_splits), list(input_splits), op_name)
 
 
 @dataclass
@@ -347,13 +343,13 @@ class AllToAllDispatcher:
                  dispatch_precision: tuple[str, str] | None = None,
                  combine_precision: tuple[str, str] | None = None):
         self.num_experts, self.ep_group = num_experts, ep_group
-        self.ep_size = _group_size(ep_group)
+        self.ep_size = parallel_state.group_size(ep_group)
         self.num_local_experts = divide(num_experts, self.ep_size, "num_experts",
                                         by="expert_model_parallel_size")
         self.dispatch_precision = fp8.check_precision_pair(dispatch_precision)
         self.combine_precision = fp8.check_precision_pair(combine_precision)
 
-    def _move_rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+    def move_rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
                    op_name: str, precision) -> torch.Tensor:
         """The token all-to-all: as is (``precision=None``) or encoded by :func:`fp8.all_to_all`."""
         if precision is None:
@@ -390,7 +386,7 @@ class AllToAllDispatcher:
         send_positions = positions[torch.argsort(experts, stable=True)]
         rows = tokens[send_positions // topk]
         # 4. the uneven all-to-all
-        received = self._move_rows(rows, output_splits, input_splits, "dispatch",
+        received = self.move_rows(rows, output_splits, input_splits, "dispatch",
                                    self.dispatch_precision)
         # 5. rows arrive grouped by source rank, then local expert: regroup by local expert
         local_expert_of_row = torch.arange(local).repeat(ep).repeat_interleave(
@@ -407,7 +403,7 @@ class AllToAllDispatcher:
         inverse[state.local_order] = torch.arange(state.local_order.numel())
         by_source = expert_output[inverse]
         # 4'. the all-to-all back, splits swapped
-        returned = self._move_rows(by_source, state.input_splits, state.output_splits, "combine",
+        returned = self.move_rows(by_source, state.input_splits, state.output_splits, "combine",
                                    self.combine_precision)
         # 3'. un-permute each copy to its (token, k) slot
         copies = returned.new_zeros((state.num_tokens * state.topk, returned.shape[-1]))
@@ -451,8 +447,8 @@ class MoELayer(torch.nn.Module):
     ``(forward, backward)`` pair (see :class:`AllToAllDispatcher`; ``None``, the default, moves
     them in their own dtype).  Gates and the weighted sum stay fp32 whatever they are.
 
-    Parameter seeds: router ``1000 * seed + 10``, routed experts ``1000 * seed + 11``,
-    shared experts ``1000 * seed + 12``.
+    Parameter seeds: :func:`~tutorial_lib.tensor_parallel.derive_seed` of ``seed`` and
+    ``ROUTER``, ``ROUTED_EXPERTS``, ``SHARED_EXPERTS`` (10, 11, 12: after a block's sublayers).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, ffn_hidden_size: int,
@@ -466,7 +462,7 @@ class MoELayer(torch.nn.Module):
                  dispatch_precision: tuple[str, str] | None = None,
                  combine_precision: tuple[str, str] | None = None):
         super().__init__()
-        ep_size, tp_size = _group_size(ep_group), tensor_parallel_size(tp_group)
+        ep_size, tp_size = parallel_state.group_size(ep_group), parallel_state.group_size(tp_group)
         if tp_size > 1 and not sequence_parallel:
             raise ConfigError(
                 "rule 6", f"an MoE layer with tensor_model_parallel_size ({tp_size}) > 1 needs "
@@ -482,15 +478,15 @@ class MoELayer(torch.nn.Module):
         use_bias = balance is not None and balance.use_bias_balancing
         self.router = Router(hidden_size, num_experts, topk, score_function, routed_scaling_factor,
                              normalize_topk, device_limit, self.num_devices, use_bias,
-                             seed=1000 * seed + 10)
+                             seed=derive_seed(seed, ROUTER))
         self.dispatcher = AllToAllDispatcher(num_experts, ep_group, dispatch_precision,
                                              combine_precision)
         self.experts = RoutedExperts(num_experts, hidden_size, ffn_hidden_size, ep_size,
-                                     _group_rank(ep_group), seed=1000 * seed + 11)
+                                     parallel_state.group_rank(ep_group), seed=derive_seed(seed, ROUTED_EXPERTS))
         self.shared_experts = None
         if num_shared_experts:
             self.shared_experts = SharedExperts(hidden_size, num_shared_experts * ffn_hidden_size,
-                                                seed=1000 * seed + 12)
+                                                seed=derive_seed(seed, SHARED_EXPERTS))
         replicated = [self.router.weight] + list(self.shared_experts.parameters() if
                                                   self.shared_experts else [])
         for param in replicated:
@@ -549,7 +545,7 @@ class MoELayer(torch.nn.Module):
         # [s, b] token order -> [b, s] sequences, as the sequence-wise loss expects
         scores = route.scores.view(s_local, batch, n).transpose(0, 1)
         topk_idx = route.topk_idx.view(s_local, batch, k).transpose(0, 1)
-        split_over_tp = self.sequence_parallel and tensor_parallel_size(self.tp_group) > 1
+        split_over_tp = self.sequence_parallel and parallel_state.group_size(self.tp_group) > 1
         return moe_balance.total_aux_loss(
             self.balance, scores, topk_idx, n, k, num_devices=self.num_devices,
             max_devices=self.device_limit, logits=route.logits,
@@ -565,7 +561,7 @@ class MoELayer(torch.nn.Module):
         serial = self.ep_group is None and self.tp_group is None
         if serial or not parallel_state.is_initialized():
             return moe_balance.expert_load(topk_idx, self.num_experts)
-        split_over_tp = self.sequence_parallel and tensor_parallel_size(self.tp_group) > 1
+        split_over_tp = self.sequence_parallel and parallel_state.group_size(self.tp_group) > 1
         groups = ("tp", "dp_cp") if split_over_tp else ("dp_cp",)
         return moe_balance.global_expert_load(topk_idx, self.num_experts, groups)
 

@@ -69,7 +69,7 @@ def _experts_per_device(num_experts: int, num_devices: int) -> int:
     return num_experts // num_devices
 
 
-def _expert_fractions(probs, topk_idx, num_experts, topk):
+def expert_fractions(probs, topk_idx, num_experts, topk):
     """f_i = N'/(K' T) * #tokens choosing i (no grad) and P_i = (1/T) sum_t probs[t, i]."""
     T = probs.shape[0]
     counts = expert_load(topk_idx, num_experts).to(probs.dtype)
@@ -92,7 +92,7 @@ def expert_balance_loss(probs, topk_idx, num_experts, topk, coeff=1.0):
     experts and all probability lies on them.
     """
     _check_router_outputs(probs, topk_idx, num_experts, topk)
-    f, P = _expert_fractions(probs, topk_idx, num_experts, topk)
+    f, P = expert_fractions(probs, topk_idx, num_experts, topk)
     return coeff * (f * P).sum()
 
 
@@ -107,7 +107,7 @@ def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1
     """
     _check_router_outputs(probs, topk_idx, num_experts, topk)
     per_device = _experts_per_device(num_experts, num_devices)
-    f, P = _expert_fractions(probs, topk_idx, num_experts, topk)
+    f, P = expert_fractions(probs, topk_idx, num_experts, topk)
     f_device = f.view(num_devices, per_device).mean(dim=1)
     P_device = P.view(num_devices, per_device).sum(dim=1)
     return coeff * (f_device * P_device).sum()
@@ -153,8 +153,8 @@ def sequence_balance_loss(scores, topk_idx, num_experts, topk, coeff=1.0, group=
     averaged over the ``B`` sequences.  ``scores`` is ``[B, S, N']`` (sigmoid affinities s,
     without the balancing bias), ``topk_idx`` is ``[B, S, K']``.  The paper writes the
     indicator as ``s_{i,t} in Topk(s_t, K')`` (unbiased); the experts really used are
-    chosen by ``s + b``.  Pass whichever selection you mean to balance: ``biased_topk``'s
-    (what the experts receive) or ``torch.topk(scores, K').indices`` (the literal formula).
+    chosen by ``s + b``.  Pass whichever selection you mean to balance: the biased one
+    (:func:`tutorial_lib.moe.select_experts`, what the experts receive) or ``torch.topk(scores, K').indices`` (the literal formula).
 
     ``group``: ``None`` when each rank holds whole sequences.  When the tokens of each
     sequence are split over ranks (context or sequence parallelism), name the group kind
@@ -199,18 +199,6 @@ def router_z_loss(logits, coeff=1.0):
 
 
 # --- DeepSeek-V3: auxiliary-loss-free balancing -------------------------------
-
-
-def biased_topk(scores, bias, k):
-    """Select experts by ``scores + bias``, gate with the UNBIASED ``scores`` (DeepSeek-V3 2.1.2).
-
-    Returns ``(topk_idx, gates)``: ``topk_idx[t]`` are the k largest ``s_{i,t} + b_i`` and
-    ``gates[t] = s_{topk_idx[t], t}``.  The bias only steers which experts are chosen; it
-    never enters the gating weights, so the model's output does not depend on it except
-    through the choice.  (V3 then normalises the gates to sum to 1 over the chosen experts.)
-    """
-    topk_idx = torch.topk(scores + bias, k, dim=-1).indices
-    return topk_idx, scores.gather(-1, topk_idx)
 
 
 def global_expert_load(topk_idx, num_experts, group=None):
@@ -275,7 +263,8 @@ class BalanceConfig:
     use_z_loss: bool = False
     """Add the router z-loss (ST-MoE); needs the router ``logits``."""
     use_bias_balancing: bool = False
-    """Route with :func:`biased_topk`; call :func:`update_expert_bias` after each step (V3)."""
+    """Route by ``scores + bias`` (:func:`tutorial_lib.moe.select_experts`); call
+    :func:`update_expert_bias` after each step (V3)."""
 
     @classmethod
     def deepseek_v3(cls) -> "BalanceConfig":

@@ -53,8 +53,8 @@ every helper waits before returning, to keep them comparable).
 ``nvidia-smi topo -m`` to *describe* the links, not to pick the mode.
 
 Every op is recorded with the tags ``p2p_mode`` and ``p2p_op`` (the helper's name).
-``send_forward_recv_backward(..., wrong_recv_backward_peer=True)`` reproduces the
-seeds' batched-mode bug (receiving the gradient from the *previous* rank): with
+``send_forward_recv_backward(..., wrong_recv_backward_peer=True)`` reproduces a
+classic batched-mode bug (receiving the gradient from the *previous* rank): with
 ``PP = 2`` previous and next are the same rank and nothing shows; with ``PP >= 3``
 the pipeline hangs.  Not always where you would look: stage 0 waits for a gradient
 from the last stage (the previous rank wraps around), but stage 1's misdirected
@@ -113,7 +113,7 @@ def _check_mode(mode: str) -> None:
 # --- the one routine every helper uses ------------------------------------------
 
 
-def _communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = None,
+def communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = None,
                  recv: tuple[tuple, torch.dtype, int] | None = None,
                  send_tag: int = 0, recv_tag: int = 0,
                  unwaited_sends: list | None = None) -> torch.Tensor | None:
@@ -166,7 +166,7 @@ def send_forward(tensor: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
     """Send this stage's output activation to the next stage (no-op on the last stage)."""
     peer = next_rank()
     if peer is not None:
-        _communicate("send_forward", mode, send=(tensor, peer))
+        communicate("send_forward", mode, send=(tensor, peer))
     return None
 
 
@@ -176,14 +176,14 @@ def recv_forward(shape, dtype: torch.dtype = torch.float32,
     peer = prev_rank()
     if peer is None:
         return None
-    return _communicate("recv_forward", mode, recv=(tuple(shape), dtype, peer))
+    return communicate("recv_forward", mode, recv=(tuple(shape), dtype, peer))
 
 
 def send_backward(grad: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
     """Send the gradient of this stage's input to the previous stage (no-op on the first)."""
     peer = prev_rank()
     if peer is not None:
-        _communicate("send_backward", mode, send=(grad, peer))
+        communicate("send_backward", mode, send=(grad, peer))
     return None
 
 
@@ -193,7 +193,7 @@ def recv_backward(shape, dtype: torch.dtype = torch.float32,
     peer = next_rank()
     if peer is None:
         return None
-    return _communicate("recv_backward", mode, recv=(tuple(shape), dtype, peer))
+    return communicate("recv_backward", mode, recv=(tuple(shape), dtype, peer))
 
 
 def send_forward_recv_backward(tensor: torch.Tensor, shape, dtype: torch.dtype = torch.float32,
@@ -201,7 +201,7 @@ def send_forward_recv_backward(tensor: torch.Tensor, shape, dtype: torch.dtype =
                                wrong_recv_backward_peer: bool = False) -> torch.Tensor | None:
     """Send the activation to the next stage and receive its gradient from the same next stage.
 
-    ``wrong_recv_backward_peer=True`` is the seeds' bug, kept for teaching: the
+    ``wrong_recv_backward_peer=True`` is a classic bug, kept for teaching: the
     gradient is received from the previous rank (wrapping like Megatron's
     ``get_pipeline_model_parallel_prev_rank``).  Harmless-looking with ``PP = 2``,
     a deadlock with ``PP >= 3``.
@@ -210,7 +210,7 @@ def send_forward_recv_backward(tensor: torch.Tensor, shape, dtype: torch.dtype =
     if peer is None:
         return None
     grad_from = _prev_rank_wrapping() if wrong_recv_backward_peer else peer
-    return _communicate("send_forward_recv_backward", mode, send=(tensor, peer),
+    return communicate("send_forward_recv_backward", mode, send=(tensor, peer),
                         recv=(tuple(shape), dtype, grad_from))
 
 
@@ -220,7 +220,7 @@ def send_backward_recv_forward(grad: torch.Tensor, shape, dtype: torch.dtype = t
     peer = prev_rank()
     if peer is None:
         return None
-    return _communicate("send_backward_recv_forward", mode, send=(grad, peer),
+    return communicate("send_backward_recv_forward", mode, send=(grad, peer),
                         recv=(tuple(shape), dtype, peer))
 
 

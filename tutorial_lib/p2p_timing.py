@@ -17,7 +17,8 @@ another, and every link is used once per round in both directions.
 mode and message size, the modes taking turns at every repetition so that they are
 measured side by side under the same load.  Each round's time comes from the trace:
 from the moment the last rank started its round to the moment the last rank
-finished it (as :func:`tutorial_lib.costs.samples_from_trace` does for collectives).
+finished it (:func:`tutorial_lib.costs.rounds_by_size`, which times chapter 2's
+collectives too).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Sequence
 import torch
 
 from . import p2p, parallel_state
+from .costs import rounds_by_size
 
 #: Message sizes (bytes of one activation, float32) from a few bytes to 4 MiB.
 DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2)
@@ -124,34 +126,26 @@ class ModeTiming:
 def timings_from_trace(trace, pp: int) -> list[ModeTiming]:
     """One :class:`ModeTiming` per (mode, size) of a :func:`measure_p2p_modes` trace.
 
-    A round's time is ``max(t_end) - max(first t_start per rank)``: from the moment
-    the last rank began its round (before that, the others only wait for it) until
-    the last rank is done.  The median over the non-warm-up repetitions is kept.
+    The rounds come from :func:`tutorial_lib.costs.rounds_by_size`.  A round's time is
+    ``max(t_end) - max(first t_start per rank)``: from the moment the last rank began
+    its round (before that, the others only wait for it) until the last rank is done.
+    The median over the non-warm-up repetitions is kept.
     """
-    rounds: dict[tuple, list] = {}
-    for e in trace:
-        if "measured_mode" not in e.tags or e.tags.get("warmup"):
-            continue
-        key = (e.tags["measured_mode"], e.tags["size"], e.tags["iteration"])
-        rounds.setdefault(key, []).append(e)
-    per_size: dict[tuple, list[float]] = {}
-    sent: dict[tuple, set] = {}
-    for (mode, size, _), events in rounds.items():
-        first_start = {}
-        for e in events:
-            first_start[e.rank] = min(first_start.get(e.rank, e.t_start), e.t_start)
-        per_size.setdefault((mode, size), []).append(
-            max(e.t_end for e in events) - max(first_start.values()))
-        sends = [e for e in events if e.op == "send"]
-        sent.setdefault((mode, size), set()).add((sum(e.bytes for e in sends), len(sends)))
     out = []
-    for (mode, size), times in sorted(per_size.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if len(sent[(mode, size)]) != 1:
+    rounds = rounds_by_size(trace, "measured_mode")
+    for mode, size in sorted(rounds, key=lambda key: (key[1], key[0])):
+        timed = rounds[mode, size]
+        sent = set()
+        for events in timed.events:
+            sends = [e for e in events if e.op == "send"]
+            sent.add((sum(e.bytes for e in sends), len(sends)))
+        if len(sent) != 1:
             raise RuntimeError(f"{mode} at {size} B sent different bytes in different rounds: "
-                               f"{sorted(sent[(mode, size)])}")
-        (nbytes_sent, messages), = sent[(mode, size)]
+                               f"{sorted(sent)}")
+        (nbytes_sent, messages), = sent
+        times = timed.seconds
         q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
-        out.append(ModeTiming(mode, max(4, size - size % 4), pp, max(statistics.median(times), 1e-9),
+        out.append(ModeTiming(mode, max(4, size - size % 4), pp, timed.median_seconds,
                               nbytes_sent, messages, (q1, q3)))
     return out
 

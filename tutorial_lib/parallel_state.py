@@ -108,6 +108,22 @@ def get_size(kind: str) -> int:
     return len(get_group_ranks(kind))
 
 
+def group_size(kind: str | None) -> int:
+    """Ranks in this rank's group of ``kind``; 1 when serial (``kind=None``) or no groups are built.
+
+    The one question every layer asks ("how many ranks share my work?"), so the same
+    layer runs serially in a plain session and split inside workers.
+    """
+    if kind is None or not is_initialized():
+        return 1
+    return get_size(kind)
+
+
+def group_rank(kind: str | None) -> int:
+    """This rank's index inside its group of ``kind``; 0 when serial or no groups are built."""
+    return 0 if group_size(kind) == 1 else get_rank_in(kind)
+
+
 def destroy_model_parallel() -> None:
     """Forget the groups (the process groups die with ``destroy_process_group``)."""
     global _STATE

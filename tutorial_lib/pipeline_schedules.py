@@ -1,7 +1,8 @@
 """Pipeline schedules as plain data: who computes what, who sends what to whom, and when.
 
-A pipeline cuts the model into ``pp_size`` stages, one per rank of a pipeline group,
-and cuts the batch into ``num_microbatches`` microbatches.  A *schedule* is the
+A pipeline cuts the model into ``pp_size`` stages, one per rank of a pipeline group
+(``pp_size * V`` model stages, ``V`` chunks per rank, with interleaving), and cuts the
+batch into ``num_microbatches`` microbatches.  A *schedule* is the
 ordered list of :class:`Action` one rank performs in one training step: forwards and
 backwards of microbatches, and the point-to-point messages between them.  Nothing
 here imports torch or starts a process, so chapters, widgets and tests read the
@@ -27,9 +28,9 @@ Messages (the ``peer`` is a rank of the pipeline group):
   ``r + 1``; with interleaving the last rank's chunk ``c`` sends to rank 0's chunk
   ``c + 1`` (the ring wraps);
 * activation gradients go the other way, ``s + 1`` to ``s``;
-* labels go from the first stage (which reads the batch) to the last (which computes
-  the loss), one message per microbatch: the first stage sends them just before its
-  forward, the last stage receives them just before its forward (the loss).
+* labels go from the first model stage (which reads the batch) to the last (which
+  computes the loss), one message per microbatch: the first model stage sends them
+  just before its forward, the last receives them just before its forward (the loss).
 
 Each message sits next to the compute that needs it: a send right after the
 forward or backward that produced it, a receive right before the compute that
@@ -46,8 +47,9 @@ never waits for its receiver (an ``isend`` into a buffer, the way a batched or
 overlapped op lets the partner's send and receive proceed together); a receive
 blocks until the matching send has happened.  Messages are matched in order per
 ``(sender, receiver, payload)``.  If no rank can move, that is a deadlock and
-:class:`DeadlockError` says what each rank is waiting for.  The seeds' batched-mode
-bug (``send_forward_recv_backward`` receiving from the *previous* rank) is
+:class:`DeadlockError` says what each rank is waiting for.  A batched-mode bug that
+is easy to write, ``send_forward_recv_backward`` receiving the gradient from the
+*previous* rank (``get_pipeline_model_parallel_prev_rank``) instead of the next, is
 available as ``one_f_one_b(..., wrong_recv_backward_peer=True)`` so a chapter can
 show it deadlock with ``PP >= 3`` and look fine with ``PP = 2``.
 """
@@ -82,7 +84,7 @@ class Action:
     microbatch: int
     """Which microbatch (0-based) is computed, or whose tensor the message carries."""
 
-    stage: int = 0
+    chunk: int = 0
     """The model chunk on this rank it belongs to (Megatron's virtual pipeline rank,
     ``0 .. V-1``; always 0 without interleaving).  Rank ``r``'s chunk ``c`` runs model
     stage ``c * pp_size + r``: see :meth:`model_stage`."""
@@ -102,13 +104,13 @@ class Action:
         return self.kind in COMPUTE_KINDS
 
     def model_stage(self, rank: int, pp_size: int) -> int:
-        """The model stage this action's chunk runs on ``rank``: ``stage * pp_size + rank``."""
-        return self.stage * pp_size + rank
+        """The model stage this action's chunk runs on ``rank``: ``chunk * pp_size + rank``."""
+        return self.chunk * pp_size + rank
 
     @property
     def label(self) -> str:
         """Short name for a bar: ``F3``, ``B3`` (``F3.1``: chunk 1), ``send_grad 3 -> 0``."""
-        chunk = f".{self.stage}" if self.stage else ""
+        chunk = f".{self.chunk}" if self.chunk else ""
         if self.is_compute:
             return f"{self.kind[0].upper()}{self.microbatch}{chunk}"
         arrow = "->" if self.kind.startswith("send") else "<-"
@@ -148,37 +150,38 @@ def _check(pp_size: int, num_microbatches: int, rank: int, virtual_pipeline_size
 # --- the building blocks: one forward or backward with its messages ------------------------
 
 
-def _forward(rank: int, pp: int, v: int, mb: int, chunk: int) -> list[Action]:
-    """Receive the input, move the labels, run the forward, send the output."""
-    stage, last = chunk * pp + rank, v * pp - 1
+def _forward(rank: int, pp: int, v: int, microbatch: int, chunk: int) -> list[Action]:
+    """Receive the input, move the labels, run chunk ``chunk``'s forward, send the output."""
+    stage, last = chunk * pp + rank, v * pp - 1  # model stages
     prev, nxt = (rank - 1) % pp, (rank + 1) % pp
     out = []
     if stage > 0:
-        out.append(Action("recv_activation", mb, chunk, prev))
+        out.append(Action("recv_activation", microbatch, chunk, prev))
     if pp > 1 and stage == 0:
-        out.append(Action("send_labels", mb, chunk, pp - 1))
+        out.append(Action("send_labels", microbatch, chunk, pp - 1))
     if pp > 1 and stage == last:
-        out.append(Action("recv_labels", mb, chunk, 0))  # the loss needs them
-    out.append(Action("forward", mb, chunk))
+        out.append(Action("recv_labels", microbatch, chunk, 0))  # the loss needs them
+    out.append(Action("forward", microbatch, chunk))
     if stage < last:
-        out.append(Action("send_activation", mb, chunk, nxt))
+        out.append(Action("send_activation", microbatch, chunk, nxt))
     return out
 
 
-def _backward(rank: int, pp: int, v: int, mb: int, chunk: int, grad_from: int | None = None) -> list[Action]:
-    """Receive the output's gradient, run the backward, send the input's gradient.
+def _backward(rank: int, pp: int, v: int, microbatch: int, chunk: int,
+              grad_from: int | None = None) -> list[Action]:
+    """Receive the output's gradient, run chunk ``chunk``'s backward, send the input's gradient.
 
     ``grad_from`` overrides the peer the gradient is received from: only the
     deliberately wrong variant of :func:`one_f_one_b` uses it.
     """
-    stage, last = chunk * pp + rank, v * pp - 1
+    stage, last = chunk * pp + rank, v * pp - 1  # model stages
     prev, nxt = (rank - 1) % pp, (rank + 1) % pp
     out = []
     if stage < last:
-        out.append(Action("recv_grad", mb, chunk, nxt if grad_from is None else grad_from))
-    out.append(Action("backward", mb, chunk))
+        out.append(Action("recv_grad", microbatch, chunk, nxt if grad_from is None else grad_from))
+    out.append(Action("backward", microbatch, chunk))
     if stage > 0:
-        out.append(Action("send_grad", mb, chunk, prev))
+        out.append(Action("send_grad", microbatch, chunk, prev))
     return out
 
 
@@ -189,10 +192,10 @@ def gpipe(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
     """GPipe: all ``M`` forwards, then all ``M`` backwards (in microbatch order)."""
     _check(pp_size, num_microbatches, rank)
     actions = []
-    for mb in range(num_microbatches):
-        actions += _forward(rank, pp_size, 1, mb, 0)
-    for mb in range(num_microbatches):
-        actions += _backward(rank, pp_size, 1, mb, 0)
+    for i in range(num_microbatches):
+        actions += _forward(rank, pp_size, 1, i, 0)
+    for i in range(num_microbatches):
+        actions += _backward(rank, pp_size, 1, i, 0)
     return actions
 
 
@@ -217,13 +220,13 @@ def num_warmup_microbatches(pp_size: int, num_microbatches: int, rank: int,
 
 def one_f_one_b(pp_size: int, num_microbatches: int, rank: int, *,
                 wrong_recv_backward_peer: bool = False) -> list[Action]:
-    """Non-interleaved 1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+    """Non-interleaved 1F1B: warm-up forwards, steady 1F1B pairs, cool-down backwards.
 
-    ``wrong_recv_backward_peer=True`` reproduces the seeds' batched-mode bug for
-    teaching: in the steady state, ``send_forward_recv_backward`` receives the
-    gradient from the *previous* rank instead of the next one.  With ``PP = 2`` the
-    two are the same rank and nothing shows; with ``PP >= 3`` (and ``M >= 2``, so
-    that a steady state exists before the last stage) :func:`simulate` deadlocks.
+    ``wrong_recv_backward_peer=True`` reproduces a batched-mode bug for teaching: in
+    the steady state, ``send_forward_recv_backward`` receives the gradient from the
+    *previous* rank instead of the next one.  With ``PP = 2`` the two are the same
+    rank and nothing shows; with ``PP >= 3`` (and ``M >= 2``, so that a steady state
+    exists before the last stage) :func:`simulate` deadlocks.
     """
     _check(pp_size, num_microbatches, rank)
     pp, m = pp_size, num_microbatches
@@ -231,13 +234,13 @@ def one_f_one_b(pp_size: int, num_microbatches: int, rank: int, *,
     steady = m - warmup
     wrong_peer = (rank - 1) % pp if wrong_recv_backward_peer else None
     actions = []
-    for mb in range(warmup):
-        actions += _forward(rank, pp, 1, mb, 0)
-    for i in range(steady):
-        actions += _forward(rank, pp, 1, warmup + i, 0)  # ends with send_forward ...
-        actions += _backward(rank, pp, 1, i, 0, grad_from=wrong_peer)  # ... recv_backward: one batched op
-    for mb in range(steady, m):
-        actions += _backward(rank, pp, 1, mb, 0)
+    for i in range(warmup):
+        actions += _forward(rank, pp, 1, i, 0)
+    for i in range(steady):  # F's send, B's receive: one send_forward_recv_backward
+        actions += _forward(rank, pp, 1, warmup + i, 0)
+        actions += _backward(rank, pp, 1, i, 0, grad_from=wrong_peer)
+    for i in range(steady, m):
+        actions += _backward(rank, pp, 1, i, 0)
     return actions
 
 
@@ -366,7 +369,7 @@ def simulate(schedules: dict[int, list[Action]], forward_cost: float = 1.0, back
             if not a.is_compute and (a.peer == r or not 0 <= a.peer < pp):
                 raise ValueError(f"rank {r}'s {a.label}: the peer must be another rank in 0..{pp - 1}")
     cost = {"forward": forward_cost, "backward": backward_cost}
-    last_stage = pp * (1 + max((a.stage for acts in schedules.values() for a in acts), default=0)) - 1
+    last_stage = pp * (1 + max((a.chunk for acts in schedules.values() for a in acts), default=0)) - 1
     sent: dict[tuple, list[tuple[Action, float]]] = defaultdict(list)  # (src, dst, payload) -> sends
     received: dict[tuple, int] = defaultdict(int)  # (src, dst, payload) -> receives matched so far
     clock = {r: 0 for r in schedules}  # exact with int/Fraction costs

@@ -48,31 +48,21 @@ from . import comm, parallel_state
 from .trace import get_tracer
 
 __all__ = [
-    "tensor_parallel_size", "tensor_parallel_rank", "divide",
+    "divide",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "init_linear_master", "init_embedding_master", "serial_linear", "serial_embedding",
+    "derive_seed", "init_linear_master", "init_embedding_master", "serial_linear", "serial_embedding",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "allreduce_sequence_parallel_grads",
+    "CopyToTensorModelParallelRegion", "ReduceFromTensorModelParallelRegion",
+    "ScatterToTensorModelParallelRegion", "GatherFromTensorModelParallelRegion",
+    "ScatterToSequenceParallelRegion", "GatherFromSequenceParallelRegion",
+    "ReduceScatterToSequenceParallelRegion", "VocabParallelCrossEntropy",
 ]
 
-# --- 1. who am I in the TP group ------------------------------------------------------
-
-
-def tensor_parallel_size(tp_group: str | None = "tp") -> int:
-    """Ranks in this rank's TP group; 1 when serial (``None``) or when no groups are built."""
-    if tp_group is None or not parallel_state.is_initialized():
-        return 1
-    return parallel_state.get_size(tp_group)
-
-
-def tensor_parallel_rank(tp_group: str | None = "tp") -> int:
-    """This rank's index inside its TP group (0 when serial)."""
-    if tensor_parallel_size(tp_group) == 1:
-        return 0
-    return parallel_state.get_rank_in(tp_group)
+# --- 1. shapes that must divide by the TP size ---------------------------------------
 
 
 def divide(numerator: int, denominator: int, what: str,
@@ -99,13 +89,13 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    size, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+    size, rank = parallel_state.group_size(group), parallel_state.group_rank(group)
     divide(x.shape[dim], size, "seq_length" if dim == 0 else "the last dimension")
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
 def _gather_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
-    size = tensor_parallel_size(group)
+    size = parallel_state.group_size(group)
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return comm.all_gather(out, x.contiguous(), group=group)
 
@@ -113,11 +103,11 @@ def _gather_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
 def _gather_last_dim(x: torch.Tensor, group: str) -> torch.Tensor:
     # comm gathers along dim 0: [T*s, b, h/T]; cut it back into T pieces, glue them on the last dim.
     stacked = _gather_first_dim(x, group)
-    return torch.cat(stacked.chunk(tensor_parallel_size(group), dim=0), dim=-1).contiguous()
+    return torch.cat(stacked.chunk(parallel_state.group_size(group), dim=0), dim=-1).contiguous()
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
-    size = tensor_parallel_size(group)
+    size = parallel_state.group_size(group)
     divide(x.shape[0], size, "seq_length")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     return comm.reduce_scatter(out, x.contiguous(), group=group)
@@ -126,7 +116,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
 # --- 2. the conjugate pairs -------------------------------------------------------------
 
 
-class _CopyToTensorModelParallelRegion(torch.autograd.Function):
+class CopyToTensorModelParallelRegion(torch.autograd.Function):
     """Forward: identity (every TP rank gets the same X).  Backward: all-reduce dX."""
 
     @staticmethod
@@ -140,7 +130,7 @@ class _CopyToTensorModelParallelRegion(torch.autograd.Function):
             return _all_reduce(grad, ctx.group), None
 
 
-class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
+class ReduceFromTensorModelParallelRegion(torch.autograd.Function):
     """Forward: all-reduce the partial sums.  Backward: identity (dY is already replicated)."""
 
     @staticmethod
@@ -153,7 +143,7 @@ class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
+class ScatterToTensorModelParallelRegion(torch.autograd.Function):
     """Forward: keep my slice of the last dim.  Backward: all-gather the last dim."""
 
     @staticmethod
@@ -167,7 +157,7 @@ class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
             return _gather_last_dim(grad, ctx.group), None
 
 
-class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
+class GatherFromTensorModelParallelRegion(torch.autograd.Function):
     """Forward: all-gather the last dim.  Backward: keep my slice of the last dim."""
 
     @staticmethod
@@ -181,7 +171,7 @@ class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+class ScatterToSequenceParallelRegion(torch.autograd.Function):
     """Forward: keep my slice of the sequence.  Backward: all-gather the sequence."""
 
     @staticmethod
@@ -195,7 +185,7 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
             return _gather_first_dim(grad, ctx.group), None
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """Forward: all-gather the sequence.  Backward: reduce-scatter the sequence.
 
     The backward sums because the gathered tensor feeds tensor-parallel matmuls: each
@@ -218,7 +208,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
             return _reduce_scatter_first_dim(grad, ctx.group), None, None
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Forward: reduce-scatter the partial sums along the sequence.  Backward: all-gather."""
 
     @staticmethod
@@ -235,54 +225,65 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x, tp_group="tp"):
     """Identity forward, all-reduce backward: enters a column-parallel matmul."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _CopyToTensorModelParallelRegion.apply(x, tp_group)
+    return CopyToTensorModelParallelRegion.apply(x, tp_group)
 
 
 def reduce_from_tensor_model_parallel_region(x, tp_group="tp"):
     """All-reduce forward, identity backward: leaves a row-parallel matmul."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _ReduceFromTensorModelParallelRegion.apply(x, tp_group)
+    return ReduceFromTensorModelParallelRegion.apply(x, tp_group)
 
 
 def scatter_to_tensor_model_parallel_region(x, tp_group="tp"):
     """Split the last dim forward, all-gather it backward."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _ScatterToTensorModelParallelRegion.apply(x, tp_group)
+    return ScatterToTensorModelParallelRegion.apply(x, tp_group)
 
 
 def gather_from_tensor_model_parallel_region(x, tp_group="tp"):
     """All-gather the last dim forward, split it backward."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _GatherFromTensorModelParallelRegion.apply(x, tp_group)
+    return GatherFromTensorModelParallelRegion.apply(x, tp_group)
 
 
 def scatter_to_sequence_parallel_region(x, tp_group="tp"):
     """Split the sequence (dim 0) forward, all-gather it backward."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _ScatterToSequenceParallelRegion.apply(x, tp_group)
+    return ScatterToSequenceParallelRegion.apply(x, tp_group)
 
 
 def gather_from_sequence_parallel_region(x, tp_group="tp", tensor_parallel_output_grad=True):
     """All-gather the sequence (dim 0) forward, reduce-scatter it backward."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _GatherFromSequenceParallelRegion.apply(x, tp_group, tensor_parallel_output_grad)
+    return GatherFromSequenceParallelRegion.apply(x, tp_group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp"):
     """Reduce-scatter the sequence (dim 0) forward, all-gather it backward."""
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return x
-    return _ReduceScatterToSequenceParallelRegion.apply(x, tp_group)
+    return ReduceScatterToSequenceParallelRegion.apply(x, tp_group)
 
 
 # --- 3. one seed, one master weight, many shards ------------------------------------------
+
+
+def derive_seed(seed: int, component: int) -> int:
+    """The seed of one part of a module seeded ``seed``: ``1000 * seed + component``.
+
+    Every model derives its weights' seeds this way, and only this way (the GPT's
+    embeddings and blocks, a block's sublayers, an MoE layer's router and experts), so
+    distinct parts never share random numbers and every rank derives the same seeds:
+    every TP / EP rank draws the same master weight and keeps its own slice.
+    """
+    return 1000 * seed + component
 
 
 def init_linear_master(input_size: int, output_size: int, bias: bool = True, seed: int = 0):
@@ -326,7 +327,7 @@ def serial_embedding(num_embeddings: int, embedding_dim: int, seed: int = 0) -> 
 
 def _shard_parameter(full: torch.Tensor, dim: int | None, group) -> torch.nn.Parameter:
     """My slice of ``full`` along ``dim`` (``None``: replicated), flagged like Megatron's."""
-    size, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+    size, rank = parallel_state.group_size(group), parallel_state.group_rank(group)
     data = full if dim is None else full.chunk(size, dim=dim)[rank]
     param = torch.nn.Parameter(data.clone())
     param.tensor_model_parallel = dim is not None
@@ -357,7 +358,7 @@ class ColumnParallelLinear(torch.nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, tensor_parallel_size(tp_group),
+        self.output_size_per_partition = divide(output_size, parallel_state.group_size(tp_group),
                                                 "output_size")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
@@ -393,7 +394,7 @@ class RowParallelLinear(torch.nn.Module):
                              "features (the output of a ColumnParallelLinear), as in Megatron")
         self.tp_group = tp_group
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, tensor_parallel_size(tp_group), "input_size")
+        self.input_size_per_partition = divide(input_size, parallel_state.group_size(tp_group), "input_size")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
         self.weight = _shard_parameter(weight, 1, tp_group)
@@ -428,8 +429,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        per_rank = divide(num_embeddings, tensor_parallel_size(tp_group), "num_embeddings")
-        self.vocab_start_index = tensor_parallel_rank(tp_group) * per_rank
+        per_rank = divide(num_embeddings, parallel_state.group_size(tp_group), "num_embeddings")
+        self.vocab_start_index = parallel_state.group_rank(tp_group) * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
         table = init_embedding_master(num_embeddings, embedding_dim, seed)
         self.weight = _shard_parameter(table, 0, tp_group)
@@ -443,12 +444,12 @@ class VocabParallelEmbedding(torch.nn.Module):
         return reduce_from_tensor_model_parallel_region(rows, self.tp_group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class VocabParallelCrossEntropy(torch.autograd.Function):
     """Softmax cross-entropy over a vocabulary split across TP ranks; backward is local."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
-        size, rank = tensor_parallel_size(group), tensor_parallel_rank(group)
+        size, rank = parallel_state.group_size(group), parallel_state.group_rank(group)
         per_rank = logits.shape[-1]
         start = rank * per_rank
         with _tags("vocab_parallel_cross_entropy", "forward"):
@@ -489,11 +490,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     exponentials), never the ``[..., V]`` logits.  Backward: no communication.
     ``target`` holds global vocabulary ids, the same on every TP rank.
     """
-    vocab = logits_shard.shape[-1] * tensor_parallel_size(tp_group)
+    vocab = logits_shard.shape[-1] * parallel_state.group_size(tp_group)
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
         raise ValueError(f"target ids must lie in [0, {vocab}) (the vocabulary size), "
                          f"got ids from {int(target.min())} to {int(target.max())}")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group)
+    return VocabParallelCrossEntropy.apply(logits_shard, target, tp_group)
 
 
 # --- 5. sequence parallelism's extra gradient sync -------------------------------------------
@@ -509,7 +510,7 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group="tp") ->
     part of ``finalize_model_grads``).  One all-reduce of one flat buffer, tagged
     ``phase="grad_sync"``.
     """
-    if tensor_parallel_size(tp_group) == 1:
+    if parallel_state.group_size(tp_group) == 1:
         return
     flagged = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
     pending = [p for p in flagged if p.grad is None and hasattr(p, "main_grad")]

@@ -127,7 +127,7 @@ class Tracer:
 
     @contextmanager
     def span(self, name: str, **tags: Any) -> Iterator[TraceEvent]:
-        """Record a ``compute`` span around local work: ``with tracer.span("forward", mb=0):``."""
+        """Record a ``compute`` span around local work: ``with tracer.span("forward", microbatch=0):``."""
         event = TraceEvent(rank=self.rank, op="compute", t_start=time.time(),
                            tags={**self._tags, **tags, "name": name})
         try:

@@ -46,21 +46,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import parallel_state
 from .tensor_parallel import (
+    derive_seed,
     ColumnParallelLinear,
     RowParallelLinear,
     allreduce_sequence_parallel_grads,
     divide,
-    tensor_parallel_size,
 )
 
 __all__ = ["SelfAttention", "MLP", "TransformerBlock", "allreduce_sequence_parallel_grads",
-           "block_collectives", "sublayer_seed"]
+           "block_collectives"]
 
 
-def sublayer_seed(seed: int, index: int) -> int:
-    """The seed of sublayer ``index`` (0 qkv, 1 proj, 2 fc1, 3 fc2) of a block seeded ``seed``."""
-    return 1000 * seed + index
+# Which sublayer of a block a derived seed belongs to (tensor_parallel.derive_seed).
+QKV, PROJ, FC1, FC2 = 0, 1, 2, 3
 
 
 class SelfAttention(torch.nn.Module):
@@ -69,15 +69,15 @@ class SelfAttention(torch.nn.Module):
     def __init__(self, hidden_size: int, num_attention_heads: int, sequence_parallel: bool = False,
                  seed: int = 0, tp_group: str | None = "tp"):
         super().__init__()
-        tp = tensor_parallel_size(tp_group)
+        tp = parallel_state.group_size(tp_group)
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.heads_per_rank = divide(num_attention_heads, tp, "num_attention_heads")
         self.linear_qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size,
                                                sequence_parallel=sequence_parallel,
-                                               seed=sublayer_seed(seed, 0), tp_group=tp_group)
+                                               seed=derive_seed(seed, QKV), tp_group=tp_group)
         self.linear_proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
                                              sequence_parallel=sequence_parallel,
-                                             seed=sublayer_seed(seed, 1), tp_group=tp_group)
+                                             seed=derive_seed(seed, PROJ), tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]; s is the full sequence
@@ -97,10 +97,10 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.linear_fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size,
                                                sequence_parallel=sequence_parallel,
-                                               seed=sublayer_seed(seed, 2), tp_group=tp_group)
+                                               seed=derive_seed(seed, FC1), tp_group=tp_group)
         self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True,
                                             sequence_parallel=sequence_parallel,
-                                            seed=sublayer_seed(seed, 3), tp_group=tp_group)
+                                            seed=derive_seed(seed, FC2), tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))

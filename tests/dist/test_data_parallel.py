@@ -9,6 +9,7 @@ The parallel model is :class:`_TPNet`: plain tensors, sharded by hand over TP
 (column-parallel ``fc1``, row-parallel ``fc2``, a replicated ``norm`` layer and a
 replicated row-parallel bias), so the tests need no tensor-parallel library.
 """
+import functools
 import math
 from contextlib import nullcontext
 from typing import NamedTuple
@@ -26,6 +27,8 @@ from tutorial_lib.data_parallel import (DataParallel, DistributedOptimizer, clip
 from tutorial_lib.grid import ProcessGrid
 from tutorial_lib.launch import launch
 from tutorial_lib.trace import get_tracer
+
+from .launch_once import launch_once
 
 pytestmark = pytest.mark.dist
 
@@ -138,8 +141,9 @@ def _global_batch(step):
     return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
 
 
+@functools.cache
 def _serial_train(max_norm, optimizer_name):
-    """The reference: one model, the whole global batch, loss = its mean."""
+    """The reference: one model, the whole global batch, loss = its mean (cached per setting)."""
     model = _SerialNet()
     optimizer_class, kwargs = OPTIMIZERS[optimizer_name]
     optimizer = optimizer_class(model.parameters(), **kwargs)
@@ -215,30 +219,17 @@ def _train_worker(ctx, tp):
 
 # One launch per world; every test below reads from it.
 WORLDS = {"dp1": (1, 1), "dp2": (2, 1), "dp4": (4, 1), "tp2_dp2": (4, 2)}
-_RUNS = {}
 
 
+@launch_once
 def _run(world_name):
     """The launch of ``world_name`` (once; a failure is remembered, not retried per test)."""
-    if world_name not in _RUNS:
-        world, tp = WORLDS[world_name]
-        try:
-            _RUNS[world_name] = launch(_train_worker, world, args=(tp,), timeout=90)
-        except Exception as err:  # noqa: BLE001 - re-raised by every test of this world
-            _RUNS[world_name] = err
-    if isinstance(_RUNS[world_name], Exception):
-        raise _RUNS[world_name]
-    return _RUNS[world_name]
-
-
-_SERIAL = {}
+    world, tp = WORLDS[world_name]
+    return launch(_train_worker, world, args=(tp,), timeout=90)
 
 
 def _serial(variant: Variant):
-    key = (variant.max_norm, variant.optimizer)
-    if key not in _SERIAL:
-        _SERIAL[key] = _serial_train(*key)
-    return _SERIAL[key]
+    return _serial_train(variant.max_norm, variant.optimizer)
 
 
 def _assert_shards_close(got, serial, tp_rank, tp, what):

@@ -33,6 +33,8 @@ from tutorial_lib.launch import launch
 from tutorial_lib.moe_balance import BalanceConfig
 from tutorial_lib.tensor_parallel import allreduce_sequence_parallel_grads
 
+from .worker_checks import check as _check, close as _close
+
 pytestmark = pytest.mark.dist
 
 # Workers get these functions by value and never import pytest (see test_tensor_parallel.py).
@@ -40,7 +42,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 S, B, H = 4, 2, 8          # sequence, batch, hidden: T = 8 tokens per replica
 N, K, FFN = 8, 2, 4        # routed experts, top-k, each expert's ffn size
-ATOL = RTOL = 1e-5
 CASES = {
     "softmax": dict(score_function="softmax", num_shared_experts=1, num_devices=4),
     "sigmoid": dict(score_function="sigmoid", routed_scaling_factor=2.5, device_limit=2,
@@ -48,18 +49,6 @@ CASES = {
 }
 WORLD4 = [("ep1", 1, 1), ("ep2", 1, 2), ("tp2_sp", 2, 1), ("tp2_ep2_sp", 2, 2)]  # (name, TP, EP)
 WORLD8 = [("ep4", 1, 4)]
-
-
-def _check(condition, message):
-    if not condition:
-        raise AssertionError(message)
-
-
-def _close(actual, expected, what):
-    _check(actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    if not torch.allclose(actual, expected, atol=ATOL, rtol=RTOL):
-        worst = (actual - expected).abs().max().item()
-        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={ATOL}, rtol={RTOL}")
 
 
 def _balance(case, tp):

@@ -12,7 +12,7 @@ float64 throughout: values agree to ``rtol=1e-12``; loads exactly.
 import pytest
 import torch
 
-from tutorial_lib import moe_balance as mb
+from tutorial_lib import moe_balance
 from tutorial_lib import parallel_state
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
@@ -31,7 +31,7 @@ def _batch(seed, seq_length):
 
 def _serial(scores, topk_idx):
     scores = scores.clone().requires_grad_(True)
-    loss = mb.sequence_balance_loss(scores, topk_idx, N, K, COEFF)
+    loss = moe_balance.sequence_balance_loss(scores, topk_idx, N, K, COEFF)
     loss.backward()
     return loss.item(), scores.grad
 
@@ -47,9 +47,9 @@ def _split_loss_and_load(ctx, positions, group, seed, seq_length):
     scores, topk_idx = _batch(seed, seq_length)
     local = scores[:, positions].clone().requires_grad_(True)
     local_idx = topk_idx[:, positions]
-    loss = mb.sequence_balance_loss(local, local_idx, N, K, COEFF, group=group)
+    loss = moe_balance.sequence_balance_loss(local, local_idx, N, K, COEFF, group=group)
     loss.backward()
-    loads = {kind: mb.global_expert_load(local_idx, N, group=kind).tolist()
+    loads = {kind: moe_balance.global_expert_load(local_idx, N, group=kind).tolist()
              for kind in (None, group, "world")}
     return loss.item(), local.grad, loads
 
@@ -61,7 +61,7 @@ def _cp_dp_worker(ctx, seq_length):
     # each dp replica has its own sequences, split over its cp pair
     loss, grad, loads = _split_loss_and_load(ctx, positions, "cp", 100 + dp_rank, seq_length)
     # rank r sends its one token to expert r: the load over dp is the indicator of dp's members
-    marker = mb.global_expert_load(torch.tensor([[ctx.rank]]), N, group="dp").tolist()
+    marker = moe_balance.global_expert_load(torch.tensor([[ctx.rank]]), N, group="dp").tolist()
     return dict(dp_rank=dp_rank, positions=positions, loss=loss, grad=grad, loads=loads,
                 marker=marker, dp_ranks=parallel_state.get_group_ranks("dp"))
 
@@ -77,10 +77,10 @@ def test_sequence_loss_over_context_parallel_ranks_equals_the_whole_sequence():
         torch.testing.assert_close(out["grad"], grad[:, out["positions"]], rtol=1e-12, atol=1e-18)
         local_idx = topk_idx[:, out["positions"]]
         all_tokens.append(local_idx)
-        assert out["loads"][None] == mb.expert_load(local_idx, N).tolist()
-        assert out["loads"]["cp"] == mb.expert_load(topk_idx, N).tolist()   # the whole sequences
+        assert out["loads"][None] == moe_balance.expert_load(local_idx, N).tolist()
+        assert out["loads"]["cp"] == moe_balance.expert_load(topk_idx, N).tolist()   # the whole sequences
         assert out["marker"] == [int(i in out["dp_ranks"]) for i in range(N)]
-    world_load = mb.expert_load(torch.cat(all_tokens, dim=1), N).tolist()
+    world_load = moe_balance.expert_load(torch.cat(all_tokens, dim=1), N).tolist()
     assert all(out["loads"]["world"] == world_load for out in res.results)
     # on the cp group: the loss's two all-reduces (counts + length, then the value), then
     # global_expert_load's; nothing of the loss leaks onto another group
@@ -105,5 +105,5 @@ def test_uneven_pieces_over_world_equal_the_whole_sequence_and_load():
         assert value == pytest.approx(loss, rel=1e-12), rank
         torch.testing.assert_close(local_grad, grad[:, start:start + pieces[rank]],
                                    rtol=1e-12, atol=1e-18)
-        assert loads["world"] == mb.expert_load(topk_idx, N).tolist()
+        assert loads["world"] == moe_balance.expert_load(topk_idx, N).tolist()
         start += pieces[rank]

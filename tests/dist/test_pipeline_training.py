@@ -6,7 +6,7 @@ Two references, both fp32:
   the whole global batch in one forward, ``torch.nn.utils.clip_grad_norm_``,
   ``torch.optim.Adam`` and the bias step on the batch's expert load.  It shares only the
   model and the data with the code under test: no executor, no microbatches, no groups.
-* **the world-size-1 run** of :func:`tutorial_lib.training.train` (what
+* **the world-size-1 run** of :func:`tutorial_lib.train_4d.train` (what
   ``python examples/train_4d.py --world-size 1`` prints), which must equal the plain loop.
 
 Then every layout of at most 8 ranks with PP in {2, 3, 4} that the rules allow (TP in
@@ -28,17 +28,17 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import astuple, replace
+from dataclasses import astuple, fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from tutorial_lib.config import ConfigError
-from tutorial_lib.model import DeepSeekModel
+from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.moe_balance import update_expert_bias
-from tutorial_lib.train import synthetic_batch
-from tutorial_lib.training import TrainingArgs, train, validate_args
+from tutorial_lib.data import synthetic_batch
+from tutorial_lib.train_4d import TrainingArgs, train, validate_args
 
 pytestmark = pytest.mark.dist
 
@@ -215,6 +215,14 @@ def test_train_4d_refuses_an_invalid_grid_before_starting_workers():
     assert "[rule 1]" in done.stderr and "world_size (6)" in done.stderr
     assert "rank" not in done.stdout  # no worker said anything
     assert time.time() - started < 30
+
+
+def test_train_4d_help_prints_each_default_once():
+    done = _run([sys.executable, str(TRAIN_4D), "--help"], timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "default: None" not in done.stdout
+    assert " ".join(done.stdout.split()).count("(default: ") == len(fields(TrainingArgs))
+    assert "--tensor-model-parallel-size N" in done.stdout and "--num-layers N" in done.stdout
 
 
 def test_train_4d_json_and_progress_lines():

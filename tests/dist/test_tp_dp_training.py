@@ -48,6 +48,7 @@ and size), and every TP collective stays inside the rank's TP group, every DP on
 inside its DP group: nothing spans the world.
 """
 import dataclasses
+import functools
 import sys
 from collections import Counter
 from typing import NamedTuple
@@ -60,8 +61,12 @@ from tutorial_lib import costs, parallel_state
 from tutorial_lib.config import ModelConfig, ParallelConfig
 from tutorial_lib.data_parallel import DataParallel, DistributedOptimizer
 from tutorial_lib.launch import launch
-from tutorial_lib.model import GPTModel
-from tutorial_lib.train import split_global_batch, synthetic_batch, train_step
+from tutorial_lib.gpt import GPTModel
+from tutorial_lib.data import split_global_batch, synthetic_batch
+from tutorial_lib.tp_dp_step import train_step
+
+from .launch_once import launch_once
+from .worker_checks import check as _check, close as _close
 
 pytestmark = pytest.mark.dist
 
@@ -69,11 +74,6 @@ pytestmark = pytest.mark.dist
 # pytest with it: 0.2 s a rank).  Code that runs in a worker checks with _check, not a
 # bare assert, which pytest would rewrite into a call into pytest.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def _check(condition, message):
-    if not condition:
-        raise AssertionError(message)
 
 
 CONFIG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=32)
@@ -121,13 +121,9 @@ def _record_embedding_grads(model, store):
 
 # --- the serial reference -------------------------------------------------------------------
 
-_SERIAL = {}
-
-
+@functools.cache
 def _serial(clip):
     """Train the serial model on the whole global batch (cached per clip setting)."""
-    if clip in _SERIAL:
-        return _SERIAL[clip]
     model = GPTModel(CONFIG, seed=MODEL_SEED, tp_group=None)
     init_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
@@ -146,10 +142,9 @@ def _serial(clip):
         if step == 0:
             clipped_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
-    _SERIAL[clip] = {"init_params": init_params, "losses": losses, "norms": norms, "clipped_grads": clipped_grads,
-                     "embedding_grad": embedding_grads[0],
-                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    return _SERIAL[clip]
+    return {"init_params": init_params, "losses": losses, "norms": norms, "clipped_grads": clipped_grads,
+            "embedding_grad": embedding_grads[0],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 # --- the workers ----------------------------------------------------------------------------
@@ -196,30 +191,14 @@ def _train_worker(ctx, tp_size):
     return out
 
 
-_RUNS = {}
-
-
+@launch_once
 def _run(layout):
     """One launch per layout, shared by the tests below (a failure is remembered, not retried)."""
-    if layout not in _RUNS:
-        tp, dp = layout
-        try:
-            _RUNS[layout] = launch(_train_worker, tp * dp, args=(tp,), timeout=180)
-        except Exception as err:  # noqa: BLE001 - re-raised by every test of this layout
-            _RUNS[layout] = err
-    if isinstance(_RUNS[layout], Exception):
-        raise _RUNS[layout]
-    return _RUNS[layout]
+    tp, dp = layout
+    return launch(_train_worker, tp * dp, args=(tp,), timeout=180)
 
 
 # --- comparisons ----------------------------------------------------------------------------
-
-
-def _close(actual, expected, what, atol, rtol):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    if not torch.allclose(actual, expected, atol=atol, rtol=rtol):
-        worst = (actual - expected).abs().max().item()
-        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={atol}, rtol={rtol}")
 
 
 def _slice(full, partition_dim, tp_rank, tp):

@@ -38,9 +38,9 @@ import pytest
 
 from tutorial_lib import fp8, precision
 from tutorial_lib.config import ConfigError
-from tutorial_lib.model import DeepSeekModel
+from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.moe import MoELayer
-from tutorial_lib.training import TrainingArgs, build_chunks, train, validate_args
+from tutorial_lib.train_4d import TrainingArgs, build_chunks, train, validate_args
 
 pytestmark = pytest.mark.dist
 

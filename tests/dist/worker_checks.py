@@ -26,9 +26,10 @@ def backward(y, dy):
     (y * dy).sum().backward()
 
 
-def close(actual, expected, what):
-    """fp32 closeness, ``|a - b| <= ATOL + RTOL |b|``, with a message naming the worst difference."""
+def close(actual, expected, what, atol=ATOL, rtol=RTOL):
+    """Closeness ``|a - b| <= atol + rtol |b|`` (fp32's by default), with a message naming the
+    worst difference."""
     check(actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
-    if not torch.allclose(actual, expected, atol=ATOL, rtol=RTOL):
+    if not torch.allclose(actual, expected, atol=atol, rtol=rtol):
         worst = (actual - expected).abs().max().item()
-        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={ATOL}, rtol={RTOL}")
+        raise AssertionError(f"{what}: max |difference| {worst:.3g} exceeds atol={atol}, rtol={rtol}")

@@ -19,7 +19,7 @@ import torch
 from tutorial_lib import costs
 from tutorial_lib.config import ModelConfig
 from tutorial_lib.data_parallel import DEFAULT_BUCKET_SIZE_BYTES, build_buckets
-from tutorial_lib.model import GPTModel
+from tutorial_lib.gpt import GPTModel
 
 CONFIG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=32)
 

@@ -1,28 +1,13 @@
-"""Chapter 1's exercises: the notebook's stubs fail with a hint, its solutions pass, and
-the checkers name the classic mistakes."""
+"""Chapter 1's checkers name the classic mistakes (the notebook's exercise cells:
+tests/unit/test_exercises_notebooks.py)."""
 from __future__ import annotations
-
 
 import pytest
 
 from tutorial_lib.exercises import ch01
 from tutorial_lib.exercises.ch01 import check_data_parallel_group, check_rank_to_coords
 
-from ..notebook_cells import NOTEBOOKS, exercise_tests
-
-NOTEBOOK = NOTEBOOKS / "01_communicator_groups.ipynb"
-
-#: The exercises in notebook order: (function the stub defines, its checker, solution name).
-EXERCISES = [
-    ("rank_to_coords", check_rank_to_coords, "rank_to_coords_solution"),
-    ("data_parallel_group", check_data_parallel_group, "data_parallel_group_solution"),
-]
-
-
-(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
- test_solution_cell_passes) = exercise_tests(
-    NOTEBOOK, EXERCISES, {"check_rank_to_coords": check_rank_to_coords,
-                          "check_data_parallel_group": check_data_parallel_group}, min_cases=7)
+from ..notebook_cells import assert_hint, hint_cases
 
 
 # --- exercise 1.1: the checker recognises the classic mistakes --------------------------
@@ -72,18 +57,15 @@ def test_correct_rank_to_coords_passes():
     assert check_rank_to_coords(coords_fastest_first)
 
 
-@pytest.mark.parametrize("wrong,hint", [
+@hint_cases([
     (coords_slowest_first, ch01.HINT_SLOWEST_FIRST),
     (coords_in_dict_order, ch01.HINT_DICT_ORDER),
     (coords_without_modulo, ch01.HINT_NO_MODULO),
     (coords_as_tuple, ch01.HINT_NOT_A_DICT),
     (coords_raising, ch01.HINT_COORDS_GENERIC),
-], ids=lambda value: getattr(value, "__name__", "hint"))
+])
 def test_rank_to_coords_mistake_gets_its_hint(wrong, hint):
-    result = check_rank_to_coords(wrong)
-    assert not result.passed
-    assert result.hint == hint
-    assert hint in str(result)
+    assert_hint(check_rank_to_coords(wrong), hint)
 
 
 def test_slowest_first_hint_says_fastest_first():
@@ -141,19 +123,16 @@ def test_correct_data_parallel_group_passes_in_any_order():
     assert check_data_parallel_group(lambda *args: list(reversed(dp_group(*args))))
 
 
-@pytest.mark.parametrize("wrong,hint", [
+@hint_cases([
     (dp_group_returns_tp_group, ch01.HINT_TP_GROUP),
     (dp_group_forgets_cp, ch01.HINT_FORGOT_CP_MERGED),
     (dp_group_stride_tp, ch01.HINT_FORGOT_CP_STRIDE),
     (dp_group_dp_outside_pp, ch01.HINT_DP_OUTSIDE_PP),
     (dp_group_whole_world, ch01.HINT_WHOLE_WORLD),
     (dp_group_returns_an_int, ch01.HINT_NOT_A_LIST),
-], ids=lambda value: getattr(value, "__name__", "hint"))
+])
 def test_data_parallel_group_mistake_gets_its_hint(wrong, hint):
-    result = check_data_parallel_group(wrong)
-    assert not result.passed
-    assert result.hint == hint
-    assert hint in str(result)
+    assert_hint(check_data_parallel_group(wrong), hint)
 
 
 def test_forgetting_cp_fails_only_where_cp_is_above_one():

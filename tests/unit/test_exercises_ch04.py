@@ -1,42 +1,19 @@
-"""Chapter 4's exercises: the notebook's stubs fail with a hint, its solutions pass, and
-the checkers name the classic mistakes.
-
-Exercises 4.1 and 4.2 are pure. The checker of 4.3 launches 4 gloo workers once per
-session (``measured_layer_bytes`` is cached), so the wrong formulas below cost no
-further launches.
-"""
+"""Chapter 4's send-splits and gradient-domain checkers name the classic mistakes, and the
+layer-bytes cases cover the edges; the layer-bytes checker, which launches 4 gloo workers,
+is tested in tests/dist/test_exercises_ch04.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tutorial_lib import costs, moe
+from tutorial_lib import moe
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.exercises import ch04
 from tutorial_lib.exercises.ch04 import (GRADIENT_DOMAIN_CASES, GRADIENT_DOMAIN_GRIDS, check_gradient_domains,
-                                         check_layer_bytes_sent, check_send_splits, reference_layer_bytes_sent,
-                                         reference_send_splits, send_splits_cases)
+                                         check_send_splits, reference_send_splits, send_splits_cases)
 from tutorial_lib.data_parallel import DOMAINS, grad_domain
-from tutorial_lib.viz.table import table
 
-from ..notebook_cells import NOTEBOOKS, exercise_tests
-
-NOTEBOOK = NOTEBOOKS / "04_moe_ep.ipynb"
-
-#: The exercises in notebook order: (function the stub defines, its checker, solution name).
-EXERCISES = [
-    ("send_splits", check_send_splits, "send_splits_solution"),
-    ("gradient_domains", check_gradient_domains, "gradient_domains_solution"),
-    ("layer_bytes_sent", check_layer_bytes_sent, "layer_bytes_sent_solution"),
-]
-
-(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
- test_solution_cell_passes) = exercise_tests(
-    NOTEBOOK, EXERCISES, {"torch": torch, "table": table, "GRADIENT_DOMAIN_CASES": GRADIENT_DOMAIN_CASES,
-                          "check_send_splits": check_send_splits,
-                          "check_gradient_domains": check_gradient_domains,
-                          "check_layer_bytes_sent": check_layer_bytes_sent},
-    min_cases=6)
+from ..notebook_cells import answers_checker_tests, assert_hint, assert_reason
 
 
 # --- exercise 4.1: the dispatch splits ------------------------------------------------------
@@ -113,10 +90,7 @@ def test_right_splits_pass_as_tensor_list_or_tuple():
 @pytest.mark.parametrize("mistake", list(_SPLITS_MISTAKES))
 def test_each_splits_mistake_gets_its_hint(mistake):
     wrong, hint = _SPLITS_MISTAKES[mistake]
-    result = check_send_splits(wrong)
-    assert not result.passed
-    assert result.hint == hint, str(result)
-    assert hint in str(result)
+    assert_hint(check_send_splits(wrong), hint)
 
 
 def test_no_minlength_fails_only_where_the_last_ranks_get_nothing():
@@ -197,49 +171,17 @@ def test_correct_domains_pass_in_any_spelling():
     ("router_weight", ({"pipeline"}, 8), "unknown group kind"),
 ])
 def test_each_wrong_domain_gets_its_reason(case, answer, reason):
-    result = check_gradient_domains(_domains(**{case: answer}))
-    assert not result.passed
-    assert [c.name for c in result.cases if not c.passed] == [case]
-    assert result.hint.startswith(f"{case}: ") and reason in result.hint, result.hint
+    assert_reason(check_gradient_domains(_domains(**{case: answer})), case, reason)
 
 
-@pytest.mark.parametrize("garbage", [None, "dp", [1, 2], {"router_weight": 3},
-                                     {name: ({"dp"}, "eight") for name in GRADIENT_DOMAIN_CASES}])
-def test_domains_checker_never_raises_on_garbage(garbage):
-    result = check_gradient_domains(lambda: garbage)
-    assert not result.passed and result.hint
-
-
-def test_domains_checker_turns_an_exception_into_a_case():
-    def broken():
-        raise KeyError("expert_dp")
-
-    result = check_gradient_domains(broken)
-    assert not result.passed and "raised KeyError" in result.cases[0].detail
+test_domains_checker_never_raises_on_garbage, test_domains_checker_turns_an_exception_into_a_case = \
+    answers_checker_tests(check_gradient_domains,
+                          [None, "dp", [1, 2], {"router_weight": 3},
+                           {name: ({"dp"}, "eight") for name in GRADIENT_DOMAIN_CASES}],
+                          KeyError("expert_dp"))
 
 
 # --- exercise 4.3: the bytes of one layer ------------------------------------------------------
-
-
-def _right_bytes(counts, rank, hidden, num_experts, bytes_per_element):
-    return reference_layer_bytes_sent(counts, rank, hidden, num_experts, bytes_per_element)
-
-
-def test_the_reference_formula_matches_costs_and_the_trace():
-    measured = ch04.measured_layer_bytes()
-    for (name, routings), per_rank in zip(ch04.bytes_cases(), measured):
-        counts = ch04.send_count_matrix(routings)
-        for rank, traced in enumerate(per_rank):
-            want = reference_layer_bytes_sent(counts, rank, ch04.BYTES_HIDDEN, ch04.BYTES_EXPERTS)
-            assert traced == want, (name, rank)
-            # the same from costs: every all-to-all of the rank, minus the rows it keeps
-            local = ch04.BYTES_EXPERTS // len(counts)
-            from_costs = 0
-            for op in costs.moe_rank_all_to_alls(counts, rank, ch04.BYTES_HIDDEN, ch04.BYTES_EXPERTS, 4):
-                row_bytes = local * 8 if op.payload == "counts" else ch04.BYTES_HIDDEN * 4
-                from_costs += op.bytes - op.input_splits[rank] * row_bytes
-            assert from_costs == want, (name, rank)
-    assert check_layer_bytes_sent(_right_bytes)
 
 
 def test_the_bytes_cases_cover_the_edges():
@@ -247,36 +189,3 @@ def test_the_bytes_cases_cover_the_edges():
     assert any(all(row[3] == 0 for row in m) for m in matrices)          # rank 3 receives nothing
     assert any(sum(m[1]) == 0 for m in matrices)                         # rank 1 sends nothing
     assert any(m[0][0] == sum(m[0]) > 0 for m in matrices)               # rank 0 keeps everything
-
-
-@pytest.mark.parametrize("mistake", list(ch04.BYTES_MISTAKES))
-def test_each_bytes_mistake_gets_its_hint(mistake):
-    switches = ch04.BYTES_MISTAKES[mistake]
-    result = check_layer_bytes_sent(
-        lambda c, r, h, n, d: reference_layer_bytes_sent(c, r, h, n, d, **switches))
-    assert not result.passed
-    expected = dict((name, hint) for hint, name in ch04._BYTES_HINTS)[mistake]
-    assert result.hint == expected, result.hint
-
-
-@pytest.mark.parametrize("garbage", [None, "lots", [1, 2], {"tp": 1}])
-def test_bytes_checker_never_raises_on_garbage(garbage):
-    result = check_layer_bytes_sent(lambda *a: garbage)
-    assert not result.passed and result.hint == ch04.HINT_BYTES_FORMAT
-
-
-def test_an_unknown_wrong_formula_gets_the_generic_hint():
-    result = check_layer_bytes_sent(lambda *a: _right_bytes(*a) + 1)
-    assert result.hint == ch04.HINT_BYTES_GENERIC
-
-
-def test_a_formula_that_raises_is_reported_per_case():
-    def broken(counts, rank, hidden, num_experts, bytes_per_element):
-        if sum(counts[rank]) == 0:
-            raise ZeroDivisionError("no tokens")
-        return _right_bytes(counts, rank, hidden, num_experts, bytes_per_element)
-
-    result = check_layer_bytes_sent(broken)
-    failed = [c for c in result.cases if not c.passed]
-    assert len(failed) == 1 and "raised ZeroDivisionError" in failed[0].detail
-    assert result.hint == ch04.HINT_BYTES_RAISED

@@ -1,5 +1,5 @@
-"""Chapter 5's exercises: the notebook's stubs fail with a hint, its solutions pass, and the
-checkers name the classic mistakes.
+"""Chapter 5's checkers name the classic mistakes (the notebook's exercise cells:
+tests/unit/test_exercises_notebooks.py).
 
 Every checker runs in this process (no workers), so these are unit tests.  Each wrong
 answer below is a mistake a student makes; each must get its own hint, and garbage must
@@ -11,27 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tutorial_lib import moe_balance as mb
+from tutorial_lib import moe_balance
 from tutorial_lib.exercises import ch05
 from tutorial_lib.exercises.ch05 import check_biased_topk, check_expert_balance_loss, check_update_bias
 
-from ..notebook_cells import NOTEBOOKS, exercise_tests
-
-NOTEBOOK = NOTEBOOKS / "05_moe_aux_losses.ipynb"
-
-#: The exercises in notebook order: (function the stub defines, its checker, solution name).
-EXERCISES = [
-    ("expert_balance_loss", check_expert_balance_loss, "expert_balance_loss_solution"),
-    ("biased_topk", check_biased_topk, "biased_topk_solution"),
-    ("update_bias", check_update_bias, "update_bias_solution"),
-]
-
-(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
- test_solution_cell_passes) = exercise_tests(
-    NOTEBOOK, EXERCISES, {"torch": torch, "F": F, "mb": mb,
-                          "check_expert_balance_loss": check_expert_balance_loss,
-                          "check_biased_topk": check_biased_topk,
-                          "check_update_bias": check_update_bias})
+from ..notebook_cells import assert_hint
 
 
 # --- exercise 5.1: the expert-level balance loss ---------------------------------------------
@@ -52,7 +36,7 @@ def loss_from_one_hot(probs, topk_idx, num_experts, topk):
     return (chosen.mean(dim=0) * num_experts / topk * probs.mean(dim=0)).sum()
 
 
-@pytest.mark.parametrize("answer", [mb.expert_balance_loss, loss_by_loops, loss_from_one_hot],
+@pytest.mark.parametrize("answer", [moe_balance.expert_balance_loss, loss_by_loops, loss_from_one_hot],
                          ids=lambda f: f.__name__)
 def test_correct_expert_losses_pass(answer):
     result = check_expert_balance_loss(answer)
@@ -61,7 +45,7 @@ def test_correct_expert_losses_pass(answer):
 
 
 def test_the_cases_include_balance_collapse_and_a_biased_routing():
-    values = {name: float(mb.expert_balance_loss(p, idx, n, k)) for name, p, idx, n, k in ch05.loss_cases()}
+    values = {name: float(moe_balance.expert_balance_loss(p, idx, n, k)) for name, p, idx, n, k in ch05.loss_cases()}
     assert any(v == pytest.approx(1.0, abs=1e-12) for v in values.values())     # perfect balance
     collapse = [v for name, v in values.items() if name.startswith("collapse")]
     assert collapse and 3.5 < collapse[0] < 4.0                                  # near N'/K' = 4
@@ -82,11 +66,8 @@ def test_the_cases_include_balance_collapse_and_a_biased_routing():
     ("own_topk", ch05.HINT_LOSS_OWN_TOPK),
 ])
 def test_each_expert_loss_mistake_gets_its_hint(mistake, hint):
-    result = check_expert_balance_loss(
-        lambda p, idx, n, k: ch05.expert_loss_variant(p, idx, n, k, mistake))
-    assert not result.passed
-    assert result.hint == hint, str(result)
-    assert hint in str(result)
+    assert_hint(check_expert_balance_loss(lambda p, idx, n, k: ch05.expert_loss_variant(p, idx, n, k, mistake)),
+                hint)
 
 
 def test_averaging_over_experts_gets_the_assignments_hint():
@@ -101,7 +82,7 @@ def test_averaging_over_experts_gets_the_assignments_hint():
 @pytest.mark.parametrize("detach", [
     lambda loss: float(loss), lambda loss: loss.item(), lambda loss: loss.detach()])
 def test_a_loss_without_gradient_gets_the_no_grad_hint(detach):
-    result = check_expert_balance_loss(lambda p, idx, n, k: detach(mb.expert_balance_loss(p, idx, n, k)))
+    result = check_expert_balance_loss(lambda p, idx, n, k: detach(moe_balance.expert_balance_loss(p, idx, n, k)))
     assert not result.passed and result.hint == ch05.HINT_LOSS_NO_GRAD
 
 
@@ -144,7 +125,7 @@ def topk_by_sorting(scores, bias, k):
     return idx, torch.gather(scores, 1, idx)
 
 
-@pytest.mark.parametrize("answer", [mb.biased_topk, topk_in_reverse_order, topk_by_sorting],
+@pytest.mark.parametrize("answer", [ch05.reference_topk, topk_in_reverse_order, topk_by_sorting],
                          ids=lambda f: f.__name__)
 def test_correct_biased_topk_passes(answer):
     result = check_biased_topk(answer)
@@ -159,9 +140,7 @@ def test_correct_biased_topk_passes(answer):
     ("normalised", ch05.HINT_TOPK_NORMALISED),
 ])
 def test_each_biased_topk_mistake_gets_its_hint(mistake, hint):
-    result = check_biased_topk(lambda s, b, k: ch05.topk_variant(s, b, k, mistake))
-    assert not result.passed
-    assert result.hint == hint, str(result)
+    assert_hint(check_biased_topk(lambda s, b, k: ch05.topk_variant(s, b, k, mistake)), hint)
 
 
 def test_ignoring_the_bias_passes_only_the_zero_bias_case():
@@ -171,7 +150,7 @@ def test_ignoring_the_bias_passes_only_the_zero_bias_case():
 
 
 def test_gates_without_gradient_get_the_no_grad_hint():
-    result = check_biased_topk(lambda s, b, k: tuple(t.detach() for t in mb.biased_topk(s, b, k)))
+    result = check_biased_topk(lambda s, b, k: tuple(t.detach() for t in ch05.reference_topk(s, b, k)))
     assert not result.passed and result.hint == ch05.HINT_TOPK_NO_GRAD
 
 
@@ -191,10 +170,10 @@ def update_returning_new(bias, load, gamma):
 
 
 def update_in_place_returning_none(bias, load, gamma):
-    mb.update_expert_bias(bias, load, gamma)
+    moe_balance.update_expert_bias(bias, load, gamma)
 
 
-@pytest.mark.parametrize("answer", [mb.update_expert_bias, update_returning_new, update_in_place_returning_none],
+@pytest.mark.parametrize("answer", [moe_balance.update_expert_bias, update_returning_new, update_in_place_returning_none],
                          ids=lambda f: f.__name__)
 def test_correct_updates_pass(answer):
     result = check_update_bias(answer)
@@ -203,7 +182,7 @@ def test_correct_updates_pass(answer):
 
 
 def test_the_simulation_really_balances_and_a_flipped_sign_really_does_not():
-    first, settled, bias = ch05.simulate_bias_balancing(mb.update_expert_bias)
+    first, settled, bias = ch05.simulate_bias_balancing(moe_balance.update_expert_bias)
     assert first > 2.5 and settled < ch05.SIM_MAX_VIOLATION
     assert bias[0] < 0 < bias[-1]  # the preferred expert was pushed down, the shunned one up
     _, flipped, _ = ch05.simulate_bias_balancing(lambda b, load, g: ch05.update_variant(b, load, g, "flipped"))
@@ -217,9 +196,7 @@ def test_the_simulation_really_balances_and_a_flipped_sign_really_does_not():
     ("at_mean", ch05.HINT_BIAS_AT_MEAN),
 ])
 def test_each_bias_update_mistake_gets_its_hint(mistake, hint):
-    result = check_update_bias(lambda b, load, g: ch05.update_variant(b, load, g, mistake))
-    assert not result.passed
-    assert result.hint == hint, str(result)
+    assert_hint(check_update_bias(lambda b, load, g: ch05.update_variant(b, load, g, mistake)), hint)
 
 
 def test_an_integer_mean_gets_the_dtype_hint():

@@ -1,30 +1,14 @@
-"""Chapter 6's exercises: the notebook's stubs fail with a hint, its solutions pass, and the
-checkers name the classic mistakes (all pure: no processes)."""
+"""Chapter 6's checkers name the classic mistakes (all pure: no processes; the notebook's
+exercise cells: tests/unit/test_exercises_notebooks.py)."""
 from __future__ import annotations
 
 import pytest
 
+from tutorial_lib.deepseek import layer_range
 from tutorial_lib.exercises import ch06
 from tutorial_lib.exercises.ch06 import (check_bubble, check_one_f_one_b, check_stage_holdings,
                                          stage_holdings)
-from tutorial_lib.model import layer_range
 from tutorial_lib.pipeline_schedules import Action, one_f_one_b
-
-from ..notebook_cells import NOTEBOOKS, exercise_tests
-
-NOTEBOOK = NOTEBOOKS / "06_pipeline_4d.ipynb"
-
-EXERCISES = [
-    ("my_one_f_one_b", check_one_f_one_b, "my_one_f_one_b_solution"),
-    ("bubble", check_bubble, "bubble_solution"),
-    ("holdings", check_stage_holdings, "holdings_solution"),
-]
-
-(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
- test_solution_cell_passes) = exercise_tests(
-    NOTEBOOK, EXERCISES, {"Action": Action, "layer_range": layer_range,
-                          "check_one_f_one_b": check_one_f_one_b, "check_bubble": check_bubble,
-                          "check_stage_holdings": check_stage_holdings})
 
 
 # --- exercise 6.1: the 1F1B list ---------------------------------------------------------------
@@ -82,7 +66,7 @@ def test_unclamped_warmup_runs_microbatches_that_do_not_exist():
     assert "but the microbatches are" in str(result)
 
 
-def test_the_seeds_wrong_peer_is_named_and_hidden_at_pp_2():
+def test_a_grad_received_from_the_previous_rank_is_named_and_hidden_at_pp_2():
     result = check_one_f_one_b(one_f_one_b_variant(grad_peer=lambda r, pp: r - 1))
     assert not result.passed and result.hint == ch06.HINT_PEER
     failing = {c.name for c in result.cases if not c.passed}

@@ -1,222 +1,11 @@
-"""Chapter 7's exercises: the notebook's stubs fail with a hint, its solutions pass, and the
-checkers name the classic mistakes.
-
-The first two checkers launch real gloo workers (2 to 5 ranks); the deadlock cases use a short
-launcher timeout so that they cost seconds, not minutes.
-"""
+"""Chapter 7's Megatron-mode checker names the classic mistakes; the two checkers that launch
+gloo workers are tested in tests/dist/test_exercises_ch07.py."""
 from __future__ import annotations
 
-import pytest
-import torch
-
-from tutorial_lib import comm, p2p, parallel_state
 from tutorial_lib.exercises import ch07
-from tutorial_lib.exercises.ch07 import (check_megatron_p2p_mode, check_send_first,
-                                         check_send_forward_recv_backward)
+from tutorial_lib.exercises.ch07 import check_megatron_p2p_mode
 
-from ..notebook_cells import NOTEBOOKS, exercise_tests
-
-pytestmark = pytest.mark.dist  # the first two checkers launch real gloo workers
-
-NOTEBOOK = NOTEBOOKS / "07_p2p_modes.ipynb"
-
-EXERCISES = [
-    ("my_send_forward_recv_backward", check_send_forward_recv_backward,
-     "my_send_forward_recv_backward_solution"),
-    ("send_first", check_send_first, "send_first_solution"),
-    ("megatron_p2p_mode", check_megatron_p2p_mode, "megatron_p2p_mode_solution"),
-]
-
-DEADLOCK_TIMEOUT = 3.0
-
-(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
- test_solution_cell_passes) = exercise_tests(
-    NOTEBOOK, EXERCISES, {"torch": torch, "comm": comm, "p2p": p2p,
-                          "check_send_forward_recv_backward": check_send_forward_recv_backward,
-                          "check_send_first": check_send_first,
-                          "check_megatron_p2p_mode": check_megatron_p2p_mode})
-
-
-# --- exercise 7.1: send_forward_recv_backward ------------------------------------------------
-
-
-def _exchange(tensor, shape, dtype, send_peer, recv_peer, blocking=False):
-    buffer = torch.empty(shape, dtype=dtype)
-    if blocking:
-        comm.send(tensor, send_peer, group="pp")
-        comm.recv(buffer, recv_peer, group="pp")
-    else:
-        comm.wait_all(comm.batch_isend_irecv([("send", tensor, send_peer), ("recv", buffer, recv_peer)],
-                                             group="pp"))
-    return buffer
-
-
-def _wrapped_prev():
-    stage, pp = parallel_state.get_rank_in("pp"), parallel_state.get_size("pp")
-    return parallel_state.get_group_ranks("pp")[(stage - 1) % pp]
-
-
-def overlapped(tensor, shape, dtype=torch.float32):
-    peer = p2p.next_rank()
-    if peer is None:
-        return None
-    buffer = torch.empty(shape, dtype=dtype)
-    comm.wait_all([comm.isend(tensor, peer, group="pp"), comm.irecv(buffer, peer, group="pp")])
-    return buffer
-
-
-def blocking(tensor, shape, dtype=torch.float32):
-    """Blocking send then receive: fine here, the neighbour posts both of its ops at once."""
-    peer = p2p.next_rank()
-    return None if peer is None else _exchange(tensor, shape, dtype, peer, peer, blocking=True)
-
-
-def seeds_wrapping_prev(tensor, shape, dtype=torch.float32):
-    """The guide's snippet, with Megatron's wrapping previous rank."""
-    peer = p2p.next_rank()
-    return None if peer is None else _exchange(tensor, shape, dtype, peer, _wrapped_prev())
-
-
-def seeds_prev_rank(tensor, shape, dtype=torch.float32):
-    """The guide's snippet with the library's prev_rank(), None on stage 0."""
-    peer = p2p.next_rank()
-    return None if peer is None else _exchange(tensor, shape, dtype, peer, p2p.prev_rank())
-
-
-def sends_to_previous(tensor, shape, dtype=torch.float32):
-    peer = p2p.next_rank()
-    return None if peer is None else _exchange(tensor, shape, dtype, _wrapped_prev(), peer)
-
-
-def forgets_the_last_stage(tensor, shape, dtype=torch.float32):
-    return _exchange(tensor, shape, dtype, p2p.next_rank(), p2p.next_rank())
-
-
-def returns_what_it_sent(tensor, shape, dtype=torch.float32):
-    peer = p2p.next_rank()
-    if peer is None:
-        return None
-    _exchange(tensor, shape, dtype, peer, peer)
-    return tensor
-
-
-def returns_none(tensor, shape, dtype=torch.float32):
-    peer = p2p.next_rank()
-    if peer is not None:
-        _exchange(tensor, shape, dtype, peer, peer)
-    return None
-
-
-def returns_a_fresh_buffer(tensor, shape, dtype=torch.float32):
-    peer = p2p.next_rank()
-    if peer is None:
-        return None
-    _exchange(tensor, shape, dtype, peer, peer)
-    return torch.zeros(shape, dtype=dtype) + torch.arange(shape[0], dtype=dtype)
-
-
-def calls_the_library(tensor, shape, dtype=torch.float32):
-    return p2p.send_forward_recv_backward(tensor, shape, dtype)
-
-
-def uses_torch_distributed(tensor, shape, dtype=torch.float32):
-    import torch.distributed as dist
-    peer = p2p.next_rank()
-    if peer is None:
-        return None
-    buffer = torch.empty(shape, dtype=dtype)
-    group = parallel_state.get_group("pp")
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer, group=group),
-                                        dist.P2POp(dist.irecv, buffer, peer, group=group)]):
-        work.wait()
-    return buffer
-
-
-def only_receives(tensor, shape, dtype=torch.float32):
-    peer = p2p.next_rank()
-    if peer is None:
-        return None
-    buffer = torch.empty(shape, dtype=dtype)
-    comm.recv(buffer, peer, group="pp")
-    return buffer
-
-
-@pytest.mark.parametrize("correct", [overlapped, blocking], ids=lambda f: f.__name__)
-def test_correct_helpers_pass(correct):
-    result = check_send_forward_recv_backward(correct)
-    assert result.passed, str(result)
-    assert [c.name for c in result.cases] == ["PP=2", "PP=3", "PP=4"]
-
-
-def test_seeds_peer_passes_at_pp2_and_is_named_at_pp3():
-    result = check_send_forward_recv_backward(seeds_wrapping_prev, timeout=DEADLOCK_TIMEOUT)
-    assert not result.passed
-    assert [c.passed for c in result.cases] == [True, False]  # PP=2 cannot tell; PP=4 skipped
-    assert result.cases[1].detail.startswith(f"deadlocked after {DEADLOCK_TIMEOUT:g} s")
-    assert "rank 0: waiting in recv from rank 2" in result.cases[1].detail
-    assert result.hint == ch07.HINT_RECV_FROM_PREVIOUS
-
-
-@pytest.mark.parametrize("wrong,hint", [
-    (seeds_prev_rank, ch07.HINT_RECV_FROM_PREVIOUS),
-    (sends_to_previous, ch07.HINT_SEND_TO_PREVIOUS),
-    (forgets_the_last_stage, ch07.HINT_LAST_STAGE),
-    (returns_what_it_sent, ch07.HINT_RETURNED_SENT),
-    (returns_none, ch07.HINT_RETURNED_NONE),
-    (returns_a_fresh_buffer, ch07.HINT_EMPTY_BUFFER),
-    (calls_the_library, ch07.HINT_USED_LIBRARY),
-    (uses_torch_distributed, ch07.HINT_NO_P2P),
-    (only_receives, ch07.HINT_FIX_DEADLOCK),
-], ids=lambda value: getattr(value, "__name__", "hint"))
-def test_peer_mistake_gets_its_hint(wrong, hint):
-    result = check_send_forward_recv_backward(wrong, timeout=DEADLOCK_TIMEOUT)
-    assert not result.passed
-    assert result.hint == hint, str(result)
-    assert hint in str(result)
-
-
-def test_an_exception_names_the_rank():
-    result = check_send_forward_recv_backward(seeds_prev_rank)
-    assert result.cases[0].detail == ("rank 0 raised ValueError: recv: peer rank None is not in "
-                                      "this rank's pp group [0, 1]")
-
-
-# --- exercise 7.2: who sends first --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("rule", [
-    lambda stage, pp, helper: stage % 2 == 0,
-    lambda stage, pp, helper: stage % 2 == 1,
-    lambda stage, pp, helper: helper == "send_forward_recv_backward",
-    lambda stage, pp, helper: helper == "send_backward_recv_forward",
-], ids=["even_first", "odd_first", "forward_sender_first", "backward_sender_first"])
-def test_every_rule_giving_neighbours_opposite_orders_passes(rule):
-    result = check_send_first(rule)
-    assert result.passed, str(result)
-    assert [c.name for c in result.cases] == [f"PP={pp}" for pp in ch07.ORDER_PIPELINES]
-
-
-@pytest.mark.parametrize("rule,hint,passed_before,pair", [
-    (lambda s, pp, h: True, ch07.HINT_ALL_SEND_FIRST, 0, "Stages 0 and 1 both send first"),
-    (lambda s, pp, h: False, ch07.HINT_ALL_RECV_FIRST, 0, "Stages 0 and 1 both receive first"),
-    (lambda s, pp, h: s == 0, ch07.HINT_ORDER_GENERIC, 1, "Stages 1 and 2 both receive first"),
-    (lambda s, pp, h: s < pp - 1, ch07.HINT_ORDER_GENERIC, 1, "Stages 0 and 1 both send first"),
-], ids=["always_send", "always_receive", "only_stage_0_sends", "all_but_last_send"])
-def test_deadlocking_rule_is_caught_and_the_pair_named(rule, hint, passed_before, pair):
-    result = check_send_first(rule, timeout=DEADLOCK_TIMEOUT)
-    assert not result.passed
-    assert result.hint.startswith(hint), str(result)
-    assert [c.passed for c in result.cases] == [True] * passed_before + [False]
-    assert pair in result.cases[-1].detail
-    # A rule that passed with fewer stages is told why that proved nothing.
-    assert ("passed: with fewer stages" in result.hint) == bool(passed_before)
-
-
-@pytest.mark.parametrize("garbage", [lambda s, pp, h: 1, lambda s, pp, h: "send",
-                                     lambda s, pp, h: None])
-def test_a_rule_that_is_not_a_bool_gets_the_format_hint(garbage):
-    result = check_send_first(garbage)
-    assert not result.passed and result.hint == ch07.HINT_NOT_BOOL
+from ..notebook_cells import assert_hint, hint_cases
 
 
 # --- exercise 7.3: Megatron's mode ---------------------------------------------------------------
@@ -229,20 +18,18 @@ def test_reference_follows_megatrons_script():
     assert ch07.megatron_training_mode(False, True) == "batched"
 
 
-@pytest.mark.parametrize("wrong,hint", [
-    (lambda i, f, n: "overlapped" if n else "batched", ch07.HINT_SEEDS_NVLINK),
+@hint_cases([
+    (lambda i, f, n: "overlapped" if n else "batched", ch07.HINT_NVLINK_RULE),
     (lambda i, f, n: "batched", ch07.HINT_OVERLAP_IS_DEFAULT),
     (lambda i, f, n: "batched" if f else "overlapped", ch07.HINT_OVERLAP_WITHOUT_INTERLEAVING),
     (lambda i, f, n: "overlapped" if i else "batched", ch07.HINT_FLAG_TURNS_OVERLAP_OFF),
     (lambda i, f, n: "overlapped" if i and not f else "sequential", ch07.HINT_NEVER_SEQUENTIAL),
     (lambda i, f, n: "NCCL", ch07.HINT_MODE_FORMAT),
     (lambda i, f, n: 1 / 0, ch07.HINT_MODE_GENERIC),
-], ids=["seeds_nvlink", "always_batched", "ignores_schedule", "ignores_flag", "sequential",
-        "not_a_mode", "raises"])
+], ids=["nvlink_rule", "always_batched", "ignores_schedule", "ignores_flag", "sequential",
+          "not_a_mode", "raises"])
 def test_mode_mistake_gets_its_hint(wrong, hint):
-    result = check_megatron_p2p_mode(wrong)
-    assert not result.passed
-    assert result.hint == hint, str(result)
+    assert_hint(check_megatron_p2p_mode(wrong), hint)
 
 
 def test_mode_spellings_are_accepted():

@@ -1,5 +1,5 @@
-"""Chapter 8's exercises: the notebook's stubs fail with a hint, its solutions pass, and the
-checkers name the classic mistakes.  All pure: no processes."""
+"""Chapter 8's checkers name the classic mistakes (all pure: no processes; the notebook's
+exercise cells: tests/unit/test_exercises_notebooks.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,24 +10,6 @@ import torch
 from tutorial_lib import fp8
 from tutorial_lib.exercises import ch08
 from tutorial_lib.exercises.ch08 import check_keep_ends_in_bf16, check_payload_bytes, check_quantize_1x128
-
-from ..notebook_cells import NOTEBOOKS, exercise_tests
-
-NOTEBOOK = NOTEBOOKS / "08_fp8_communication.ipynb"
-
-EXERCISES = [
-    ("quantize_1x128", check_quantize_1x128, "quantize_1x128_solution"),
-    ("payload_bytes", check_payload_bytes, "payload_bytes_solution"),
-    ("keep_ends_in_bf16", check_keep_ends_in_bf16, "keep_ends_in_bf16_solution"),
-]
-
-(test_notebook_has_the_three_cells_of_each_exercise, test_stub_fails_with_the_stub_hint,
- test_solution_cell_passes) = exercise_tests(
-    NOTEBOOK, EXERCISES, {"torch": torch, "dataclasses": dataclasses,
-                          "check_quantize_1x128": check_quantize_1x128,
-                          "check_payload_bytes": check_payload_bytes,
-                          "check_keep_ends_in_bf16": check_keep_ends_in_bf16},
-    min_cases=4)
 
 
 # --- 8.1 -------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The FP8 tile widget: its numbers are the library's quantizer's, it is self-contained, and it
-plays in chromium (buttons change the tile, the scaling and the numbers shown)."""
+"""The FP8 tile widget: its numbers are the library's quantizer's and it is self-contained.
+In chromium (buttons change the tile, the scaling and the numbers shown): tests/book/test_widgets.py."""
 import json
 import re
 
@@ -10,11 +10,16 @@ from tutorial_lib import fp8
 from tutorial_lib.viz.fp8_tiles import tile_data, tile_explorer
 
 
-@pytest.fixture(scope="module")
-def tokens():
+def outlier_tokens() -> torch.Tensor:
+    """Two tokens of two tiles each."""
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     x[1, 10] = 300.0  # an outlier channel in token 1's first tile
     return x
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return outlier_tokens()
 
 
 def test_the_numbers_are_the_library_quantizers(tokens):
@@ -52,25 +57,3 @@ def test_refusals_name_the_limit():
         tile_data(torch.randn(2, 100))
     with pytest.raises(ValueError, match="at most 6 tokens"):
         tile_data(torch.randn(7, 128))
-
-
-@pytest.mark.browser
-def test_the_widget_works_in_chromium(tokens, fragment_page):
-    view = fragment_page(tile_explorer(tokens).to_html(), tile_explorer(tokens).to_html())
-    root = view.page.locator(".tl-fp8-tiles").first
-    assert root.locator("rect.tl-fp8-bar").count() == 128
-    before = root.locator(".tl-fp8-stats").inner_text()
-    assert "amax" in before and "scale" in before
-    root.locator(".tl-fp8-tokens button").nth(1).click()
-    assert root.get_attribute("data-token") == "1"
-    assert root.locator(".tl-fp8-stats").inner_text() != before
-    assert "300" in root.locator(".tl-fp8-stats").inner_text()  # the outlier is the amax
-    root.locator(".tl-fp8-modes button").nth(2).click()
-    assert root.get_attribute("data-mode") == "per_tensor"
-    root.locator(".tl-fp8-tilebtns button").nth(1).click()
-    assert root.get_attribute("data-tile") == "1"
-    root.locator("rect.tl-fp8-bar").nth(3).hover()
-    assert "channel 131" in root.locator(".tl-fp8-hover").inner_text()
-    # the second widget on the page did not move
-    assert view.page.locator(".tl-fp8-tiles").nth(1).get_attribute("data-token") == "0"
-    view.assert_clean()

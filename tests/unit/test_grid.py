@@ -1,8 +1,6 @@
 """Grid math against hand-written loops, for many shapes and every layout."""
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -142,12 +140,3 @@ def test_cli_json_and_errors(capsys):
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and groups["pp"][0] == [0, 4]
     assert main(["--world-size", "6", "--tp", "4"]) == 2
     assert "[rule 1] world_size (6)" in capsys.readouterr().err
-
-
-def test_cli_as_a_module_exits_nonzero():
-    bad = subprocess.run([sys.executable, "-m", "tutorial_lib.grid", "--world-size", "8", "--tp", "3"],
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "rule 1" in bad.stderr
-    ok = subprocess.run([sys.executable, "-m", "tutorial_lib.grid", "--world-size", "8", "--tp", "2",
-                         "--layout", "visualizer", "--all-kinds"], capture_output=True, text=True)
-    assert ok.returncode == 0 and "embedding" in ok.stdout and "visualizer layout" in ok.stdout

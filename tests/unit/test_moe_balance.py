@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tutorial_lib import moe_balance as mb
+from tutorial_lib import moe, moe_balance
 
 # --- builders ------------------------------------------------------------------
 
@@ -82,15 +82,15 @@ def test_every_balance_loss_is_its_coefficient_at_perfect_balance(num_experts, t
     T, coeff = 2 * num_experts, 0.25
     topk_idx = _balanced_routing(T, num_experts, topk)
     probs = torch.full((T, num_experts), 1.0 / num_experts, dtype=torch.float64)
-    assert (mb.expert_load(topk_idx, num_experts) == T * topk // num_experts).all()
-    assert mb.expert_balance_loss(probs, topk_idx, num_experts, topk, coeff) / coeff == 1.0
-    assert mb.device_balance_loss(probs, topk_idx, num_experts, topk, devices, coeff) / coeff == 1.0
+    assert (moe_balance.expert_load(topk_idx, num_experts) == T * topk // num_experts).all()
+    assert moe_balance.expert_balance_loss(probs, topk_idx, num_experts, topk, coeff) / coeff == 1.0
+    assert moe_balance.device_balance_loss(probs, topk_idx, num_experts, topk, devices, coeff) / coeff == 1.0
     # each token reaches exactly M = K' devices, each device MT/D tokens
-    comm = mb.communication_balance_loss(probs, topk_idx, num_experts, devices, topk, coeff)
+    comm = moe_balance.communication_balance_loss(probs, topk_idx, num_experts, devices, topk, coeff)
     assert comm / coeff == pytest.approx(1.0, rel=1e-15)
     # sequence-wise: two sequences, each balanced on its own; any constant affinity
     scores = torch.full((2, T, num_experts), 0.5, dtype=torch.float64)
-    seq = mb.sequence_balance_loss(scores, topk_idx.expand(2, T, topk), num_experts, topk, coeff)
+    seq = moe_balance.sequence_balance_loss(scores, topk_idx.expand(2, T, topk), num_experts, topk, coeff)
     assert seq / coeff == pytest.approx(1.0, rel=1e-15)
 
 
@@ -101,14 +101,14 @@ def test_expert_loss_peaks_at_n_over_k_when_every_token_picks_the_same_experts()
     topk_idx = torch.arange(K).expand(T, K)
     uniform_on_chosen = torch.zeros(T, N, dtype=torch.float64)
     uniform_on_chosen[:, :K] = 1.0 / K        # P_i = 1/K' -> K' * (N'/K') * (1/K') = N'/K'
-    assert mb.expert_balance_loss(uniform_on_chosen, topk_idx, N, K) == N / K
+    assert moe_balance.expert_balance_loss(uniform_on_chosen, topk_idx, N, K) == N / K
     one_hot_on_chosen = torch.zeros(T, N, dtype=torch.float64)
     one_hot_on_chosen[:, 2] = 1.0
-    assert mb.expert_balance_loss(one_hot_on_chosen, topk_idx, N, K) == N / K
+    assert moe_balance.expert_balance_loss(one_hot_on_chosen, topk_idx, N, K) == N / K
     # and it is the maximum: f_i <= N'/K' and sum_i P_i = 1
     for seed in range(5):
         probs, idx = _random_router(T, N, K, seed)
-        assert mb.expert_balance_loss(probs, idx, N, K) < N / K
+        assert moe_balance.expert_balance_loss(probs, idx, N, K) < N / K
 
 
 def test_device_loss_is_d_when_one_device_gets_everything():
@@ -117,7 +117,7 @@ def test_device_loss_is_d_when_one_device_gets_everything():
     probs = torch.zeros(T, N, dtype=torch.float64)
     probs[:, :N // D] = torch.softmax(torch.randn(T, N // D, generator=g, dtype=torch.float64), -1)
     topk_idx = torch.topk(probs, K, dim=-1).indices           # all picks on device 0's experts
-    assert mb.device_balance_loss(probs, topk_idx, N, K, D) == pytest.approx(D, rel=1e-14)
+    assert moe_balance.device_balance_loss(probs, topk_idx, N, K, D) == pytest.approx(D, rel=1e-14)
 
 
 def test_communication_loss_edge_cases():
@@ -127,19 +127,19 @@ def test_communication_loss_edge_cases():
     both_on_device_1 = torch.tensor([[2, 3]] * T)
     one_on_device_1 = torch.tensor([[2]] * T)
     for M in (1, 2, 4):  # one device receiving every token: D / M
-        loss = mb.communication_balance_loss(probs, both_on_device_1, N, D, M)
+        loss = moe_balance.communication_balance_loss(probs, both_on_device_1, N, D, M)
         assert loss == pytest.approx(D / M)
     # a token is counted once per device, however many of its experts live there
-    assert (mb.communication_balance_loss(probs, both_on_device_1, N, D, 2)
-            == mb.communication_balance_loss(probs, one_on_device_1, N, D, 2))
+    assert (moe_balance.communication_balance_loss(probs, both_on_device_1, N, D, 2)
+            == moe_balance.communication_balance_loss(probs, one_on_device_1, N, D, 2))
     # M = D and every token reaching every device: 1, whatever the probabilities
     random_probs, _ = _random_router(T, N, D, seed=3)
     every_device = torch.tensor([[0, 2, 4, 6]] * T)
-    assert mb.communication_balance_loss(random_probs, every_device, N, D, D) == pytest.approx(1.0)
+    assert moe_balance.communication_balance_loss(random_probs, every_device, N, D, D) == pytest.approx(1.0)
     # no traffic to where the probability is: 0
-    assert mb.communication_balance_loss(probs, torch.tensor([[0, 7]] * T), N, D, 2) == 0.0
+    assert moe_balance.communication_balance_loss(probs, torch.tensor([[0, 7]] * T), N, D, 2) == 0.0
     with pytest.raises(ValueError, match=r"max_devices \(M = 5\) must be between 1 and"):
-        mb.communication_balance_loss(probs, both_on_device_1, N, D, 5)
+        moe_balance.communication_balance_loss(probs, both_on_device_1, N, D, 5)
 
 
 def test_sequence_loss_sees_imbalance_inside_each_sequence():
@@ -150,9 +150,9 @@ def test_sequence_loss_sees_imbalance_inside_each_sequence():
     scores[0, :, :2] = 0.75
     scores[1, :, 2:] = 0.75
     topk_idx = torch.stack([torch.tensor([[0, 1]] * S), torch.tensor([[2, 3]] * S)])
-    assert mb.sequence_balance_loss(scores, topk_idx, N, K) == 2.0
+    assert moe_balance.sequence_balance_loss(scores, topk_idx, N, K) == 2.0
     flat = (scores / scores.sum(-1, keepdim=True)).reshape(-1, N)
-    assert mb.expert_balance_loss(flat, topk_idx.reshape(-1, K), N, K) == 1.0
+    assert moe_balance.expert_balance_loss(flat, topk_idx.reshape(-1, K), N, K) == 1.0
 
 
 def test_sequence_loss_is_the_mean_of_independent_per_sequence_losses():
@@ -160,54 +160,54 @@ def test_sequence_loss_is_the_mean_of_independent_per_sequence_losses():
     g = torch.Generator().manual_seed(1)
     scores = torch.sigmoid(torch.randn(B, S, N, generator=g, dtype=torch.float64))
     topk_idx = torch.topk(scores, K, dim=-1).indices
-    one_by_one = [mb.sequence_balance_loss(scores[b:b + 1], topk_idx[b:b + 1], N, K)
+    one_by_one = [moe_balance.sequence_balance_loss(scores[b:b + 1], topk_idx[b:b + 1], N, K)
                   for b in range(B)]
-    whole = mb.sequence_balance_loss(scores, topk_idx, N, K)
+    whole = moe_balance.sequence_balance_loss(scores, topk_idx, N, K)
     torch.testing.assert_close(whole, torch.stack(one_by_one).mean(), rtol=1e-14, atol=0)
     # changing sequence 2 leaves sequence 0's term alone
     scores2, idx2 = scores.clone(), topk_idx.clone()
     scores2[2], idx2[2] = scores[0], topk_idx[0]
-    changed = mb.sequence_balance_loss(scores2, idx2, N, K)
+    changed = moe_balance.sequence_balance_loss(scores2, idx2, N, K)
     torch.testing.assert_close(changed, (2 * one_by_one[0] + one_by_one[1]) / 3, rtol=1e-14, atol=0)
 
 
 def test_losses_match_the_papers_formulas_written_as_loops():
     N, K, D, M, T = 8, 3, 4, 2, 9
     probs, topk_idx = _random_router(T, N, K, seed=7)
-    torch.testing.assert_close(mb.expert_balance_loss(probs, topk_idx, N, K, 0.003).item(),
+    torch.testing.assert_close(moe_balance.expert_balance_loss(probs, topk_idx, N, K, 0.003).item(),
                                0.003 * _reference_expert(probs, topk_idx, N, K))
-    torch.testing.assert_close(mb.device_balance_loss(probs, topk_idx, N, K, D, 0.05).item(),
+    torch.testing.assert_close(moe_balance.device_balance_loss(probs, topk_idx, N, K, D, 0.05).item(),
                                0.05 * _reference_device(probs, topk_idx, N, K, D))
-    torch.testing.assert_close(mb.communication_balance_loss(probs, topk_idx, N, D, M, 0.02).item(),
+    torch.testing.assert_close(moe_balance.communication_balance_loss(probs, topk_idx, N, D, M, 0.02).item(),
                                0.02 * _reference_comm(probs, topk_idx, N, D, M))
     g = torch.Generator().manual_seed(8)
     scores = torch.sigmoid(torch.randn(2, 5, N, generator=g, dtype=torch.float64))
     idx = torch.topk(scores, K, dim=-1).indices
-    torch.testing.assert_close(mb.sequence_balance_loss(scores, idx, N, K, 1e-4).item(),
+    torch.testing.assert_close(moe_balance.sequence_balance_loss(scores, idx, N, K, 1e-4).item(),
                                1e-4 * _reference_sequence(scores, idx, N, K))
 
 
 def test_router_z_loss_closed_form():
     T, N = 5, 8
     zeros = torch.zeros(T, N, dtype=torch.float64)
-    assert mb.router_z_loss(zeros) == pytest.approx(math.log(N) ** 2)
+    assert moe_balance.router_z_loss(zeros) == pytest.approx(math.log(N) ** 2)
     c = torch.arange(T, dtype=torch.float64).unsqueeze(1).expand(T, N)  # row t constant t
     expected = sum((t + math.log(N)) ** 2 for t in range(T)) / T
-    assert mb.router_z_loss(c, coeff=0.001) == pytest.approx(0.001 * expected)
+    assert moe_balance.router_z_loss(c, coeff=0.001) == pytest.approx(0.001 * expected)
     logits = torch.randn(T, N, dtype=torch.float64)
     by_hand = torch.log(torch.exp(logits).sum(-1)).pow(2).mean()
-    torch.testing.assert_close(mb.router_z_loss(logits), by_hand)
+    torch.testing.assert_close(moe_balance.router_z_loss(logits), by_hand)
 
 
 def test_expert_load_and_max_violation():
-    load = mb.expert_load(torch.tensor([[0, 2], [2, 3], [0, 2]]), num_experts=5)
+    load = moe_balance.expert_load(torch.tensor([[0, 2], [2, 3], [0, 2]]), num_experts=5)
     assert load.dtype == torch.int64 and load.tolist() == [2, 0, 3, 1, 0]
-    assert mb.max_violation(torch.tensor([4, 4, 4, 4])) == 0.0
-    assert mb.max_violation(torch.tensor([8, 0, 4, 4])) == 1.0       # (8 - 4) / 4
-    assert mb.max_violation(torch.tensor([12, 0, 0, 0])) == 3.0      # all on one: N - 1
-    assert mb.max_violation(load) == pytest.approx((3 - 1.2) / 1.2)
+    assert moe_balance.max_violation(torch.tensor([4, 4, 4, 4])) == 0.0
+    assert moe_balance.max_violation(torch.tensor([8, 0, 4, 4])) == 1.0       # (8 - 4) / 4
+    assert moe_balance.max_violation(torch.tensor([12, 0, 0, 0])) == 3.0      # all on one: N - 1
+    assert moe_balance.max_violation(load) == pytest.approx((3 - 1.2) / 1.2)
     with pytest.raises(ValueError, match="all zeros"):
-        mb.max_violation(torch.zeros(4, dtype=torch.int64))
+        moe_balance.max_violation(torch.zeros(4, dtype=torch.int64))
 
 
 # --- auxiliary-loss-free balancing --------------------------------------------------
@@ -215,18 +215,19 @@ def test_expert_load_and_max_violation():
 
 def test_update_expert_bias_moves_by_gamma_toward_the_mean_in_place():
     bias = torch.zeros(4)
-    out = mb.update_expert_bias(bias, torch.tensor([3, 1, 2, 2]), gamma=0.01)  # mean 2
+    out = moe_balance.update_expert_bias(bias, torch.tensor([3, 1, 2, 2]), gamma=0.01)  # mean 2
     assert out is bias
     torch.testing.assert_close(bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
     learnable = torch.zeros(4, requires_grad=True)  # even a leaf that wants grad: no graph
-    mb.update_expert_bias(learnable, torch.tensor([3, 1, 2, 2]), gamma=0.01)
+    moe_balance.update_expert_bias(learnable, torch.tensor([3, 1, 2, 2]), gamma=0.01)
     assert learnable.grad_fn is None
 
 
 def test_biased_topk_selects_with_the_bias_and_gates_without_it():
     scores = torch.tensor([[0.9, 0.8, 0.1, 0.2], [0.3, 0.7, 0.6, 0.5]])
     bias = torch.tensor([0.0, 0.0, 1.0, 0.0])                      # pushes expert 2 in
-    idx, gates = mb.biased_topk(scores, bias, k=2)
+    idx = moe.select_experts(scores, 2, bias)
+    gates = moe.gates_from_scores(scores, idx, normalize=False)
     assert idx.tolist() == [[2, 0], [2, 1]]
     assert torch.equal(gates, torch.tensor([[0.1, 0.9], [0.6, 0.7]]))  # raw affinities
 
@@ -241,11 +242,12 @@ def test_bias_update_balances_a_skewed_router_without_touching_the_gates():
     max_vio = []
     for step in range(steps):
         scores = torch.sigmoid(preference + torch.randn(T, N, generator=g))
-        topk_idx, gates = mb.biased_topk(scores, bias, K)
+        topk_idx = moe.select_experts(scores, K, bias)
+        gates = moe.gates_from_scores(scores, topk_idx, normalize=False)
         assert torch.equal(gates, scores.gather(-1, topk_idx))    # the bias never gates
-        load = mb.expert_load(topk_idx, N)
-        max_vio.append(mb.max_violation(load))
-        mb.update_expert_bias(bias, load, gamma)
+        load = moe_balance.expert_load(topk_idx, N)
+        max_vio.append(moe_balance.max_violation(load))
+        moe_balance.update_expert_bias(bias, load, gamma)
     assert max_vio[0] > 1.0                                         # about 3.4 here
     first_balanced = next(i for i, v in enumerate(max_vio) if v < 0.1)
     assert first_balanced <= 350, first_balanced                   # about 300 steps
@@ -261,16 +263,16 @@ def test_losses_are_differentiable_in_probs_and_the_counts_carry_no_gradient():
     N, K, D, T = 8, 2, 4, 6
     probs, topk_idx = _random_router(T, N, K, seed=2)
     probs.requires_grad_(True)
-    for fn in (lambda p: mb.expert_balance_loss(p, topk_idx, N, K, 0.5),
-               lambda p: mb.device_balance_loss(p, topk_idx, N, K, D),
-               lambda p: mb.communication_balance_loss(p, topk_idx, N, D, 2),
-               lambda p: mb.router_z_loss(p),
-               lambda p: mb.sequence_balance_loss(torch.sigmoid(p).view(2, 3, N),
+    for fn in (lambda p: moe_balance.expert_balance_loss(p, topk_idx, N, K, 0.5),
+               lambda p: moe_balance.device_balance_loss(p, topk_idx, N, K, D),
+               lambda p: moe_balance.communication_balance_loss(p, topk_idx, N, D, 2),
+               lambda p: moe_balance.router_z_loss(p),
+               lambda p: moe_balance.sequence_balance_loss(torch.sigmoid(p).view(2, 3, N),
                                                   topk_idx.view(2, 3, K), N, K)):
         assert torch.autograd.gradcheck(fn, (probs,))
     # the loss is linear in probs with slope coeff * f_i / T (f from the fixed counts)
-    (grad,) = torch.autograd.grad(mb.expert_balance_loss(probs, topk_idx, N, K, 0.5), probs)
-    f = mb.expert_load(topk_idx, N).double() * N / (K * T)
+    (grad,) = torch.autograd.grad(moe_balance.expert_balance_loss(probs, topk_idx, N, K, 0.5), probs)
+    f = moe_balance.expert_load(topk_idx, N).double() * N / (K * T)
     torch.testing.assert_close(grad, (0.5 * f / T).expand(T, N))
 
 
@@ -281,26 +283,26 @@ def test_total_aux_loss_returns_the_enabled_losses_by_name():
     N, K, D = 8, 2, 4
     probs, topk_idx = _random_router(12, N, K, seed=4)
     logits = torch.log(probs)
-    v2 = mb.total_aux_loss(mb.BalanceConfig(), probs, topk_idx, N, K, num_devices=D, max_devices=2)
+    v2 = moe_balance.total_aux_loss(moe_balance.BalanceConfig(), probs, topk_idx, N, K, num_devices=D, max_devices=2)
     assert set(v2) == {"expert", "device", "communication"}
-    assert v2["expert"] == mb.expert_balance_loss(probs, topk_idx, N, K, 0.003)
-    assert v2["device"] == mb.device_balance_loss(probs, topk_idx, N, K, D, 0.05)
-    assert v2["communication"] == mb.communication_balance_loss(probs, topk_idx, N, D, 2, 0.02)
-    v3 = mb.total_aux_loss(mb.BalanceConfig.deepseek_v3(), probs.view(3, 4, N),
+    assert v2["expert"] == moe_balance.expert_balance_loss(probs, topk_idx, N, K, 0.003)
+    assert v2["device"] == moe_balance.device_balance_loss(probs, topk_idx, N, K, D, 0.05)
+    assert v2["communication"] == moe_balance.communication_balance_loss(probs, topk_idx, N, D, 2, 0.02)
+    v3 = moe_balance.total_aux_loss(moe_balance.BalanceConfig.deepseek_v3(), probs.view(3, 4, N),
                            topk_idx.view(3, 4, K), N, K)
-    assert set(v3) == {"sequence"} and mb.BalanceConfig.deepseek_v3().use_bias_balancing
-    assert v3["sequence"] == mb.sequence_balance_loss(probs.view(3, 4, N), topk_idx.view(3, 4, K),
+    assert set(v3) == {"sequence"} and moe_balance.BalanceConfig.deepseek_v3().use_bias_balancing
+    assert v3["sequence"] == moe_balance.sequence_balance_loss(probs.view(3, 4, N), topk_idx.view(3, 4, K),
                                                       N, K, 1e-4)
-    z = mb.total_aux_loss(mb.BalanceConfig(use_expert_loss=False, use_device_loss=False,
+    z = moe_balance.total_aux_loss(moe_balance.BalanceConfig(use_expert_loss=False, use_device_loss=False,
                                            use_communication_loss=False, use_z_loss=True),
                           probs, topk_idx, N, K, logits=logits)
-    assert z == {"z": mb.router_z_loss(logits, 0.001)}
+    assert z == {"z": moe_balance.router_z_loss(logits, 0.001)}
     with pytest.raises(ValueError, match="needs the router logits"):
-        mb.total_aux_loss(mb.BalanceConfig(use_z_loss=True), probs, topk_idx, N, K, num_devices=D)
+        moe_balance.total_aux_loss(moe_balance.BalanceConfig(use_z_loss=True), probs, topk_idx, N, K, num_devices=D)
 
 
 def test_every_config_field_has_a_docstring():
-    tree = ast.parse(inspect.getsource(mb.BalanceConfig))
+    tree = ast.parse(inspect.getsource(moe_balance.BalanceConfig))
     body = tree.body[0].body
     for i, node in enumerate(body):
         if isinstance(node, ast.AnnAssign):
@@ -312,10 +314,10 @@ def test_errors_name_the_rule_and_the_numbers():
     probs, topk_idx = _random_router(4, 6, 2)
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by "
                                          r"num_devices \(4\).*try 4 or 8 experts"):
-        mb.device_balance_loss(probs, topk_idx, 6, 2, 4)
+        moe_balance.device_balance_loss(probs, topk_idx, 6, 2, 4)
     with pytest.raises(ValueError, match=r"picks 2 experts per token but topk is 3"):
-        mb.expert_balance_loss(probs, topk_idx, 6, 3)
+        moe_balance.expert_balance_loss(probs, topk_idx, 6, 3)
     with pytest.raises(ValueError, match=r"probs has 6 experts .* num_experts is 8"):
-        mb.expert_balance_loss(probs, topk_idx, 8, 2)
+        moe_balance.expert_balance_loss(probs, topk_idx, 8, 2)
     with pytest.raises(ValueError, match=r"scores must be \[B, S, N'\]"):
-        mb.sequence_balance_loss(probs, topk_idx, 6, 2)
+        moe_balance.sequence_balance_loss(probs, topk_idx, 6, 2)

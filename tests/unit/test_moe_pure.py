@@ -98,8 +98,9 @@ def test_expert_bias_changes_the_choice_but_never_the_gates():
     chosen = s.gather(1, biased.topk_idx)  # the unbiased affinities
     assert torch.allclose(biased.gates, chosen / chosen.sum(1, keepdim=True), atol=1e-6, rtol=1e-6)
     assert torch.equal(biased.scores, plain.scores)  # scores never see the bias
-    # the same choice as moe_balance.biased_topk, which V3's chapter shows
-    idx, gates = moe_balance.biased_topk(s, router.expert_bias, 2)
+    # the same choice and gates as select_experts + gates_from_scores, which chapter 5 shows
+    idx = moe.select_experts(s, 2, router.expert_bias)
+    gates = moe.gates_from_scores(s, idx, normalize=False)
     assert torch.equal(idx, biased.topk_idx) and torch.equal(gates, chosen)
     assert [n for n, _ in router.named_buffers()] == ["expert_bias"]
     assert "expert_bias" not in dict(router.named_parameters())

@@ -41,9 +41,9 @@ def compute_order(actions):
 def test_each_rank_runs_every_forward_and_backward_once_per_chunk(case):
     name, pp, m, v = case
     for rank, actions in schedules(case).items():
-        expected = Counter({(mb, c): 1 for mb in range(m) for c in range(v)})
+        expected = Counter({(i, c): 1 for i in range(m) for c in range(v)})
         for kind in ("forward", "backward"):
-            assert Counter((a.microbatch, a.stage) for a in actions if a.kind == kind) == expected
+            assert Counter((a.microbatch, a.chunk) for a in actions if a.kind == kind) == expected
         assert all(a.peer is None for a in actions if a.is_compute)
 
 
@@ -56,7 +56,7 @@ def test_warmup_forwards_before_the_first_backward(case):
         if name == "gpipe":
             assert before_first_backward == m
         elif name == "1f1b":
-            warmup = min(pp - rank - 1, m)  # the guide's rule, written out
+            warmup = min(pp - rank - 1, m)  # Megatron's count, written out
             assert num_warmup_microbatches(pp, m, rank) == warmup
             assert before_first_backward == min(warmup + 1, m)  # steady state starts with a forward
             steady = computes[warmup:warmup + 2 * (m - warmup)]
@@ -137,11 +137,11 @@ def test_labels_sent_before_stage0_forward_and_received_before_the_loss(case):
         assert not any("labels" in a.kind for a in scheds[0])
         return
     first, last = scheds[0], scheds[pp - 1]
-    for mb in range(m):
-        forward0 = first.index(Action("forward", mb, 0))
-        assert first[forward0 - 1] == Action("send_labels", mb, 0, pp - 1)
-        loss = last.index(Action("forward", mb, v - 1))
-        assert last[loss - 1] == Action("recv_labels", mb, v - 1, 0)
+    for i in range(m):
+        forward0 = first.index(Action("forward", i, 0))
+        assert first[forward0 - 1] == Action("send_labels", i, 0, pp - 1)
+        loss = last.index(Action("forward", i, v - 1))
+        assert last[loss - 1] == Action("recv_labels", i, v - 1, 0)
 
 
 # --- simulation: completion and causality ----------------------------------------------------
@@ -162,16 +162,16 @@ def test_simulation_completes_and_respects_causality(case):
                 stage = t.action.model_stage(rank, pp)
                 assert stage % pp == rank
                 done[(t.action.kind, t.action.microbatch, stage)] = t
-    for mb in range(m):
+    for i in range(m):
         for s in range(last + 1):
-            fwd, bwd = done[("forward", mb, s)], done[("backward", mb, s)]
+            fwd, bwd = done[("forward", i, s)], done[("backward", i, s)]
             if s > 0:
-                assert fwd.start >= done[("forward", mb, s - 1)].end
+                assert fwd.start >= done[("forward", i, s - 1)].end
             assert bwd.start >= fwd.end  # backward after its own forward
             if s < last:
-                assert bwd.start >= done[("backward", mb, s + 1)].end  # and after the next stage's
+                assert bwd.start >= done[("backward", i, s + 1)].end  # and after the next stage's
         if last > 0:  # the loss waits for the labels read by stage 0
-            assert done[("forward", mb, last)].start >= done[("forward", mb, 0)].end
+            assert done[("forward", i, last)].start >= done[("forward", i, 0)].end
 
 
 def test_simulated_times_by_hand():
@@ -255,7 +255,7 @@ def test_peak_activations_match_the_formula(case):
             assert Fraction(peak, v) == pp * (1 + Fraction(pp - 1, v * pp))
 
 
-# --- the seeds' batched-mode bug ---------------------------------------------------------------
+# --- a batched-mode bug: send_forward_recv_backward receiving from the previous rank -----------
 
 
 @pytest.mark.parametrize("pp", [3, 4, 5, 6])

@@ -9,7 +9,7 @@ import pytest
 
 from tutorial_lib.config import LAYOUTS, ConfigError
 from tutorial_lib.grid import EXTRA_GROUP_KINDS, GROUP_KINDS, build_grid
-from tutorial_lib.viz import colors
+from tutorial_lib.viz import draw
 from tutorial_lib.viz.rank_map import (
     ALL_KINDS, KNOBS, RankMap, crossing_flags, rank_formula, rank_map,
 )
@@ -99,7 +99,7 @@ def test_initial_paint_matches_groups():
     assert len(cells) == 16
     for rank, group, background in cells:
         assert int(rank) in groups[int(group)]
-        assert background == colors.group_color(int(group), 4)
+        assert background == draw.group_color(int(group), 4)
 
 
 def test_rank_formula_matches_the_grids():
@@ -196,73 +196,8 @@ def test_invalid_knob_setting_carries_pythons_message(world16):
 
 
 def test_kind_colors_cover_every_kind():
-    assert set(ALL_KINDS) <= set(colors.KIND_COLORS)
-    assert len(set(colors.KIND_COLORS.values())) == len(colors.KIND_COLORS)
-    assert colors.group_color(0, 1) == colors.SINGLETON_COLOR
-    assert colors.group_color(len(colors.PALETTE), 2) == colors.PALETTE[0]
-    assert colors.text_color("#ffffff") != colors.text_color("#000000")
-
-
-# --- in a real browser ----------------------------------------------------------
-
-
-@pytest.mark.browser
-def test_javascript_in_chromium(tmp_path, chromium_browser):
-    a = rank_map(16, 8, tp=2, pp=2, ep=2)
-    b = rank_map(16, 8, tp=2, pp=2, ep=2, layout="course")
-    page_file = tmp_path / "page.html"
-    page_file.write_text(f"<!doctype html><meta charset='utf-8'><body>{a.to_html()}{b.to_html()}</body>",
-                         encoding="utf-8")
-    page = chromium_browser.new_page()
-    try:
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(page_file.as_uri())
-        root, other = page.locator(f"#{a.prefix}"), page.locator(f"#{b.prefix}")
-        assert root.get_attribute("data-ready") == "1" and other.get_attribute("data-ready") == "1"
-
-        # the script's first paint agrees with Python's: cell colour = its TP group's colour
-        painted = page.locator(f"#{a.prefix} [data-side='dense'] .{a.prefix}-cell").evaluate_all(
-            "cells => cells.map(c => [Number(c.dataset.rank), getComputedStyle(c).backgroundColor])")
-        for i, group in enumerate(a.lookup()["groups"]["tp"]):
-            hex_colour = colors.group_color(i, len(group))
-            rgb = "rgb(%d, %d, %d)" % tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
-            assert all(colour == rgb for rank, colour in painted if rank in group)
-
-        # click rank 5: its TP group {4, 5} and EP group {5, 7} light up, others dim
-        root.locator(".%s-cell[data-rank='5']" % a.prefix).first.click()
-        assert root.get_attribute("data-selected-rank") == "5"
-        dense = root.locator("[data-side='dense']")
-        expert = root.locator("[data-side='expert']")
-        selected = lambda panel: sorted(int(x) for x in panel.locator(".selected").evaluate_all(
-            "cells => cells.map(c => c.dataset.rank)"))
-        assert selected(dense) == a.lookup()["groups"]["tp"][2] == [4, 5]
-        assert selected(expert) == [g for g in a.lookup()["groups"]["ep"] if 5 in g][0]
-        assert other.get_attribute("data-selected-rank") == ""  # the second map is untouched
-
-        # switch the dense panel to PP: rank 5's pipeline group crosses the node boundary
-        dense.locator("[data-kind='pp']").click()
-        assert selected(dense) == [5, 13]
-        assert dense.locator(f".{a.prefix}-crosses").count() == 16
-        assert "8 of 8 cross" in dense.locator(f".{a.prefix}-summary").text_content()
-
-        # a knob switches to another precomputed configuration: Python's describe line
-        root.locator("select[data-knob='pp']").select_option("4")
-        assert root.locator(f".{a.prefix}-describe").text_content() == a.lookup(pp=4)["describe"]
-        assert selected(dense) == [g for g in a.lookup(pp=4)["groups"]["pp"] if 5 in g][0]
-
-        # an invalid setting shows Python's ConfigError message
-        root.locator("select[data-knob='tp']").select_option("8")
-        assert root.get_attribute("data-invalid") == "1"
-        assert root.locator(f".{a.prefix}-error").text_content() == a.lookup(tp=8, pp=4)["error"]
-
-        # hovering shows every coordinate, dense and expert
-        root.locator("select[data-knob='tp']").select_option("2")
-        root.locator(f".{a.prefix}-cell[data-rank='6']").first.hover()
-        info = root.locator(f".{a.prefix}-info").text_content()
-        coords = a.lookup(pp=4)["coords"]
-        for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"):
-            assert f"{dim}={coords[dim][6]}" in info
-        assert errors == []
-    finally:
-        page.close()
+    assert set(ALL_KINDS) <= set(draw.KIND_COLORS)
+    assert len(set(draw.KIND_COLORS.values())) == len(draw.KIND_COLORS)
+    assert draw.group_color(0, 1) == draw.SINGLETON_COLOR
+    assert draw.group_color(len(draw.PALETTE), 2) == draw.PALETTE[0]
+    assert draw.text_color("#ffffff") != draw.text_color("#000000")

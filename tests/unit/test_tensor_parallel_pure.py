@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tutorial_lib import parallel_state
 from tutorial_lib import tensor_parallel as tp
 from tutorial_lib.transformer import TransformerBlock, block_collectives
 
@@ -28,7 +29,7 @@ def test_conjugate_functions_are_the_identity_without_groups():
                tp.scatter_to_sequence_parallel_region, tp.gather_from_sequence_parallel_region,
                tp.reduce_scatter_to_sequence_parallel_region):
         assert fn(x) is x, fn.__name__  # no Function, so no collective can be issued
-    assert tp.tensor_parallel_size() == 1 and tp.tensor_parallel_rank() == 0
+    assert parallel_state.group_size("tp") == 1 and parallel_state.group_rank("tp") == 0
 
 
 def test_linear_layers_at_tp1_are_nn_linear_from_the_same_seed():

@@ -1,16 +1,15 @@
-"""Timelines drawn from traces: the numbers drawn, the helpers, the HTML, and the page in chromium."""
+"""Timelines drawn from traces: the numbers drawn, the helpers and the HTML.
+
+A real launch: tests/dist/test_timeline.py; the page in chromium: tests/book/test_widgets.py.
+"""
 import json
 import re
-import time
 
 import pytest
-import torch
 
-from tutorial_lib import comm
-from tutorial_lib.launch import launch
 from tutorial_lib.trace import Trace, TraceEvent
 from tutorial_lib.viz import timeline as tlmod
-from tutorial_lib.viz.colors import KIND_COLORS
+from tutorial_lib.viz.draw import KIND_COLORS
 from tutorial_lib.viz.timeline import (Span, Timeline, bubble_fraction, busy_fraction,
                                        event_label, format_bytes, overlap_fraction,
                                        overlap_seconds, timeline, timeline_from_spans,
@@ -253,7 +252,7 @@ def test_html_is_a_self_contained_player():
     script = page.split("<script>")[1].split("</script>")[0]
     assert script.strip().startswith("(function () {") and script.strip().endswith("})();")
     assert script.isascii() and page.isascii()
-    blob = re.search(r"var D = (\{.*?\});\n", script).group(1)
+    blob = re.search(r'<script type="application/json" class="tl-data">(.*?)</script>', page).group(1)
     payload = json.loads(blob)
     assert payload["captions"] == [f["caption"] for f in tl.data["frames"]]
     assert len(payload["tips"]) == len(tl.data["bars"])
@@ -268,7 +267,7 @@ def test_two_timelines_on_one_page_do_not_clash():
         # every id, CSS rule, clip path and script lookup of a copy is prefixed with its own id
         assert re.findall(r'\bid="([^"]+)"', page) == [uid, f"{uid}-clip"]
         assert f"url(#{uid}-clip)" in page
-        assert f'document.getElementById("{uid}")' in page
+        assert f'boot("{uid}", startTimeline);' in page
         css = page.split("<style>")[1].split("</style>")[0]
         rules = [r.strip() for r in re.findall(r"([^{}]+)\{", css)]
         assert rules and all(r.startswith(f"#{uid}") for r in rules)
@@ -277,7 +276,7 @@ def test_two_timelines_on_one_page_do_not_clash():
 def test_script_cannot_be_closed_by_a_label():
     t = Trace([TraceEvent(0, "compute", t_start=0.0, t_end=1.0, tags={"name": "</script><b>x"})])
     page = timeline(t).to_html()
-    assert page.count("</script>") == 1 and "<b>x" not in page
+    assert page.count("</script>") == 2 and "<b>x" not in page  # the JSON island and the script
 
 
 def test_without_the_player_there_is_no_animation_root():
@@ -292,141 +291,3 @@ def test_save_writes_a_standalone_page(tmp_path):
     text = open(path, encoding="utf-8").read()
     assert text.startswith("<!doctype html>") and "<title>saved</title>" in text
     assert "tl-timeline" in repr(timeline(synthetic())._repr_html_())
-
-
-# --- a real launch -------------------------------------------------------------------------------
-
-
-def _overlap_worker(ctx):
-    """A p2p transfer issued before backward and waited for after it: in flight throughout."""
-    import torch.distributed as dist
-    dist.barrier()  # untraced: start together, so the picture is not skewed by process start-up
-    tracer = ctx.tracer
-    with tracer.tags(microbatch=0):
-        with tracer.span("forward"):
-            time.sleep(0.01)
-        if ctx.rank == 0:
-            work = comm.isend(torch.ones(1024), dst=1)
-        else:
-            work = comm.irecv(torch.zeros(1024), src=0)
-        with tracer.span("backward"):
-            time.sleep(0.03)
-        work.wait()
-    comm.all_reduce(torch.ones(16))
-    return None
-
-
-@pytest.fixture(scope="module")
-def real_run():
-    return launch(_overlap_worker, 2, timeout=60)
-
-
-@pytest.mark.dist
-def test_drawn_bars_match_the_recorded_events(real_run):
-    trace = real_run.trace
-    assert sorted((e.rank, e.op) for e in trace) == [
-        (0, "all_reduce"), (0, "compute"), (0, "compute"), (0, "send"),
-        (1, "all_reduce"), (1, "compute"), (1, "compute"), (1, "recv")]
-    tl = timeline(trace)
-    rel = trace.relative()
-    assert len(tl.data["bars"]) == len(rel)
-    drawn = sorted((b["rank"], b["start"], b["end"]) for b in tl.data["bars"])
-    assert drawn == sorted((e.rank, e.t_start * 1000, e.t_end * 1000) for e in rel)
-    k = tl.data["plot_width"] / (tl.data["domain"][1] - tl.data["domain"][0])
-    for b in tl.data["bars"]:
-        assert b["x"] == pytest.approx(tl.data["x0"] + (b["start"] - tl.data["domain"][0]) * k)
-        assert b["lane"] == ("compute" if b["kind"] == "compute" else "comm")
-    assert {b["label"] for b in tl.data["bars"]} == {
-        "forward mb0", "backward mb0", "send \u2192 r1 mb0", "recv \u2190 r0 mb0", "all-reduce"}
-
-
-@pytest.mark.dist
-def test_an_async_op_visibly_overlaps_backward(real_run):
-    trace = real_run.trace
-    tl = timeline(trace)
-    for rank, op in ((0, "send"), (1, "recv")):
-        backward = trace.filter(rank=rank, op="compute", name="backward")[0]
-        transfer = trace.filter(rank=rank, op=op)[0]
-        # Issued before backward started, completed (wait) after it ended ...
-        assert transfer.t_start <= backward.t_start and backward.t_end <= transfer.t_end
-        # ... so all of backward's time is overlapped, exactly.
-        assert overlap_seconds(trace, rank, "backward", op=op) == backward.duration
-        assert overlap_seconds(trace, rank, "backward", op="all_reduce") == 0.0
-        # (the rest of the transfer's time: issue to backward, and waiting for the peer)
-        assert 0.0 < overlap_fraction(trace, rank, "backward", op=op) <= 1.0
-        # In the picture: the transfer's bar spans the backward bar, one row below it.
-        bw = bars_of(tl, rank=rank, label="backward mb0")[0]
-        tr = [b for b in tl.data["bars"] if b["rank"] == rank and b["tip_title"].startswith(op)][0]
-        assert tr["x"] <= bw["x"] and bw["x"] + bw["w"] <= tr["x"] + tr["w"] + 1e-9
-        assert tr["y"] > bw["y"]
-    busy = busy_fraction(trace)
-    assert set(busy) == {0, 1} and all(0.0 < v <= 1.0 for v in busy.values())
-
-
-# --- in a real browser -----------------------------------------------------------------------------
-
-
-@pytest.mark.browser
-@pytest.mark.dist
-def test_the_timeline_plays_and_explains_itself_in_chromium(tmp_path, fragment_page, real_run):
-    """Two timelines on one page: Play moves one cursor, hover shows a tooltip, drag zooms."""
-    recorded = timeline(real_run.trace, title="A transfer in flight during backward")
-    made_up = timeline(synthetic(), title="Two buckets overlap backward")
-    view = fragment_page(recorded.to_html(), made_up.to_html(), width=1000, height=1100)
-    page = view.page
-    first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
-    assert page.locator(".tl-animation").count() == 2
-    assert first.get_attribute("data-frame") == "0"
-    first_zoom = first.get_attribute("data-zoom")
-
-    # Play advances the first cursor only.
-    view.play_advances(first)
-    assert second.get_attribute("data-frame") == "0"
-    first.locator("button.tl-play").click()  # pause
-
-    # The slider moves the second cursor: the caption and the revealed bars follow Python.
-    second.locator(".tl-slider").fill("9")
-    assert second.get_attribute("data-frame") == "9"
-    frame = made_up.data["frames"][9]
-    assert second.locator(".tl-anim-caption").inner_text() == frame["caption"]
-    shown = second.locator(".tl-solid").evaluate_all(
-        "rs => rs.filter(r => r.getAttribute('display') !== 'none').length")
-    assert shown == sum(1 for b in made_up.data["bars"] if b["start"] <= frame["t"])
-    assert second.locator(".tl-bar.tl-on").count() == sum(len(v) for v in frame["doing"].values())
-    assert second.locator(".tl-cursor").get_attribute("display") == "inline"
-
-    # Hovering a bar shows its tooltip; leaving hides it.
-    tip = second.locator(".tl-tooltip")
-    assert not tip.is_visible()
-    second.locator(".tl-bar[data-kind='pp']").hover()  # not reached yet: its ghost shows
-    assert tip.is_visible()
-    text = tip.inner_text()
-    assert "recv on the pp group" in text and "bfloat16" in text and "8 B" in text
-    assert "duration" in text and f"{MS:.3f} ms" in text
-    page.mouse.move(2, 2)
-    assert not tip.is_visible()
-
-    # Dragging across the chart zooms; Reset zoom goes back.
-    before = second.get_attribute("data-zoom")
-    chart = second.locator("svg.tl-chart").bounding_box()
-    scale = chart["width"] / made_up.data["width"]
-    x_a = chart["x"] + (tlmod.LEFT + 200) * scale
-    x_b = chart["x"] + (tlmod.LEFT + 400) * scale
-    y = chart["y"] + 60 * scale
-    page.mouse.move(x_a, y)
-    page.mouse.down()
-    page.mouse.move(x_b, y, steps=4)
-    page.mouse.up()
-    z0, z1 = map(float, second.get_attribute("data-zoom").split())
-    d0, d1 = made_up.data["domain"]
-    pw = made_up.data["plot_width"]
-    assert z0 == pytest.approx(d0 + 200 / pw * (d1 - d0), abs=0.2)
-    assert z1 == pytest.approx(d0 + 400 / pw * (d1 - d0), abs=0.2)
-    assert first.get_attribute("data-zoom") == first_zoom  # the other chart did not zoom
-    page.mouse.move(2, 2)
-    page.screenshot(path=str(tmp_path / "timeline_zoomed.png"), full_page=True)
-    second.locator(".tl-zoom-reset").click()
-    assert second.get_attribute("data-zoom") == before
-
-    page.screenshot(path=str(tmp_path / "timeline.png"), full_page=True)
-    view.assert_clean()

@@ -16,7 +16,7 @@ import math
 from typing import Callable
 
 from ..grid import RankGrid, build_grid
-from . import CheckResult, pick_hint, run_case, stub_hint
+from .kit import Checking, CheckResult, Mistakes, as_rank_list
 
 # --- hints (tests look for these exact strings) ---------------------------------
 
@@ -64,8 +64,8 @@ HINT_FORGOT_CP_STRIDE = (
     "coordinate."
 )
 HINT_DP_OUTSIDE_PP = (
-    "you put DP outside PP (rank = ... + TP*CP*(pp + PP*dp), the order of the course's 4D "
-    "guide). Megatron's dense grid is tp-cp-dp-pp: PP is the slowest dimension, so "
+    "you put DP outside PP (rank = ... + TP*CP*(pp + PP*dp), the order tp-cp-pp-dp). "
+    "Megatron's dense grid is tp-cp-dp-pp: PP is the slowest dimension, so "
     "rank = tp + TP*(cp + CP*(dp + DP*pp))."
 )
 HINT_WHOLE_WORLD = (
@@ -80,6 +80,16 @@ HINT_DP_GENERIC = (
     "in the dense grid rank = tp + TP*(cp + CP*(dp + DP*pp)) with DP = world/(TP*CP*PP). "
     "Work out this rank's tp, cp and pp, then list the ranks for dp = 0 .. DP-1."
 )
+
+#: The mistakes of exercise 1.1, in order of preference.
+COORDS_MISTAKES = Mistakes(
+    HINT_COORDS_GENERIC, not_a_dict=HINT_NOT_A_DICT, slowest_first=HINT_SLOWEST_FIRST,
+    dict_order=HINT_DICT_ORDER, no_modulo=HINT_NO_MODULO)
+#: The mistakes of exercise 1.2: each but the first is the group some other rule gives.
+DATA_PARALLEL_MISTAKES = Mistakes(
+    HINT_DP_GENERIC, not_a_list=HINT_NOT_A_LIST, tp=HINT_TP_GROUP, dp_cp=HINT_FORGOT_CP_MERGED,
+    stride_tp=HINT_FORGOT_CP_STRIDE, dp_outside_pp=HINT_DP_OUTSIDE_PP, pp=HINT_PP_GROUP,
+    world=HINT_WHOLE_WORLD)
 
 
 
@@ -158,8 +168,7 @@ def check_rank_to_coords(fn: Callable) -> CheckResult:
     ``order`` is a string such as ``"tp-cp-dp-pp"`` (fastest first); ``sizes`` maps
     each dimension to its size.  Every rank of several shapes is tried.
     """
-    result = CheckResult("Exercise 1.1: rank_to_coords")
-    values, failing_matches = [], []
+    check = Checking("Exercise 1.1: rank_to_coords", COORDS_MISTAKES)
     mistakes = (("slowest_first", _slowest_first_coords), ("dict_order", _dict_order_coords),
                 ("no_modulo", _no_modulo_coords))
     for order, sizes in RANK_TO_COORDS_SHAPES:
@@ -170,26 +179,18 @@ def check_rank_to_coords(fn: Callable) -> CheckResult:
         def attempt(order=order, given=given, n=len(want)):
             return [fn(rank, order, dict(given)) for rank in range(n)]
 
-        case, got = run_case(name, attempt, want, compare=_same_coords)
-        values.append(got)
-        if isinstance(got, NotImplementedError):  # a stub: one case says it all
-            result.cases.append(case)
+        case, got = check.run(name, attempt, want, compare=_same_coords)
+        if check.stub:  # one case says it all
             break
         if not case.passed and isinstance(got, list):
             case.detail = _first_difference(got, want)
             matches = {label for label, model in mistakes if _same_coords(got, model(order, given))}
             if got and not all(isinstance(g, dict) for g in got):
                 matches.add("not_a_dict")
-            failing_matches.append(matches)
+            check.shows(matches)
         elif not case.passed:
-            failing_matches.append(set())
-        result.cases.append(case)
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_NOT_A_DICT, "not_a_dict"), (HINT_SLOWEST_FIRST, "slowest_first"),
-             (HINT_DICT_ORDER, "dict_order"), (HINT_NO_MODULO, "no_modulo")],
-            failing_matches, HINT_COORDS_GENERIC)
-    return result
+            check.shows()
+    return check.verdict()
 
 
 # --- exercise 2: Megatron's dense data-parallel group ---------------------------------
@@ -207,20 +208,10 @@ DATA_PARALLEL_SHAPES = [
 ]
 
 
-def _as_rank_list(value):
-    """The student's answer as a sorted list of ints, or None if it is not a list of ranks."""
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        return None
-    try:
-        return sorted(int(x) for x in value)
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def _same_groups(got, want: list[list[int]]) -> bool:
     if not isinstance(got, list) or len(got) != len(want):
         return False
-    return all(_as_rank_list(g) == w for g, w in zip(got, want))
+    return all(as_rank_list(g) == w for g, w in zip(got, want))
 
 
 def _stride_tp_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
@@ -244,8 +235,7 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
 
     Any order of the returned ranks is accepted: a group is a set.
     """
-    result = CheckResult("Exercise 1.2: data_parallel_group")
-    values, failing_matches = [], []
+    check = Checking("Exercise 1.2: data_parallel_group", DATA_PARALLEL_MISTAKES)
     for world, tp, pp, cp in DATA_PARALLEL_SHAPES:
         grid = build_grid(world, tp=tp, pp=pp, cp=cp, layout="megatron")
         want = [sorted(grid.group_of("dp", r)) for r in range(world)]
@@ -254,14 +244,12 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
         def attempt(world=world, tp=tp, pp=pp, cp=cp):
             return [fn(rank, world, tp, pp, cp) for rank in range(world)]
 
-        case, got = run_case(name, attempt, want, compare=_same_groups)
-        values.append(got)
-        if isinstance(got, NotImplementedError):  # a stub: one case says it all
-            result.cases.append(case)
+        case, got = check.run(name, attempt, want, compare=_same_groups)
+        if check.stub:  # one case says it all
             break
         if not case.passed and isinstance(got, list):
             for rank, (g, w) in enumerate(zip(got, want)):
-                if _as_rank_list(g) != w:
+                if as_rank_list(g) != w:
                     case.detail = f"rank {rank}: got {g!r}, expected {w}"
                     break
             models = {
@@ -273,20 +261,12 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
                 "world": [list(range(world))] * world,
             }
             matches = {label for label, model in models.items() if _same_groups(got, model)}
-            if any(_as_rank_list(g) is None for g in got):
+            if any(as_rank_list(g) is None for g in got):
                 matches.add("not_a_list")
-            failing_matches.append(matches)
+            check.shows(matches)
         elif not case.passed:
-            failing_matches.append(set())
-        result.cases.append(case)
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_NOT_A_LIST, "not_a_list"), (HINT_TP_GROUP, "tp"),
-             (HINT_FORGOT_CP_MERGED, "dp_cp"), (HINT_FORGOT_CP_STRIDE, "stride_tp"),
-             (HINT_DP_OUTSIDE_PP, "dp_outside_pp"), (HINT_PP_GROUP, "pp"),
-             (HINT_WHOLE_WORLD, "world")],
-            failing_matches, HINT_DP_GENERIC)
-    return result
+            check.shows()
+    return check.verdict()
 
 
 __all__ = ["check_rank_to_coords", "check_data_parallel_group"]

@@ -18,13 +18,12 @@ cases with a hint.
 """
 from __future__ import annotations
 
-import math
 import re
 from functools import lru_cache
 from typing import Callable
 
-from ..launch import LaunchTimeout, WorkerError, launch
-from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
+from ..launch import LaunchTimeout, launch
+from .kit import Case, Checking, CheckResult, Mistakes, as_number, check_answers, deadlock_kind, is_close
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -127,6 +126,21 @@ HINT_BYTES_GENERIC = (
     "rank sends one chunk."
 )
 
+#: The mistakes of exercise 2.1, in order of preference: deadlocks first (by what the
+#: ranks were stuck in), then the shape of the answer, then the slots, then the trace.
+ALL_GATHER_MISTAKES = Mistakes(
+    HINT_ALL_GATHER_GENERIC, all_recv=HINT_ALL_RECV_FIRST, all_send=HINT_ALL_SEND_FIRST,
+    unmatched=HINT_UNMATCHED, deadlock=HINT_DEADLOCK_GENERIC, not_a_tensor=HINT_NOT_A_TENSOR,
+    shape=HINT_SHAPE, arrival_order=HINT_ARRIVAL_ORDER, wrong_place=HINT_WRONG_PLACE,
+    duplicates=HINT_DUPLICATES, missing=HINT_MISSING, used_library=HINT_USED_LIBRARY,
+    no_p2p=HINT_NO_P2P)
+#: The mistakes of exercise 2.2 (their formulas: :data:`RING_BYTES_MISTAKES`).
+RING_BYTES_HINTS = Mistakes(
+    HINT_BYTES_GENERIC, not_a_number=HINT_NOT_A_NUMBER, two_b=HINT_TWO_B,
+    n_minus_one_b=HINT_N_MINUS_ONE_B, one_phase=HINT_ONE_PHASE,
+    whole_tensor_per_step=HINT_WHOLE_TENSOR_PER_STEP, sent_and_received=HINT_SENT_AND_RECEIVED,
+    integer_division=HINT_INTEGER_DIVISION)
+
 
 
 # --- exercise 2.1: a ring all-gather ------------------------------------------------------
@@ -189,23 +203,6 @@ def _classify_all_gather(gots: list, n: int, rows: int) -> set:
     return {"duplicates"}
 
 
-def _deadlock_kind(report: dict[int, str]) -> str:
-    # A rank whose function returned is reported as "finished" (perhaps followed by what
-    # it waits for: the launcher lets the ranks leave together).
-    waiting = {r: text for r, text in report.items() if not text.startswith("finished")}
-    if waiting and all(text.startswith("waiting in recv") for text in waiting.values()):
-        return "all_recv" if len(waiting) == len(report) else "unmatched"
-    if waiting and all(text.startswith("waiting in send") for text in waiting.values()):
-        return "all_send" if len(waiting) == len(report) else "unmatched"
-    return "deadlock"
-
-
-def _short_wait(text: str) -> str:
-    """'waiting in recv from rank 1 on world group ...; stack: ...' -> 'waiting in recv from rank 1'."""
-    text = text.split(";")[0]
-    return text.split(" on ")[0] if text.startswith("waiting in") else text
-
-
 def _same_all_gather(got, expected) -> bool:
     import torch
     gots, _ = got
@@ -221,51 +218,35 @@ def check_ring_all_gather(fn: Callable, timeout: float = 10.0) -> CheckResult:
     deadlock report; after a deadlock or an unfilled stub the larger worlds are skipped.
     """
     import torch
-    result = CheckResult("Exercise 2.1: my_ring_all_gather")
-    values, failing_matches = [], []
+    check = Checking("Exercise 2.1: my_ring_all_gather", ALL_GATHER_MISTAKES)
     for n, rows in ALL_GATHER_CASES:
         expected = [torch.cat([chunk_of(r, rows) for r in range(n)]) for _ in range(n)]
-        name = f"world_size={n}, chunks of shape ({rows}, 2)"
 
-        def attempt(n=n, rows=rows):
-            try:
-                out = launch(_all_gather_worker, n, args=(fn, rows), timeout=timeout,
-                             print_output=False)
-            except WorkerError as err:
-                if err.summary.startswith("NotImplementedError"):
-                    raise NotImplementedError from None
-                raise
+        def unpack(out, expected=expected):
             for r, res in enumerate(out.results):  # the library agrees with the closed form
                 assert torch.equal(res["reference"], expected[r]), "comm.all_gather disagrees"
             return [res["got"] for res in out.results], out.trace.filter(student=True)
 
-        case, got = run_case(name, attempt, expected, compare=_same_all_gather)
-        values.append(got)
-        result.cases.append(case)
+        case, got = check.run_on_ranks(
+            f"world_size={n}, chunks of shape ({rows}, 2)", _all_gather_worker, n, args=(fn, rows),
+            timeout=timeout, expected=expected, compare=_same_all_gather, unpack=unpack)
         if isinstance(got, LaunchTimeout):
-            kind = _deadlock_kind(got.report)
-            waits = "; ".join(f"rank {r}: {_short_wait(text)}" for r, text in sorted(got.report.items()))
-            case.detail = f"deadlocked after {timeout:g} s ({waits})"
-            failing_matches.append({kind})
+            check.shows({deadlock_kind(got.report)})
             break
-        if isinstance(got, NotImplementedError):
+        if check.stub:
             break
-        if isinstance(got, WorkerError):
-            case.detail = f"rank {got.rank} raised {got.summary}"
-            failing_matches.append(set())
-            continue
-        if not isinstance(got, tuple):  # the launcher itself failed
-            failing_matches.append(set())
+        if isinstance(got, BaseException):  # a rank raised, or the launcher itself failed
+            check.shows()
             continue
         gots, trace = got
         library_ops = ({e.op for e in trace} - {"send", "recv", "compute", "barrier"}) | {
             e.tags["algorithm"] for e in trace if "algorithm" in e.tags}  # the library's rings
         if case.passed and library_ops:
             case.passed, case.detail = False, f"the result is right, but your code called {sorted(library_ops)}"
-            failing_matches.append({"used_library"})
+            check.shows({"used_library"})
         elif case.passed and not trace.filter(op="send").events:
             case.passed, case.detail = False, "the result is right, but no traced send was recorded"
-            failing_matches.append({"no_p2p"})
+            check.shows({"no_p2p"})
         elif not case.passed:
             mistakes = _classify_all_gather(gots, n, rows)
             bad = next((r for r, (g, e) in enumerate(zip(gots, expected))
@@ -276,17 +257,8 @@ def check_ring_all_gather(fn: Callable, timeout: float = 10.0) -> CheckResult:
                      else f"returned {type(gots[bad]).__name__}"
                      + (f" of shape {tuple(gots[bad].shape)}" if isinstance(gots[bad], torch.Tensor) else ""))
             case.detail = f"rank {bad}: {shown}, expected ranks {list(range(n))}"
-            failing_matches.append(mistakes)
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_ALL_RECV_FIRST, "all_recv"), (HINT_ALL_SEND_FIRST, "all_send"),
-             (HINT_UNMATCHED, "unmatched"), (HINT_DEADLOCK_GENERIC, "deadlock"),
-             (HINT_NOT_A_TENSOR, "not_a_tensor"), (HINT_SHAPE, "shape"),
-             (HINT_ARRIVAL_ORDER, "arrival_order"), (HINT_WRONG_PLACE, "wrong_place"),
-             (HINT_DUPLICATES, "duplicates"), (HINT_MISSING, "missing"),
-             (HINT_USED_LIBRARY, "used_library"), (HINT_NO_P2P, "no_p2p")],
-            failing_matches, HINT_ALL_GATHER_GENERIC)
-    return result
+            check.shows(mistakes)
+    return check.verdict()
 
 
 # --- exercise 2.2: bytes a ring all-reduce sends ------------------------------------------
@@ -337,8 +309,7 @@ RING_BYTES_MISTAKES = {
 
 
 def _close(got, want) -> bool:
-    number = as_number(got)
-    return number is not None and math.isclose(number, want, rel_tol=1e-9, abs_tol=1e-9)
+    return is_close(got, want, rel_tol=1e-9, abs_tol=1e-9)
 
 
 def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
@@ -348,42 +319,25 @@ def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
     :func:`~tutorial_lib.collectives.ring_all_reduce` is launched and every rank's
     sends are counted in the trace (see :func:`measured_ring_bytes`).
     """
-    result = CheckResult("Exercise 2.2: ring_all_reduce_bytes")
-    values, failing_matches = [], []
+    check = Checking("Exercise 2.2: ring_all_reduce_bytes", RING_BYTES_HINTS)
     for n in RING_BYTES_WORLDS:
-        if any(isinstance(v, NotImplementedError) for v in values):
+        if check.stub:
             break  # an unfilled stub: one case says so
         try:
             measured = measured_ring_bytes(n)
         except Exception as err:  # noqa: BLE001 - a broken machine is not the student's fault
-            result.cases.append(Case(f"N={n}", False, f"could not measure the ring: {err}"))
-            failing_matches.append(set())
+            check.add(Case(f"N={n}", False, f"could not measure the ring: {err}"))
+            check.shows()
             continue
         for nbytes, sent in measured.items():
-            case, got = run_case(f"B={nbytes} bytes, N={n} ranks (trace: {sent} bytes sent per rank)",
-                                 lambda nbytes=nbytes, n=n: fn(nbytes, n), sent, compare=_close)
-            values.append(got)
-            result.cases.append(case)
-            if isinstance(got, NotImplementedError):
+            case, got = check.run(f"B={nbytes} bytes, N={n} ranks (trace: {sent} bytes sent per rank)",
+                                  lambda nbytes=nbytes, n=n: fn(nbytes, n), sent, compare=_close)
+            if check.stub:
                 break
-            if case.passed:
-                continue
-            if isinstance(got, BaseException):
-                failing_matches.append(set())
-            elif as_number(got) is None:
-                failing_matches.append({"not_a_number"})
-            else:
-                failing_matches.append({name for name, wrong in RING_BYTES_MISTAKES.items()
-                                        if _close(got, wrong(nbytes, n))})
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_NOT_A_NUMBER, "not_a_number"), (HINT_TWO_B, "two_b"),
-             (HINT_N_MINUS_ONE_B, "n_minus_one_b"), (HINT_ONE_PHASE, "one_phase"),
-             (HINT_WHOLE_TENSOR_PER_STEP, "whole_tensor_per_step"),
-             (HINT_SENT_AND_RECEIVED, "sent_and_received"),
-             (HINT_INTEGER_DIVISION, "integer_division")],
-            failing_matches, HINT_BYTES_GENERIC)
-    return result
+            check.judge(case, got, as_number, lambda number: {
+                name for name, wrong in RING_BYTES_MISTAKES.items() if _close(number, wrong(nbytes, n))},
+                unreadable="not_a_number")
+    return check.verdict()
 
 
 # --- exercise 2.3: which collective? ------------------------------------------------------
@@ -488,29 +442,17 @@ def normalize_op(name) -> str | None:
 
 def check_choose_collectives(fn: Callable) -> CheckResult:
     """Check ``fn() -> {situation: collective}`` for every situation in :data:`SCENARIOS`."""
-    result = CheckResult("Exercise 2.3: choose_collectives")
-    case, got = run_case("the answers", fn, None, compare=lambda got, want: isinstance(got, dict))
-    if not case.passed:
-        result.cases.append(case)
-        result.hint = stub_hint([got]) or HINT_CHOOSE_FORMAT
-        return result
-    hints = []
-    for situation, (_, answer) in SCENARIOS.items():
-        given = got.get(situation)
-        chosen = normalize_op(given)
-        ok = chosen == answer
-        detail = "" if ok else (f"got {given!r}, expected {answer!r}" if situation in got
-                                else "missing from the dict")
-        result.cases.append(Case(situation, ok, detail))
-        if not ok:
-            if chosen is None:
-                hints.append(HINT_CHOOSE_FORMAT)
-            else:
-                why = WRONG_CHOICES.get((situation, chosen), HINT_CHOOSE_GENERIC)
-                hints.append(f"{situation}: {why}")
-    if hints:
-        result.hint = hints[0]
-    return result
+    return check_answers("Exercise 2.3: choose_collectives", fn, SCENARIOS, _judge_collective,
+                         HINT_CHOOSE_FORMAT)
+
+
+def _judge_collective(situation: str, given) -> tuple[str, str | None] | None:
+    answer = SCENARIOS[situation][1]
+    chosen = normalize_op(given)
+    if chosen == answer:
+        return None
+    why = None if chosen is None else WRONG_CHOICES.get((situation, chosen), HINT_CHOOSE_GENERIC)
+    return f"got {given!r}, expected {answer!r}", why
 
 
 __all__ = ["check_ring_all_gather", "check_ring_all_reduce_bytes", "check_choose_collectives",

@@ -23,14 +23,13 @@ failed cases with a hint.
 from __future__ import annotations
 
 import math
-import re
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from ..launch import LaunchTimeout, WorkerError, launch
-from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
+from ..launch import LaunchTimeout, launch
+from .kit import Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, check_answers, is_close
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -156,6 +155,23 @@ HINT_STEP_DP_GENERIC = (
     "of every parameter this rank holds, 4 bytes each, sending 2(D-1)/D of them. Per block a rank "
     "holds 6h + (4h^2 + 3h + 2*h*ffn + ffn)/T parameters."
 )
+
+#: The mistakes of exercise 3.1, in order of preference.
+ROW_MISTAKES = Mistakes(
+    HINT_ROW_GENERIC, shape=HINT_ROW_SHAPE, bias_before=HINT_ROW_BIAS_BEFORE,
+    no_reduce=HINT_ROW_NO_REDUCE, wrong_group=HINT_ROW_WRONG_GROUP, averaged=HINT_ROW_AVERAGED,
+    no_grad=HINT_ROW_NO_GRAD, backward_reduce=HINT_ROW_BACKWARD_REDUCE, untracked=HINT_ROW_UNTRACKED)
+#: The mistakes of exercise 3.3: a wrong format or an exception on any case first, then the
+#: TP part's and the DP part's mistakes (their switches: :data:`STEP_MISTAKES`).
+STEP_HINTS = Mistakes(
+    HINT_STEP_TP_GENERIC, any_case={"format", "raised"},
+    format=HINT_STEP_FORMAT, raised=HINT_STEP_RAISED,
+    payload=HINT_STEP_PAYLOAD, one_phase=HINT_STEP_ONE_PHASE, forward_only=HINT_STEP_FORWARD_ONLY,
+    tp_once=HINT_STEP_TP_ONCE, sp_smaller=HINT_STEP_SP_SMALLER, sp_no_sync=HINT_STEP_SP_NO_SYNC,
+    sp_sync_always=HINT_STEP_SP_SYNC_NO_SP, dp_payload=HINT_STEP_PAYLOAD,
+    dp_one_phase=HINT_STEP_ONE_PHASE, dp_per_microbatch=HINT_STEP_DP_PER_MICROBATCH,
+    dp_unsharded=HINT_STEP_DP_UNSHARDED, dp_weights_only=HINT_STEP_DP_WEIGHTS_ONLY,
+    ffn_4h=HINT_STEP_FFN_4H)
 
 
 # --- exercise 3.1: a row-parallel linear layer -----------------------------------------
@@ -299,57 +315,33 @@ def check_row_parallel_linear(fn: Callable, timeout: float = 30.0) -> CheckResul
     ``bias.grad`` the matching slices of the serial layer's gradients.  DP replicas
     get different inputs.
     """
-    result = CheckResult("Exercise 3.1: row_parallel_linear")
-    values, failing_matches = [], []
+    check = Checking("Exercise 3.1: row_parallel_linear", ROW_MISTAKES)
     refs = {d: _serial_row_reference(d) for d in range(max(dp for _, dp in ROW_PARALLEL_CASES))}
     for tp_size, dp_size in ROW_PARALLEL_CASES:
-        name = f"TP={tp_size}, DP={dp_size} ({tp_size * dp_size} ranks)"
-
-        def attempt(tp_size=tp_size, dp_size=dp_size):
-            try:
-                out = launch(_row_worker, tp_size * dp_size, args=(fn, tp_size), timeout=timeout,
-                             print_output=False)
-            except WorkerError as err:
-                if err.summary.startswith("NotImplementedError"):
-                    raise NotImplementedError from None
-                raise
-            return out
-
-        case, got = run_case(name, attempt, None,
-                             compare=lambda out, _, T=tp_size: _row_answer_ok(out.results, refs, T))
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
+        case, got = check.run_on_ranks(
+            f"TP={tp_size}, DP={dp_size} ({tp_size * dp_size} ranks)", _row_worker, tp_size * dp_size,
+            args=(fn, tp_size), timeout=timeout,
+            compare=lambda out, _, T=tp_size: _row_answer_ok(out.results, refs, T))
+        if check.stub:
             break
         if isinstance(got, LaunchTimeout):
             case.detail = (f"deadlocked after {timeout:g} s: some rank waited in a collective the "
                            f"others never joined (does every rank of the TP group call it?)")
-            failing_matches.append(set())
+            check.shows()
             break
-        if isinstance(got, WorkerError):
-            case.detail = f"rank {got.rank} raised {got.summary}"
-            failing_matches.append(set())
-            continue
-        if isinstance(got, BaseException):
-            failing_matches.append(set())
+        if isinstance(got, BaseException):  # a rank raised, or the launcher itself failed
+            check.shows()
             continue
         student = got.trace.filter(student=True)
         if case.passed and _untracked(got.output):
             case.passed = False
             case.detail = ("right numbers, but torch warned: 'c10d::allreduce_: an autograd kernel "
                            "was not registered'")
-            failing_matches.append({"untracked"})
+            check.shows({"untracked"})
         elif not case.passed:
             mistakes, case.detail = _classify_row(got.results, refs, tp_size, student)
-            failing_matches.append(mistakes)
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_ROW_SHAPE, "shape"), (HINT_ROW_BIAS_BEFORE, "bias_before"),
-             (HINT_ROW_NO_REDUCE, "no_reduce"), (HINT_ROW_WRONG_GROUP, "wrong_group"),
-             (HINT_ROW_AVERAGED, "averaged"), (HINT_ROW_NO_GRAD, "no_grad"),
-             (HINT_ROW_BACKWARD_REDUCE, "backward_reduce"), (HINT_ROW_UNTRACKED, "untracked")],
-            failing_matches, HINT_ROW_GENERIC)
-    return result
+            check.shows(mistakes)
+    return check.verdict()
 
 
 # --- exercise 3.2: which groups must a gradient be reduced over? --------------------------
@@ -408,20 +400,6 @@ _PARTIAL_WHY = {
 }
 
 
-def normalize_groups(answer) -> frozenset | None:
-    """``"dp"``, ``["tp", "dp"]``, ``"tp+dp"``, ``set()`` -> a frozenset of kinds; None if unreadable."""
-    if answer is None:
-        return frozenset()
-    if isinstance(answer, str):
-        parts = [p for p in re.split(r"[^a-z_]+", answer.lower()) if p]
-        return frozenset(p for p in parts if p not in ("none", "and"))
-    if isinstance(answer, (set, frozenset, list, tuple)):
-        if not all(isinstance(p, str) for p in answer):
-            return None
-        return frozenset(p.strip().lower() for p in answer)
-    return None
-
-
 def _why_groups_wrong(case: str, given: frozenset, want: frozenset) -> str:
     unknown = sorted(given - set(KNOWN_GROUPS))
     if unknown:
@@ -454,27 +432,17 @@ def check_gradient_groups(fn: Callable) -> CheckResult:
     ``groups`` is a set (or list, or a string like ``"tp+dp"``) of group kinds; the
     order does not matter.
     """
-    result = CheckResult("Exercise 3.2: gradient_groups")
-    case, got = run_case("the answers", fn, None, compare=lambda got, want: isinstance(got, dict))
-    if not case.passed:
-        result.cases.append(case)
-        result.hint = stub_hint([got]) or HINT_GROUPS_FORMAT
-        return result
-    hints = []
-    for name, (_, want) in GRADIENT_CASES.items():
-        if name not in got:
-            result.cases.append(Case(name, False, "missing from the dict"))
-            hints.append(HINT_GROUPS_FORMAT)
-            continue
-        given = normalize_groups(got[name])
-        if given == want:
-            result.cases.append(Case(name, True))
-            continue
-        result.cases.append(Case(name, False, f"got {got[name]!r}, expected {sorted(want)}"))
-        hints.append(HINT_GROUPS_FORMAT if given is None else f"{name}: {_why_groups_wrong(name, given, want)}")
-    if hints:
-        result.hint = hints[0]
-    return result
+    return check_answers("Exercise 3.2: gradient_groups", fn, GRADIENT_CASES, _judge_groups,
+                         HINT_GROUPS_FORMAT)
+
+
+def _judge_groups(name: str, answer) -> tuple[str, str | None] | None:
+    want = GRADIENT_CASES[name][1]
+    given = as_group_kinds(answer)
+    if given == want:
+        return None
+    return (f"got {answer!r}, expected {sorted(want)}",
+            None if given is None else _why_groups_wrong(name, given, want))
 
 
 # --- exercise 3.3: the bytes one training step sends ---------------------------------------
@@ -581,15 +549,6 @@ STEP_MISTAKES = {
     "dp_weights_only": ("dp", dict(dp_weights_only=True)),
     "ffn_4h": ("dp", dict(ffn_4h=True)),
 }
-_STEP_HINTS = [
-    (HINT_STEP_PAYLOAD, "payload"), (HINT_STEP_ONE_PHASE, "one_phase"),
-    (HINT_STEP_FORWARD_ONLY, "forward_only"), (HINT_STEP_TP_ONCE, "tp_once"),
-    (HINT_STEP_SP_SMALLER, "sp_smaller"), (HINT_STEP_SP_NO_SYNC, "sp_no_sync"),
-    (HINT_STEP_SP_SYNC_NO_SP, "sp_sync_always"),
-    (HINT_STEP_PAYLOAD, "dp_payload"), (HINT_STEP_ONE_PHASE, "dp_one_phase"),
-    (HINT_STEP_DP_PER_MICROBATCH, "dp_per_microbatch"), (HINT_STEP_DP_UNSHARDED, "dp_unsharded"),
-    (HINT_STEP_DP_WEIGHTS_ONLY, "dp_weights_only"), (HINT_STEP_FFN_4H, "ffn_4h"),
-]
 
 
 def _step_batch(cfg: StepConfig, dp_rank: int, microbatch: int):
@@ -687,10 +646,12 @@ def _launch_groups() -> list[tuple[StepConfig, ...]]:
     return [tuple(g) for g in groups.values()]
 
 
+def _close_bytes(got, want: float) -> bool:
+    return is_close(got, want, rel_tol=1e-6, abs_tol=1e-6)
+
+
 def _same_bytes(got, want) -> bool:
-    return (isinstance(got, dict) and all(
-        as_number(got.get(k)) is not None and math.isclose(as_number(got[k]), want[k], rel_tol=1e-6, abs_tol=1e-6)
-        for k in ("tp", "dp")))
+    return isinstance(got, dict) and all(_close_bytes(got.get(k), want[k]) for k in ("tp", "dp"))
 
 
 def _describe(cfg: StepConfig) -> str:
@@ -706,64 +667,53 @@ def check_step_bytes(fn: Callable) -> CheckResult:
     :func:`run_training_step` runs on ``T * D`` real ranks; the bytes each rank sent
     on each group are counted from its trace with the ring formulas.
     """
-    result = CheckResult("Exercise 3.3: step_bytes")
+    check = Checking("Exercise 3.3: step_bytes", STEP_HINTS)
     answers = {}
     for cfg in STEP_CASES:  # the student's formula first: a stub costs no launch
-        case, got = run_case(_describe(cfg), lambda cfg=cfg: fn(cfg), None, compare=lambda *_: True)
-        if isinstance(got, NotImplementedError):
-            result.cases.append(case)
-            result.hint = stub_hint([got])
-            return result
+        case, got = check.attempt(_describe(cfg), lambda cfg=cfg: fn(cfg), None, compare=lambda *_: True)
+        if check.stub:
+            check.add(case)
+            return check.verdict()
         answers[cfg] = (case, got)
-    failing = {"tp": [], "dp": []}
-    format_error = raised = False
+    failing = {"tp": [], "dp": []}  # the TP and the DP part are judged apart
     for configs in _launch_groups():
         try:
             measured = measured_step_bytes(configs)
         except Exception as err:  # noqa: BLE001 - a broken machine is not the student's fault
             for cfg in configs:
-                result.cases.append(Case(_describe(cfg), False, f"could not run the step: {err}"))
+                check.add(Case(_describe(cfg), False, f"could not run the step: {err}"))
             continue
         for cfg, want in zip(configs, measured):
             case, got = answers[cfg]
             if isinstance(got, BaseException):  # the formula raised: run_case said so
-                result.cases.append(case)
-                raised = True
+                check.add(case)
+                check.shows({"raised"})
                 continue
             shown = {k: round(v, 3) for k, v in want.items()}
             if _same_bytes(got, want):
-                result.cases.append(Case(_describe(cfg), True))
+                check.add(Case(_describe(cfg), True))
                 continue
             if not isinstance(got, dict) or any(as_number(got.get(k)) is None for k in ("tp", "dp")):
-                result.cases.append(Case(_describe(cfg), False, f"got {got!r}; the trace says {shown}"))
-                format_error = True
+                check.add(Case(_describe(cfg), False, f"got {got!r}; the trace says {shown}"))
+                check.shows({"format"})
                 continue
-            result.cases.append(Case(_describe(cfg), False,
-                                     f"got {{'tp': {as_number(got['tp']):g}, 'dp': {as_number(got['dp']):g}}}, "
-                                     f"the trace says {shown}"))
+            check.add(Case(_describe(cfg), False,
+                           f"got {{'tp': {as_number(got['tp']):g}, 'dp': {as_number(got['dp']):g}}}, "
+                           f"the trace says {shown}"))
             for key in ("tp", "dp"):
-                if not math.isclose(as_number(got[key]), want[key], rel_tol=1e-6, abs_tol=1e-6):
+                if not _close_bytes(got[key], want[key]):
                     failing[key].append({name for name, (part, switches) in STEP_MISTAKES.items()
-                                         if part == key and math.isclose(
-                                             as_number(got[key]), reference_step_bytes(cfg, **switches)[key],
-                                             rel_tol=1e-6, abs_tol=1e-6)})
-    if not result.passed:
-        if format_error:
-            result.hint = HINT_STEP_FORMAT
-        elif raised:
-            result.hint = HINT_STEP_RAISED
-        else:
-            hints = []
-            if failing["tp"]:
-                hints.append(pick_hint(_STEP_HINTS, failing["tp"], HINT_STEP_TP_GENERIC))
-            if failing["dp"]:
-                hints.append(pick_hint(_STEP_HINTS, failing["dp"], HINT_STEP_DP_GENERIC))
-            hints = list(dict.fromkeys(hints))  # one mistake (e.g. no ring factor) may explain both
-            result.hint = " Also, ".join(hints) if hints else HINT_STEP_TP_GENERIC
-    return result
+                                         if part == key and _close_bytes(
+                                             got[key], reference_step_bytes(cfg, **switches)[key])})
+    if check.failing:  # a wrong format or an exception: that first
+        return check.verdict()
+    hints = [STEP_HINTS.hint(failing[key], generic) for key, generic in
+             (("tp", HINT_STEP_TP_GENERIC), ("dp", HINT_STEP_DP_GENERIC)) if failing[key]]
+    hints = list(dict.fromkeys(hints))  # one mistake (e.g. no ring factor) may explain both
+    return check.verdict(" Also, ".join(hints) if hints else HINT_STEP_TP_GENERIC)
 
 
 __all__ = ["check_row_parallel_linear", "check_gradient_groups", "check_step_bytes",
            "GRADIENT_CASES", "StepConfig", "STEP_CASES", "row_parallel_inputs",
            "reference_step_bytes", "block_params_per_rank", "run_training_step",
-           "measured_step_bytes", "wire_bytes_by_group", "normalize_groups"]
+           "measured_step_bytes", "wire_bytes_by_group"]

@@ -13,7 +13,8 @@
 * :func:`check_gradient_domains`: for the router, the shared experts and the routed
   experts of a Megatron-layout grid, with and without sequence parallelism, the groups
   each gradient is summed over and what the sum is divided by; every wrong choice gets
-  its reason (the guides' "average over the expert-data-parallel group" among them).
+  its reason (among them averaging routed-expert gradients over the expert-data-parallel
+  group, which makes them DP / EDP times too large).
 * :func:`check_layer_bytes_sent`: the student's formula for the bytes one EP rank sends
   to *other* ranks in one MoE layer's forward and backward, from the send-count matrix.
   The checker runs MoE layers on 4 real ranks, counts the bytes each rank sent from the
@@ -28,8 +29,8 @@ import math
 from functools import lru_cache
 from typing import Callable
 
-from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
-from .ch03 import normalize_groups
+from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, as_whole_numbers,
+                  check_answers)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -120,30 +121,18 @@ HINT_BYTES_GENERIC = (
     "the combine and the dispatch's backward, each (sum of column i - counts[i][i]) * h * d."
 )
 
-
-def _is_int_like(value) -> bool:
-    number = as_number(value)
-    return number is not None and float(number).is_integer()
-
-
-def _as_int_list(answer) -> list[int] | None:
-    """A list, tuple, tensor or array of whole numbers as ``list[int]``; None if it is not one."""
-    try:
-        import torch
-        if isinstance(answer, torch.Tensor):
-            if answer.dim() != 1 or answer.is_floating_point() and not bool(
-                    (answer == answer.round()).all()):
-                return None
-            return [int(v) for v in answer.tolist()]
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    if hasattr(answer, "tolist") and not isinstance(answer, (list, tuple)):
-        answer = answer.tolist()
-    if not isinstance(answer, (list, tuple)):
-        return None
-    if not all(_is_int_like(v) for v in answer):
-        return None
-    return [int(as_number(v)) for v in answer]
+#: The mistakes of exercise 4.1, in order of preference (what each returns: ``_splits_mistakes``).
+SPLITS_HINTS = Mistakes(
+    HINT_SPLITS_GENERIC, any_case={"format"}, format=HINT_SPLITS_FORMAT,
+    per_expert=HINT_SPLITS_PER_EXPERT, missing_zeros=HINT_SPLITS_MISSING_ZEROS,
+    tokens=HINT_SPLITS_TOKENS, first_choice=HINT_SPLITS_FIRST_CHOICE,
+    round_robin=HINT_SPLITS_ROUND_ROBIN, divided_by_ep=HINT_SPLITS_DIVIDED_BY_EP)
+#: The mistakes of exercise 4.3, in order of preference (their switches: :data:`BYTES_MISTAKES`).
+BYTES_HINTS = Mistakes(
+    HINT_BYTES_GENERIC, any_case={"format", "raised"}, format=HINT_BYTES_FORMAT,
+    raised=HINT_BYTES_RAISED, diagonal=HINT_BYTES_DIAGONAL, forward_only=HINT_BYTES_FORWARD_ONLY,
+    no_counts=HINT_BYTES_NO_COUNTS, combine_row=HINT_BYTES_COMBINE_ROW,
+    counts_backward=HINT_BYTES_COUNTS_BACKWARD, elements=HINT_BYTES_ELEMENTS)
 
 
 # --- exercise 4.1: the dispatch splits from a routing map -----------------------------
@@ -210,42 +199,27 @@ def _splits_mistakes(topk_idx, num_experts: int, ep_size: int) -> dict[str, list
     return out
 
 
-_SPLITS_HINTS = [
-    (HINT_SPLITS_PER_EXPERT, "per_expert"), (HINT_SPLITS_MISSING_ZEROS, "missing_zeros"),
-    (HINT_SPLITS_TOKENS, "tokens"), (HINT_SPLITS_FIRST_CHOICE, "first_choice"),
-    (HINT_SPLITS_ROUND_ROBIN, "round_robin"), (HINT_SPLITS_DIVIDED_BY_EP, "divided_by_ep"),
-]
-
-
 def check_send_splits(fn: Callable) -> CheckResult:
     """Check ``fn(topk_idx, num_experts, ep_size) -> [rows to EP rank 0, 1, ...]``.
 
     ``topk_idx`` is this rank's ``[T, K]`` int64 routing map; the answer may be a list,
     tuple or 1-D tensor of whole numbers.
     """
-    result = CheckResult("Exercise 4.1: send_splits")
-    values, failing, format_error = [], [], False
+    check = Checking("Exercise 4.1: send_splits", SPLITS_HINTS)
     for name, topk_idx, num_experts, ep_size in send_splits_cases():
         want = reference_send_splits(topk_idx, num_experts, ep_size)
-        case, got = run_case(name, lambda t=topk_idx, n=num_experts, e=ep_size: fn(t.clone(), n, e),
-                             want, compare=lambda g, w: _as_int_list(g) == w)
-        result.cases.append(case)
-        values.append(got)
+        case, got = check.run(name, lambda t=topk_idx, n=num_experts, e=ep_size: fn(t.clone(), n, e),
+                              want, compare=lambda g, w: as_whole_numbers(g) == w)
         if case.passed or isinstance(got, BaseException):
             continue
-        answer = _as_int_list(got)
+        answer = as_whole_numbers(got)
         if answer is None:
-            format_error = True
+            check.shows({"format"})
             continue
         case.detail = f"got {answer}, expected {want}"
         mistakes = _splits_mistakes(topk_idx, num_experts, ep_size)
-        failing.append({m for m, wrong in mistakes.items() if wrong == answer and wrong != want})
-    if not result.passed:
-        hint = stub_hint(values)
-        if hint is None and format_error:
-            hint = HINT_SPLITS_FORMAT
-        result.hint = hint or pick_hint(_SPLITS_HINTS, failing, HINT_SPLITS_GENERIC)
-    return result
+        check.shows({m for m, wrong in mistakes.items() if wrong == answer and wrong != want})
+    return check.verdict()
 
 
 # --- exercise 4.2: which groups, divided by what? ----------------------------------------
@@ -330,8 +304,8 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
     if number is None:
         return HINT_DOMAINS_FORMAT
     if routed and math.isclose(number, edp) and edp != want_divisor:
-        return (f"dividing by the expert-data-parallel size ({edp}) is the guides' 'all-reduce(avg) "
-                f"on expert_data_parallel_group', and it makes expert gradients {dp // edp}x too "
+        return (f"dividing by the expert-data-parallel size ({edp}), as an all-reduce that averages "
+                f"over the expert-data-parallel group does, makes expert gradients {dp // edp}x too "
                 f"large (DP / EDP = EP / TP). The backward of the combine all-to-all has already "
                 f"added, on the expert's rank, the gradients of every EP rank's tokens; after the "
                 f"expert_dp sum each token of the global batch has contributed once, as after the "
@@ -351,7 +325,7 @@ def _read_domain_answer(answer):
         answer = (answer.get("groups"), answer.get("divisor"))
     if not isinstance(answer, (tuple, list)) or len(answer) != 2:
         return None
-    groups = normalize_groups(answer[0])
+    groups = as_group_kinds(answer[0])
     if groups is None:
         return None
     return groups, answer[1]
@@ -363,34 +337,21 @@ def check_gradient_domains(fn: Callable) -> CheckResult:
     ``groups`` is a set (or list, or a string like ``"tp+dp"``) of group kinds the
     gradient is summed over; ``divisor`` the number the sum is divided by.
     """
-    result = CheckResult("Exercise 4.2: gradient_domains")
-    case, got = run_case("the answers", fn, None, compare=lambda g, w: isinstance(g, dict))
-    if not case.passed:
-        result.cases.append(case)
-        result.hint = stub_hint([got]) or HINT_DOMAINS_FORMAT
-        return result
-    hints = []
-    for name, (_, want, want_divisor) in GRADIENT_DOMAIN_CASES.items():
-        if name not in got:
-            result.cases.append(Case(name, False, "missing from the dict"))
-            hints.append(HINT_DOMAINS_FORMAT)
-            continue
-        read = _read_domain_answer(got[name])
-        if read is None:
-            result.cases.append(Case(name, False, f"got {got[name]!r}: not a pair (groups, divisor)"))
-            hints.append(HINT_DOMAINS_FORMAT)
-            continue
-        groups, divisor = read
-        number = as_number(divisor)
-        if groups == want and number is not None and math.isclose(number, want_divisor):
-            result.cases.append(Case(name, True))
-            continue
-        result.cases.append(Case(name, False, f"got {got[name]!r}, expected "
-                                              f"({sorted(want)}, {want_divisor})"))
-        hints.append(f"{name}: {_why_domain_wrong(name, groups, divisor, want, want_divisor)}")
-    if hints:
-        result.hint = hints[0]
-    return result
+    return check_answers("Exercise 4.2: gradient_domains", fn, GRADIENT_DOMAIN_CASES, _judge_domain,
+                         HINT_DOMAINS_FORMAT)
+
+
+def _judge_domain(name: str, answer) -> tuple[str, str | None] | None:
+    _, want, want_divisor = GRADIENT_DOMAIN_CASES[name]
+    read = _read_domain_answer(answer)
+    if read is None:
+        return f"got {answer!r}: not a pair (groups, divisor)", None
+    groups, divisor = read
+    number = as_number(divisor)
+    if groups == want and number is not None and math.isclose(number, want_divisor):
+        return None
+    return (f"got {answer!r}, expected ({sorted(want)}, {want_divisor})",
+            _why_domain_wrong(name, groups, divisor, want, want_divisor))
 
 
 # --- exercise 4.3: the bytes one EP rank sends in one layer ------------------------------
@@ -466,11 +427,6 @@ BYTES_MISTAKES = {
     "counts_backward": dict(counts_backward=True),
     "elements": dict(elements=True),
 }
-_BYTES_HINTS = [
-    (HINT_BYTES_DIAGONAL, "diagonal"), (HINT_BYTES_FORWARD_ONLY, "forward_only"),
-    (HINT_BYTES_NO_COUNTS, "no_counts"), (HINT_BYTES_COMBINE_ROW, "combine_row"),
-    (HINT_BYTES_COUNTS_BACKWARD, "counts_backward"), (HINT_BYTES_ELEMENTS, "elements"),
-]
 
 
 def _bytes_worker(ctx, cases):
@@ -525,55 +481,43 @@ def check_layer_bytes_sent(fn: Callable) -> CheckResult:
     rank j); the answer is what rank ``rank`` sends to other ranks in one forward and
     backward of the layer (fp32 rows of ``hidden`` elements).
     """
-    result = CheckResult("Exercise 4.3: layer_bytes_sent")
-    cases = bytes_cases()
-    answers, values = [], []
-    for name, routings in cases:  # the student's formula first: a stub costs no launch
+    check = Checking("Exercise 4.3: layer_bytes_sent", BYTES_HINTS)
+    answers = []
+    for name, routings in bytes_cases():  # the student's formula first: a stub costs no launch
         counts = send_count_matrix(routings)
         for rank in range(len(routings)):
-            case, got = run_case(f"{name}, rank {rank}",
-                                 lambda c=counts, r=rank: fn([list(row) for row in c], r, BYTES_HIDDEN,
-                                                             BYTES_EXPERTS, 4),
-                                 None, compare=lambda *_: True)
-            values.append(got)
-            if isinstance(got, NotImplementedError):
-                result.cases.append(case)
-                result.hint = stub_hint([got])
-                return result
+            case, got = check.attempt(f"{name}, rank {rank}",
+                                      lambda c=counts, r=rank: fn([list(row) for row in c], r,
+                                                                  BYTES_HIDDEN, BYTES_EXPERTS, 4),
+                                      None, compare=lambda *_: True)
+            if check.stub:
+                check.add(case)
+                return check.verdict()
             answers.append((case, got, counts, rank))
     try:
         measured = measured_layer_bytes()
     except Exception as err:  # noqa: BLE001 - a broken machine is not the student's fault
-        result.cases.append(Case("the traced layers", False, f"could not run them: {err}"))
-        result.hint = "the reference run failed; re-run the cell."
-        return result
+        check.add(Case("the traced layers", False, f"could not run them: {err}"))
+        return check.verdict("the reference run failed; re-run the cell.")
     per_rank = [b for case_bytes in measured for b in case_bytes]
-    failing, format_error, raised = [], False, False
     for (case, got, counts, rank), want in zip(answers, per_rank):
         if isinstance(got, BaseException):
-            result.cases.append(case)
-            raised = True
+            check.add(case)
+            check.shows({"raised"})
             continue
         number = as_number(got)
         if number is None:
-            result.cases.append(Case(case.name, False, f"got {got!r}; the trace says {want}"))
-            format_error = True
+            check.add(Case(case.name, False, f"got {got!r}; the trace says {want}"))
+            check.shows({"format"})
             continue
         if math.isclose(number, want, rel_tol=1e-9, abs_tol=1e-6):
-            result.cases.append(Case(case.name, True))
+            check.add(Case(case.name, True))
             continue
-        result.cases.append(Case(case.name, False, f"got {number:g}, the trace says {want}"))
-        failing.append({name for name, switches in BYTES_MISTAKES.items() if math.isclose(
+        check.add(Case(case.name, False, f"got {number:g}, the trace says {want}"))
+        check.shows({name for name, switches in BYTES_MISTAKES.items() if math.isclose(
             number, reference_layer_bytes_sent(counts, rank, BYTES_HIDDEN, BYTES_EXPERTS, 4, **switches),
             rel_tol=1e-9, abs_tol=1e-6)})
-    if not result.passed:
-        if format_error:
-            result.hint = HINT_BYTES_FORMAT
-        elif raised:
-            result.hint = HINT_BYTES_RAISED
-        else:
-            result.hint = pick_hint(_BYTES_HINTS, failing, HINT_BYTES_GENERIC)
-    return result
+    return check.verdict()
 
 
 __all__ = ["check_send_splits", "check_gradient_domains", "check_layer_bytes_sent",

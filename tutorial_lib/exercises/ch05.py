@@ -15,7 +15,7 @@
 * :func:`check_update_bias`: ``fn(bias, load, gamma)`` is V3's bias step.  The checker
   tries it on a few loads (an expert exactly at the mean included), on a bias that is a
   leaf requiring grad, and in a 200-step simulation of a skewed router balanced with the
-  library's :func:`~tutorial_lib.moe_balance.biased_topk`: the trajectory must be the
+  library's :func:`reference_topk`: the trajectory must be the
   library's and MaxVio must fall.  A flipped sign, a step proportional to the imbalance,
   moving experts at the mean, an integer mean and an update that builds a graph each get
   a hint.
@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from .. import moe_balance as mb
-from . import CheckResult, as_number, pick_hint, run_case, stub_hint
+from .. import moe, moe_balance
+from .kit import Checking, CheckResult, Mistakes, as_number, run_case
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -146,6 +146,22 @@ HINT_BIAS_GENERIC = (
     "bias.add_(gamma * torch.sign(load.float().mean() - load))."
 )
 
+#: The mistakes of exercise 5.1, in order of preference (the wrong losses: :func:`expert_loss_variant`).
+LOSS_HINTS = Mistakes(
+    HINT_LOSS_GENERIC, own_topk=HINT_LOSS_OWN_TOPK, gates=HINT_LOSS_GATES,
+    no_scale=HINT_LOSS_NO_SCALE, assignments=HINT_LOSS_ASSIGNMENTS, per_token=HINT_LOSS_PER_TOKEN,
+    no_grad=HINT_LOSS_NO_GRAD, wrong_grad=HINT_LOSS_WRONG_GRAD, format=HINT_LOSS_FORMAT)
+#: The mistakes of exercise 5.2, in order of preference (the wrong choices: :func:`topk_variant`).
+TOPK_HINTS = Mistakes(
+    HINT_TOPK_GENERIC, format=HINT_TOPK_FORMAT, biased_gates=HINT_TOPK_BIASED_GATES,
+    ignores_bias=HINT_TOPK_IGNORES_BIAS, subtracted=HINT_TOPK_SUBTRACTED,
+    normalised=HINT_TOPK_NORMALISED, no_grad=HINT_TOPK_NO_GRAD)
+#: The mistakes of exercise 5.3, in order of preference (the wrong steps: :func:`update_variant`).
+UPDATE_HINTS = Mistakes(
+    HINT_BIAS_GENERIC, format=HINT_BIAS_FORMAT, int_mean=HINT_BIAS_INT_MEAN,
+    flipped=HINT_BIAS_FLIPPED, proportional=HINT_BIAS_PROPORTIONAL, relative=HINT_BIAS_PROPORTIONAL,
+    at_mean=HINT_BIAS_AT_MEAN, graph=HINT_BIAS_GRAPH)
+
 
 # --- exercise 5.1: the expert-level balance loss -----------------------------------------
 
@@ -217,10 +233,6 @@ def _variant_grad(probs, topk_idx, num_experts, topk, mistake):
 
 
 LOSS_MISTAKES = ("no_scale", "assignments", "per_token", "gates", "own_topk")
-_LOSS_HINTS = [(HINT_LOSS_OWN_TOPK, "own_topk"), (HINT_LOSS_GATES, "gates"),
-               (HINT_LOSS_NO_SCALE, "no_scale"), (HINT_LOSS_ASSIGNMENTS, "assignments"),
-               (HINT_LOSS_PER_TOKEN, "per_token"), (HINT_LOSS_NO_GRAD, "no_grad"),
-               (HINT_LOSS_WRONG_GRAD, "wrong_grad"), (HINT_LOSS_FORMAT, "format")]
 
 
 def _same_value(a: float, b: float) -> bool:
@@ -234,21 +246,18 @@ def check_expert_balance_loss(fn: Callable) -> CheckResult:
     The value must equal :func:`moe_balance.expert_balance_loss`'s (relative 1e-9) and so
     must the gradient of the loss with respect to ``probs``.
     """
-    result = CheckResult("Exercise 5.1: expert_balance_loss")
-    values, failing = [], []
+    check = Checking("Exercise 5.1: expert_balance_loss", LOSS_HINTS)
     for name, probs, topk_idx, N, K in loss_cases():
-        want = float(mb.expert_balance_loss(probs, topk_idx, N, K))
+        want = float(moe_balance.expert_balance_loss(probs, topk_idx, N, K))
         reference = probs.clone().requires_grad_(True)
-        mb.expert_balance_loss(reference, topk_idx, N, K).backward()
+        moe_balance.expert_balance_loss(reference, topk_idx, N, K).backward()
         mine = probs.clone().requires_grad_(True)
-        case, got = run_case(name, lambda: fn(mine, topk_idx.clone(), N, K), want,
-                             compare=lambda *_: False)
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
+        case, got = check.run(name, lambda: fn(mine, topk_idx.clone(), N, K), want,
+                              compare=lambda *_: False)
+        if check.stub:
             break
         if isinstance(got, BaseException):
-            failing.append(set())
+            check.shows()
             continue
         if isinstance(got, torch.Tensor):
             value = as_number(got.detach()) if got.numel() == 1 else None
@@ -256,37 +265,35 @@ def check_expert_balance_loss(fn: Callable) -> CheckResult:
             value = as_number(got)
         if value is None:
             case.detail = f"returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}, expected a scalar"
-            failing.append({"format"})
+            check.shows({"format"})
             continue
         if not _same_value(value, want):
             case.detail = f"loss {value:.6g}, expected {want:.6g}"
-            failing.append({m for m in LOSS_MISTAKES
-                            if _same_value(value, float(expert_loss_variant(probs, topk_idx, N, K, m)))})
+            check.shows({m for m in LOSS_MISTAKES
+                         if _same_value(value, float(expert_loss_variant(probs, topk_idx, N, K, m)))})
             continue
         if not isinstance(got, torch.Tensor) or got.grad_fn is None:
             case.detail = f"loss {value:.6g} is right, but it carries no gradient to probs"
-            failing.append({"no_grad"})
+            check.shows({"no_grad"})
             continue
         try:
             got.backward()
         except Exception as err:  # noqa: BLE001 - the student's graph, not ours
             case.detail = f"the loss's backward raised {type(err).__name__}: {err}"
-            failing.append({"wrong_grad"})
+            check.shows({"wrong_grad"})
             continue
         if mine.grad is None or not torch.allclose(mine.grad, reference.grad, rtol=1e-9, atol=1e-12):
             worst = "no gradient" if mine.grad is None else \
                 f"differs by up to {(mine.grad - reference.grad).abs().max().item():.3g}"
             case.detail = f"loss {value:.6g} is right, but d loss / d probs {worst}"
             if mine.grad is None:
-                failing.append({"no_grad"})
+                check.shows({"no_grad"})
             else:  # a mistake whose value happens to be right here shows in the gradient
-                failing.append({"wrong_grad"} | {m for m in LOSS_MISTAKES if torch.allclose(
+                check.shows({"wrong_grad"} | {m for m in LOSS_MISTAKES if torch.allclose(
                     mine.grad, _variant_grad(probs, topk_idx, N, K, m), rtol=1e-9, atol=1e-12)})
             continue
         case.passed, case.detail = True, ""
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(_LOSS_HINTS, failing, HINT_LOSS_GENERIC)
-    return result
+    return check.verdict()
 
 
 # --- exercise 5.2: biased top-k selection -------------------------------------------------
@@ -322,9 +329,6 @@ def topk_variant(scores, bias, k, mistake: str | None = None):
 
 
 TOPK_MISTAKES = ("biased_gates", "ignores_bias", "subtracted", "normalised")
-_TOPK_HINTS = [(HINT_TOPK_FORMAT, "format"), (HINT_TOPK_BIASED_GATES, "biased_gates"),
-               (HINT_TOPK_IGNORES_BIAS, "ignores_bias"), (HINT_TOPK_SUBTRACTED, "subtracted"),
-               (HINT_TOPK_NORMALISED, "normalised"), (HINT_TOPK_NO_GRAD, "no_grad")]
 
 
 def _by_expert(topk_idx, gates):
@@ -347,62 +351,64 @@ def _valid_pair(got, scores, k) -> bool:
             and not idx.is_floating_point() and not idx.is_complex())
 
 
+def reference_topk(scores, bias, k):
+    """Exercise 5.2's answer from the router's own pieces: pick by ``scores + bias``
+    (:func:`tutorial_lib.moe.select_experts`), gate with the unbiased scores."""
+    topk_idx = moe.select_experts(scores.detach(), k, bias)
+    return topk_idx, moe.gates_from_scores(scores, topk_idx, normalize=False)
+
+
 def check_biased_topk(fn: Callable) -> CheckResult:
-    """Check ``fn(scores, bias, k) -> (topk_idx, gates)`` against :func:`moe_balance.biased_topk`.
+    """Check ``fn(scores, bias, k) -> (topk_idx, gates)`` against the library's choice and gates.
 
     The k picks of a token may come in any order (gates in the same order).  ``scores``
     requires grad: ``gates.sum().backward()`` must give the library's ``scores.grad``, and
     a bias that requires grad must get no gradient.
     """
-    result = CheckResult("Exercise 5.2: biased_topk")
-    values, failing = [], []
+    check = Checking("Exercise 5.2: biased_topk", TOPK_HINTS)
     for name, scores, bias, k in topk_cases():
-        want = mb.biased_topk(scores, bias.detach(), k)
+        want = reference_topk(scores, bias.detach(), k)
         mine_scores = scores.clone().requires_grad_(True)
         mine_bias = bias.detach().clone().requires_grad_(bias.requires_grad)
-        case, got = run_case(name, lambda: fn(mine_scores, mine_bias, k), want, compare=lambda *_: False)
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
+        case, got = check.run(name, lambda: fn(mine_scores, mine_bias, k), want, compare=lambda *_: False)
+        if check.stub:
             break
         if isinstance(got, BaseException):
-            failing.append(set())
+            check.shows()
             continue
         if not _valid_pair(got, scores, k):
             case.detail = f"returned {type(got).__name__}, expected (topk_idx [T, {k}], gates [T, {k}])"
-            failing.append({"format"})
+            check.shows({"format"})
             continue
         if not _same_routing(got, want):
             wrong = int((~(_by_expert(*got)[0] == _by_expert(*want)[0]).all(dim=-1)).sum())
             case.detail = (f"{wrong} of {scores.shape[0]} tokens chose other experts" if wrong else
                            "the same experts, but other gate values")
-            failing.append({m for m in TOPK_MISTAKES if _same_routing(got, topk_variant(scores, bias, k, m))})
+            check.shows({m for m in TOPK_MISTAKES if _same_routing(got, topk_variant(scores, bias, k, m))})
             continue
         gates = got[1]
         if gates.grad_fn is None:
             case.detail = "right experts and gates, but the gates carry no gradient to scores"
-            failing.append({"no_grad"})
+            check.shows({"no_grad"})
             continue
         try:
             gates.sum().backward()
         except Exception as err:  # noqa: BLE001
             case.detail = f"gates.sum().backward() raised {type(err).__name__}: {err}"
-            failing.append(set())
+            check.shows()
             continue
         reference = scores.clone().requires_grad_(True)
-        mb.biased_topk(reference, bias.detach(), k)[1].sum().backward()
+        reference_topk(reference, bias.detach(), k)[1].sum().backward()
         if mine_scores.grad is None or not torch.allclose(mine_scores.grad, reference.grad):
             case.detail = "right experts and gates, but d gates / d scores differs from the library's"
-            failing.append({"no_grad"} if mine_scores.grad is None else set())
+            check.shows({"no_grad"} if mine_scores.grad is None else set())
             continue
         if mine_bias.grad is not None and bool(mine_bias.grad.abs().sum() > 0):
             case.detail = "the bias received a gradient: it must only steer the choice"
-            failing.append({"biased_gates"})
+            check.shows({"biased_gates"})
             continue
         case.passed, case.detail = True, ""
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(_TOPK_HINTS, failing, HINT_TOPK_GENERIC)
-    return result
+    return check.verdict()
 
 
 # --- exercise 5.3: the bias update ---------------------------------------------------------
@@ -444,10 +450,6 @@ def update_variant(bias, load, gamma, mistake: str | None = None):
 
 
 UPDATE_MISTAKES = ("flipped", "proportional", "relative", "at_mean")
-_UPDATE_HINTS = [(HINT_BIAS_FORMAT, "format"), (HINT_BIAS_INT_MEAN, "int_mean"),
-                 (HINT_BIAS_FLIPPED, "flipped"), (HINT_BIAS_PROPORTIONAL, "proportional"),
-                 (HINT_BIAS_PROPORTIONAL, "relative"), (HINT_BIAS_AT_MEAN, "at_mean"),
-                 (HINT_BIAS_GRAPH, "graph")]
 
 
 class _NotABias(TypeError):
@@ -477,7 +479,7 @@ def simulate_bias_balancing(update: Callable, steps: int = SIM_STEPS, gamma: flo
     last 20 steps' summed load, final bias)``.
 
     Expert i's affinity is ``sigmoid(2 - 4 i / (N'-1) + noise)``: expert 0 is strongly
-    preferred.  Each step routes ``SIM_TOKENS`` tokens with :func:`moe_balance.biased_topk`
+    preferred.  Each step routes ``SIM_TOKENS`` tokens with :func:`reference_topk`
     and calls ``update(bias, load, gamma)`` (in place, or returning the new bias).
     """
     g = torch.Generator().manual_seed(0)
@@ -487,10 +489,10 @@ def simulate_bias_balancing(update: Callable, steps: int = SIM_STEPS, gamma: flo
     first = None
     for step in range(steps):
         scores = torch.sigmoid(preference + torch.randn(SIM_TOKENS, SIM_EXPERTS, generator=g))
-        topk_idx, gates = mb.biased_topk(scores, bias.detach(), SIM_TOPK)
-        load = mb.expert_load(topk_idx, SIM_EXPERTS)
+        topk_idx, gates = reference_topk(scores, bias.detach(), SIM_TOPK)
+        load = moe_balance.expert_load(topk_idx, SIM_EXPERTS)
         if first is None:
-            first = mb.max_violation(load)
+            first = moe_balance.max_violation(load)
         if step >= steps - 20:
             recent += load
         new = _apply_update(update, bias, load.clone(), gamma)
@@ -498,7 +500,7 @@ def simulate_bias_balancing(update: Callable, steps: int = SIM_STEPS, gamma: flo
             raise _NotABias(f"the update returned {type(new).__name__}, expected a tensor of shape "
                             f"{tuple(bias.shape)}")
         bias = new.detach().to(torch.float32)
-    return first, mb.max_violation(recent), bias
+    return first, moe_balance.max_violation(recent), bias
 
 
 @lru_cache(maxsize=None)
@@ -509,44 +511,39 @@ def _simulated(mistake: str | None):
 def check_update_bias(fn: Callable) -> CheckResult:
     """Check ``fn(bias, load, gamma)``: in place (returning the bias or None) or returning a
     new bias; ``load`` is int64 token counts.  Direct cases, then the simulation."""
-    result = CheckResult("Exercise 5.3: update_bias")
-    values, failing = [], []
+    check = Checking("Exercise 5.3: update_bias", UPDATE_HINTS)
     for name, bias, load, gamma in update_cases():
         want = update_variant(bias, load, gamma)
         start = bias.detach().clone().requires_grad_(bias.requires_grad)
-        case, got = run_case(name, lambda: _apply_update(fn, start, load.clone(), gamma), want,
-                             compare=lambda *_: False)
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
-            break
+        case, got = check.run(name, lambda: _apply_update(fn, start, load.clone(), gamma), want,
+                              compare=lambda *_: False)
+        if check.stub:
+            return check.verdict()
         if isinstance(got, BaseException):
-            failing.append(_explain_error(got))
+            check.shows(_explain_error(got))
             continue
         if not isinstance(got, torch.Tensor) or got.shape != bias.shape:
             case.detail = f"returned {type(got).__name__}, expected the new bias (shape {tuple(bias.shape)})"
-            failing.append({"format"})
+            check.shows({"format"})
             continue
         if not torch.allclose(got.detach().double(), want.double(), atol=1e-7, rtol=0):
             case.detail = f"bias {got.detach().tolist()}, expected {[round(v, 6) for v in want.tolist()]}"
-            failing.append({m for m in UPDATE_MISTAKES if torch.allclose(
+            check.shows({m for m in UPDATE_MISTAKES if torch.allclose(
                 got.detach().double(), update_variant(bias, load, gamma, m).double(), atol=1e-7, rtol=0)})
             continue
         if got.grad_fn is not None:
             case.detail = "right values, but the new bias has a grad_fn: the update built a graph"
-            failing.append({"graph"})
+            check.shows({"graph"})
             continue
         case.passed, case.detail = True, ""
-    if values and isinstance(values[-1], NotImplementedError):
-        result.hint = stub_hint(values)
-        return result
     name = (f"simulation: {SIM_STEPS} steps of {SIM_TOKENS} tokens, N'={SIM_EXPERTS}, "
             f"K'={SIM_TOPK}, gamma={SIM_GAMMA}, a router that prefers expert 0")
     first, settled, want_bias = _simulated(None)
+    # run_case, not check.run: a stub was caught above, and the simulation's error is explained below
     case, got = run_case(name, lambda: simulate_bias_balancing(fn), None, compare=lambda *_: False)
-    result.cases.append(case)
+    check.add(case)
     if isinstance(got, BaseException):
-        failing.append(_explain_error(got))
+        check.shows(_explain_error(got))
     else:
         _, got_settled, got_bias = got
         if got_settled < SIM_MAX_VIOLATION and torch.allclose(got_bias, want_bias, atol=1e-5, rtol=0):
@@ -555,11 +552,9 @@ def check_update_bias(fn: Callable) -> CheckResult:
             case.detail = (f"MaxVio {first:.2f} at the start, {got_settled:.2f} over the last 20 steps "
                            f"(the library's rule: {settled:.2f}); final bias of expert 0 "
                            f"{got_bias[0].item():+.3f} (library {want_bias[0].item():+.3f})")
-            failing.append({m for m in UPDATE_MISTAKES
-                            if torch.allclose(got_bias, _simulated(m)[2], atol=1e-5, rtol=0)})
-    if not result.passed:
-        result.hint = pick_hint(_UPDATE_HINTS, failing, HINT_BIAS_GENERIC)
-    return result
+            check.shows({m for m in UPDATE_MISTAKES
+                         if torch.allclose(got_bias, _simulated(m)[2], atol=1e-5, rtol=0)})
+    return check.verdict()
 
 
 __all__ = ["check_expert_balance_loss", "check_biased_topk", "check_update_bias",

@@ -20,10 +20,10 @@ from collections import Counter
 from fractions import Fraction
 from typing import Callable
 
-from ..model import layer_range
+from ..deepseek import layer_range
 from ..pipeline_schedules import (Action, SimulationError, build_schedules, expected_bubble,
                                   num_warmup_microbatches, one_f_one_b, simulate, bubble_fraction)
-from . import Case, CheckResult, as_number, run_case, stub_hint
+from .kit import Case, Checking, CheckResult, Mistakes, as_number
 
 # --- exercise 6.1: one rank's 1F1B list ------------------------------------------------------
 
@@ -43,8 +43,8 @@ HINT_BACKWARD_FIRST = (
 )
 HINT_PEER = (
     "a message goes to or comes from the wrong rank. Activations go r -> r + 1 and their "
-    "gradients come back r + 1 -> r: so recv_grad is FROM the next rank (the seeds' bug "
-    "receives it from the previous one), send_grad TO the previous one. Labels go from rank 0 "
+    "gradients come back r + 1 -> r: so recv_grad is FROM the next rank (receiving it from "
+    "the previous one is the classic bug), send_grad TO the previous one. Labels go from rank 0 "
     "to rank PP - 1."
 )
 HINT_LABELS = (
@@ -79,7 +79,7 @@ def _gaps(actions: list[Action]) -> list[tuple[str, Counter]]:
             out.append((a.label, pending))
             pending = Counter()
         else:
-            pending[(a.kind, a.microbatch, a.stage, a.peer)] += 1
+            pending[(a.kind, a.microbatch, a.chunk, a.peer)] += 1
     out.append(("end", pending))
     return out
 
@@ -135,30 +135,24 @@ def _diagnose(got: list[Action], want: list[Action], pp: int, m: int, rank: int)
     return None, ""  # the same messages around the same computes, in another order: simulate
 
 
-_PRIORITY = [("type", HINT_TYPE), ("backward_first", HINT_BACKWARD_FIRST), ("warmup", HINT_WARMUP),
-             ("order", HINT_ORDER), ("peer", HINT_PEER), ("labels", HINT_LABELS),
-             ("messages", HINT_MESSAGES), ("deadlock", HINT_DEADLOCK)]
-
-
-def _pick(mistakes: list[str], generic: str) -> str:
-    for name, hint in _PRIORITY:
-        if name in mistakes:
-            return hint
-    return generic
+#: The mistakes of exercise 6.1, in order of preference: the first rank whose list
+#: differs names one (see ``_diagnose``), and any case's mistake is reported.
+ONE_F_ONE_B_HINTS = Mistakes(
+    HINT_ORDER, any_case=True, type=HINT_TYPE, backward_first=HINT_BACKWARD_FIRST,
+    warmup=HINT_WARMUP, order=HINT_ORDER, peer=HINT_PEER, labels=HINT_LABELS,
+    messages=HINT_MESSAGES, deadlock=HINT_DEADLOCK)
 
 
 def check_one_f_one_b(fn: Callable[[int, int, int], list]) -> CheckResult:
     """Compare ``fn(pp_size, num_microbatches, rank)`` with the library's 1F1B; simulate it."""
-    result = CheckResult("Exercise 6.1: one rank's 1F1B action list")
-    attempts, mistakes = [], []
+    check = Checking("Exercise 6.1: one rank's 1F1B action list", ONE_F_ONE_B_HINTS)
     for pp, m in ONE_F_ONE_B_CASES:
         name = f"PP={pp}, M={m}"
         lists, failed = {}, None
         for rank in range(pp):
             want = one_f_one_b(pp, m, rank)
-            case, got = run_case(name, lambda r=rank: fn(pp, m, r), want,
-                                 compare=lambda g, w: isinstance(g, (list, tuple)) and list(g) == w)
-            attempts.append(got)
+            case, got = check.attempt(name, lambda r=rank: fn(pp, m, r), want,
+                                      compare=lambda g, w: isinstance(g, (list, tuple)) and list(g) == w)
             if isinstance(got, Exception):
                 failed = case
                 break
@@ -166,19 +160,17 @@ def check_one_f_one_b(fn: Callable[[int, int, int], list]) -> CheckResult:
             if not case.passed:
                 kind, detail = _diagnose(got, want, pp, m, rank)
                 if kind is not None:
-                    mistakes.append(kind)
+                    check.shows({kind})
                     failed = Case(name, False, detail)
                     break
         if failed is None:
             try:
                 simulate({r: list(acts) for r, acts in lists.items()})
             except SimulationError as err:  # only reachable if the lists differ within a gap
-                mistakes.append("deadlock")
+                check.shows({"deadlock"})
                 failed = Case(name, False, f"simulating every rank's list: {str(err).splitlines()[0]}")
-        result.cases.append(failed or Case(name, True))
-    if not result.passed:
-        result.hint = stub_hint(attempts) or _pick(mistakes, HINT_ORDER)
-    return result
+        check.add(failed or Case(name, True))
+    return check.verdict()
 
 
 # --- exercise 6.2: predict the bubble --------------------------------------------------------
@@ -200,40 +192,32 @@ HINT_BUBBLE_GENERIC = (
     "backward), so the idle fraction is (PP - 1) / (M + PP - 1); with interleaving the "
     "wait shrinks to (PP - 1) / V."
 )
+#: The mistakes of exercise 6.2: named only when they explain every wrong prediction.
+BUBBLE_HINTS = Mistakes(HINT_BUBBLE_GENERIC, idle_over_work=HINT_IDLE_OVER_WORK, forgot_v=HINT_FORGOT_V)
 
 
 def check_bubble(fn: Callable[[int, int, int], float]) -> CheckResult:
     """Compare ``fn(pp, m, v)`` with the closed form and with the simulated schedule."""
-    result = CheckResult("Exercise 6.2: predict the bubble")
-    attempts, named = [], []
+    check = Checking("Exercise 6.2: predict the bubble", BUBBLE_HINTS)
     for pp, m, v in BUBBLE_CASES:
         schedule = "interleaved" if v > 1 else "1f1b"
         simulated = float(bubble_fraction(simulate(build_schedules(schedule, pp, m, v), Fraction(1, v),
                                                    Fraction(2, v))))
         formula = expected_bubble(pp, m, v)
         assert abs(simulated - formula) < 1e-12  # the library's own claim, checked here too
-        case, got = run_case(f"PP={pp}, M={m}, V={v}", lambda: fn(pp, m, v), formula,
-                             compare=lambda g, w: as_number(g) is not None and abs(as_number(g) - w) < 1e-9)
-        attempts.append(got)
+        case, got = check.run(f"PP={pp}, M={m}, V={v}", lambda: fn(pp, m, v), formula,
+                              compare=lambda g, w: as_number(g) is not None and abs(as_number(g) - w) < 1e-9)
         if not case.passed and not isinstance(got, Exception):
             value = as_number(got)
             case.detail = (f"got {got!r}, expected {formula:.4f} (the simulated {schedule} schedule "
                            f"idles {simulated:.4f} of the step)")
             if value is not None and pp > 1 and abs(value - (pp - 1) / (v * m)) < 1e-9:
-                named.append("idle_over_work")
+                check.shows({"idle_over_work"})
             elif value is not None and abs(value - (pp - 1) / (m + pp - 1)) < 1e-9:
-                named.append("forgot_v")
+                check.shows({"forgot_v"})
             else:
-                named.append("other")
-        result.cases.append(case)
-    if not result.passed:
-        hint = HINT_BUBBLE_GENERIC
-        if named and all(n == "idle_over_work" for n in named):
-            hint = HINT_IDLE_OVER_WORK
-        elif named and all(n == "forgot_v" for n in named):
-            hint = HINT_FORGOT_V
-        result.hint = stub_hint(attempts) or hint
-    return result
+                check.shows()
+    return check.verdict()
 
 
 # --- exercise 6.3: who holds what --------------------------------------------------------------
@@ -258,6 +242,10 @@ HINT_HOLDINGS_GENERIC = (
     "model stage s holds layers [s L / (PP V), (s + 1) L / (PP V)); rank r runs model stages "
     "r, PP + r, 2 PP + r, ... in that order."
 )
+#: The mistakes of exercise 6.3, in order of preference; any case's mistake is reported.
+HOLDINGS_HINTS = Mistakes(
+    HINT_HOLDINGS_GENERIC, any_case=True, type=HINT_HOLDINGS_TYPE, contiguous=HINT_CONTIGUOUS,
+    ends=HINT_HEAD)
 
 
 def stage_holdings(num_layers: int, pp: int, v: int, rank: int) -> dict:
@@ -270,8 +258,7 @@ def stage_holdings(num_layers: int, pp: int, v: int, rank: int) -> dict:
 
 def check_stage_holdings(fn: Callable[[int, int, int, int], dict]) -> CheckResult:
     """Compare ``fn(num_layers, pp, v, rank)`` with :func:`stage_holdings`."""
-    result = CheckResult("Exercise 6.3: which rank holds which layers, and the label path")
-    attempts, named = [], set()
+    check = Checking("Exercise 6.3: which rank holds which layers, and the label path", HOLDINGS_HINTS)
     for layers, pp, v, rank in HOLDINGS_CASES:
         want = stage_holdings(layers, pp, v, rank)
 
@@ -279,26 +266,19 @@ def check_stage_holdings(fn: Callable[[int, int, int, int], dict]) -> CheckResul
             return isinstance(got, dict) and {k: (list(got[k]) if k == "layers" else got[k])
                                               for k in expected if k in got} == expected
 
-        case, got = run_case(f"L={layers}, PP={pp}, V={v}, rank {rank}", lambda: fn(layers, pp, v, rank),
-                             want, compare=same)
-        attempts.append(got)
+        case, got = check.run(f"L={layers}, PP={pp}, V={v}, rank {rank}", lambda: fn(layers, pp, v, rank),
+                              want, compare=same)
         if not case.passed and not isinstance(got, Exception):
             if not isinstance(got, dict) or set(want) - set(got):
-                named.add("type")
-            else:
-                per = layers // (pp * v)
-                contiguous = list(range(rank * v * per, (rank + 1) * v * per))
-                if list(got["layers"]) == contiguous and contiguous != want["layers"]:
-                    named.add("contiguous")
-                if (got["embedding"], got["head"], got["labels"]) != (want["embedding"], want["head"],
-                                                                       want["labels"]):
-                    named.add("ends")
-        result.cases.append(case)
-    if not result.passed:
-        hint = HINT_HOLDINGS_GENERIC
-        for name, text in (("type", HINT_HOLDINGS_TYPE), ("contiguous", HINT_CONTIGUOUS), ("ends", HINT_HEAD)):
-            if name in named:
-                hint = text
-                break
-        result.hint = stub_hint(attempts) or hint
-    return result
+                check.shows({"type"})
+                continue
+            per = layers // (pp * v)
+            contiguous = list(range(rank * v * per, (rank + 1) * v * per))
+            shown = set()
+            if list(got["layers"]) == contiguous and contiguous != want["layers"]:
+                shown.add("contiguous")
+            if (got["embedding"], got["head"], got["labels"]) != (want["embedding"], want["head"],
+                                                                   want["labels"]):
+                shown.add("ends")
+            check.shows(shown)
+    return check.verdict()

@@ -5,15 +5,16 @@
   :func:`tutorial_lib.p2p.send_forward_recv_backward` in one steady-state round on
   ``PP = 2, 3, 4`` real gloo ranks, against the library's ``send_backward_recv_forward``
   on the neighbour.  ``PP = 2`` alone cannot tell the next stage from the previous one,
-  so the seeds' wrong peer only fails from ``PP = 3`` on; the deadlock report (or the
-  trace) names the wrong peer.
+  so receiving the gradient from the previous stage only fails from ``PP = 3`` on; the
+  deadlock report (or the trace) names the wrong peer.
 * :func:`check_send_first`: the student's rule ``fn(stage, pp, helper) -> bool`` says
   which end of each exchange sends first with *blocking* send/recv.  The checker runs
   the 1F1B steady state (every stage: ``send_forward_recv_backward``, then
   ``send_backward_recv_forward``) on ``PP = 2 .. 5`` ranks with that rule, and reads the
   deadlock report when it hangs: which two neighbours chose the same order.
 * :func:`check_megatron_p2p_mode`: which mode Megatron's training script ends up with,
-  for each schedule and flag, with the NVLink rule of the seeds named as a mistake.
+  for each schedule and flag; choosing by the hardware (NVLink -> overlapped, otherwise
+  batched) is named as a mistake.
 
 Student code never makes a checker raise: exceptions, deadlocks and stubs become failed
 cases with a hint.
@@ -21,20 +22,18 @@ cases with a hint.
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Callable
 
 from .. import p2p
-from ..launch import LaunchTimeout, WorkerError, launch
-from . import CheckResult, pick_hint, run_case, stub_hint
+from ..launch import LaunchTimeout, WorkerError
+from .kit import WAITING_IN, Checking, CheckResult, Mistakes, deadlock_kind
 
 NUMEL = 6  # elements of every message: small, so a round costs milliseconds
-_WAIT = re.compile(r"waiting in (send to|recv from) rank (\d+)")
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
 HINT_RECV_FROM_PREVIOUS = (
-    "you receive the gradient from the previous stage: that is the seeds' bug. The gradient "
+    "you receive the gradient from the previous stage, the classic wrong peer. The gradient "
     "of the activation you send is computed by the stage that consumes it, the NEXT stage, "
     "so in send_forward_recv_backward both messages go to and come from p2p.next_rank(). "
     "With PP = 2 the previous and the next rank of a 2-stage ring are the same rank, which "
@@ -103,10 +102,11 @@ HINT_ORDER_GENERIC = (
 MODE_ANSWERS = {"sequential": "sequential", "serial": "sequential", "overlapped": "overlapped",
                 "overlap": "overlapped", "batched": "batched", "batch": "batched"}
 HINT_MODE_FORMAT = "return one of 'sequential', 'overlapped' or 'batched'."
-HINT_SEEDS_NVLINK = (
-    "that is the seeds' rule (NVLink -> overlapped, otherwise batched), and it is not what "
-    "Megatron does: the hardware is never inspected. The training script sets batch_p2p_comm = "
-    "not overlap_p2p_comm, and turns overlap_p2p_comm off unless the schedule is interleaved."
+HINT_NVLINK_RULE = (
+    "choosing by the hardware (NVLink -> overlapped, otherwise batched) is a common rule of "
+    "thumb, and it is not what Megatron does: the hardware is never inspected. The training "
+    "script sets batch_p2p_comm = not overlap_p2p_comm, and turns overlap_p2p_comm off unless "
+    "the schedule is interleaved."
 )
 HINT_OVERLAP_WITHOUT_INTERLEAVING = (
     "without the interleaved schedule Megatron's training script sets overlap_p2p_comm = "
@@ -130,6 +130,23 @@ HINT_MODE_GENERIC = (
     "two steps: overlap_p2p_comm = (not no_overlap_flag) and interleaved; then "
     "batch_p2p_comm = not overlap_p2p_comm."
 )
+
+#: The mistakes of exercise 7.1, in order of preference.
+FIX_HINTS = Mistakes(
+    HINT_FIX_GENERIC, recv_from_previous=HINT_RECV_FROM_PREVIOUS,
+    send_to_previous=HINT_SEND_TO_PREVIOUS, last_stage=HINT_LAST_STAGE,
+    returned_sent=HINT_RETURNED_SENT, returned_none=HINT_RETURNED_NONE,
+    empty_buffer=HINT_EMPTY_BUFFER, used_library=HINT_USED_LIBRARY, no_p2p=HINT_NO_P2P,
+    deadlock=HINT_FIX_DEADLOCK)
+#: The mistakes of exercise 7.2: a rule that is not a bool, or a deadlock by what it blocked in.
+ORDER_HINTS = Mistakes(
+    HINT_ORDER_GENERIC, not_bool=HINT_NOT_BOOL, all_send=HINT_ALL_SEND_FIRST,
+    all_recv=HINT_ALL_RECV_FIRST, pair=HINT_ORDER_GENERIC)
+#: The mistakes of exercise 7.3, in order of preference.
+MODE_HINTS = Mistakes(
+    HINT_MODE_GENERIC, format=HINT_MODE_FORMAT, nvlink=HINT_NVLINK_RULE,
+    sequential=HINT_NEVER_SEQUENTIAL, overlap_without_interleaving=HINT_OVERLAP_WITHOUT_INTERLEAVING,
+    overlap_is_default=HINT_OVERLAP_IS_DEFAULT, flag=HINT_FLAG_TURNS_OVERLAP_OFF)
 
 
 # --- the pipeline in a worker ------------------------------------------------------------------
@@ -195,14 +212,10 @@ def _peer_mistakes_in_report(report: dict[int, str]) -> set:
     """Student ops a rank is stuck in whose peer is not the next stage."""
     found = set()
     for rank, text in report.items():
-        match = _WAIT.search(text)
+        match = WAITING_IN.search(text)
         if match and "'student': True" in text and int(match.group(2)) != rank + 1:
             found.add("recv_from_previous" if match.group(1) == "recv from" else "send_to_previous")
     return found
-
-
-def _short_report(report: dict[int, str]) -> str:
-    return "; ".join(f"rank {r}: {text.split(' on ')[0]}" for r, text in sorted(report.items()))
 
 
 def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> CheckResult:
@@ -212,52 +225,39 @@ def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> Chec
     ``200 + s``, so the gradient a stage receives names the stage it came from.
     After a deadlock or an unfilled stub the larger pipelines are skipped.
     """
-    result = CheckResult("Exercise 7.1: send_forward_recv_backward")
-    values, failing = [], []
+    check = Checking("Exercise 7.1: send_forward_recv_backward", FIX_HINTS)
     for pp in (2, 3, 4):
         expected = _expected_fix(pp)
-
-        def attempt(pp=pp):
-            try:
-                out = launch(_fix_peer_worker, pp, args=(fn,), timeout=timeout, print_output=False)
-            except WorkerError as err:
-                if err.summary.startswith("NotImplementedError"):
-                    raise NotImplementedError from None
-                raise
-            return out.results, out.trace.filter(student=True)
-
-        case, got = run_case(f"PP={pp}", attempt, expected,
-                             compare=lambda got, want: isinstance(got, tuple) and got[0] == want)
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
+        case, got = check.run_on_ranks(
+            f"PP={pp}", _fix_peer_worker, pp, args=(fn,), timeout=timeout, expected=expected,
+            compare=lambda got, want: got[0] == want,
+            unpack=lambda out: (out.results, out.trace.filter(student=True)))
+        if check.stub:
             break
         if isinstance(got, LaunchTimeout):
-            case.detail = f"deadlocked after {timeout:g} s ({_short_report(got.report)})"
-            failing.append(_peer_mistakes_in_report(got.report) or {"deadlock"})
+            check.shows(_peer_mistakes_in_report(got.report) or {"deadlock"})
             break
         if isinstance(got, WorkerError):
-            case.detail = f"rank {got.rank} raised {got.summary}"
             summary = got.summary
             if "peer rank None" in summary:
                 if got.rank == pp - 1:
-                    failing.append({"last_stage"})
+                    check.shows({"last_stage"})
                 else:
-                    failing.append({"recv_from_previous"} if "recv:" in summary else {"send_to_previous"})
+                    check.shows({"recv_from_previous"} if "recv:" in summary else {"send_to_previous"})
             else:
-                failing.append(set())
+                check.shows()
             continue
-        if not isinstance(got, tuple):
-            failing.append(set())
+        if isinstance(got, BaseException):  # the launcher itself failed
+            check.shows()
             continue
         results, trace = got
         if case.passed:
             if any("p2p_op" in e.tags for e in trace):
                 case.passed, case.detail = False, "the values are right, but your code called p2p's helper"
-                failing.append({"used_library"})
+                check.shows({"used_library"})
             elif not trace.filter(op="send").events or not trace.filter(op="recv").events:
                 case.passed, case.detail = False, "the values are right, but no traced send and receive were recorded"
-                failing.append({"no_p2p"})
+                check.shows({"no_p2p"})
             continue
         bad = next(s for s in range(pp) if results[s] != expected[s])
         case.detail = f"stage {bad} returned {results[bad]['grad']!r}, expected {expected[bad]['grad']!r}"
@@ -275,16 +275,8 @@ def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> Chec
             mistakes.add("last_stage")
         if any(isinstance(g, str) and g.startswith("a tensor") for g in grads):
             mistakes.add("empty_buffer")
-        failing.append(mistakes)
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_RECV_FROM_PREVIOUS, "recv_from_previous"), (HINT_SEND_TO_PREVIOUS, "send_to_previous"),
-             (HINT_LAST_STAGE, "last_stage"), (HINT_RETURNED_SENT, "returned_sent"),
-             (HINT_RETURNED_NONE, "returned_none"), (HINT_EMPTY_BUFFER, "empty_buffer"),
-             (HINT_USED_LIBRARY, "used_library"), (HINT_NO_P2P, "no_p2p"),
-             (HINT_FIX_DEADLOCK, "deadlock")],
-            failing, HINT_FIX_GENERIC)
-    return result
+        check.shows(mistakes)
+    return check.verdict()
 
 
 # --- exercise 7.2: who sends first? ---------------------------------------------------------------
@@ -336,7 +328,7 @@ def _deadlocked_pairs(report: dict[int, str]) -> list[tuple[int, int, str]]:
     """Neighbours stuck on each other in the same op: ``(a, b, 'send' or 'recv')``."""
     waits = {}
     for rank, text in report.items():
-        match = _WAIT.search(text)
+        match = WAITING_IN.search(text)
         if match:
             waits[rank] = ("send" if match.group(1) == "send to" else "recv", int(match.group(2)))
     pairs = []
@@ -348,58 +340,32 @@ def _deadlocked_pairs(report: dict[int, str]) -> list[tuple[int, int, str]]:
 
 def check_send_first(fn: Callable, timeout: float = 6.0) -> CheckResult:
     """Run the blocking 1F1B steady state with ``fn(stage, pp, helper) -> bool`` on PP = 2 .. 5."""
-    result = CheckResult("Exercise 7.2: send_first")
-    values, failing = [], []
+    check = Checking("Exercise 7.2: send_first", ORDER_HINTS)
     for pp in ORDER_PIPELINES:
-        expected = _expected_fix(pp)
-
-        def attempt(pp=pp):
-            try:
-                return launch(_order_worker, pp, args=(fn,), timeout=timeout, print_output=False).results
-            except WorkerError as err:
-                if err.summary.startswith("NotImplementedError"):
-                    raise NotImplementedError from None
-                if err.summary.startswith("TypeError: the rule returned"):
-                    raise TypeError(err.summary.split(": ", 1)[1]) from None
-                raise
-
-        case, got = run_case(f"PP={pp}", attempt, expected)
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
+        case, got = check.run_on_ranks(f"PP={pp}", _order_worker, pp, args=(fn,), timeout=timeout,
+                                       expected=_expected_fix(pp), unpack=lambda out: out.results)
+        if check.stub:
             break
-        if isinstance(got, TypeError) and "the rule returned" in str(got):
-            failing.append({"not_bool"})
+        if isinstance(got, WorkerError) and got.summary.startswith("TypeError: the rule returned"):
+            case.detail = f"raised {got.summary}"
+            check.shows({"not_bool"})
             break
         if isinstance(got, LaunchTimeout):
-            waiting = [text for text in got.report.values() if not text.startswith("finished")]
+            kind = deadlock_kind(got.report)
             pairs = _deadlocked_pairs(got.report)
-            if waiting and len(waiting) == pp and all(t.startswith("waiting in send") for t in waiting):
-                kind = "all_send"
-            elif waiting and len(waiting) == pp and all(t.startswith("waiting in recv") for t in waiting):
-                kind = "all_recv"
-            else:
-                kind = "pair"
-            detail = f"deadlocked after {timeout:g} s ({_short_report(got.report)})"
             if pairs:
                 a, b, op = pairs[0]
                 verb = "send" if op == "send" else "receive"
-                detail += (f". Stages {a} and {b} both {verb} first in their exchange: "
-                           f"rule({a}, {pp}, '{HELPERS[0]}') == rule({b}, {pp}, '{HELPERS[1]}')")
-            case.detail = detail
-            failing.append({kind})
+                case.detail += (f". Stages {a} and {b} both {verb} first in their exchange: "
+                                f"rule({a}, {pp}, '{HELPERS[0]}') == rule({b}, {pp}, '{HELPERS[1]}')")
+            check.shows({kind if kind in ("all_send", "all_recv") else "pair"})
             break
-        failing.append(set())
-    if not result.passed:
-        hint = stub_hint(values) or pick_hint(
-            [(HINT_NOT_BOOL, "not_bool"), (HINT_ALL_SEND_FIRST, "all_send"),
-             (HINT_ALL_RECV_FIRST, "all_recv"), (HINT_ORDER_GENERIC, "pair")],
-            failing, HINT_ORDER_GENERIC)
-        passed_small = [c.name for c in result.cases if c.passed]
-        if passed_small and "NotImplementedError" not in hint:
-            hint += (f" ({', '.join(passed_small)} passed: with fewer stages there are fewer links, "
-                     "and a rule can get every one of them right by accident.)")
-        result.hint = hint
+        check.shows()
+    result = check.verdict()
+    passed_small = [c.name for c in result.cases if c.passed]
+    if not result.passed and passed_small and not check.stub:
+        result.hint += (f" ({', '.join(passed_small)} passed: with fewer stages there are fewer links, "
+                        "and a rule can get every one of them right by accident.)")
     return result
 
 
@@ -420,47 +386,33 @@ def normalize_mode(answer) -> str | None:
 
 def check_megatron_p2p_mode(fn: Callable) -> CheckResult:
     """Check ``fn(interleaved, no_overlap_flag, nvlink) -> mode`` on all 8 combinations."""
-    result = CheckResult("Exercise 7.3: megatron_p2p_mode")
-    values, failing = [], []
+    check = Checking("Exercise 7.3: megatron_p2p_mode", MODE_HINTS)
     for interleaved, no_overlap_flag, nvlink in itertools.product((False, True), repeat=3):
         want = megatron_training_mode(interleaved, no_overlap_flag)
         name = f"interleaved={interleaved}, no_overlap_flag={no_overlap_flag}, nvlink={nvlink}"
-        case, got = run_case(name, lambda i=interleaved, f=no_overlap_flag, n=nvlink: fn(i, f, n),
-                             want, compare=lambda got, want: normalize_mode(got) == want)
-        values.append(got)
-        result.cases.append(case)
-        if isinstance(got, NotImplementedError):
+        case, got = check.run(name, lambda i=interleaved, f=no_overlap_flag, n=nvlink: fn(i, f, n),
+                              want, compare=lambda got, want: normalize_mode(got) == want)
+        if check.stub:
             break
-        if case.passed:
-            continue
-        if isinstance(got, BaseException):
-            failing.append(set())
-            continue
-        mode = normalize_mode(got)
-        if mode is None:
-            failing.append({"format"})
-            continue
-        mistakes = set()
-        if mode == ("overlapped" if nvlink else "batched"):
-            mistakes.add("nvlink")
-        if mode == "sequential":
-            mistakes.add("sequential")
-        if mode == "overlapped" and not interleaved:
-            mistakes.add("overlap_without_interleaving")
-        if mode == "batched" and interleaved and not no_overlap_flag:
-            mistakes.add("overlap_is_default")
-        if mode == "overlapped" and no_overlap_flag:
-            mistakes.add("flag")
-        failing.append(mistakes)
-    if not result.passed:
-        result.hint = stub_hint(values) or pick_hint(
-            [(HINT_MODE_FORMAT, "format"), (HINT_SEEDS_NVLINK, "nvlink"),
-             (HINT_NEVER_SEQUENTIAL, "sequential"),
-             (HINT_OVERLAP_WITHOUT_INTERLEAVING, "overlap_without_interleaving"),
-             (HINT_OVERLAP_IS_DEFAULT, "overlap_is_default"),
-             (HINT_FLAG_TURNS_OVERLAP_OFF, "flag")],
-            failing, HINT_MODE_GENERIC)
-    return result
+        check.judge(case, got, normalize_mode,
+                    lambda mode: _mode_mistakes(mode, interleaved, no_overlap_flag, nvlink))
+    return check.verdict()
+
+
+def _mode_mistakes(mode: str, interleaved: bool, no_overlap_flag: bool, nvlink: bool) -> set:
+    """The mistakes a wrong mode shows for these inputs."""
+    mistakes = set()
+    if mode == ("overlapped" if nvlink else "batched"):
+        mistakes.add("nvlink")
+    if mode == "sequential":
+        mistakes.add("sequential")
+    if mode == "overlapped" and not interleaved:
+        mistakes.add("overlap_without_interleaving")
+    if mode == "batched" and interleaved and not no_overlap_flag:
+        mistakes.add("overlap_is_default")
+    if mode == "overlapped" and no_overlap_flag:
+        mistakes.add("flag")
+    return mistakes
 
 
 __all__ = ["check_send_forward_recv_backward", "check_send_first", "check_megatron_p2p_mode",

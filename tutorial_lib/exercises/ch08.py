@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import math
 
-from . import Case, CheckResult, as_number, pick_hint, run_case, stub_hint
+from .kit import Case, Checking, CheckResult, Mistakes, as_number, is_close
 
 # --- hints ----------------------------------------------------------------------------------
 
@@ -108,6 +108,23 @@ HINT_ENDS_GENERIC = (
     "recipe's rules: the first matching rule wins."
 )
 
+#: The mistakes of exercise 8.1, in order of preference: a wrong format, an inverted scale
+#: or integer values on any case; the wrong scales only when they explain every case.
+QUANTIZE_HINTS = Mistakes(
+    HINT_Q_GENERIC, any_case={"format", "inverted", "integers"}, format=HINT_Q_FORMAT,
+    inverted=HINT_Q_INVERTED, integers=HINT_Q_INTEGERS, no_floor=HINT_Q_NO_FLOOR,
+    per_tensor=HINT_Q_PER_TENSOR, per_token=HINT_Q_PER_TOKEN)
+#: The mistakes of exercise 8.2, in order of preference (their counts: ``_payload_mistakes``).
+PAYLOAD_HINTS = Mistakes(
+    HINT_BYTES_GENERIC, any_case={"format"}, format=HINT_BYTES_FORMAT,
+    no_scales=HINT_BYTES_NO_SCALES, one_scale=HINT_BYTES_ONE_SCALE,
+    scale_size=HINT_BYTES_SCALE_SIZE, tokens=HINT_BYTES_TOKENS, bits=HINT_BYTES_BITS,
+    element=HINT_BYTES_ELEMENT)
+#: The mistakes of exercise 8.3, in order of preference (found by ``_ends_problems``).
+ENDS_HINTS = Mistakes(
+    HINT_ENDS_GENERIC, any_case={"format"}, format=HINT_ENDS_FORMAT, mutated=HINT_ENDS_MUTATED,
+    too_much=HINT_ENDS_TOO_MUCH, last=HINT_ENDS_LAST, first=HINT_ENDS_FIRST, moe=HINT_ENDS_MOE)
+
 
 # --- exercise 8.1: 1x128 quantization ------------------------------------------------------
 
@@ -181,49 +198,39 @@ def _quantize_matches(answer, x, mistake_answer) -> bool:
     return bool(torch.equal(torch.nan_to_num(got, 1e30), torch.nan_to_num(mine, 1e30)))
 
 
-_QUANTIZE_HINTS = [(HINT_Q_NO_FLOOR, "no_floor"),
-                   (HINT_Q_PER_TENSOR, "per_tensor"), (HINT_Q_PER_TOKEN, "per_token")]
-
-
 def check_quantize_1x128(fn) -> CheckResult:
     """Run ``fn(x)`` on every case of :func:`quantize_cases`; see the module docstring."""
     import torch
     from .. import fp8
-    result = CheckResult("Exercise 8.1: quantize in 1x128 tiles")
-    failing, values, format_error, inverted, integers = [], [], False, False, False
+    check = Checking("Exercise 8.1: quantize in 1x128 tiles", QUANTIZE_HINTS)
     for name, x in quantize_cases():
         q_ref, s_ref = fp8.quantize_1x128(x)
         want = fp8.dequantize_1x128(q_ref, s_ref)
-        case, got = run_case(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
-        values.append(got)
+        case, got = check.attempt(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
         if isinstance(got, BaseException):
-            result.cases.append(case)
+            check.add(case)
             continue
         x_hat = _dequantize(got, x.shape)
         if x_hat is None:
-            format_error = True
-            result.cases.append(Case(name, False, "not a pair (q [T, H], scales [T, H // 128])"))
+            check.add(Case(name, False, "not a pair (q [T, H], scales [T, H // 128])"))
+            check.shows({"format"})
             continue
         scales = got[1].float()
         if _dequantized_close(x_hat, want, s_ref) and torch.allclose(scales, s_ref, rtol=1e-5):
-            result.cases.append(Case(name, True))
+            check.add(Case(name, True))
             continue
+        shown = {m for m, ans in _quantize_mistakes(x).items() if _quantize_matches(got, x, ans)}
         if torch.allclose(scales * s_ref, torch.ones_like(s_ref), rtol=1e-4):
-            inverted = True
+            shown.add("inverted")
         q_float = got[0].float()
         if torch.equal(q_float, q_float.round()) and not torch.equal(q_ref.float(), q_ref.float().round()):
-            integers = True
+            shown.add("integers")
         worst = (torch.nan_to_num(x_hat, 1e30) - want).abs().max().item()
-        result.cases.append(Case(name, False, f"dequantized q * scale is off by up to {worst:.3g} "
-                                              f"(scales {scales.flatten()[:3].tolist()}..., "
-                                              f"expected {s_ref.flatten()[:3].tolist()}...)"))
-        failing.append({m for m, ans in _quantize_mistakes(x).items() if _quantize_matches(got, x, ans)})
-    if not result.passed:
-        result.hint = (stub_hint(values) or (HINT_Q_FORMAT if format_error else None)
-                       or (HINT_Q_INVERTED if inverted else None)
-                       or (HINT_Q_INTEGERS if integers else None)
-                       or pick_hint(_QUANTIZE_HINTS, failing, HINT_Q_GENERIC))
-    return result
+        check.add(Case(name, False, f"dequantized q * scale is off by up to {worst:.3g} "
+                                    f"(scales {scales.flatten()[:3].tolist()}..., "
+                                    f"expected {s_ref.flatten()[:3].tolist()}...)"))
+        check.shows(shown)
+    return check.verdict()
 
 
 # --- exercise 8.2: the payload bytes ------------------------------------------------------
@@ -257,34 +264,17 @@ def _payload_mistakes(tokens, topk, hidden, precision) -> dict[str, float]:
     return out
 
 
-_PAYLOAD_HINTS = [(HINT_BYTES_NO_SCALES, "no_scales"), (HINT_BYTES_ONE_SCALE, "one_scale"),
-                  (HINT_BYTES_SCALE_SIZE, "scale_size"), (HINT_BYTES_TOKENS, "tokens"),
-                  (HINT_BYTES_BITS, "bits"), (HINT_BYTES_ELEMENT, "element")]
-
-
 def check_payload_bytes(fn) -> CheckResult:
     """``fn(tokens, topk, hidden, precision)`` -> bytes; see the module docstring."""
-    result = CheckResult("Exercise 8.2: the bytes of the dispatch")
-    failing, values, format_error = [], [], False
+    check = Checking("Exercise 8.2: the bytes of the dispatch", PAYLOAD_HINTS)
     for name, t, k, h, p in payload_cases():
         want = reference_payload_bytes(t, k, h, p)
-        case, got = run_case(name, lambda: fn(t, k, h, p), want,
-                             compare=lambda a, b: as_number(a) is not None
-                             and math.isclose(as_number(a), b, rel_tol=1e-12))
-        values.append(got)
-        result.cases.append(case)
-        if case.passed or isinstance(got, BaseException):
-            continue
-        number = as_number(got)
-        if number is None:
-            format_error = True
-            continue
-        failing.append({m for m, v in _payload_mistakes(t, k, h, p).items()
-                        if math.isclose(number, v, rel_tol=1e-12)})
-    if not result.passed:
-        result.hint = (stub_hint(values) or (HINT_BYTES_FORMAT if format_error else None)
-                       or pick_hint(_PAYLOAD_HINTS, failing, HINT_BYTES_GENERIC))
-    return result
+        case, got = check.run(name, lambda: fn(t, k, h, p), want,
+                              compare=lambda a, b: is_close(a, b, rel_tol=1e-12))
+        check.judge(case, got, as_number, lambda number: {
+            m for m, v in _payload_mistakes(t, k, h, p).items() if math.isclose(number, v, rel_tol=1e-12)},
+            exceptions=False)
+    return check.verdict()
 
 
 # --- exercise 8.3: a recipe with BF16 ends --------------------------------------------------
@@ -333,46 +323,37 @@ def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
     return problems
 
 
-_ENDS_HINTS = [(HINT_ENDS_MUTATED, "mutated"), (HINT_ENDS_TOO_MUCH, "too_much"),
-               (HINT_ENDS_LAST, "last"), (HINT_ENDS_FIRST, "first"), (HINT_ENDS_MOE, "moe")]
-
-
 def check_keep_ends_in_bf16(fn) -> CheckResult:
     """``fn(base, num_layers)`` -> a recipe; see the module docstring."""
     from ..precision import PrecisionRecipe, get_recipe
-    result = CheckResult("Exercise 8.3: a recipe that keeps the first and last layers in BF16")
-    failing, values, format_error = [], [], False
+    check = Checking("Exercise 8.3: a recipe that keeps the first and last layers in BF16", ENDS_HINTS)
     for name, num_layers, first_moe in ENDS_CASES:
         base = get_recipe("deepseek_v3")
         pristine = copy.deepcopy(base)
-        case, got = run_case(name, lambda: fn(base, num_layers), None, compare=lambda a, b: False)
-        values.append(got)
+        case, got = check.attempt(name, lambda: fn(base, num_layers), None, compare=lambda a, b: False)
         if isinstance(got, BaseException):
-            result.cases.append(case)
+            check.add(case)
             continue
         if not isinstance(got, PrecisionRecipe):
-            format_error = True
-            result.cases.append(Case(name, False, f"got {type(got).__name__}, not a PrecisionRecipe"))
+            check.add(Case(name, False, f"got {type(got).__name__}, not a PrecisionRecipe"))
+            check.shows({"format"})
             continue
         problems = _ends_problems(got, pristine, num_layers, first_moe)
         if base.to_dict() != pristine.to_dict():
             problems.add("mutated")
         if not problems:
-            result.cases.append(Case(name, True))
+            check.add(Case(name, True))
             continue
         wrong = [n for n in deepseek_module_names(num_layers, first_moe)
                  if (_layer_of(n) in (0, num_layers - 1) and pristine.precision_of(n).startswith("fp8")
                      and got.precision_of(n) != "bf16")
                  or (_layer_of(n) not in (0, num_layers - 1) and got.precision_of(n) != pristine.precision_of(n))]
         shown = ", ".join(f"{n} -> {got.precision_of(n)}" for n in wrong[:3])
-        result.cases.append(Case(name, False, f"{len(wrong)} module(s) wrong, e.g. {shown}"
-                                 if wrong else "the recipe's default or communication changed"
-                                 if "too_much" in problems else "it changed the base recipe"))
-        failing.append(problems)
-    if not result.passed:
-        result.hint = (stub_hint(values) or (HINT_ENDS_FORMAT if format_error else None)
-                       or pick_hint(_ENDS_HINTS, failing, HINT_ENDS_GENERIC))
-    return result
+        check.add(Case(name, False, f"{len(wrong)} module(s) wrong, e.g. {shown}"
+                       if wrong else "the recipe's default or communication changed"
+                       if "too_much" in problems else "it changed the base recipe"))
+        check.shows(problems)
+    return check.verdict()
 
 
 __all__ = ["check_quantize_1x128", "check_payload_bytes", "check_keep_ends_in_bf16",

@@ -4,19 +4,25 @@
 * :mod:`.collectives`: step-by-step players of recorded collectives;
 * :mod:`.timeline`: per-rank timelines of compute spans and communication;
 * :mod:`.moe_flow`: tokens moving between expert-parallel ranks, from recorded splits;
+* :mod:`.fp8_tiles`: one FP8 tile's values, scale and error;
 * :mod:`.table`: a plain HTML table for chapter cells.
+
+What they share: :mod:`.widget` (the base class :class:`Widget`, every fragment's
+layout, the frame player :class:`Animation`), :mod:`.draw` (colours and SVG
+primitives) and ``assets/`` (the JavaScript and CSS, inlined into each fragment).
 
 The functions named like their modules (``timeline``, ``table``) are imported from
 the modules themselves, e.g. ``from tutorial_lib.viz.timeline import timeline``:
 re-exporting them here would shadow the modules.
 """
-from .collectives import Animation, animate_collective, animate_ring, animate_ring_all_reduce
-from .colors import KIND_COLORS, PALETTE, group_color, kind_color
+from .collectives import animate_collective, animate_ring, animate_ring_all_reduce
+from .draw import KIND_COLORS, PALETTE, group_color, kind_color
 from .moe_flow import animate_token_flow, dispatch_matrix
 from .rank_map import RankMap, rank_map, rank_map_explorer
 from .timeline import Timeline, bubble_fraction, busy_fraction, overlap_fraction, overlap_seconds
+from .widget import Animation, Widget
 
-__all__ = ["Animation", "animate_collective", "animate_ring", "animate_ring_all_reduce",
+__all__ = ["Widget", "Animation", "animate_collective", "animate_ring", "animate_ring_all_reduce",
            "KIND_COLORS", "PALETTE", "group_color", "kind_color",
            "animate_token_flow", "dispatch_matrix", "RankMap", "rank_map", "rank_map_explorer",
            "Timeline", "bubble_fraction", "busy_fraction", "overlap_fraction", "overlap_seconds"]

@@ -10,10 +10,12 @@ tensors involved::
     animate_ring_all_reduce(out.trace)
     animate_collective(out.trace, "all_to_all")
 
-An :class:`Animation` is one self-contained HTML fragment: one inline SVG per
-frame and a small inline script for the player (Play/Pause, Back, Next, a
-slider, a caption).  It needs no Python kernel, no external file and no
-widget library, so it plays the same live in Jupyter and in the static book.
+An :class:`~tutorial_lib.viz.widget.Animation` is one self-contained HTML
+fragment: one inline SVG per frame and the course's player (Play/Pause, Back,
+Next, a slider, a caption; ``viz/assets/player.js``, inlined).  It needs no
+Python kernel, no external file and no widget library, so it plays the same
+live in Jupyter and in the static book.  The pictures are drawn with
+:mod:`tutorial_lib.viz.draw`.
 
 Reading the pictures: ranks are rows; each rank's tensor is drawn as cells
 holding its values.  In the ring all-reduce a colour is a chunk index and the
@@ -22,160 +24,23 @@ other collectives a colour is the rank the values came from.
 """
 from __future__ import annotations
 
-import html
 import math
-import uuid
 from dataclasses import dataclass, field
 
 from ..trace import Trace, TraceEvent
-from .colors import PALETTE, PLAYER_CONTROLS_CSS, SANS, text_color, write_page
+from . import draw
+from .draw import INK, LINE, MUTED
+from .widget import Animation
 
-INK = "#1b1f24"        # text and highlight outlines
-MUTED = "#57606a"      # secondary text
-LINE = "#c4cbd3"       # empty-buffer outlines, separators
 SUM_COLOR = "#5b6b7c"  # a value reduced over every rank (all-reduce result)
 FULL, LIGHT = 0.8, 0.4  # how strongly a block shows its colour: dark text stays readable on both
 OLD_COLOR = "#e4e7eb"  # values about to be overwritten (broadcast targets)
-
-MONO = "ui-monospace, SFMono-Regular, Menlo, Consolas, 'Liberation Mono', monospace"
 MONO_CHAR_W = 7.3      # width of one 12 px monospace character, for layout
 MAX_VALUES = 4         # values written per cell before eliding with "…"
 
 RING_ALGORITHMS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 P2P_OPS = ("send", "recv", "p2p", "send_recv")
-
-
-# --- the player ------------------------------------------------------------------
-
-
-class Animation:
-    """Precomputed frames plus a tiny player, rendered as one HTML fragment.
-
-    ``frames`` are SVG (or HTML) strings, ``captions`` one line each.  ``data``
-    holds, per frame, the state the frame draws (rank -> values), so that tests
-    and curious readers can check a picture against the numbers.
-    """
-
-    def __init__(self, frames: list[str], captions: list[str], title: str = "",
-                 data: list | None = None, note: str = "", interval_ms: int = 1200):
-        if not frames or len(frames) != len(captions):
-            raise ValueError(f"need one caption per frame, got {len(frames)} frames and "
-                             f"{len(captions)} captions")
-        self.frames = list(frames)
-        self.captions = list(captions)
-        self.title = title
-        self.data = list(data) if data is not None else [None] * len(frames)
-        self.note = note
-        self.interval_ms = interval_ms
-
-    def __len__(self) -> int:
-        return len(self.frames)
-
-    def __repr__(self) -> str:
-        return f"Animation({len(self)} frames: {self.title!r})"
-
-    def _repr_html_(self) -> str:
-        return self.to_html()
-
-    def to_html(self) -> str:
-        """The fragment: a root ``div.tl-animation`` with its style, frames, controls and script.
-
-        Every render gets a fresh id, so the same animation shown twice on one
-        page still has two independent players.
-        """
-        uid = "tl-anim-" + uuid.uuid4().hex[:12]
-        n = len(self.frames)
-        frames = []
-        for i, (svg, caption) in enumerate(zip(self.frames, self.captions)):
-            hidden = "" if i == 0 else ' style="display:none"'  # without script: frame 0 shows
-            frames.append(f'<div class="tl-frame" data-caption="{html.escape(caption, quote=True)}"'
-                          f"{hidden}>{svg}</div>")
-        frames_html = "\n".join(frames)
-        body = f"""<div class="tl-animation" id="{uid}" data-frame="0" data-frames="{n}">
-<style>{_CSS.replace("UID", uid)}</style>
-<div class="tl-anim-title">{html.escape(self.title)}</div>
-<div class="tl-anim-caption">{html.escape(self.captions[0])}</div>
-<div class="tl-anim-stage">
-{frames_html}
-</div>
-<div class="tl-anim-controls">
-<button type="button" class="tl-play" aria-label="Play or pause">&#9654;&#xFE0E; Play</button>
-<button type="button" class="tl-prev" title="Step back">&#8249; Back</button>
-<button type="button" class="tl-next" title="Step forward">Next &#8250;</button>
-<input type="range" class="tl-slider" min="0" max="{n - 1}" step="1" value="0" aria-label="Frame">
-<span class="tl-anim-counter">1 / {n}</span>
-</div>
-{f'<div class="tl-anim-note">{html.escape(self.note)}</div>' if self.note else ""}
-"""
-        # Non-ASCII as character references: the fragment reads right whatever the page's charset.
-        body = body.encode("ascii", "xmlcharrefreplace").decode("ascii")
-        script = _JS.replace("UID", uid).replace("INTERVAL", str(int(self.interval_ms)))
-        return f"{body}<script>{script}</script>\n</div>"
-
-    def save(self, path: str) -> str:
-        """Write a standalone HTML page holding the animation; returns ``path``."""
-        return write_page(path, self.title, self.to_html())
-
-
-_CSS = """
-#UID { font-family: SANS; color: #1b1f24; background: #ffffff; border: 1px solid #d0d7de;
-  border-radius: 8px; padding: 12px 16px 10px; margin: 0.6em 0; box-sizing: border-box;
-  max-width: 100%; line-height: 1.35; }
-#UID .tl-anim-title { font-weight: 600; font-size: 15px; margin-bottom: 2px; }
-#UID .tl-anim-caption { font-size: 13.5px; color: #3a4048; min-height: 2.7em; }
-#UID .tl-anim-stage { overflow-x: auto; }
-#UID .tl-frame svg { display: block; max-width: 100%; height: auto; }
-#UID .tl-anim-counter { font-size: 12px; color: #57606a; min-width: 4.5em; text-align: right;
-  font-variant-numeric: tabular-nums; }
-#UID .tl-anim-note { font-size: 12px; color: #57606a; margin-top: 6px; }
-""".replace("SANS", SANS) + PLAYER_CONTROLS_CSS
-
-# The player.  Everything lives inside one function (no global names) and finds its
-# elements under its own root, so any number of players can share a page.  ASCII
-# only: character references are not decoded inside <script>.
-_JS = r"""
-(function () {
-  var root = document.getElementById("UID");
-  if (!root) { return; }
-  var frames = root.querySelectorAll(".tl-frame");
-  var caption = root.querySelector(".tl-anim-caption");
-  var counter = root.querySelector(".tl-anim-counter");
-  var slider = root.querySelector(".tl-slider");
-  var play = root.querySelector(".tl-play");
-  var n = frames.length, current = 0, timer = null;
-  function show(i) {
-    i = Math.max(0, Math.min(n - 1, i));
-    frames[current].style.display = "none";
-    frames[i].style.display = "";
-    current = i;
-    root.setAttribute("data-frame", String(i));
-    slider.value = String(i);
-    caption.textContent = frames[i].getAttribute("data-caption");
-    counter.textContent = (i + 1) + " / " + n;
-  }
-  function stop() {
-    if (timer !== null) { clearInterval(timer); timer = null; }
-    play.textContent = "\u25B6\uFE0E Play";
-  }
-  function tick() {
-    show(current + 1);
-    if (current >= n - 1) { stop(); }
-  }
-  function start() {
-    if (n < 2) { return; }
-    // From the last frame, start over; otherwise move at once, so the click is felt.
-    if (current >= n - 1) { show(0); } else { tick(); if (current >= n - 1) { return; } }
-    timer = setInterval(tick, INTERVAL);
-    play.textContent = "\u275A\u275A Pause";
-  }
-  function step(by) { return function () { stop(); show(current + by); }; }
-  play.addEventListener("click", function () { if (timer === null) { start(); } else { stop(); } });
-  root.querySelector(".tl-prev").addEventListener("click", step(-1));
-  root.querySelector(".tl-next").addEventListener("click", step(1));
-  slider.addEventListener("input", function () { stop(); show(parseInt(slider.value, 10)); });
-})();
-"""
 
 
 # --- drawing helpers ------------------------------------------------------------------
@@ -197,53 +62,6 @@ def _cell_text(values: list[float]) -> str:
 
 def _text_width(s: str) -> float:
     return len(s) * MONO_CHAR_W
-
-
-def _mix(color: str, amount: float) -> str:
-    """``color`` mixed with white: ``amount`` 1 is the colour itself, 0 is white."""
-    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(255 - (255 - c) * amount):02x}" for c in rgb)
-
-
-def _darken(color: str, amount: float = 0.35) -> str:
-    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(c * (1 - amount)):02x}" for c in rgb)
-
-
-def _rect(x, y, w, h, fill, stroke="none", width=0.0, dash=None, rx=5) -> str:
-    extra = f' stroke-dasharray="{dash}"' if dash else ""
-    return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="{rx}" '
-            f'fill="{fill}" stroke="{stroke}" stroke-width="{width}"{extra}/>')
-
-
-def _text(x, y, s, size=12, anchor="middle", fill=INK, weight=None, mono=False) -> str:
-    font = f' font-family="{MONO}"' if mono else ""
-    bold = f' font-weight="{weight}"' if weight else ""
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
-            f'fill="{fill}"{font}{bold}>{html.escape(s)}</text>')
-
-
-def _arrow(points: list[tuple[float, float]], color: str, width: float = 2.2) -> str:
-    """A polyline with a filled arrowhead at its last point."""
-    (x0, y0), (x1, y1) = points[-2], points[-1]
-    length = math.hypot(x1 - x0, y1 - y0) or 1.0
-    ux, uy = (x1 - x0) / length, (y1 - y0) / length
-    head, half = 9.0, 5.0
-    bx, by = x1 - ux * head, y1 - uy * head  # the base of the head: the line stops there
-    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in points[:-1] + [(bx, by)])
-    tip = [(x1, y1), (bx - uy * half, by + ux * half), (bx + uy * half, by - ux * half)]
-    return (f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="{width}" '
-            f'stroke-linejoin="round" stroke-linecap="round"/>'
-            f'<polygon points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in tip)}" fill="{color}"/>')
-
-
-def _svg(width: float, height: float, body: list[str]) -> str:
-    return (f'<svg viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
-            f'height="{height:.0f}" font-family="{SANS}" role="img">{"".join(body)}</svg>')
-
-
-def _chunk_color(c: int) -> str:
-    return PALETTE[c % len(PALETTE)]
 
 
 def _need_values(values, event: TraceEvent, what: str):
@@ -403,43 +221,44 @@ def _draw_ring(st: dict, ranks, cell_w: float, reduces: bool) -> str:
     body = []
     for c in range(n):  # column headers: a swatch and the chunk index
         cx = x(c) + cell_w / 2
-        body.append(_rect(cx - 34, 8, 10, 10, _chunk_color(c), rx=2))
-        body.append(_text(cx + 6, 17, f"chunk {c}", size=12, fill=MUTED))
+        body.append(draw.rect(cx - 34, 8, 10, 10, draw.palette_color(c), rx=2))
+        body.append(draw.text(cx + 6, 17, f"chunk {c}", size=12, fill=MUTED))
     senders = {(a, c) for a, b, c in st["moves"]}
     receivers = {(b, c) for a, b, c in st["moves"]}
     for p in range(n):
-        body.append(_text(left - 14, y(p) + cell_h / 2 + 5, f"rank {ranks[p]}", size=13,
-                          anchor="end", weight="600"))
+        body.append(draw.text(left - 14, y(p) + cell_h / 2 + 5, f"rank {ranks[p]}", size=13,
+                              anchor="end", weight="600"))
         for c in range(n):
             values = st["buffers"][p][c]
             if values is None:  # all-gather: not arrived yet
-                body.append(_rect(x(c), y(p), cell_w, cell_h, "#fafbfc", LINE, 1.2, dash="4 3"))
+                body.append(draw.rect(x(c), y(p), cell_w, cell_h, "#fafbfc", LINE, 1.2, dash="4 3"))
                 continue
             share = st["sums"][p][c] / n if reduces else 1.0
-            fill = _mix(_chunk_color(c), 0.18 + (FULL - 0.18) * share)
-            ink = text_color(fill)
+            fill = draw.mix(draw.palette_color(c), 0.18 + (FULL - 0.18) * share)
+            ink = draw.text_color(fill)
             if (p, c) in receivers:
                 stroke, width, dash = INK, 2.6, None
             elif (p, c) in senders:
                 stroke, width, dash = INK, 1.6, "5 3"
             else:
-                stroke, width, dash = _darken(_chunk_color(c), 0.1), 0.8, None
-            body.append(_rect(x(c), y(p), cell_w, cell_h, fill, stroke, width, dash))
+                stroke, width, dash = draw.darken(draw.palette_color(c), 0.1), 0.8, None
+            body.append(draw.rect(x(c), y(p), cell_w, cell_h, fill, stroke, width, dash))
             value_y = y(p) + (20 if reduces else cell_h / 2 + 4.5)
-            body.append(_text(x(c) + cell_w / 2, value_y, _cell_text(values), mono=True, fill=ink))
+            body.append(draw.text(x(c) + cell_w / 2, value_y, _cell_text(values), mono=True,
+                                  fill=ink))
             if reduces:
-                body.append(_text(x(c) + cell_w / 2, y(p) + 38, f"\u03a3 {st['sums'][p][c]}/{n}",
-                                  size=10.5, fill=ink))
+                body.append(draw.text(x(c) + cell_w / 2, y(p) + 38,
+                                      f"\u03a3 {st['sums'][p][c]}/{n}", size=10.5, fill=ink))
     for a, b, c in st["moves"]:
         cx = x(c) + cell_w / 2
-        color = _darken(_chunk_color(c), 0.3)
+        color = draw.darken(draw.palette_color(c), 0.3)
         if b == a + 1:  # down to the next row, in the chunk's column
-            body.append(_arrow([(cx, y(a) + cell_h + 2), (cx, y(b) - 2)], color))
+            body.append(draw.arrow([(cx, y(a) + cell_h + 2), (cx, y(b) - 2)], color))
         else:  # the ring closes: from the last row around the right edge back to the top
-            body.append(_arrow([(cx, y(a) + cell_h + 2), (cx, bottom_lane),
-                                (right_lane, bottom_lane), (right_lane, top_lane),
-                                (cx, top_lane), (cx, y(b) - 2)], color))
-    return _svg(right_lane + 14, bottom_lane + 10, body)
+            body.append(draw.arrow([(cx, y(a) + cell_h + 2), (cx, bottom_lane),
+                                   (right_lane, bottom_lane), (right_lane, top_lane),
+                                   (cx, top_lane), (cx, y(b) - 2)], color))
+    return draw.svg(right_lane + 14, bottom_lane + 10, body)
 
 
 # --- library collectives and point-to-point --------------------------------------------------
@@ -526,21 +345,21 @@ def _collective_frames(trace: Trace, op: str, call: int) -> tuple[list[_Frame], 
               for r, e in chosen.items()}
     outputs = {r: _rows_of(_need_values(e.values_out, e, f"the {op} output"), e.shape)
                for r, e in chosen.items()}
-    color = {r: _mix(_chunk_color(p), FULL) for p, r in enumerate(ranks)}
+    color = {r: draw.mix(draw.palette_color(p), FULL) for p, r in enumerate(ranks)}
     reduce_op = chosen[ranks[0]].tags.get("reduce_op", "sum")
     note = "Colour: the rank the values came from. Each cell is one row (dim 0) of a tensor."
 
     if op == "all_reduce":
         before = [(r, [_Block(inputs[r], color[r], f"rank {r}'s tensor")]) for r in ranks]
-        after = [(r, [_Block(outputs[r], _mix(SUM_COLOR, 0.45), f"{reduce_op} over all {n} ranks")])
-                 for r in ranks]
+        after = [(r, [_Block(outputs[r], draw.mix(SUM_COLOR, 0.45),
+                              f"{reduce_op} over all {n} ranks")]) for r in ranks]
         say = ("every rank contributes its own tensor",
                f"every rank holds the same {reduce_op} of all {n} tensors")
         note = ("Colour: the rank the values came from; grey: reduced over every rank. "
                 "Each cell is one row (dim 0) of a tensor.")
     elif op == "reduce_scatter":
         k = len(inputs[ranks[0]]) // n
-        before = [(r, [_Block(inputs[r][j * k:(j + 1) * k], _mix(_chunk_color(j), LIGHT),
+        before = [(r, [_Block(inputs[r][j * k:(j + 1) * k], draw.mix(draw.palette_color(j), LIGHT),
                               f"part {j} \u2192 r{ranks[j]}") for j in range(n)]) for r in ranks]
         after = [(r, [None] * p + [_Block(outputs[r], color[r], f"{reduce_op} of part {p}")]
                   + [None] * (n - p - 1)) for p, r in enumerate(ranks)]
@@ -587,10 +406,10 @@ def _collective_frames(trace: Trace, op: str, call: int) -> tuple[list[_Frame], 
     return frames, title, note
 
 
-def _split_blocks(rows, sizes, ranks, color_of, arrow) -> list[_Block]:
+def _split_blocks(rows, sizes, ranks, color_of, direction) -> list[_Block]:
     blocks, start = [], 0
     for j, size in enumerate(sizes):
-        label = f"{arrow} r{ranks[j]}: {size} row{'' if size == 1 else 's'}"
+        label = f"{direction} r{ranks[j]}: {size} row{'' if size == 1 else 's'}"
         blocks.append(_Block(rows[start:start + size], color_of(j), label))
         start += size
     return blocks
@@ -623,7 +442,7 @@ def _p2p_frames(trace: Trace) -> tuple[list[_Frame], str, str]:
         messages.append((s, pending.pop(0)))
     ranks = sorted({e.rank for e in sends + recvs})
     row_of = {r: i for i, r in enumerate(ranks)}
-    color = {r: _mix(_chunk_color(i), FULL) for i, r in enumerate(ranks)}
+    color = {r: draw.mix(draw.palette_color(i), FULL) for i, r in enumerate(ranks)}
 
     def frame(delivered: int, caption: str) -> _Frame:
         columns = {r: [None] * len(messages) for r in ranks}
@@ -668,30 +487,31 @@ def _draw_rows(frame: _Frame, cell_w: float, columns: list[float]) -> str:
     body = []
     for i, (rank, blocks) in enumerate(frame.rows):
         y = row_y[i]
-        body.append(_text(_LEFT - 14, y + _ROW_H / 2 + 5, f"rank {rank}", size=13, anchor="end",
-                          weight="600"))
+        body.append(draw.text(_LEFT - 14, y + _ROW_H / 2 + 5, f"rank {rank}", size=13, anchor="end",
+                              weight="600"))
         for j, b in enumerate(blocks):
             if b is None:
                 continue
             x, w = col_x[j], _block_width(b, cell_w)
-            body.append(_text(x, y - 6, b.label, size=11, anchor="start", fill=MUTED))
+            body.append(draw.text(x, y - 6, b.label, size=11, anchor="start", fill=MUTED))
             if b.rows is None or b.cells() == 0:  # an empty receive buffer, or a zero-row split
-                body.append(_rect(x, y, w, _ROW_H, "#fafbfc", LINE, 1.2, dash="4 3", rx=4))
+                body.append(draw.rect(x, y, w, _ROW_H, "#fafbfc", LINE, 1.2, dash="4 3", rx=4))
             else:
-                ink = text_color(b.color)
-                body.append(_rect(x, y, w, _ROW_H, b.color, _darken(b.color, 0.15), 0.8, rx=4))
+                ink = draw.text_color(b.color)
+                body.append(draw.rect(x, y, w, _ROW_H, b.color, draw.darken(b.color, 0.15), 0.8,
+                                      rx=4))
                 for k, row in enumerate(b.rows):
                     if k:  # thin separators between the rows of one block
                         sx = x + k * cell_w
                         body.append(f'<line x1="{sx:.1f}" y1="{y + 6:.1f}" x2="{sx:.1f}" '
                                     f'y2="{y + _ROW_H - 6:.1f}" stroke="{ink}" '
                                     f'stroke-opacity="0.3" stroke-width="1"/>')
-                    body.append(_text(x + (k + 0.5) * cell_w, y + _ROW_H / 2 + 4.5,
-                                      _cell_text(row), mono=True, fill=ink))
+                    body.append(draw.text(x + (k + 0.5) * cell_w, y + _ROW_H / 2 + 4.5,
+                                          _cell_text(row), mono=True, fill=ink))
             if b.style != "plain":
-                body.append(_rect(x - 2.5, y - 2.5, w + 5, _ROW_H + 5, "none", INK,
-                                  2.6 if b.style == "arrived" else 1.6,
-                                  dash="5 3" if b.style == "sent" else None, rx=6))
+                body.append(draw.rect(x - 2.5, y - 2.5, w + 5, _ROW_H + 5, "none", INK,
+                                      2.6 if b.style == "arrived" else 1.6,
+                                      dash="5 3" if b.style == "sent" else None, rx=6))
     for a, b, j in frame.arrows:
         w = _block_width(frame.rows[a][1][j], cell_w)
         cx = col_x[j] + w / 2
@@ -699,10 +519,10 @@ def _draw_rows(frame: _Frame, cell_w: float, columns: list[float]) -> str:
             points = [(cx, row_y[a] + _ROW_H + 4), (cx, row_y[b] - 17)]
         else:
             points = [(cx, row_y[a] - 17), (cx, row_y[b] + _ROW_H + 4)]
-        body.append(_arrow(points, INK, 2.0))
+        body.append(draw.arrow(points, INK, 2.0))
     width = col_x[-1] + columns[-1] + 20
     height = row_y[-1] + _ROW_H + 8
-    return _svg(width, height, body)
+    return draw.svg(width, height, body)
 
 
 __all__ = ["Animation", "animate_ring_all_reduce", "animate_ring", "animate_collective"]

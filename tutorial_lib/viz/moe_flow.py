@@ -31,18 +31,18 @@ token all-to-all events (the copies that rank sends to each global expert, a
 list of ``EP * N/EP``).  With them, arrivals are grouped per local expert and
 each copy is shaded by its expert; without them, only per-rank counts are drawn.
 
-The player is the course's :class:`~tutorial_lib.viz.collectives.Animation`:
-precomputed SVG frames and an inline script, so it plays in the static book.
+The player is the course's :class:`~tutorial_lib.viz.widget.Animation`:
+precomputed SVG frames and the shared player script, inlined, so it plays in the static book.
 """
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from ..trace import Trace, TraceEvent
-from .collectives import INK, LINE, MUTED, Animation, _darken, _mix, _rect, _svg, _text
-from .colors import KIND_COLORS, PALETTE, text_color
+from . import draw
+from .draw import INK, KIND_COLORS, LINE, MUTED
+from .widget import Animation
 
 __all__ = ["TokenFlow", "TokenFlowAnimation", "animate_token_flow", "dispatch_matrix"]
 
@@ -330,10 +330,6 @@ SUB_HEAD = 14.0             # an expert box's heading
 MATRIX_GAP = 44.0
 
 
-def _rank_color(p: int) -> str:
-    return PALETTE[p % len(PALETTE)]
-
-
 def _expert_shades(L: int) -> list[float]:
     if L <= 1:
         return [1.0]
@@ -449,14 +445,15 @@ def _square(x, y, color, style, fly=None, delay=0.0, size=9.0) -> str:
     ``grad`` (a gradient, drawn round); ``fly``: the (dx, dy) it flies in from."""
     box = f'x="{x:.1f}" y="{y:.1f}" width="{size}" height="{size}" rx="{size / 6:.1f}"'
     if style == "ghost":
-        shape = f'<rect {box} fill="#ffffff" stroke="{_mix(color, 0.7)}" stroke-width="1"/>'
+        shape = f'<rect {box} fill="#ffffff" stroke="{draw.mix(color, 0.7)}" stroke-width="1"/>'
     elif style == "grad":
         shape = (f'<circle cx="{x + size / 2:.1f}" cy="{y + size / 2:.1f}" r="{size / 2:.1f}" '
-                 f'fill="{color}" stroke="{_darken(color, 0.3)}" stroke-width="0.8"/>')
+                 f'fill="{color}" stroke="{draw.darken(color, 0.3)}" stroke-width="0.8"/>')
     elif style == "output":
         shape = f'<rect {box} fill="{color}" stroke="{INK}" stroke-width="1.2"/>'
     else:
-        shape = f'<rect {box} fill="{color}" stroke="{_darken(color, 0.25)}" stroke-width="0.6"/>'
+        edge = draw.darken(color, 0.25)
+        shape = f'<rect {box} fill="{color}" stroke="{edge}" stroke-width="0.6"/>'
 
     if fly is None:
         return shape
@@ -469,8 +466,8 @@ def _pill(x, y, s, color, anchor) -> str:
     """A label on a white pill: ``anchor`` start or end at x, vertically centred on y."""
     w = len(s) * 6.0 + 12
     left = x if anchor == "start" else x - w
-    return (_rect(left, y - 9, w, 18, "#ffffff", color, 1.0, rx=9)
-            + _text(left + w / 2, y + 4, s, size=11, fill=INK))
+    return (draw.rect(left, y - 9, w, 18, "#ffffff", color, 1.0, rx=9)
+            + draw.text(left + w / 2, y + 4, s, size=11, fill=INK))
 
 
 def _flow_path(x0, y0, x1, y1, color, width, opacity, arrow=True) -> str:
@@ -519,57 +516,57 @@ def _draw(lay: _Layout, st: _State, stepper: list[str]) -> str:
     for name in stepper:
         active = name.lower() == st.phase.split(":")[0]
         w = len(name) * 6.6 + 20
-        body.append(_rect(x, 10, w, 22, INK if active else "#ffffff",
-                          INK if active else LINE, 1.0, rx=11))
-        body.append(_text(x + w / 2, 25, name, size=11.5, fill="#ffffff" if active else MUTED,
-                          weight="600" if active else None))
+        body.append(draw.rect(x, 10, w, 22, INK if active else "#ffffff",
+                              INK if active else LINE, 1.0, rx=11))
+        body.append(draw.text(x + w / 2, 25, name, size=11.5, fill="#ffffff" if active else MUTED,
+                              weight="600" if active else None))
         x += w + 8
     # column headings
     hy = TOP - 10
-    body.append(_text(LEFT, hy, "token copies, by sender", size=11.5, anchor="start",
-                      fill=MUTED, weight="600"))
-    body.append(_text(lay.dst_x, hy, "experts, by receiver", size=11.5, anchor="start",
-                      fill=MUTED, weight="600"))
+    body.append(draw.text(LEFT, hy, "token copies, by sender", size=11.5, anchor="start",
+                          fill=MUTED, weight="600"))
+    body.append(draw.text(lay.dst_x, hy, "experts, by receiver", size=11.5, anchor="start",
+                          fill=MUTED, weight="600"))
     # rank bands and boxes
     recv = flow.received
     per_expert = [flow.per_local_expert(j) for j in range(n)]
     for p, r in enumerate(ranks):
         y = lay.band_y[p]
-        color = _rank_color(p)
-        body.append(_rect(8, y, lay.right - 8, lay.band_h, BAND, "#e6eaef", 1.0, rx=8))
-        body.append(_rect(16, y + lay.band_h / 2 - 5, 10, 10, color, rx=2))
-        body.append(_text(32, y + lay.band_h / 2 + 4.5, f"rank {r}", size=13, anchor="start",
-                          weight="600"))
+        color = draw.palette_color(p)
+        body.append(draw.rect(8, y, lay.right - 8, lay.band_h, BAND, "#e6eaef", 1.0, rx=8))
+        body.append(draw.rect(16, y + lay.band_h / 2 - 5, 10, 10, color, rx=2))
+        body.append(draw.text(32, y + lay.band_h / 2 + 4.5, f"rank {r}", size=13, anchor="start",
+                              weight="600"))
         sx, sy, sw, sh = lay.src_box(p)
         sends = (f"sent {flow.sent[p]}, got {flow.sent[p]} back" if st.phase == "totals"
                  and flow.combine is not None else f"sends {flow.sent[p]}")
-        body.append(_text(sx, y + 8 + 12, sends, size=11, anchor="start", fill=MUTED))
-        body.append(_rect(sx, sy, sw, sh, BOX, "#d0d7de", 1.0, rx=5))
+        body.append(draw.text(sx, y + 8 + 12, sends, size=11, anchor="start", fill=MUTED))
+        body.append(draw.rect(sx, sy, sw, sh, BOX, "#d0d7de", 1.0, rx=5))
         idle = recv[p] == 0
         head = f"receives {recv[p]}" if not idle else "receives 0 tokens"
-        body.append(_text(lay.dst_x, y + 8 + 12, head, size=11, anchor="start",
-                          fill=IDLE if idle else MUTED, weight="600" if idle else None))
+        body.append(draw.text(lay.dst_x, y + 8 + 12, head, size=11, anchor="start",
+                              fill=IDLE if idle else MUTED, weight="600" if idle else None))
         for l in range(lay.Lb):
             bx, by, bw, bh = lay.expert_box(p, l)
             count = per_expert[p][l] if per_expert[p] is not None else recv[p]
             empty = count == 0
-            tint = _mix(color, 0.16) if st.computing and not empty else BOX
-            body.append(_rect(bx, by, bw, bh, IDLE_FILL if empty else tint,
-                              IDLE_LINE if empty else ("#d0d7de" if not st.computing
-                                                       else _darken(color, 0.1)),
-                              1.0 if not st.computing or empty else 1.4,
-                              dash="4 3" if empty else None, rx=5))
+            tint = draw.mix(color, 0.16) if st.computing and not empty else BOX
+            body.append(draw.rect(bx, by, bw, bh, IDLE_FILL if empty else tint,
+                                  IDLE_LINE if empty else ("#d0d7de" if not st.computing
+                                                           else draw.darken(color, 0.1)),
+                                  1.0 if not st.computing or empty else 1.4,
+                                  dash="4 3" if empty else None, rx=5))
             if lay.sub_head:
                 if lay.by_expert:
                     label = f"e{p * lay.L + l}: {count}"
                 else:
                     first, last = p * lay.L, p * lay.L + lay.L - 1
                     label = f"experts e{first}\u2013e{last}" if lay.L > 1 else f"expert e{first}"
-                body.append(_text(bx + 2, by - 4, label, size=10.5, anchor="start",
-                                  fill=IDLE if empty else MUTED))
+                body.append(draw.text(bx + 2, by - 4, label, size=10.5, anchor="start",
+                                      fill=IDLE if empty else MUTED))
             if empty:
-                body.append(_text(bx + bw / 2, by + bh / 2 + 4, "idle" if lay.Lb > 1 or idle
-                                  else "0", size=11, fill=IDLE))
+                body.append(draw.text(bx + bw / 2, by + bh / 2 + 4, "idle" if lay.Lb > 1 or idle
+                                      else "0", size=11, fill=IDLE))
     # flows (under the squares)
     peak = max([c for row in S for c in row] + [1])
     labels = []
@@ -577,7 +574,7 @@ def _draw(lay: _Layout, st: _State, stepper: list[str]) -> str:
         c = S[i][j]
         if c == 0:
             continue
-        color = _rank_color(j)
+        color = draw.palette_color(j)
         sx, sy, sw, sh = lay.src_box(i)
         x_src, y_src = sx + sw + 4, lay.mid(i) + lay.end_offset(j)
         x_dst, y_dst = lay.dst_x - 4, lay.mid(j) + lay.end_offset(i)
@@ -599,97 +596,99 @@ def _draw(lay: _Layout, st: _State, stepper: list[str]) -> str:
     shades = _expert_shades(lay.L) if lay.by_expert else [1.0]
     moving = {}
     for sq in lay.squares:
-        color = _mix(_rank_color(sq.j), shades[sq.l])
+        color = draw.mix(draw.palette_color(sq.j), shades[sq.l])
         key = (sq.i, sq.j)
-        style = st.src_style.get(key)
-        fly = st.fly.get(key)
         delay = min(0.02 * sq.k, 0.4)
-        if style:
-            if fly == "to_src":
-                moving.setdefault("src", []).append(_square(*sq.src, color, style, (
-                    sq.dst[0] - sq.src[0], sq.dst[1] - sq.src[1]), delay, lay.sq))
+        # each copy at the sender and at the receiver; it flies in when this frame moves it there
+        for end, here, there, styles, arriving in (("src", sq.src, sq.dst, st.src_style, "to_src"),
+                                                   ("dst", sq.dst, sq.src, st.dst_style, "to_dst")):
+            style = styles.get(key)
+            if not style:
+                continue
+            if st.fly.get(key) == arriving:
+                moving.setdefault(end, []).append(_square(*here, color, style, (
+                    there[0] - here[0], there[1] - here[1]), delay, lay.sq))
             else:
-                body.append(_square(*sq.src, color, style, size=lay.sq))
-        style = st.dst_style.get(key)
-        if style:
-            if fly == "to_dst":
-                moving.setdefault("dst", []).append(_square(*sq.dst, color, style, (
-                    sq.src[0] - sq.dst[0], sq.src[1] - sq.dst[1]), delay, lay.sq))
-            else:
-                body.append(_square(*sq.dst, color, style, size=lay.sq))
+                body.append(_square(*here, color, style, size=lay.sq))
     for part in moving.values():  # in flight: above everything that stays
         body.extend(part)
     body.extend(labels)
     body.append(_matrix_svg(lay, st))
     body.append(_legend(lay))
-    return _svg(lay.width, lay.height, body)
+    return draw.svg(lay.width, lay.height, body)
 
 
 def _matrix_svg(lay: _Layout, st: _State) -> str:
     flow, n, S, c = lay.flow, lay.n, lay.flow.dispatch, lay.cell
     ranks, mx, my = flow.ranks, lay.mx, lay.my
-    out = [_text(mx - 34, TOP - 10, "dispatch matrix (copies)", size=11.5, anchor="start",
-                 fill=MUTED, weight="600")]
-    out.append(_text(mx - 8, my - 6, "from \\ to", size=10, anchor="end", fill=MUTED))
+    out = [draw.text(mx - 34, TOP - 10, "dispatch matrix (copies)", size=11.5, anchor="start",
+                     fill=MUTED, weight="600")]
+    out.append(draw.text(mx - 8, my - 6, "from \\ to", size=10, anchor="end", fill=MUTED))
     peak = max([v for row in S for v in row] + [1])
     base = KIND_COLORS["ep"]
     for j in range(n):
-        out.append(_text(mx + (j + 0.5) * c, my - 6, f"r{ranks[j]}", size=11, fill=MUTED))
-    out.append(_text(mx + (n + 0.5) * c + 4, my - 6, "sent", size=10.5, fill=MUTED))
+        out.append(draw.text(mx + (j + 0.5) * c, my - 6, f"r{ranks[j]}", size=11, fill=MUTED))
+    out.append(draw.text(mx + (n + 0.5) * c + 4, my - 6, "sent", size=10.5, fill=MUTED))
     for i in range(n):
         y = my + i * c
-        out.append(_text(mx - 8, y + c / 2 + 4, f"r{ranks[i]}", size=11, anchor="end", fill=MUTED))
+        out.append(draw.text(mx - 8, y + c / 2 + 4, f"r{ranks[i]}", size=11, anchor="end",
+                             fill=MUTED))
         for j in range(n):
             v = S[i][j]
-            fill = _mix(base, 0.12 + 0.78 * v / peak) if v else "#ffffff"
-            out.append(_rect(mx + j * c, y, c, c, fill, "#d0d7de", 0.8, rx=0))
-            out.append(_text(mx + (j + 0.5) * c, y + c / 2 + 4, str(v), size=11.5,
-                             fill=text_color(fill) if v else "#8c959f",
-                             weight="600" if v else None))
-        out.append(_text(mx + (n + 0.5) * c + 4, y + c / 2 + 4, str(flow.sent[i]), size=11.5,
-                         fill=INK, weight="600" if st.margins else None))
-    out.append(_text(mx - 8, my + n * c + c / 2 + 4, "recv", size=10.5, anchor="end", fill=MUTED))
+            fill = draw.mix(base, 0.12 + 0.78 * v / peak) if v else "#ffffff"
+            out.append(draw.rect(mx + j * c, y, c, c, fill, "#d0d7de", 0.8, rx=0))
+            out.append(draw.text(mx + (j + 0.5) * c, y + c / 2 + 4, str(v), size=11.5,
+                                 fill=draw.text_color(fill) if v else "#8c959f",
+                                 weight="600" if v else None))
+        out.append(draw.text(mx + (n + 0.5) * c + 4, y + c / 2 + 4, str(flow.sent[i]), size=11.5,
+                             fill=INK, weight="600" if st.margins else None))
+    out.append(draw.text(mx - 8, my + n * c + c / 2 + 4, "recv", size=10.5, anchor="end",
+                         fill=MUTED))
     for j in range(n):
         v = flow.received[j]
         x, y = mx + j * c, my + n * c + 4
         if v == 0:
-            out.append(_rect(x + 1, y, c - 2, c - 6, IDLE_FILL, IDLE_LINE, 1.0, dash="3 2", rx=4))
-        out.append(_text(x + c / 2, y + c / 2 + 1, str(v), size=11.5, fill=IDLE if v == 0 else INK,
-                         weight="600" if st.margins or v == 0 else None))
+            out.append(draw.rect(x + 1, y, c - 2, c - 6, IDLE_FILL, IDLE_LINE, 1.0, dash="3 2",
+                                 rx=4))
+        out.append(draw.text(x + c / 2, y + c / 2 + 1, str(v), size=11.5,
+                             fill=IDLE if v == 0 else INK,
+                             weight="600" if st.margins or v == 0 else None))
     local = sum(S[i][i] for i in range(n))
-    out.append(_text(mx - 34, my + (n + 1) * c + 24, "cell (i, j): copies rank i sends to rank j", size=10.5, anchor="start", fill=MUTED))
-    out.append(_text(mx - 34, my + (n + 1) * c + 40, f"diagonal: {local} stay on their rank",
-                     size=10.5, anchor="start", fill=MUTED))
+    out.append(draw.text(mx - 34, my + (n + 1) * c + 24,
+                         "cell (i, j): copies rank i sends to rank j", size=10.5, anchor="start",
+                         fill=MUTED))
+    out.append(draw.text(mx - 34, my + (n + 1) * c + 40, f"diagonal: {local} stay on their rank",
+                         size=10.5, anchor="start", fill=MUTED))
     if any(flow.received[j] == 0 for j in range(n)):
         idle = ", ".join(f"r{ranks[j]}" for j in range(n) if flow.received[j] == 0)
-        out.append(_text(mx - 34, my + (n + 1) * c + 56, f"{idle} receive 0 tokens" if "," in idle
-                         else f"{idle} receives 0 tokens", size=10.5, anchor="start", fill=IDLE,
-                         weight="600"))
+        says = f"{idle} receive 0 tokens" if "," in idle else f"{idle} receives 0 tokens"
+        out.append(draw.text(mx - 34, my + (n + 1) * c + 56, says, size=10.5, anchor="start",
+                             fill=IDLE, weight="600"))
     # the rank in focus: its row (it sends) or its column (it returns what its experts made)
     if st.row is not None:
-        out.append(_rect(mx - 2, my + st.row * c - 2, n * c + 4, c + 4, "none", INK, 2.0, rx=3))
+        out.append(draw.rect(mx - 2, my + st.row * c - 2, n * c + 4, c + 4, "none", INK, 2.0, rx=3))
     if st.col is not None:
-        out.append(_rect(mx + st.col * c - 2, my - 2, c + 4, n * c + 4, "none", INK, 2.0, rx=3))
+        out.append(draw.rect(mx + st.col * c - 2, my - 2, c + 4, n * c + 4, "none", INK, 2.0, rx=3))
     if st.whole:
-        out.append(_rect(mx - 2, my - 2, n * c + 4, n * c + 4, "none", INK, 2.0, rx=3))
+        out.append(draw.rect(mx - 2, my - 2, n * c + 4, n * c + 4, "none", INK, 2.0, rx=3))
     return "".join(out)
 
 
 def _legend(lay: _Layout) -> str:
     y, x = lay.legend_y, 16.0
-    color = _rank_color(0)
+    color = draw.palette_color(0)
     items = [("filled", "token copy"), ("output", "expert output"), ("ghost", "copy that left")]
     if lay.flow.backward:
         items.append(("grad", "gradient"))
     out = []
     for style, name in items:
         out.append(_square(x, y - 8, color, style, size=9.0))
-        out.append(_text(x + 15, y, name, size=11, anchor="start", fill=MUTED))
+        out.append(draw.text(x + 15, y, name, size=11, anchor="start", fill=MUTED))
         x += 15 + len(name) * 6.2 + 18
     colour = ("colour: receiving rank" + (", shade: its local expert" if lay.by_expert else ""))
     if lay.scale > 1:
         colour += f"; one square = {lay.scale} copies (rounded up)"
-    out.append(_text(x + 6, y, colour, size=11, anchor="start", fill=MUTED))
+    out.append(draw.text(x + 6, y, colour, size=11, anchor="start", fill=MUTED))
     return "".join(out)
 
 
@@ -787,22 +786,18 @@ def _frames(flow: TokenFlow) -> list[_State]:
         last_src, last_dst = "ghost", "output"
     # backward: the two recorded all-to-alls of autograd, all senders at once
     if flow.backward is not None:
-        st = _State("backward:combine", "", {p: "output" for p in pairs},
-                    {p: "grad" for p in pairs}, {p: "to_dst" for p in pairs}, whole=True)
-        st.flows = [(i, j, "to_dst", False) for i, j in pairs]
-        moves = [(i, j, S[i][j]) for i, j in pairs if S[i][j]]
-        st.caption = ("Backward of combine: each copy's output gradient travels to its expert, "
-                      "one all-to-all with the dispatch matrix (recorded: "
-                      f"{flow.backward['combine']}).")
-        states.append(data(st, moves))
-        st = _State("backward:dispatch", "", {p: "grad" for p in pairs},
-                    {p: "ghost" for p in pairs}, {p: "to_src" for p in pairs}, whole=True)
-        st.flows = [(i, j, "to_src", False) for i, j in pairs]
-        moves = [(j, i, S[i][j]) for i, j in pairs if S[i][j]]
-        st.caption = ("Backward of dispatch: the input gradients return to the ranks that sent the "
-                      "tokens, the mirror matrix (recorded: "
-                      f"{flow.backward['dispatch']}).")
-        states.append(data(st, moves))
+        for name, src, dst, direction, said in (
+                ("combine", "output", "grad", "to_dst", "each copy's output gradient travels to "
+                 "its expert, one all-to-all with the dispatch matrix"),
+                ("dispatch", "grad", "ghost", "to_src", "the input gradients return to the ranks "
+                 "that sent the tokens, the mirror matrix")):
+            st = _State(f"backward:{name}", "", {p: src for p in pairs}, {p: dst for p in pairs},
+                        {p: direction for p in pairs}, whole=True)
+            st.flows = [(i, j, direction, False) for i, j in pairs]
+            moves = [(i, j, S[i][j]) if direction == "to_dst" else (j, i, S[i][j])
+                     for i, j in pairs if S[i][j]]
+            st.caption = f"Backward of {name}: {said} (recorded: {flow.backward[name]})."
+            states.append(data(st, moves))
         last_src, last_dst = "grad", "ghost"
     # totals
     st = _State("totals", "", {p: last_src for p in pairs}, {p: last_dst for p in pairs},
@@ -824,34 +819,17 @@ def _frames(flow: TokenFlow) -> list[_State]:
 
 
 class TokenFlowAnimation(Animation):
-    """An :class:`Animation` whose squares fly between frames (CSS, scoped to this player).
-
-    ``flow`` holds the numbers (:class:`TokenFlow`); ``data`` one dict per frame.
+    """An :class:`Animation` whose squares fly between frames (``moe_flow.css``, scoped to
+    this player).  ``flow`` holds the numbers (:class:`TokenFlow`); ``data`` one dict per frame.
     """
+
+    styles = Animation.styles + ("moe_flow.css",)
 
     def __init__(self, frames, captions, flow: TokenFlow, title: str = "", data=None,
                  note: str = "", interval_ms: int = 1700):
         super().__init__(frames, captions, title=title, data=data, note=note,
                          interval_ms=interval_ms)
         self.flow = flow
-
-    def __repr__(self) -> str:
-        return f"TokenFlowAnimation({len(self)} frames: {self.title!r})"
-
-    def to_html(self) -> str:
-        page = super().to_html()
-        uid = re.search(r'class="tl-animation" id="(tl-anim-[0-9a-f]+)"', page).group(1)
-        return page.replace("</style>", _FLY_CSS.replace("UID", uid) + "</style>", 1)
-
-
-# A frame's flying squares are drawn where they land and start offset to where they left;
-# the animation runs each time the frame is shown.  No motion for readers who ask for none.
-_FLY_CSS = """
-#UID .tl-moe-fly { animation: UID-fly 0.9s cubic-bezier(0.45, 0, 0.25, 1) both; }
-@keyframes UID-fly { from { transform: translate(var(--dx), var(--dy)); opacity: 0.35; }
-  to { transform: translate(0px, 0px); opacity: 1; } }
-@media (prefers-reduced-motion: reduce) { #UID .tl-moe-fly { animation: none; } }
-"""
 
 
 def animate_token_flow(trace: Trace, layer=None, include_backward: bool = False,

@@ -11,12 +11,14 @@ The widget has to work in two places:
 * live in Jupyter, and
 * in the built HTML book, where no Python kernel runs.
 
-So it is one self-contained HTML fragment whose interactivity is plain inline
-JavaScript.  The JavaScript never does rank arithmetic: Python
+So it is one self-contained HTML fragment (a :class:`~tutorial_lib.viz.widget.Widget`)
+whose interactivity is plain JavaScript, ``viz/assets/rank_map.js``, inlined into the
+page.  The JavaScript never does rank arithmetic: Python
 (:mod:`tutorial_lib.grid`, the single source of truth) computes the groups of
 every configuration the knobs can reach, and the page only looks them up.
 
-The embedded data (``RankMap.data``) is shared-table JSON, to stay small:
+The embedded data (``RankMap.data``, the fragment's JSON island) is shared-table JSON,
+to stay small:
 
 ``group_sets``
     Distinct group lists, each with Python's node-crossing flag per group.
@@ -42,7 +44,8 @@ import uuid
 
 from ..config import LAYOUTS, ConfigError
 from ..grid import EXTRA_GROUP_KINDS, GROUP_KINDS, LAYOUT_ORDERS, ProcessGrid, build_grid
-from . import colors
+from . import draw
+from .widget import Widget
 
 #: Kinds drawn in the dense panel and in the expert panel.
 DENSE_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "embedding")
@@ -221,12 +224,12 @@ def build_data(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: in
         "kinds": {"dense": list(DENSE_KINDS), "expert": list(EXPERT_KINDS)},
         "all_kinds": list(ALL_KINDS),
         "kind_labels": KIND_LABELS,
-        "kind_colors": {k: colors.kind_color(k) for k in ALL_KINDS},
-        "kind_text": {k: colors.text_color(colors.kind_color(k)) for k in ALL_KINDS},
-        "palette": list(colors.PALETTE),
-        "palette_text": [colors.text_color(c) for c in colors.PALETTE],
-        "singleton_color": colors.SINGLETON_COLOR,
-        "singleton_text": colors.text_color(colors.SINGLETON_COLOR),
+        "kind_colors": {k: draw.kind_color(k) for k in ALL_KINDS},
+        "kind_text": {k: draw.text_color(draw.kind_color(k)) for k in ALL_KINDS},
+        "palette": list(draw.PALETTE),
+        "palette_text": [draw.text_color(c) for c in draw.PALETTE],
+        "singleton_color": draw.SINGLETON_COLOR,
+        "singleton_text": draw.text_color(draw.SINGLETON_COLOR),
         "layouts": {name: _layout_info(name) for name in LAYOUTS},
         "knobs_enabled": knobs,
         "knobs": [{"name": k, "values": values[k], "frozen": k in frozen or not knobs} for k in KNOBS],
@@ -266,14 +269,36 @@ def _walk(table, indices):
 # --- the widget ---------------------------------------------------------------
 
 
-class RankMap:
-    """A rank map ready to display: ``_repr_html_`` is one self-contained HTML fragment."""
+class RankMap(Widget):
+    """A rank map ready to display: one self-contained HTML fragment (see :class:`Widget`).
+
+    Its root id (``prefix``) is fixed per instance and starts every class and style of
+    the map, so two maps on one page never clash.
+    """
+
+    styles = ("rank_map.css",)
+    scripts = ("rank_map.js",)
+    start = "startRankMap"
 
     def __init__(self, data: dict):
         self.data = data
         # A fresh prefix per instance: ids, classes and styles of two maps never clash.
         self.prefix = "rm" + uuid.uuid4().hex[:10]
-        self._html = _render(self.data, self.prefix)
+
+    @property
+    def title(self) -> str:
+        return _title(self.data)
+
+    @property
+    def data_class(self) -> str:
+        return f"{self.prefix}-data"
+
+    def root_id(self) -> str:
+        return self.prefix
+
+    def parts(self, uid: str) -> tuple[str, str, object]:
+        return (f'id="{uid}" class="{uid}-root tl-rank-map" data-selected-rank=""',
+                _render(self.data, uid), self.data)
 
     def lookup(self, layout=None, tp=None, pp=None, ep=None, cp=None, etp=None) -> dict:
         """What the page shows for one knob setting (unset knobs keep their initial value).
@@ -294,12 +319,6 @@ class RankMap:
         if found < 0:
             return {"error": self.data["errors"][-1 - found]}
         return _resolve(self.data, found)
-
-    def to_html(self) -> str:
-        return self._html
-
-    def _repr_html_(self) -> str:
-        return self._html
 
     def __repr__(self) -> str:
         config = self.data["configs"][self.data["initial"]["config"]]
@@ -381,21 +400,22 @@ def _paint(groups: list[list[int]], crosses: list[bool]) -> dict[int, tuple]:
     """rank -> (background, text colour, group index, crosses) for one kind (mirrors ``paint`` in the JS)."""
     out = {}
     for i, group in enumerate(groups):
-        bg = colors.group_color(i, len(group))
+        bg = draw.group_color(i, len(group))
         for r in group:
-            out[r] = (bg, colors.text_color(bg), i, crosses[i])
+            out[r] = (bg, draw.text_color(bg), i, crosses[i])
     return out
 
 
+def _title(data: dict) -> str:
+    return (f"Rank map \u00b7 {data['world_size']} ranks on {data['num_nodes']} "
+            f"node{'s' * (data['num_nodes'] > 1)} \u00d7 {data['gpus_per_node']} GPUs")
+
+
 def _render(data: dict, p: str) -> str:
-    """The HTML fragment: style, header with knobs, two panels, info line, data, script."""
+    """The markup inside the root ``p``: header with knobs, two panels, info line."""
     start = _resolve(data, data["initial"]["config"])
     layout = data["layouts"][start["layout"]]
-    parts = [f'<div id="{p}" class="{p}-root tl-rank-map" data-selected-rank="">', f"<style>{_CSS.replace('PFX', p)}</style>"]
-
-    title = (f"Rank map \u00b7 {data['world_size']} ranks on {data['num_nodes']} "
-             f"node{'s' * (data['num_nodes'] > 1)} \u00d7 {data['gpus_per_node']} GPUs")
-    parts.append(f'<div class="{p}-head"><div class="{p}-title">{title}</div>')
+    parts = [f'<div class="{p}-head"><div class="{p}-title">{_title(data)}</div>']
     knobs = []
     for knob in data["knobs"]:
         name = knob["name"]
@@ -423,12 +443,6 @@ def _render(data: dict, p: str) -> str:
                  f"(click again to clear).</div>")
     parts.append(f'<div class="{p}-legend"><span class="{p}-mark">\u21c4</span> group spans more than one '
                  f"node: its traffic leaves NVLink for the slower inter-node network.</div>")
-    # JSON inside <script> must not contain "</": escape <, > and & as JSON unicode escapes.
-    payload = json.dumps(data, separators=(",", ":"))
-    payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    parts.append(f'<script type="application/json" class="{p}-data">{payload}</script>')
-    parts.append(f"<script>{_JS.replace('PFX', p)}</script>")
-    parts.append("</div>")
     return "".join(parts)
 
 
@@ -474,272 +488,3 @@ def _panel_html(data: dict, p: str, side: str, kind: str, start: dict, layout: d
         f'<div class="{p}-selection"></div>'
         f"</section>"
     )
-
-
-# Every selector starts with the instance's root id (#PFX), so styles stay inside one map.
-_CSS = """
-#PFX{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;font-size:13px;
- line-height:1.35;color:#1b1f24;background:#fff;border:1px solid #d0d7de;border-radius:8px;
- padding:12px 14px;margin:6px 0;max-width:100%;box-sizing:border-box}
-#PFX *{box-sizing:border-box}
-#PFX .PFX-title{font-weight:600;font-size:14px;margin-bottom:6px}
-#PFX .PFX-knobs{display:flex;flex-wrap:wrap;gap:6px 12px;margin-bottom:6px}
-#PFX .PFX-knob{display:flex;align-items:center;gap:4px;font-size:11px;color:#57606a;font-weight:600}
-#PFX .PFX-select{font:inherit;font-size:12px;font-weight:400;color:#1b1f24;background:#fff;
- border:1px solid #d0d7de;border-radius:4px;padding:1px 4px}
-#PFX .PFX-select:disabled{color:#8c959f;background:#f6f8fa}
-#PFX .PFX-describe,#PFX .PFX-formula{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:11.5px}
-#PFX .PFX-describe{background:#f6f8fa;border-radius:4px;padding:3px 8px;color:#24292f;overflow-wrap:anywhere}
-#PFX .PFX-error{margin-top:6px;padding:4px 8px;border-radius:4px;background:#fef3f2;color:#b42318;
- border:1px solid #fecdca;font-size:12px}
-#PFX .PFX-error[hidden]{display:none}
-#PFX[data-invalid="1"] .PFX-panels,#PFX[data-invalid="1"] .PFX-describe{opacity:.3;pointer-events:none}
-#PFX .PFX-panels{display:flex;flex-wrap:wrap;gap:12px;margin-top:10px}
-#PFX .PFX-panel{flex:1 1 330px;min-width:0;border:1px solid #e1e4e8;border-radius:6px;padding:8px 10px}
-#PFX .PFX-panel-title{font-weight:600}
-#PFX .PFX-formula{color:#57606a;margin:2px 0 6px}
-#PFX .PFX-kinds{display:flex;flex-wrap:wrap;gap:4px;margin-bottom:8px}
-#PFX .PFX-kind{font:inherit;font-size:11.5px;line-height:1.2;cursor:pointer;color:#24292f;background:#fff;
- border:1px solid #d0d7de;border-radius:11px;padding:2px 8px;margin:0;display:inline-flex;align-items:center;gap:4px}
-#PFX .PFX-kind:hover{border-color:#8c959f}
-#PFX .PFX-swatch{width:8px;height:8px;border-radius:50%;display:inline-block}
-#PFX .PFX-active .PFX-swatch{display:none}
-#PFX .PFX-nodes{display:flex;flex-wrap:wrap;gap:8px}
-#PFX .PFX-node{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:3px 6px 6px}
-#PFX .PFX-node-label{font-size:10px;text-transform:uppercase;letter-spacing:.04em;color:#57606a;margin-bottom:3px}
-#PFX .PFX-gpus{display:grid;gap:4px}
-#PFX .PFX-cell{position:relative;width:36px;height:36px;border-radius:5px;display:flex;align-items:center;
- justify-content:center;font-weight:600;font-size:13px;cursor:pointer;user-select:none;
- border:1px solid rgba(27,31,36,.15);transition:opacity .12s}
-#PFX .PFX-cell:focus-visible{outline:2px solid #0969da;outline-offset:1px}
-#PFX .PFX-badge{display:none;position:absolute;top:0;right:2px;font-size:9px;font-weight:700;opacity:.85}
-#PFX .PFX-crosses .PFX-badge{display:block}
-#PFX .PFX-dim{opacity:.2}
-#PFX .PFX-selected{box-shadow:0 0 0 2px #1b1f24}
-#PFX .PFX-hover{outline:2px solid #0969da;outline-offset:1px}
-#PFX .PFX-summary{margin-top:8px;font-size:12px}
-#PFX .PFX-chips{display:flex;flex-wrap:wrap;gap:3px;margin-top:4px}
-#PFX .PFX-chip{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:10.5px;
- border-radius:9px;padding:0 6px;cursor:pointer;border:1px solid rgba(27,31,36,.15)}
-#PFX .PFX-chip.PFX-dim{opacity:.3}
-#PFX .PFX-selection{margin-top:4px;font-size:12px;min-height:1.35em}
-#PFX .PFX-info{margin-top:10px;padding-top:6px;border-top:1px solid #e1e4e8;font-size:12px;color:#24292f;
- min-height:1.35em}
-#PFX .PFX-legend{font-size:11px;color:#57606a;margin-top:2px}
-#PFX .PFX-mark{font-weight:700}
-"""
-
-# The script looks things up and recolours; it never computes a rank, a group or a coordinate.
-_JS = r"""
-(function () {
-  "use strict";
-  var P = "PFX";
-  var script = document.currentScript;
-  function cls(name) { return P + "-" + name; }
-
-  // Find the root (the script's parent; by id as a fallback), retrying while the
-  // notebook front end has not attached the output to the page yet.
-  function boot(tries) {
-    var root = script && script.parentNode && script.parentNode.id === P ? script.parentNode : document.getElementById(P);
-    if (!root) { if (tries < 50) { setTimeout(function () { boot(tries + 1); }, 100); } return; }
-    if (root.getAttribute("data-ready") === "1") { return; }
-    root.setAttribute("data-ready", "1");
-    start(root);
-  }
-
-  function start(root) {
-    var data = JSON.parse(root.querySelector("." + cls("data")).textContent);
-    function one(name, scope) { return (scope || root).querySelector("." + cls(name)); }
-    function all(name, scope) { return Array.prototype.slice.call((scope || root).querySelectorAll("." + cls(name))); }
-    var state = {config: data.initial.config, rank: null, hover: null,
-                 kinds: {dense: data.initial.dense_kind, expert: data.initial.expert_kind}};
-
-    // Unpack one precomputed configuration from the shared tables (mirrors _resolve in Python).
-    function resolve(index) {
-      var entry = data.configs[index];
-      var out = {layout: entry.layout, describe: entry.describe, groups: {}, crosses: {}, coords: {}};
-      data.all_kinds.forEach(function (kind, i) {
-        out.groups[kind] = data.group_sets[entry.groups[i]].groups;
-        out.crosses[kind] = data.group_sets[entry.groups[i]].crosses;
-      });
-      data.layouts[entry.layout].dims.forEach(function (dim, i) { out.coords[dim] = data.coord_sets[entry.coords[i]]; });
-      return out;
-    }
-
-    // rank -> {group index, colours}, read off Python's group lists (mirrors _paint).
-    function paint(groups) {
-      var out = {};
-      groups.forEach(function (group, i) {
-        var single = group.length < 2, c = i % data.palette.length;
-        group.forEach(function (r) {
-          out[r] = {group: i, bg: single ? data.singleton_color : data.palette[c],
-                    fg: single ? data.singleton_text : data.palette_text[c]};
-        });
-      });
-      return out;
-    }
-
-    function summary(kind, groups, crosses) {  // mirrors crossing_summary in Python
-      var n = groups.length, size = groups[0].length, label = data.kind_labels[kind];
-      if (size === 1) { return label + ": " + n + " groups of 1 rank \u2014 nothing to communicate"; }
-      var head = label + ": " + n + " group" + (n > 1 ? "s" : "") + " of " + size + " ranks \u2014 ";
-      var k = crosses.filter(function (x) { return x; }).length;
-      if (k === 0) { return head + "all inside one node (NVLink)"; }
-      return head + k + " of " + n + " cross a node boundary (\u21c4 leaves NVLink)";
-    }
-
-    function nodesOf(group) {
-      var seen = [];
-      group.forEach(function (r) { var n = data.node_of[r]; if (seen.indexOf(n) < 0) { seen.push(n); } });
-      return seen;
-    }
-
-    function renderPanel(panel, cfg) {
-      var side = panel.getAttribute("data-side"), kind = state.kinds[side];
-      var groups = cfg.groups[kind], crosses = cfg.crosses[kind], colours = paint(groups);
-      var chosen = state.rank === null ? -1 : colours[state.rank].group;
-      var layout = data.layouts[cfg.layout];
-      one("panel-title", panel).textContent = layout[side + "_title"];
-      one("formula", panel).textContent = layout[side + "_formula"];
-      all("kind", panel).forEach(function (b) {
-        var k = b.getAttribute("data-kind"), on = k === kind;
-        b.classList.toggle(cls("active"), on);
-        b.setAttribute("aria-pressed", on ? "true" : "false");
-        b.style.background = on ? data.kind_colors[k] : "";
-        b.style.color = on ? data.kind_text[k] : "";
-        b.style.borderColor = on ? data.kind_colors[k] : "";
-      });
-      all("cell", panel).forEach(function (cell) {
-        var r = Number(cell.getAttribute("data-rank")), c = colours[r];
-        cell.style.background = c.bg;
-        cell.style.color = c.fg;
-        cell.setAttribute("data-group", c.group);
-        cell.classList.toggle(cls("crosses"), !!crosses[c.group]);
-        cell.classList.toggle(cls("selected"), c.group === chosen);
-        cell.classList.toggle("selected", c.group === chosen);  // plain hook for tests
-        cell.classList.toggle(cls("dim"), chosen >= 0 && c.group !== chosen);
-        cell.classList.toggle(cls("hover"), r === state.hover);
-      });
-      one("summary", panel).textContent = summary(kind, groups, crosses);
-      renderChips(one("chips", panel), groups, crosses, chosen, colours);
-      var line = "";
-      if (chosen >= 0) {
-        var group = groups[chosen], nodes = nodesOf(group);
-        line = "Rank " + state.rank + "\u2019s " + data.kind_labels[kind] + " group (#" + chosen + " of " +
-               groups.length + "): [" + group.join(", ") + "] \u2014 " +
-               (nodes.length > 1 ? "crosses nodes " + nodes.join(", ") + " \u21c4" : "inside node " + nodes[0]);
-      }
-      one("selection", panel).textContent = line;
-    }
-
-    // The group lists as clickable chips; singletons are summarised instead.
-    function renderChips(box, groups, crosses, chosen, colours) {
-      box.textContent = "";
-      if (groups[0].length < 2) { return; }
-      groups.forEach(function (group, i) {
-        var chip = document.createElement("span"), c = colours[group[0]];
-        chip.className = cls("chip") + (chosen >= 0 && i !== chosen ? " " + cls("dim") : "");
-        chip.style.background = c.bg;
-        chip.style.color = c.fg;
-        chip.setAttribute("data-rank", group[0]);
-        chip.textContent = (crosses[i] ? "\u21c4 " : "") + "[" + group.join(" ") + "]";
-        box.appendChild(chip);
-      });
-    }
-
-    function hoverText(cfg, r) {
-      var layout = data.layouts[cfg.layout];
-      function coords(dims) { return dims.map(function (d) { return d + "=" + cfg.coords[d][r]; }).join(" "); }
-      var text = "Rank " + r + " \u00b7 node " + data.node_of[r] + ", GPU " + data.gpu_of[r] + " \u00b7 ";
-      if (layout.folded) {
-        return text + "dense " + coords(layout.dense_dims) + " \u00b7 expert " + coords(layout.expert_dims);
-      }
-      return text + "grid " + coords(layout.dense_dims);
-    }
-
-    function render() {
-      var cfg = resolve(state.config);
-      one("describe").textContent = cfg.describe;
-      all("panel").forEach(function (panel) { renderPanel(panel, cfg); });
-      root.setAttribute("data-selected-rank", state.rank === null ? "" : String(state.rank));
-      var info = one("info");
-      if (state.hover !== null) { info.textContent = hoverText(cfg, state.hover); }
-      else if (state.rank !== null) { info.textContent = hoverText(cfg, state.rank) + "  (selected)"; }
-      else { info.textContent = "Hover a GPU for its coordinates; click it to select its groups (click again to clear)."; }
-    }
-
-    // --- knobs: walk the nested table with each <select>'s chosen position ---
-    var selects = data.knobs.map(function (knob) {
-      return root.querySelector("select[data-knob='" + knob.name + "']");
-    });
-    function lookup(positions) {
-      var node = data.table;
-      positions.forEach(function (i) { node = node[i]; });
-      return node;
-    }
-    function positions() { return selects.map(function (s) { return s.selectedIndex; }); }
-    function markOptions() {  // a cross on each choice that Python rejects given the other knobs
-      selects.forEach(function (select, k) {
-        Array.prototype.forEach.call(select.options, function (option, i) {
-          var at = positions(); at[k] = i;
-          var bad = lookup(at) < 0, value = String(data.knobs[k].values[i]);
-          option.textContent = bad ? value + " \u2717" : value;
-        });
-      });
-    }
-    function onKnob() {
-      var found = lookup(positions()), error = one("error");
-      if (found < 0) {
-        error.textContent = data.errors[-1 - found];
-        error.hidden = false;
-        root.setAttribute("data-invalid", "1");
-      } else {
-        error.hidden = true;
-        root.removeAttribute("data-invalid");
-        state.config = found;
-        render();
-      }
-      markOptions();
-    }
-    if (data.knobs_enabled) { selects.forEach(function (s) { s.addEventListener("change", onKnob); }); }
-
-    // --- mouse and keyboard ---
-    function rankOf(target, name) {
-      var hit = target.closest ? target.closest("." + cls(name)) : null;
-      return hit && root.contains(hit) ? Number(hit.getAttribute("data-rank")) : null;
-    }
-    root.addEventListener("click", function (event) {
-      var button = event.target.closest ? event.target.closest("." + cls("kind")) : null;
-      if (button) {
-        state.kinds[button.closest("." + cls("panel")).getAttribute("data-side")] = button.getAttribute("data-kind");
-        render();
-        return;
-      }
-      var r = rankOf(event.target, "cell");
-      if (r === null) { r = rankOf(event.target, "chip"); }
-      if (r === null) { return; }
-      state.rank = state.rank === r ? null : r;
-      render();
-    });
-    root.addEventListener("keydown", function (event) {
-      if ((event.key === "Enter" || event.key === " ") && rankOf(event.target, "cell") !== null) {
-        event.preventDefault();
-        event.target.click();
-      } else if (event.key === "Escape") {
-        state.rank = null;
-        render();
-      }
-    });
-    root.addEventListener("mouseover", function (event) {
-      var r = rankOf(event.target, "cell");
-      if (r !== state.hover) { state.hover = r; render(); }
-    });
-    root.addEventListener("mouseleave", function () { state.hover = null; render(); });
-
-    if (data.knobs_enabled) { markOptions(); }
-    render();
-  }
-
-  boot(0);
-})();
-"""

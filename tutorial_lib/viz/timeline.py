@@ -4,7 +4,7 @@
 (milliseconds since the first recorded event).  Compute spans recorded with
 ``tracer.span("backward", microbatch=0)`` are grey bars labelled by their name;
 every collective and point-to-point op is a bar coloured by the kind of group it
-ran on (the course's :data:`~tutorial_lib.viz.colors.KIND_COLORS`).  When a rank
+ran on (the course's :data:`~tutorial_lib.viz.draw.KIND_COLORS`).  When a rank
 records both, its lane splits into a *compute* row and a *comm* row, so an
 asynchronous op in flight during a compute span shows as two bars stacked one
 above the other: the gradient buckets' all-reduces visibly overlapping backward.
@@ -15,8 +15,8 @@ completed.  For an asynchronous op (``comm.isend``/``irecv``, a bucket's
 all-reduce) "completed" is when ``wait()`` returned, so the bar is the time the
 op was *in flight*, not the time the bytes spent on the wire.
 
-The widget is one self-contained HTML fragment (inline SVG, CSS and a small
-script; no kernel, no external file), so it works in the static book:
+The widget is one self-contained HTML fragment (inline SVG; CSS and script from
+``viz/assets/``, inlined; no kernel, no external file), so it works in the static book:
 
 * hover a bar for its op, group, shape, dtype, bytes, duration and tags;
 * drag across the chart to zoom into a time range (Reset zoom goes back);
@@ -40,17 +40,14 @@ spends working, or idle: the pipeline bubble).
 from __future__ import annotations
 
 import html
-import json
 import math
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..trace import Trace, TraceEvent
-from .colors import KIND_COLORS, PLAYER_CONTROLS_CSS, SANS, kind_color, text_color, write_page
+from .draw import INK, KIND_COLORS, MUTED, SANS, darken, kind_color, text_color
+from .widget import Widget, ascii_html
 
-INK = "#1b1f24"      # text, outlines, the cursor
-MUTED = "#57606a"    # secondary text
 GRID = "#e3e7eb"     # vertical grid lines
 TRACK = "#f4f6f8"    # the background of one row of bars
 SEPARATOR = "#d8dee4"  # between ranks
@@ -352,7 +349,7 @@ def _fmt(v: float) -> str:
     return f"{v:.3f}"
 
 
-class Timeline:
+class Timeline(Widget):
     """A drawn timeline: ``.data`` holds every number drawn; ``to_html()`` the widget.
 
     ``data`` keys: ``domain`` (first and last time shown, display units), ``x0`` and
@@ -362,6 +359,11 @@ class Timeline:
     ``frames`` (per player frame: cursor time or None, what each rank is doing,
     the caption) and ``legend``.
     """
+
+    styles = ("player.css", "timeline.css")
+    scripts = ("player.js", "timeline.js")
+    start = "startTimeline"
+    id_prefix = "tl-timeline-"
 
     def __init__(self, data: dict, playable: bool, interval_ms: int, note: str):
         self.data = data
@@ -381,19 +383,11 @@ class Timeline:
         return (f"Timeline({len(self.data['bars'])} bars on ranks {self.data['ranks']}, "
                 f"{d0:g}-{d1:g} {self.data['unit']}: {self.title!r})")
 
-    def _repr_html_(self) -> str:
-        return self.to_html()
-
-    def save(self, path: str) -> str:
-        """Write a standalone HTML page holding the timeline; returns ``path``."""
-        return write_page(path, self.title, self.to_html())
-
     # -- rendering --
 
-    def to_html(self) -> str:
-        """The fragment.  Every render gets a fresh id, so copies on one page stay independent."""
+    def parts(self, uid: str) -> tuple[str, str, object]:
+        """The root (``tl-animation`` too when playable), legend, caption, chart, controls."""
         d = self.data
-        uid = "tl-timeline-" + uuid.uuid4().hex[:12]
         n = len(d["frames"])
         classes = "tl-timeline tl-animation" if self.playable else "tl-timeline"
         frame_attrs = f' data-frame="0" data-frames="{n}"' if self.playable else ""
@@ -412,20 +406,17 @@ class Timeline:
                 f'<span class="tl-anim-counter">overview</span>')
         controls += ('<button type="button" class="tl-zoom-reset" disabled '
                      'title="Show the whole time range">Reset zoom</button>')
-        body = (f'<div class="{classes}" id="{uid}"{frame_attrs} data-zoom="{_fmt(d["domain"][0])} '
-                f'{_fmt(d["domain"][1])}">\n'
-                f'<style>{_CSS.replace("UID", uid)}</style>\n'
-                f'<div class="tl-anim-title">{html.escape(d["title"])}</div>\n'
-                f'<div class="tl-legend">{legend}</div>\n'
-                f'<div class="tl-anim-caption" style="min-height:{self._caption_lines() * 1.4:.1f}em">'
-                f'{html.escape(d["frames"][0]["caption"])}</div>\n'
-                f'<div class="tl-stage">{self._svg(uid)}</div>\n'
-                # Outside the scrolling stage (which would clip it), positioned in the root.
-                f'<div class="tl-tooltip" role="tooltip" style="display:none"></div>\n'
-                f'<div class="tl-anim-controls">{controls}</div>\n'
-                + (f'<div class="tl-anim-note">{html.escape(self.note)}</div>\n' if self.note else ""))
-        # Non-ASCII as character references: the fragment reads right whatever the page's charset.
-        body = body.encode("ascii", "xmlcharrefreplace").decode("ascii")
+        attributes = (f'class="{classes}" id="{uid}"{frame_attrs} data-zoom="{_fmt(d["domain"][0])} '
+                      f'{_fmt(d["domain"][1])}"')
+        markup = (f'<div class="tl-anim-title">{html.escape(d["title"])}</div>\n'
+                  f'<div class="tl-legend">{legend}</div>\n'
+                  f'<div class="tl-anim-caption" style="min-height:{self._caption_lines() * 1.4:.1f}em">'
+                  f'{html.escape(d["frames"][0]["caption"])}</div>\n'
+                  f'<div class="tl-stage">{self._svg(uid)}</div>\n'
+                  # Outside the scrolling stage (which would clip it), positioned in the root.
+                  f'<div class="tl-tooltip" role="tooltip" style="display:none"></div>\n'
+                  f'<div class="tl-anim-controls">{controls}</div>\n'
+                  + (f'<div class="tl-anim-note">{html.escape(self.note)}</div>\n' if self.note else ""))
         payload = {
             "d0": d["domain"][0], "d1": d["domain"][1], "x0": d["x0"], "pw": d["plot_width"],
             "minw": MIN_W, "charw": CHAR_W, "spacing": TICK_SPACING, "unit": d["unit"],
@@ -435,10 +426,7 @@ class Timeline:
             "captions": [f["caption"] for f in d["frames"]],
             "interval": int(self.interval_ms),
         }
-        # ensure_ascii: the script stays ASCII; "<" escaped so no label can end the <script>.
-        blob = json.dumps(payload, ensure_ascii=True).replace("<", "\\u003c")
-        script = _JS.replace("UID", uid).replace("DATA", blob)
-        return f"{body}<script>{script}</script>\n</div>"
+        return attributes, ascii_html(markup), payload
 
     def _caption_lines(self) -> int:
         """Lines the longest caption needs at full width: the caption box keeps that height,
@@ -489,7 +477,7 @@ class Timeline:
         out.append(f'<g class="tl-bars" clip-path="url(#{uid}-clip)">')
         for i, b in enumerate(d["bars"]):
             ink = text_color(b["color"])
-            edge = _darken(b["color"], 0.25)
+            edge = darken(b["color"], 0.25)
             label = html.escape(b["label"])
             shown = "" if b["label_fits"] else ' display="none"'
             ghost = (f'<rect class="tl-ghost" x="{b["x"]:.2f}" y="{b["y"]:.1f}" width="{b["w"]:.2f}" '
@@ -515,11 +503,6 @@ class Timeline:
                    f'stroke="#4e79a7" stroke-width="1" display="none"/>')
         out.append("</svg>")
         return "".join(out)
-
-
-def _darken(color: str, amount: float) -> str:
-    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(c * (1 - amount)):02x}" for c in rgb)
 
 
 def _kind_order(kinds: Iterable[str]) -> list[str]:
@@ -740,243 +723,6 @@ def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None
                                playable=playable, lanes=lanes, frames=frames, note=note,
                                interval_ms=interval_ms)
 
-
-_CSS = """
-#UID { font-family: SANS; color: #1b1f24; background: #ffffff; border: 1px solid #d0d7de;
-  border-radius: 8px; padding: 12px 16px 10px; margin: 0.6em 0; box-sizing: border-box;
-  max-width: 100%; line-height: 1.35; position: relative; }
-#UID .tl-anim-title { font-weight: 600; font-size: 15px; margin-bottom: 4px; }
-#UID .tl-legend { display: flex; flex-wrap: wrap; gap: 4px 16px; font-size: 12px; color: #3a4048;
-  margin: 0 0 6px; }
-#UID .tl-legend-item { display: inline-flex; align-items: center; gap: 6px; }
-#UID .tl-swatch { display: inline-block; width: 12px; height: 12px; border-radius: 3px;
-  box-shadow: inset 0 0 0 1px rgba(27, 31, 36, 0.18); }
-#UID .tl-anim-caption { font-size: 13px; color: #3a4048; min-height: 2.7em;
-  font-variant-numeric: tabular-nums; }
-#UID .tl-stage { position: relative; overflow-x: auto; }
-#UID svg.tl-chart { display: block; max-width: 100%; height: auto; user-select: none;
-  -webkit-user-select: none; cursor: crosshair; }
-#UID .tl-bar { cursor: default; }
-#UID .tl-bar:hover .tl-solid { stroke: #1b1f24; stroke-width: 1.6; }
-#UID .tl-bar.tl-on .tl-solid { stroke: #1b1f24; stroke-width: 1.4; }
-#UID .tl-tooltip { position: absolute; z-index: 10; pointer-events: none; background: #1b1f24;
-  color: #ffffff; font-size: 12px; line-height: 1.4; border-radius: 6px; padding: 7px 10px;
-  box-shadow: 0 6px 18px rgba(27, 31, 36, 0.22); max-width: 360px; }
-#UID .tl-tooltip .tl-tip-title { font-weight: 600; margin-bottom: 3px; }
-#UID .tl-tooltip table { border-collapse: collapse; margin: 0; }
-#UID .tl-tooltip td { padding: 0 10px 0 0; border: 0; vertical-align: top; background: none;
-  color: #ffffff; font-variant-numeric: tabular-nums; }
-#UID .tl-tooltip td.tl-tip-key { color: #aeb6bf; white-space: nowrap; }
-#UID .tl-anim-controls button:disabled { opacity: 0.45; cursor: default; }
-#UID .tl-anim-counter { font-size: 12px; color: #57606a; min-width: 5.5em; text-align: right;
-  font-variant-numeric: tabular-nums; }
-#UID .tl-zoom-reset { margin-left: auto; }
-#UID .tl-anim-note { font-size: 12px; color: #57606a; margin-top: 6px; }
-""".replace("SANS", SANS) + PLAYER_CONTROLS_CSS
-
-# Everything lives in one function (no global names) and looks only under its own root,
-# so any number of timelines can share a page.  ASCII only.
-_JS = r"""
-(function () {
-  var root = document.getElementById("UID");
-  if (!root) { return; }
-  var D = DATA;
-  var svg = root.querySelector("svg.tl-chart");
-  var NS = svg.namespaceURI;  // the SVG namespace, without writing out a URL
-  var tip = root.querySelector(".tl-tooltip");
-  var caption = root.querySelector(".tl-anim-caption");
-  var axis = root.querySelector(".tl-axis");
-  var cursorG = root.querySelector(".tl-cursor");
-  var brush = root.querySelector(".tl-brush");
-  var reset = root.querySelector(".tl-zoom-reset");
-  var nodes = root.querySelectorAll(".tl-bar");
-  var bars = [];
-  for (var i = 0; i < nodes.length; i++) {
-    var g = nodes[i], label = g.querySelector(".tl-label");
-    bars.push({g: g, s: parseFloat(g.getAttribute("data-s")), e: parseFloat(g.getAttribute("data-e")),
-               ghost: g.querySelector(".tl-ghost"), solid: g.querySelector(".tl-solid"),
-               label: label, lw: label.textContent.length * D.charw + 8});
-  }
-  var view = [D.d0, D.d1], cursor = null;
-  function X(t) { return D.x0 + (t - view[0]) * D.pw / (view[1] - view[0]); }
-  function T(x) { return view[0] + (x - D.x0) * (view[1] - view[0]) / D.pw; }
-  function niceStep(span, target) {
-    var raw = span / Math.max(target, 1), p = Math.pow(10, Math.floor(Math.log10(raw))), m = raw / p;
-    return (m < 1.5 ? 1 : m < 3.5 ? 2 : m < 7.5 ? 5 : 10) * p;
-  }
-  function el(name, attrs, text) {
-    var node = document.createElementNS(NS, name);
-    for (var k in attrs) { node.setAttribute(k, attrs[k]); }
-    if (text !== undefined) { node.textContent = text; }
-    return node;
-  }
-  function drawAxis() {
-    while (axis.firstChild) { axis.removeChild(axis.firstChild); }
-    var step = niceStep(view[1] - view[0], D.pw / D.spacing);
-    var dec = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
-    for (var k = Math.ceil(view[0] / step - 1e-9); k * step <= view[1] + 1e-9 * step; k++) {
-      var v = k * step, x = X(v).toFixed(1);
-      if (Math.abs(v) < step * 1e-9) { v = 0; }
-      axis.appendChild(el("line", {x1: x, x2: x, y1: D.top - 5, y2: D.bottom - 4,
-                                   stroke: "#e3e7eb", "stroke-width": 1}));
-      axis.appendChild(el("text", {x: x, y: D.top - 12, "font-size": 11, "text-anchor": "middle",
-                                   fill: "#57606a"}, v.toFixed(dec)));
-    }
-  }
-  function layout() {
-    var left = D.x0, right = D.x0 + D.pw;
-    for (var i = 0; i < bars.length; i++) {
-      var b = bars[i], xs = X(b.s), xe = X(b.e);
-      var w = Math.max(D.minw, xe - xs);
-      if (b.ghost) { b.ghost.setAttribute("x", xs.toFixed(2)); b.ghost.setAttribute("width", w.toFixed(2)); }
-      var reached = cursor === null ? b.e : Math.min(b.e, Math.max(b.s, cursor));
-      var hidden = cursor !== null && cursor < b.s;
-      var xr = X(reached), ws = Math.max(D.minw, xr - xs);
-      b.solid.setAttribute("x", xs.toFixed(2));
-      b.solid.setAttribute("width", ws.toFixed(2));
-      b.solid.setAttribute("display", hidden ? "none" : "inline");
-      var vis0 = Math.max(xs, left), vis1 = Math.min(xr, right);
-      var fits = !hidden && vis1 - vis0 >= b.lw;
-      b.label.setAttribute("x", (vis0 + 4).toFixed(2));
-      b.label.setAttribute("display", fits ? "inline" : "none");
-      var on = cursor !== null && b.s <= cursor && cursor < b.e;
-      if (on) { b.g.classList.add("tl-on"); } else { b.g.classList.remove("tl-on"); }
-    }
-    if (cursor === null || cursor < view[0] || cursor > view[1]) {
-      cursorG.setAttribute("display", "none");
-    } else {
-      cursorG.setAttribute("display", "inline");
-      cursorG.setAttribute("transform", "translate(" + X(cursor).toFixed(2) + ",0)");
-    }
-    drawAxis();
-    root.setAttribute("data-zoom", view[0].toFixed(3) + " " + view[1].toFixed(3));
-    if (reset) { reset.disabled = (view[0] === D.d0 && view[1] === D.d1); }
-  }
-
-  // --- tooltip ---
-  function showTip(i, ev) {
-    var t = D.tips[i];
-    while (tip.firstChild) { tip.removeChild(tip.firstChild); }
-    var head = document.createElement("div");
-    head.className = "tl-tip-title";
-    head.textContent = t[0];
-    tip.appendChild(head);
-    var table = document.createElement("table");
-    for (var r = 0; r < t[1].length; r++) {
-      var tr = document.createElement("tr"), a = document.createElement("td"), b = document.createElement("td");
-      a.className = "tl-tip-key"; a.textContent = t[1][r][0]; b.textContent = t[1][r][1];
-      tr.appendChild(a); tr.appendChild(b); table.appendChild(tr);
-    }
-    tip.appendChild(table);
-    tip.style.display = "block";
-    moveTip(ev);
-  }
-  function moveTip(ev) {
-    // Inside the root, beside the pointer; flipped left or up where it would spill out.
-    var box = root.getBoundingClientRect(), w = tip.offsetWidth, h = tip.offsetHeight;
-    var px = ev.clientX - box.left, py = ev.clientY - box.top;
-    var x = px + 14, y = py + 16;
-    if (x + w > box.width - 4) { x = Math.max(4, px - w - 14); }
-    if (y + h > box.height - 4) { y = Math.max(4, py - h - 12); }
-    tip.style.left = x + "px";
-    tip.style.top = y + "px";
-  }
-  function barOf(target) {
-    while (target && target !== svg) {
-      if (target.classList && target.classList.contains("tl-bar")) { return target; }
-      target = target.parentNode;
-    }
-    return null;
-  }
-  svg.addEventListener("mouseover", function (ev) {
-    var g = barOf(ev.target);
-    if (g && !dragging) { showTip(parseInt(g.getAttribute("data-i"), 10), ev); }
-  });
-  svg.addEventListener("mousemove", function (ev) {
-    if (tip.style.display !== "none") { moveTip(ev); }
-  });
-  svg.addEventListener("mouseout", function (ev) {
-    var g = barOf(ev.target);
-    if (g && barOf(ev.relatedTarget) !== g) { tip.style.display = "none"; }
-  });
-
-  // --- zoom: drag across the chart; double-click or Reset zoom goes back ---
-  var dragging = false, dragX = 0;
-  function svgX(ev) {
-    var box = svg.getBoundingClientRect();
-    return (ev.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
-  }
-  function clampX(x) { return Math.max(D.x0, Math.min(D.x0 + D.pw, x)); }
-  svg.addEventListener("mousedown", function (ev) {
-    if (ev.button !== 0) { return; }
-    var x = svgX(ev);
-    if (x < D.x0 || x > D.x0 + D.pw) { return; }
-    dragging = true; dragX = x;
-    brush.setAttribute("x", x.toFixed(1)); brush.setAttribute("width", "0");
-    brush.setAttribute("display", "inline");
-    tip.style.display = "none";
-    ev.preventDefault();
-  });
-  window.addEventListener("mousemove", function (ev) {
-    if (!dragging) { return; }
-    var x = clampX(svgX(ev));
-    brush.setAttribute("x", Math.min(x, dragX).toFixed(1));
-    brush.setAttribute("width", Math.abs(x - dragX).toFixed(1));
-  });
-  window.addEventListener("mouseup", function (ev) {
-    if (!dragging) { return; }
-    dragging = false;
-    brush.setAttribute("display", "none");
-    var x = clampX(svgX(ev));
-    if (Math.abs(x - dragX) < 6) { return; }
-    var a = T(Math.min(x, dragX)), b = T(Math.max(x, dragX));
-    view = [a, b];
-    layout();
-  });
-  function resetZoom() { view = [D.d0, D.d1]; layout(); }
-  svg.addEventListener("dblclick", resetZoom);
-  if (reset) { reset.addEventListener("click", resetZoom); }
-
-  // --- the player: frame 0 is the overview, frames 1..n-1 sweep the cursor ---
-  var play = root.querySelector(".tl-play");
-  if (play) {
-    var slider = root.querySelector(".tl-slider");
-    var counter = root.querySelector(".tl-anim-counter");
-    var n = D.times.length, current = 0, timer = null;
-    var show = function (i) {
-      i = Math.max(0, Math.min(n - 1, i));
-      current = i;
-      cursor = D.times[i];
-      root.setAttribute("data-frame", String(i));
-      slider.value = String(i);
-      caption.textContent = D.captions[i];
-      counter.textContent = i === 0 ? "overview" : (cursor.toFixed(2) + " " + D.unit);
-      layout();
-    };
-    var stop = function () {
-      if (timer !== null) { clearInterval(timer); timer = null; }
-      play.textContent = "\u25B6\uFE0E Play";
-    };
-    var tick = function () {
-      show(current + 1);
-      if (current >= n - 1) { stop(); }
-    };
-    var start = function () {
-      if (n < 2) { return; }
-      // From the last frame, start over; otherwise move at once, so the click is felt.
-      if (current >= n - 1) { show(1); } else { tick(); if (current >= n - 1) { return; } }
-      timer = setInterval(tick, D.interval);
-      play.textContent = "\u275A\u275A Pause";
-    };
-    var step = function (by) { return function () { stop(); show(current + by); }; };
-    play.addEventListener("click", function () { if (timer === null) { start(); } else { stop(); } });
-    root.querySelector(".tl-prev").addEventListener("click", step(-1));
-    root.querySelector(".tl-next").addEventListener("click", step(1));
-    slider.addEventListener("input", function () { stop(); show(parseInt(slider.value, 10)); });
-  }
-  layout();
-})();
-"""
 
 __all__ = ["Span", "Timeline", "timeline", "timeline_from_spans", "trace_spans", "event_label",
            "format_bytes", "overlap_seconds", "overlap_fraction", "busy_fraction",

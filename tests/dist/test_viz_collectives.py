@@ -9,6 +9,8 @@ from tutorial_lib.launch import launch
 from tutorial_lib.viz.collectives import (Animation, animate_collective, animate_ring,
                                           animate_ring_all_reduce)
 
+pytestmark = pytest.mark.dist
+
 CAPTURE = 256  # record the values of every tensor these workers move
 
 
@@ -200,30 +202,3 @@ def test_send_recv_pairs_become_messages(library_run):
 def test_an_unknown_op_is_refused(library_run):
     with pytest.raises(ValueError, match="unknown op"):
         animate_collective(library_run.trace, "gather")
-
-
-# --- in a real browser -----------------------------------------------------------------------
-
-@pytest.mark.browser
-def test_the_player_plays_in_chromium(tmp_path, fragment_page):
-    """Two players on one page: Play advances its own ``data-frame``, Next/Back/slider work."""
-    out = launch(_ring_worker, 4, args=(8,), capture_values=CAPTURE, timeout=60)
-    anim = animate_ring_all_reduce(out.trace)
-    view = fragment_page(anim.to_html(), anim.to_html(), width=1000, height=800)
-    page = view.page
-    first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
-    assert first.get_attribute("data-frame") == "0"
-    view.play_advances(first)
-    assert second.get_attribute("data-frame") == "0"  # the other player is untouched
-    first.locator(".tl-play").click()  # pause
-    second.locator(".tl-next").click()
-    second.locator(".tl-next").click()
-    second.locator(".tl-prev").click()
-    assert second.get_attribute("data-frame") == "1"
-    visible = second.locator(".tl-frame:visible")
-    assert visible.count() == 1
-    assert second.locator(".tl-anim-caption").inner_text().startswith("reduce-scatter step 1/3")
-    second.locator(".tl-slider").fill("6")
-    assert second.get_attribute("data-frame") == "6"
-    page.screenshot(path=str(tmp_path / "player.png"), full_page=True)
-    view.assert_clean()

@@ -15,7 +15,7 @@ The whole step, on every rank (``T`` TP ranks x ``D`` DP replicas; ``M`` microba
                                                                reduce-scatter + all-gather over DP
     (logging) average the loss over DP                         one 4-byte all-reduce
 
-Who talks to whom (the seed note's rule of thumb): TP collectives stay inside one DP
+Who talks to whom, as a rule of thumb: TP collectives stay inside one DP
 replica and carry *activations*; DP collectives connect the replicas of one shard and
 carry *parameter gradients*; no collective ever spans the whole world.  In
 particular the loss needs no world all-reduce: every TP rank already holds its
@@ -49,58 +49,13 @@ from typing import NamedTuple
 import torch
 
 from . import comm, parallel_state
+from .data import split_microbatches
 from .data_parallel import DataParallel, DistributedOptimizer, clip_grad_norm_
 from .tensor_parallel import allreduce_sequence_parallel_grads
 from .trace import get_tracer
 
-__all__ = ["StepResult", "train_step", "split_global_batch", "split_microbatches", "synthetic_batch"]
+__all__ = ["StepResult", "train_step", "finish_step"]
 
-
-# --- the data -------------------------------------------------------------------------------
-
-
-def synthetic_batch(seed: int, step: int, global_batch_size: int, seq_length: int,
-                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A learnable global batch: ``(input_ids, labels)``, each ``[global_batch_size, seq_length]``.
-
-    Each sequence counts through the vocabulary from a random start with a random
-    stride of 1, 2 or 3: ``x_t = (start + stride * t) mod vocab_size``.  The label of
-    each token is the next one, so a model that reads the previous token (to learn the
-    stride) can predict every label but the first.  It depends only on ``(seed, step)``,
-    never on the layout: every TP and DP size trains on the very same numbers.
-    """
-    generator = torch.Generator().manual_seed(1_000_003 * seed + step)
-    start = torch.randint(0, vocab_size, (global_batch_size, 1), generator=generator)
-    stride = torch.randint(1, 4, (global_batch_size, 1), generator=generator)
-    tokens = (start + stride * torch.arange(seq_length + 1)) % vocab_size
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def split_global_batch(global_batch, dp_rank: int, dp_size: int):
-    """Data-parallel replica ``dp_rank``'s rows of every tensor in ``global_batch``.
-
-    Replica ``r`` of ``D`` gets rows ``[r * B/D, (r + 1) * B/D)``: contiguous, so
-    replica 0's first microbatch is the first rows of the global batch.
-    """
-    rows = global_batch[0].shape[0]
-    if rows % dp_size:
-        raise ValueError(f"global_batch_size ({rows}) must be divisible by the data-parallel "
-                         f"size ({dp_size}) so every replica gets the same number of sequences (rule 3)")
-    share = rows // dp_size
-    return tuple(t[dp_rank * share:(dp_rank + 1) * share] for t in global_batch)
-
-
-def split_microbatches(batch, num_microbatches: int) -> list[tuple]:
-    """Cut a replica's batch into ``num_microbatches`` equal microbatches (along rows)."""
-    rows = batch[0].shape[0]
-    if num_microbatches < 1 or rows % num_microbatches:
-        raise ValueError(f"this replica's batch ({rows} sequences) must be divisible by "
-                         f"num_microbatches ({num_microbatches}) (rule 3); choose one of "
-                         f"{[m for m in range(1, rows + 1) if rows % m == 0]}")
-    return list(zip(*(t.chunk(num_microbatches) for t in batch)))
-
-
-# --- one step -----------------------------------------------------------------------------
 
 
 class StepResult(NamedTuple):
@@ -112,17 +67,13 @@ class StepResult(NamedTuple):
     """The global gradient norm before clipping (``None`` when not clipping)."""
 
 
-def _data_parallel_size() -> int:
-    return parallel_state.get_size("dp") if parallel_state.is_initialized() else 1
-
-
 def _check_setup(model, optimizer) -> None:
     wrapped = isinstance(model, DataParallel)
     zero1 = isinstance(optimizer, DistributedOptimizer)
     if wrapped and zero1:
         raise ValueError("DistributedOptimizer (ZeRO-1) replaces DataParallel's all-reduce with its "
                          "own reduce-scatter: give train_step the bare model, not DataParallel(model)")
-    dp = _data_parallel_size()
+    dp = parallel_state.group_size("dp")
     if dp > 1 and not (wrapped or zero1):
         raise ValueError(f"with {dp} data-parallel replicas the gradients must be averaged over them: "
                          f"wrap the model in DataParallel (plain optimizer) or use a "
@@ -139,11 +90,11 @@ def train_step(model, optimizer, batch, num_microbatches: int, max_grad_norm: fl
                log_loss: bool = True) -> StepResult:
     """One optimizer step of TP + DP training with gradient accumulation; every rank calls it.
 
-    ``model``: a :class:`~tutorial_lib.model.GPTModel`, wrapped in
+    ``model``: a :class:`~tutorial_lib.gpt.GPTModel`, wrapped in
     :class:`~tutorial_lib.data_parallel.DataParallel` unless ``optimizer`` is a
     :class:`~tutorial_lib.data_parallel.DistributedOptimizer` (ZeRO-1; then bare).
     ``batch``: ``(input_ids, labels)``, this DP replica's share of the global batch
-    (:func:`split_global_batch`), the same on every TP rank of the replica.
+    (:func:`tutorial_lib.data.split_global_batch`), the same on every TP rank of the replica.
     ``num_microbatches``: ``M``; each microbatch's loss is scaled by ``1/M`` so the
     accumulated gradient is that of the replica's mean loss.
     ``max_grad_norm``: clip by the global norm (``None``: no clipping).  With ZeRO-1 it is
@@ -157,7 +108,6 @@ def train_step(model, optimizer, batch, num_microbatches: int, max_grad_norm: fl
     _check_setup(model, optimizer)
     tracer = get_tracer()
     wrapped = isinstance(model, DataParallel)
-    zero1 = isinstance(optimizer, DistributedOptimizer)
     gpt = model.module if wrapped else model
 
     model.zero_grad()      # DataParallel: zero the bucket buffers, forget last step's launches
@@ -177,29 +127,47 @@ def train_step(model, optimizer, batch, num_microbatches: int, max_grad_norm: fl
                 loss.backward()
         replica_loss += loss.detach()
 
-    # 2. the DP average: the buckets' all-reduces started during the last backward.
-    if wrapped:
-        with tracer.span("grad_sync"):
-            model.finish_grad_sync()
-    # 3. sequence parallelism: LayerNorm and row-parallel-bias grads are partial sums over TP.
-    allreduce_sequence_parallel_grads(gpt, gpt.tp_group)
-
-    # 4 + 5. clip by the global norm, then update (ZeRO-1 does both inside its step).
-    grad_norm = None
-    if zero1:
-        optimizer.max_grad_norm = max_grad_norm
-    elif max_grad_norm is not None:
-        with tracer.span("clip_grad"):
-            grad_norm = _clip(gpt.parameters(), max_grad_norm)
-    with tracer.span("optimizer"):
-        optimizer.step()
-    if zero1 and max_grad_norm is not None:
-        grad_norm = float(optimizer.last_grad_norm)
+    # 2-5. the DP average, the sequence-parallel sums, clipping and the update.
+    grad_norm = finish_step(model, optimizer, max_grad_norm, gpt.tp_group)
 
     # 6. logging only: the mean over the replicas (the TP ranks of a replica already agree).
-    dp = _data_parallel_size()
+    dp = parallel_state.group_size("dp")
     if log_loss and dp > 1:
         with tracer.tags(phase="logging"):
             comm.all_reduce(replica_loss, group="dp")
         replica_loss /= dp
     return StepResult(loss=float(replica_loss), grad_norm=grad_norm)
+
+
+def finish_step(model, optimizer, max_grad_norm: float | None, tp_group: str | None = "tp") -> float | None:
+    """The end of every training step, once the last backward has run; returns the grad norm.
+
+    Chapter 3's :func:`train_step` and the 4D run (:mod:`tutorial_lib.train_4d`) share it::
+
+        wait for the DP all-reduces                   DataParallel.finish_grad_sync (if wrapped)
+        all-reduce the sequence-parallel grads        over ``tp_group`` (nothing at TP = 1)
+        clip by the global gradient norm              unless ``max_grad_norm`` is None
+        optimizer step                                ZeRO-1 clips inside its own step
+
+    ``model``: the module, or :class:`~tutorial_lib.data_parallel.DataParallel` around it.
+    The norm is that before clipping (``None`` when not clipping).
+    """
+    tracer = get_tracer()
+    module = model.module if isinstance(model, DataParallel) else model
+    if isinstance(model, DataParallel):
+        with tracer.span("grad_sync"):   # the buckets' all-reduces started in the last backward
+            model.finish_grad_sync()
+    # sequence parallelism: LayerNorm and row-parallel-bias grads are partial sums over TP
+    allreduce_sequence_parallel_grads(module, tp_group)
+    zero1 = isinstance(optimizer, DistributedOptimizer)
+    grad_norm = None
+    if zero1:
+        optimizer.max_grad_norm = max_grad_norm
+    elif max_grad_norm is not None:
+        with tracer.span("clip_grad"):
+            grad_norm = _clip(module.parameters(), max_grad_norm)
+    with tracer.span("optimizer"):
+        optimizer.step()
+    if zero1 and max_grad_norm is not None:
+        grad_norm = float(optimizer.last_grad_norm)
+    return grad_norm

@@ -1,56 +1,18 @@
-"""A GPT you can read in one sitting, split over tensor-parallel ranks.
+"""A small DeepSeek-style decoder that a pipeline can cut into stages (chapters 6-8).
 
-nanoGPT's model, with Megatron's parallel layers swapped in.  Top to bottom::
+Chapter 3's GPT (:mod:`tutorial_lib.gpt`) runs whole on every rank.  With pipeline
+parallelism each rank holds a *stage*: a contiguous range of layers, plus the embedding on the first stage and the
+final norm, LM head and loss on the last (Megatron's ``pre_process`` / ``post_process``).
+One class serves every cut: ``DeepSeekModel(config, stage=s, num_stages=n)`` builds
+only stage s's modules, with the same weights the whole model (``num_stages=1``) has
+there, because every weight is drawn from a seed derived from its *global* layer index::
 
-    input_ids [b, s] --transpose--> [s, b]
-      -> GPTEmbedding:    word (vocab-parallel) + position (replicated) = [s, b, h]
-                          sequence parallel: keep my [s/T, b, h] slice of the sequence
-      -> num_layers x TransformerBlock          (tutorial_lib.transformer)
-      -> final LayerNorm
-      -> output_layer:    ColumnParallelLinear, h -> V, *not* gathered: [s, b, V/T]
-                          (sequence parallel: its input is all-gathered back to [s, b, h])
-      -> vocab_parallel_cross_entropy(logits [s, b, V/T], labels [s, b]) -> mean loss
+    stage 0:        input_ids [b, s] -> embedding -> layers [0, L/n)        -> hidden [s, b, h]
+    middle stage:   hidden [s, b, h] -> layers [k L/n, (k+1) L/n)          -> hidden [s, b, h]
+    last stage:     hidden [s, b, h] -> its layers -> final norm -> head -> loss (scalar)
 
-Activations are ``[s, b, h]`` (sequence first) inside the model, as in Megatron: the
-sequence dimension is dim 0, the one sequence parallelism splits.  ``forward`` takes
-and returns the usual batch-first tensors, so callers never see the transpose.
-
-**Where the TP ranks talk** (``T`` TP ranks; per microbatch; see
-:func:`tutorial_lib.costs.tp_dp_step_collectives` for the bytes):
-
-* the word embedding: each rank looks up only its ``V/T`` rows, so the pieces are
-  summed (one all-reduce forward; backward none);
-* every block: :func:`tutorial_lib.transformer.block_collectives`;
-* the output layer: its input enters a column-parallel matmul, so backward all-reduces
-  ``dX`` (with sequence parallelism: all-gather forward, reduce-scatter backward);
-* the loss: three all-reduces of one number per token (max, target logit, sum of
-  exponentials); the ``[s, b, V]`` logits are never gathered.
-
-**Sequence parallelism** (``ModelConfig.sequence_parallel``) follows Megatron's
-``LanguageModelEmbedding`` / ``GPTModel`` with a learned position embedding: the word
-embedding is all-reduced, the replicated position embedding added, and then
-:func:`~tutorial_lib.tensor_parallel.scatter_to_sequence_parallel_region` keeps this
-rank's slice of the sequence (no communication forward; backward all-gathers the
-gradient, so the position embedding's gradient is whole on every rank).  (Megatron
-reduce-scatters the word embedding directly when there is no learned position
-embedding.)  The blocks and the final LayerNorm then run on ``[s/T, b, h]``, and the
-output layer's all-gather brings the full sequence back for the vocabulary-parallel
-matmul.  The final LayerNorm's weights are flagged ``sequence_parallel`` like the
-blocks' LayerNorms: call :func:`~tutorial_lib.tensor_parallel.allreduce_sequence_parallel_grads`
-after backward (:func:`tutorial_lib.train.train_step` does).
-
-**One seed, every layout.**  Every parameter is built from a seed derived from the
-model's ``seed`` (:func:`component_seed`): the parallel layers draw the *full* master
-weight and keep their slice, so the model at TP=N holds exactly the slices of the
-model at TP=1.  The same class with no process groups (or ``tp_group=None``) *is* the
-serial reference: no second implementation to drift.
-
-Choices, to keep it small: no dropout (rule 7), no weight tying between the embedding
-and the output layer (Megatron ties them by default; with pipeline parallelism that
-costs an extra all-reduce over the ``embedding`` group), no bias in the output layer
-(as in Megatron), dense MLPs only.  The three steps of :meth:`GPTModel.forward`
-(embed, blocks, head + loss) are where a pipeline stage cuts in: see
-:class:`DeepSeekModel` at the end of this file.
+What crosses a stage boundary is one activation tensor [s, b, h] forward and its
+gradient backward: :mod:`tutorial_lib.pipeline` moves them with :mod:`tutorial_lib.p2p`.
 """
 from __future__ import annotations
 
@@ -58,135 +20,20 @@ from typing import NamedTuple
 
 import torch
 
+from . import parallel_state
 from .config import ModelConfig, check_pipeline_layers
+from .gpt import FIRST_BLOCK, OUTPUT_LAYER, GPTEmbedding
 from .moe import MoELayer
 from .moe_balance import BalanceConfig
 from .tensor_parallel import (
+    derive_seed,
     ColumnParallelLinear,
-    VocabParallelEmbedding,
     divide,
-    scatter_to_sequence_parallel_region,
-    serial_embedding,
-    tensor_parallel_size,
     vocab_parallel_cross_entropy,
 )
-from .transformer import MLP, SelfAttention, TransformerBlock
+from .transformer import MLP, SelfAttention
 
-__all__ = ["GPTModel", "GPTEmbedding", "component_seed", "DeepSeekModel", "DeepSeekBlock",
-           "Microbatch", "layer_range", "attach_aux_loss"]
-
-# Which component of the model a derived seed belongs to (see component_seed).
-WORD_EMBEDDING, POSITION_EMBEDDING, OUTPUT_LAYER, FIRST_BLOCK = 0, 1, 2, 10
-
-
-def component_seed(seed: int, component: int) -> int:
-    """The seed of one component (``WORD_EMBEDDING``, ..., ``FIRST_BLOCK + layer``).
-
-    Distinct components get distinct seeds, so no two weights are drawn from the same
-    random numbers; every TP rank derives the same seeds, so every rank draws the same
-    master weights and keeps its own slice.
-    """
-    return 1000 * seed + component
-
-
-class GPTEmbedding(torch.nn.Module):
-    """Token ids ``[b, s]`` -> hidden states ``[s, b, h]`` (sequence parallel: ``[s/T, b, h]``).
-
-    ``word_embeddings`` is split over TP by vocabulary (each rank ``V/T`` rows);
-    ``position_embeddings`` is replicated: every rank holds all ``seq_length`` rows.
-    """
-
-    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: str | None = "tp"):
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
-        self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, seed=component_seed(seed, WORD_EMBEDDING),
-            sequence_parallel=False, tp_group=tp_group)  # all-reduce; the split comes after the add
-        self.position_embeddings = serial_embedding(
-            config.seq_length, config.hidden_size, seed=component_seed(seed, POSITION_EMBEDDING))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.t()                                    # [s, b]: sequence first
-        positions = torch.arange(ids.shape[0])
-        x = self.word_embeddings(ids) + self.position_embeddings(positions).unsqueeze(1)
-        if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # my [s/T, b, h]
-        return x
-
-
-class GPTModel(torch.nn.Module):
-    """A decoder-only Transformer whose ``forward(input_ids, labels)`` returns the mean loss.
-
-    ``config``: a :class:`~tutorial_lib.config.ModelConfig` (``hidden_size``,
-    ``num_attention_heads``, ``num_layers``, ``seq_length``, ``vocab_size``,
-    ``sequence_parallel``; dense, no dropout).  ``seed``: every weight derives from it.
-    ``tp_group``: the group kind the layers split over (``"tp"``); ``None``, or no
-    process groups at all, builds the serial model.
-    """
-
-    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: str | None = "tp"):
-        super().__init__()
-        if config.num_experts:
-            raise ValueError(f"GPTModel is dense, but num_experts = {config.num_experts}; "
-                             f"set num_experts=0 (mixture-of-experts models come in a later chapter)")
-        if config.dropout:
-            raise ValueError(f"GPTModel has no dropout, but dropout = {config.dropout}: with TP the "
-                             f"ranks would draw different masks for one tensor (rule 7); set dropout=0.0")
-        tp = tensor_parallel_size(tp_group)
-        divide(config.vocab_size, tp, "vocab_size")
-        divide(config.num_attention_heads, tp, "num_attention_heads")
-        if config.sequence_parallel:
-            divide(config.seq_length, tp, "seq_length")
-        self.config, self.tp_group = config, tp_group
-        sp, h = config.sequence_parallel, config.hidden_size
-
-        self.embedding = GPTEmbedding(config, seed, tp_group)
-        self.layers = torch.nn.ModuleList(
-            TransformerBlock(h, config.num_attention_heads, sequence_parallel=sp,
-                             seed=component_seed(seed, FIRST_BLOCK + layer), tp_group=tp_group)
-            for layer in range(config.num_layers))
-        self.final_layernorm = torch.nn.LayerNorm(h)
-        for param in self.final_layernorm.parameters():
-            param.sequence_parallel = sp  # sees only my s/T tokens under SP: partial gradients
-        self.output_layer = ColumnParallelLinear(
-            h, config.vocab_size, bias=False, gather_output=False, sequence_parallel=sp,
-            seed=component_seed(seed, OUTPUT_LAYER), tp_group=tp_group)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss over the ``[b, s]`` tokens; ``labels[i, t]`` follows ``input_ids[i, t]``.
-
-        The result is the same scalar on every TP rank (the loss's all-reduces saw to it).
-        """
-        if input_ids.shape != labels.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} "
-                             f"must have the same [batch, sequence] shape")
-        if input_ids.shape[1] > self.config.seq_length:
-            raise ValueError(f"sequences of {input_ids.shape[1]} tokens are longer than seq_length "
-                             f"({self.config.seq_length}), the size of the position table")
-        hidden = self.embedding(input_ids)                        # [s, b, h] (SP: [s/T, b, h])
-        for layer in self.layers:
-            hidden = layer(hidden)
-        hidden = self.final_layernorm(hidden)
-        logits = self.output_layer(hidden)                        # [s, b, V/T]: my vocabulary slice
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)  # [s, b]
-        return losses.mean()
-
-
-# === A DeepSeek-style model that a pipeline can cut into stages ===========================
-#
-# The GPT above runs whole on every rank.  With pipeline parallelism each rank holds a
-# *stage*: a contiguous range of layers, plus the embedding on the first stage and the
-# final norm, LM head and loss on the last (Megatron's ``pre_process`` / ``post_process``).
-# One class serves every cut: ``DeepSeekModel(config, stage=s, num_stages=n)`` builds
-# only stage s's modules, with the same weights the whole model (``num_stages=1``) has
-# there, because every weight is drawn from a seed derived from its *global* layer index.
-#
-#     stage 0:        input_ids [b, s] -> embedding -> layers [0, L/n)        -> hidden [s, b, h]
-#     middle stage:   hidden [s, b, h] -> layers [k L/n, (k+1) L/n)          -> hidden [s, b, h]
-#     last stage:     hidden [s, b, h] -> its layers -> final norm -> head -> loss (scalar)
-#
-# What crosses a stage boundary is one activation tensor [s, b, h] forward and its
-# gradient backward: :mod:`tutorial_lib.pipeline` moves them with :mod:`tutorial_lib.p2p`.
+__all__ = ["DeepSeekModel", "DeepSeekBlock", "Microbatch", "layer_range", "attach_aux_loss"]
 
 
 class Microbatch(NamedTuple):
@@ -279,7 +126,7 @@ class DeepSeekBlock(torch.nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 0,
                  tp_group: str | None = "tp", ep_group: str | None = "ep"):
         super().__init__()
-        h, block_seed = config.hidden_size, component_seed(seed, FIRST_BLOCK + layer_number)
+        h, block_seed = config.hidden_size, derive_seed(seed, FIRST_BLOCK + layer_number)
         self.layer_number, self.dropout, self.seed = layer_number, config.dropout, seed
         self.input_layernorm = torch.nn.LayerNorm(h)
         self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group)
@@ -290,7 +137,7 @@ class DeepSeekBlock(torch.nn.Module):
                 h, config.num_experts, config.moe_router_topk, config.moe_ffn_hidden_size or h,
                 num_shared_experts=config.num_shared_experts, score_function="sigmoid",
                 balance=BalanceConfig.deepseek_v3(),
-                sequence_parallel=tensor_parallel_size(tp_group) > 1, seed=block_seed,
+                sequence_parallel=parallel_state.group_size(tp_group) > 1, seed=block_seed,
                 ep_group=ep_group, tp_group=tp_group)
         else:
             self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, False, block_seed, tp_group)
@@ -334,10 +181,10 @@ class DeepSeekModel(torch.nn.Module):
         if config.sequence_parallel:
             raise ValueError("DeepSeekModel keeps the whole sequence between layers (its MoE layers "
                              "split it over TP themselves); set sequence_parallel=False")
-        if config.dropout and (tensor_parallel_size(tp_group) > 1):
+        if config.dropout and (parallel_state.group_size(tp_group) > 1):
             raise ValueError(f"dropout ({config.dropout}) with tensor parallelism breaks rule 7; "
                              f"set dropout=0.0")
-        tp = tensor_parallel_size(tp_group)
+        tp = parallel_state.group_size(tp_group)
         divide(config.vocab_size, tp, "vocab_size")
         divide(config.num_attention_heads, tp, "num_attention_heads")
         self.config, self.tp_group, self.ep_group = config, tp_group, ep_group
@@ -355,7 +202,7 @@ class DeepSeekModel(torch.nn.Module):
             self.final_layernorm = torch.nn.LayerNorm(h)
             self.output_layer = ColumnParallelLinear(
                 h, config.vocab_size, bias=False, gather_output=False,
-                seed=component_seed(seed, OUTPUT_LAYER), tp_group=tp_group)
+                seed=derive_seed(seed, OUTPUT_LAYER), tp_group=tp_group)
         self.reset_step_stats()
 
     # --- per-step statistics the trainer reads ---------------------------------------

@@ -18,7 +18,7 @@ it directly.  One step on every rank::
 
 **Layout independence.**  The same arguments give the same model, data and updates on
 every grid, so the per-step losses agree with the one-rank run to fp32 rounding:
-weights are drawn from seeds of their global layer index (:class:`~tutorial_lib.model.DeepSeekModel`),
+weights are drawn from seeds of their global layer index (:class:`~tutorial_lib.deepseek.DeepSeekModel`),
 the batch from ``(seed, step)``, dropout masks from each row's global index, and the
 balancing is DeepSeek-V3's, which has no per-rank term: the sequence-wise loss counts
 whole sequences (each sequence lives on one DP replica; under TP its tokens are split
@@ -44,61 +44,54 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from . import comm, parallel_state, precision
-from .config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers, validate
-from .data_parallel import DataParallel, clip_grad_norm_
-from .model import DeepSeekModel, Microbatch
+from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers,
+                     config_fields, validate)
+from .data import split_global_batch, split_microbatches, synthetic_batch
+from .data_parallel import DataParallel
+from .deepseek import DeepSeekModel, Microbatch
 from .moe_balance import max_violation, update_expert_bias
+from .p2p import MODES
 from .pipeline import check_schedule_and_mode, forward_backward_pipelining
-from .tensor_parallel import allreduce_sequence_parallel_grads
+from .pipeline_schedules import SCHEDULE_NAMES
+from .tp_dp_step import finish_step
 from .trace import get_tracer
-from .train import split_global_batch, split_microbatches, synthetic_batch
 
-__all__ = ["TrainingArgs", "validate_args", "build_chunks", "train_worker", "train",
-           "format_progress"]
+__all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "build_chunks",
+           "train_worker", "train", "format_progress"]
+
+
+#: The config dataclasses' fields the 4D run takes, flat in :class:`TrainingArgs`; each is
+#: documented once, on its dataclass, and ``examples/train_4d.py --help`` prints that text.
+CONFIG_FIELDS = {
+    ParallelConfig: ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size"),
+    TrainConfig: ("global_batch_size", "num_microbatches"),
+    ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                  "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",
+                  "dropout"),
+}
+
+#: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE
+#: model (4 routed experts) and a batch of 16 sequences in 4 microbatches.
+RUN_DEFAULTS = {"world_size": 1, "num_experts": 4, "global_batch_size": 16, "num_microbatches": 4}
+
 
 @dataclass
-class TrainingArgs:
-    """Everything ``train_4d.py`` takes; field names are Megatron's flags with ``_`` for ``-``."""
+class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
+    """Everything ``train_4d.py`` takes; field names are Megatron's flags with ``_`` for ``-``.
 
-    world_size: int = 1
-    """Ranks to start (ignored under torchrun, which says how many there are)."""
-    tensor_model_parallel_size: int = 1
-    """TP: ranks splitting each attention / dense-MLP weight."""
-    pipeline_model_parallel_size: int = 1
-    """PP: pipeline stages."""
+    The fields of :data:`CONFIG_FIELDS` come first, flat (``TrainingArgs(num_layers=8)``,
+    ``args.num_layers``), with the defaults of :data:`RUN_DEFAULTS`; :meth:`configs` gives
+    them back as the three config dataclasses.  The fields below are the run's own.
+    """
+
     virtual_pipeline_model_parallel_size: int = 2
     """V: model chunks per rank for ``schedule="interleaved"`` (ignored by the other schedules)."""
-    expert_model_parallel_size: int = 1
-    """EP: ranks splitting the routed experts."""
-    num_microbatches: int = 4
-    """M: microbatches per DP replica per step (the pipeline's M)."""
-    global_batch_size: int = 16
-    """Sequences per step, split over the DP replicas, then into microbatches."""
-    seq_length: int = 16
-    """Tokens per sequence."""
-    num_layers: int = 4
-    """Decoder layers (split evenly over PP x V stages: rule 9)."""
-    hidden_size: int = 32
-    """Residual width."""
-    num_attention_heads: int = 4
-    """Attention heads (divisible by TP: rule 8)."""
-    vocab_size: int = 64
-    """Vocabulary (divisible by TP)."""
-    num_experts: int = 4
-    """Routed experts per MoE layer; 0 trains a dense model."""
-    moe_router_topk: int = 2
-    """Experts per token."""
-    first_k_dense_replace: int = 1
-    """Leading layers with a dense MLP."""
-    num_shared_experts: int = 1
-    """Shared experts per MoE layer."""
-    dropout: float = 0.0
-    """Dropout on the attention and MLP outputs (0 with TP or EP > 1: rule 7)."""
     steps: int = 5
     """Optimizer steps."""
     seed: int = 1234
@@ -107,11 +100,12 @@ class TrainingArgs:
     """Adam learning rate."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
-    schedule: str = "1f1b"
+    schedule: str = field(default="1f1b", metadata={"choices": SCHEDULE_NAMES})
     """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved``."""
-    p2p_mode: str = "batched"
+    p2p_mode: str = field(default="batched", metadata={"choices": MODES})
     """P2P mode: ``sequential``, ``overlapped`` or ``batched`` (Megatron's default)."""
-    precision_recipe: str = "fp32"
+    precision_recipe: str = field(default="fp32",
+                                  metadata={"metavar": "{%s,FILE}" % ",".join(precision.RECIPES)})
     """Precision recipe: ``fp32`` (nothing changes), ``bf16``, ``deepseek_v3``, or a path to a
     ``.json`` / ``.toml`` recipe file (:func:`tutorial_lib.precision.recipe_from_file`)."""
     timeout: float = 600.0
@@ -119,14 +113,9 @@ class TrainingArgs:
 
     def configs(self) -> tuple[ParallelConfig, ModelConfig, TrainConfig]:
         """The three dataclasses the validator and the model take."""
-        parallel = ParallelConfig(self.world_size, self.tensor_model_parallel_size,
-                                  self.pipeline_model_parallel_size, self.expert_model_parallel_size)
-        model = ModelConfig(self.num_layers, self.hidden_size, self.num_attention_heads,
-                            self.seq_length, self.vocab_size, self.num_experts,
-                            self.moe_router_topk, self.dropout,
-                            num_shared_experts=self.num_shared_experts,
-                            first_k_dense_replace=self.first_k_dense_replace)
-        return parallel, model, TrainConfig(self.global_batch_size, self.num_microbatches)
+        def build(cls):
+            return cls(**{name: getattr(self, name) for name in CONFIG_FIELDS[cls]})
+        return build(ParallelConfig), build(ModelConfig), build(TrainConfig)
 
     @property
     def chunks_per_rank(self) -> int:
@@ -173,7 +162,7 @@ def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
     """This rank's model chunks: chunk ``c`` is model stage ``c * PP + pp_rank``."""
     _, model, _ = args.configs()
     pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
-    rank = parallel_state.get_rank_in("pp") if parallel_state.is_initialized() else 0
+    rank = parallel_state.group_rank("pp")
     chunks = [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed)
               for c in range(v)]
     if args.precision_recipe != "fp32":  # fp32: the model exactly as built
@@ -248,17 +237,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None) -> list[dict]:
             with model.no_sync() if sync else nullcontext():  # sync once, after the last backward
                 out = forward_backward_pipelining(chunks, _microbatches(args, step, pp_rank == 0),
                                                   args.schedule, args.p2p_mode, shape)
-            if sync:
-                with tracer.span("grad_sync"):
-                    model.finish_grad_sync()
-            if args.tensor_model_parallel_size > 1:
-                allreduce_sequence_parallel_grads(modules, "tp")
-            grad_norm = None
-            if args.clip_grad > 0:
-                with tracer.span("clip_grad"):
-                    grad_norm = float(clip_grad_norm_(modules.parameters(), args.clip_grad))
-            with tracer.span("optimizer"):
-                optimizer.step()
+            grad_norm = finish_step(model, optimizer, args.clip_grad if args.clip_grad > 0 else None)
             violations = _update_expert_biases(chunks, args)
             # the log: LM loss (last stage), aux losses and MaxVio (every stage), over PP then DP
             aux_names = ["sequence"]

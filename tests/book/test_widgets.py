@@ -1,0 +1,254 @@
+"""The course's widgets in Debian's chromium, on pages of their own fragments (no book build).
+
+Each test puts two copies of a widget on one ``file://`` page (the ``fragment_page``
+fixture of tests/conftest.py) and checks that the scripts run, that one copy never
+drives the other, and that what the page shows after a click, a hover or Play is what
+Python computed; nothing may be fetched.  Traces come from real gloo launches (the
+workers of the dist tests: those tests are marked ``dist`` too) or synthetic ones.
+The DOM contract they rely on: animation roots carry ``tl-animation``, ``data-frame``
+and ``button.tl-play``; rank maps ``tl-rank-map`` and ``.tl-gpu`` cells.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.dist.test_moe_flow import N, _dispatch_worker
+from tests.dist.test_timeline import _overlap_worker
+from tests.dist.test_viz_collectives import CAPTURE, _ring_worker
+from tests.unit.test_fp8_tiles import outlier_tokens
+from tests.unit.test_timeline import MS, synthetic
+from tutorial_lib.launch import launch
+from tutorial_lib.viz import draw
+from tutorial_lib.viz import timeline as tlmod
+from tutorial_lib.viz.collectives import animate_ring_all_reduce
+from tutorial_lib.viz.fp8_tiles import tile_explorer
+from tutorial_lib.viz.moe_flow import animate_token_flow
+from tutorial_lib.viz.rank_map import rank_map
+from tutorial_lib.viz.timeline import timeline
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def dispatch_run():
+    """The dist tests' MoE all-to-alls: counts, tokens with uneven splits, the combine."""
+    return launch(_dispatch_worker, N, capture_values=64, timeout=90)
+
+
+@pytest.fixture(scope="module")
+def real_run():
+    """The dist tests' transfer in flight during backward."""
+    return launch(_overlap_worker, 2, timeout=60)
+
+
+def play_the_first_of_two(view):
+    """The page's two players: Play advances the first and leaves the second alone; then the
+    first is paused.  Returns the two players' locators."""
+    page = view.page
+    first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
+    assert first.get_attribute("data-frame") == "0"
+    view.play_advances(first)
+    assert second.get_attribute("data-frame") == "0"  # the other player is untouched
+    first.locator(".tl-play").click()  # pause
+    return first, second
+
+
+# --- the rank map ---------------------------------------------------------------------------
+
+
+def test_the_rank_map_in_chromium(tmp_path, chromium_browser):
+    a = rank_map(16, 8, tp=2, pp=2, ep=2)
+    b = rank_map(16, 8, tp=2, pp=2, ep=2, layout="course")
+    page_file = tmp_path / "page.html"
+    page_file.write_text(f"<!doctype html><meta charset='utf-8'><body>{a.to_html()}{b.to_html()}</body>",
+                         encoding="utf-8")
+    page = chromium_browser.new_page()
+    try:
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_file.as_uri())
+        root, other = page.locator(f"#{a.prefix}"), page.locator(f"#{b.prefix}")
+        assert root.get_attribute("data-ready") == "1" and other.get_attribute("data-ready") == "1"
+
+        # the script's first paint agrees with Python's: cell colour = its TP group's colour
+        painted = page.locator(f"#{a.prefix} [data-side='dense'] .{a.prefix}-cell").evaluate_all(
+            "cells => cells.map(c => [Number(c.dataset.rank), getComputedStyle(c).backgroundColor])")
+        for i, group in enumerate(a.lookup()["groups"]["tp"]):
+            hex_colour = draw.group_color(i, len(group))
+            rgb = "rgb(%d, %d, %d)" % tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
+            assert all(colour == rgb for rank, colour in painted if rank in group)
+
+        # click rank 5: its TP group {4, 5} and EP group {5, 7} light up, others dim
+        root.locator(".%s-cell[data-rank='5']" % a.prefix).first.click()
+        assert root.get_attribute("data-selected-rank") == "5"
+        dense = root.locator("[data-side='dense']")
+        expert = root.locator("[data-side='expert']")
+        selected = lambda panel: sorted(int(x) for x in panel.locator(".selected").evaluate_all(
+            "cells => cells.map(c => c.dataset.rank)"))
+        assert selected(dense) == a.lookup()["groups"]["tp"][2] == [4, 5]
+        assert selected(expert) == [g for g in a.lookup()["groups"]["ep"] if 5 in g][0]
+        assert other.get_attribute("data-selected-rank") == ""  # the second map is untouched
+
+        # switch the dense panel to PP: rank 5's pipeline group crosses the node boundary
+        dense.locator("[data-kind='pp']").click()
+        assert selected(dense) == [5, 13]
+        assert dense.locator(f".{a.prefix}-crosses").count() == 16
+        assert "8 of 8 cross" in dense.locator(f".{a.prefix}-summary").text_content()
+
+        # a knob switches to another precomputed configuration: Python's describe line
+        root.locator("select[data-knob='pp']").select_option("4")
+        assert root.locator(f".{a.prefix}-describe").text_content() == a.lookup(pp=4)["describe"]
+        assert selected(dense) == [g for g in a.lookup(pp=4)["groups"]["pp"] if 5 in g][0]
+
+        # an invalid setting shows Python's ConfigError message
+        root.locator("select[data-knob='tp']").select_option("8")
+        assert root.get_attribute("data-invalid") == "1"
+        assert root.locator(f".{a.prefix}-error").text_content() == a.lookup(tp=8, pp=4)["error"]
+
+        # hovering shows every coordinate, dense and expert
+        root.locator("select[data-knob='tp']").select_option("2")
+        root.locator(f".{a.prefix}-cell[data-rank='6']").first.hover()
+        info = root.locator(f".{a.prefix}-info").text_content()
+        coords = a.lookup(pp=4)["coords"]
+        for dim in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"):
+            assert f"{dim}={coords[dim][6]}" in info
+        assert errors == []
+    finally:
+        page.close()
+
+
+# --- collectives -----------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_the_collective_player_plays_in_chromium(tmp_path, fragment_page):
+    """Two players on one page: Play advances its own ``data-frame``, Next/Back/slider work."""
+    out = launch(_ring_worker, 4, args=(8,), capture_values=CAPTURE, timeout=60)
+    anim = animate_ring_all_reduce(out.trace)
+    view = fragment_page(anim.to_html(), anim.to_html(), width=1000, height=800)
+    page = view.page
+    first, second = play_the_first_of_two(view)
+    second.locator(".tl-next").click()
+    second.locator(".tl-next").click()
+    second.locator(".tl-prev").click()
+    assert second.get_attribute("data-frame") == "1"
+    visible = second.locator(".tl-frame:visible")
+    assert visible.count() == 1
+    assert second.locator(".tl-anim-caption").inner_text().startswith("reduce-scatter step 1/3")
+    second.locator(".tl-slider").fill("6")
+    assert second.get_attribute("data-frame") == "6"
+    page.screenshot(path=str(tmp_path / "player.png"), full_page=True)
+    view.assert_clean()
+
+
+# --- timelines -------------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_the_timeline_plays_and_explains_itself_in_chromium(tmp_path, fragment_page, real_run):
+    """Two timelines on one page: Play moves one cursor, hover shows a tooltip, drag zooms."""
+    recorded = timeline(real_run.trace, title="A transfer in flight during backward")
+    made_up = timeline(synthetic(), title="Two buckets overlap backward")
+    view = fragment_page(recorded.to_html(), made_up.to_html(), width=1000, height=1100)
+    page = view.page
+    first, second = page.locator(".tl-animation").nth(0), page.locator(".tl-animation").nth(1)
+    assert page.locator(".tl-animation").count() == 2
+    assert first.get_attribute("data-frame") == "0"
+    first_zoom = first.get_attribute("data-zoom")
+
+    # Play advances the first cursor only.
+    play_the_first_of_two(view)
+
+    # The slider moves the second cursor: the caption and the revealed bars follow Python.
+    second.locator(".tl-slider").fill("9")
+    assert second.get_attribute("data-frame") == "9"
+    frame = made_up.data["frames"][9]
+    assert second.locator(".tl-anim-caption").inner_text() == frame["caption"]
+    shown = second.locator(".tl-solid").evaluate_all(
+        "rs => rs.filter(r => r.getAttribute('display') !== 'none').length")
+    assert shown == sum(1 for b in made_up.data["bars"] if b["start"] <= frame["t"])
+    assert second.locator(".tl-bar.tl-on").count() == sum(len(v) for v in frame["doing"].values())
+    assert second.locator(".tl-cursor").get_attribute("display") == "inline"
+
+    # Hovering a bar shows its tooltip; leaving hides it.
+    tip = second.locator(".tl-tooltip")
+    assert not tip.is_visible()
+    second.locator(".tl-bar[data-kind='pp']").hover()  # not reached yet: its ghost shows
+    assert tip.is_visible()
+    text = tip.inner_text()
+    assert "recv on the pp group" in text and "bfloat16" in text and "8 B" in text
+    assert "duration" in text and f"{MS:.3f} ms" in text
+    page.mouse.move(2, 2)
+    assert not tip.is_visible()
+
+    # Dragging across the chart zooms; Reset zoom goes back.
+    before = second.get_attribute("data-zoom")
+    chart = second.locator("svg.tl-chart").bounding_box()
+    scale = chart["width"] / made_up.data["width"]
+    x_a = chart["x"] + (tlmod.LEFT + 200) * scale
+    x_b = chart["x"] + (tlmod.LEFT + 400) * scale
+    y = chart["y"] + 60 * scale
+    page.mouse.move(x_a, y)
+    page.mouse.down()
+    page.mouse.move(x_b, y, steps=4)
+    page.mouse.up()
+    z0, z1 = map(float, second.get_attribute("data-zoom").split())
+    d0, d1 = made_up.data["domain"]
+    pw = made_up.data["plot_width"]
+    assert z0 == pytest.approx(d0 + 200 / pw * (d1 - d0), abs=0.2)
+    assert z1 == pytest.approx(d0 + 400 / pw * (d1 - d0), abs=0.2)
+    assert first.get_attribute("data-zoom") == first_zoom  # the other chart did not zoom
+    page.mouse.move(2, 2)
+    page.screenshot(path=str(tmp_path / "timeline_zoomed.png"), full_page=True)
+    second.locator(".tl-zoom-reset").click()
+    assert second.get_attribute("data-zoom") == before
+
+    page.screenshot(path=str(tmp_path / "timeline.png"), full_page=True)
+    view.assert_clean()
+
+
+# --- MoE token flow ----------------------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_the_token_flow_plays_in_chromium(dispatch_run, tmp_path, fragment_page):
+    anim = animate_token_flow(dispatch_run.trace)
+    view = fragment_page(anim.to_html(), anim.to_html(), width=1200, height=900)
+    first, second = play_the_first_of_two(view)
+    second.locator(".tl-next").click()
+    assert second.get_attribute("data-frame") == "1"
+    assert second.locator(".tl-frame:visible").count() == 1
+    caption = second.locator(".tl-anim-caption").inner_text()
+    assert caption.startswith("Dispatch 1/4: rank 0 sends 12 copies")
+    # the flying squares animate (CSS), and land where the frame draws them
+    assert second.locator(".tl-frame:visible .tl-moe-fly").count() == 12
+    time.sleep(1.5)
+    second.screenshot(path=str(tmp_path / "flow.png"))
+    view.assert_clean()
+
+
+# --- FP8 tiles ---------------------------------------------------------------------------------
+
+
+def test_the_fp8_tile_explorer_works_in_chromium(fragment_page):
+    tokens = outlier_tokens()
+    view = fragment_page(tile_explorer(tokens).to_html(), tile_explorer(tokens).to_html())
+    root = view.page.locator(".tl-fp8-tiles").first
+    assert root.locator("rect.tl-fp8-bar").count() == 128
+    before = root.locator(".tl-fp8-stats").inner_text()
+    assert "amax" in before and "scale" in before
+    root.locator(".tl-fp8-tokens button").nth(1).click()
+    assert root.get_attribute("data-token") == "1"
+    assert root.locator(".tl-fp8-stats").inner_text() != before
+    assert "300" in root.locator(".tl-fp8-stats").inner_text()  # the outlier is the amax
+    root.locator(".tl-fp8-modes button").nth(2).click()
+    assert root.get_attribute("data-mode") == "per_tensor"
+    root.locator(".tl-fp8-tilebtns button").nth(1).click()
+    assert root.get_attribute("data-tile") == "1"
+    root.locator("rect.tl-fp8-bar").nth(3).hover()
+    assert "channel 131" in root.locator(".tl-fp8-hover").inner_text()
+    # the second widget on the page did not move
+    assert view.page.locator(".tl-fp8-tiles").nth(1).get_attribute("data-token") == "0"
+    view.assert_clean()

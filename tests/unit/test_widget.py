@@ -1,0 +1,80 @@
+"""What every widget shares: assets shipped as package data, one fragment layout, one JSON island."""
+import fnmatch
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tutorial_lib.viz import widget
+from tutorial_lib.viz.fp8_tiles import TileExplorer
+from tutorial_lib.viz.moe_flow import TokenFlowAnimation
+from tutorial_lib.viz.rank_map import RankMap
+from tutorial_lib.viz.timeline import Timeline
+from tutorial_lib.viz.widget import Animation, Widget
+
+REPO = Path(__file__).resolve().parents[2]
+ASSETS = REPO / "tutorial_lib" / "viz" / "assets"
+WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, TileExplorer)
+
+
+def test_every_asset_a_widget_names_exists_and_ships_in_the_wheel():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    table = pyproject.split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+    globs = json.loads(re.search(r'^"tutorial_lib\.viz" = (\[.*\])$', table, re.M).group(1))
+    files = sorted(p.name for p in ASSETS.iterdir())
+    for name in files:  # package data: a non-editable install carries every asset
+        assert any(fnmatch.fnmatch(f"assets/{name}", g) for g in globs), name
+    named = {n for w in WIDGETS for n in ("widget.js",) + w.styles + w.scripts}
+    assert named == set(files)  # no asset left unused, none missing
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in ASSETS.iterdir()))
+def test_assets_are_ascii_and_fetch_nothing(name):
+    text = widget.asset(name)
+    assert text.isascii()  # character references are not decoded inside <script>
+    assert not re.search(r"https?://|src=|href=|require|import\(|@import|url\(|<script|<!--", text)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in ASSETS.glob("*.css")))
+def test_every_css_rule_is_scoped_to_the_root(name):
+    css = widget.scoped_css((name,), "tl-x-1")
+    assert "$" not in css and "/*" not in css
+    for selector in re.findall(r"([^{}]+)\{", css):
+        selector = selector.strip()
+        if selector.startswith("@media"):
+            continue
+        if selector.startswith("@keyframes"):
+            assert selector.split()[1].startswith("tl-x-1-")
+        elif selector not in ("from", "to"):
+            assert all(s.strip().startswith("#tl-x-1") for s in selector.split(",")), selector
+
+
+class Box(Widget):
+    """The smallest widget: a label and its data."""
+
+    scripts = ("animation.js",)
+    start = "startAnimation"
+
+    def parts(self, uid):
+        return f'class="box" id="{uid}"', "<b>box</b>", {"label": "</script><!-- x", "n": 1}
+
+
+def test_the_fragment_is_root_style_markup_island_script():
+    page = Box().to_html()
+    uid = re.match(r'<div class="box" id="(tl-widget-[0-9a-f]{12})">', page).group(1)
+    assert page.endswith("</script>\n</div>") and page.count("</script>") == 2
+    island = re.search(r'<script type="application/json" class="tl-data">(.*?)</script>', page)
+    assert json.loads(island.group(1)) == {"label": "</script><!-- x", "n": 1}
+    assert "<" not in island.group(1)  # escaped as \u003c: no value can end the element
+    script = page.split("<script>")[1].split("</script>")[0]
+    assert script.startswith("(function () {\n")
+    assert script.endswith(f'boot("{uid}", startAnimation);\n}})();')
+    assert Box().to_html() != page  # a fresh id per render
+    assert Box()._repr_html_().startswith('<div class="box" id="tl-widget-')
+
+
+def test_save_writes_a_standalone_page(tmp_path):
+    path = Box().save(str(tmp_path / "box.html"))
+    text = open(path, encoding="utf-8").read()
+    assert text.startswith("<!doctype html>") and '<div class="box"' in text

@@ -1,0 +1,67 @@
+"""Closed-form costs of communication: bytes on the wire, time, and what each parallelism needs.
+
+Chapters print these predictions next to what the traced collectives actually did, and
+tests compare the two.  One module per subject, each named for what it predicts; every
+name is re-exported here, so a chapter calls ``costs.X`` whichever module holds ``X``:
+
+=================  ========  ============================================================
+module             chapters  what it holds
+=================  ========  ============================================================
+``collectives``    1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
+                             model (``time = steps * alpha + bytes * beta``), its fit
+``measure``        2, 7      timing on this machine: :func:`measure_collective`, and
+                             :func:`rounds_by_size` (a timing run's rounds, median per
+                             size), which :mod:`tutorial_lib.p2p_timing` shares
+``bandwidth``      1         which parallelism uses which collective, how often, on what
+                             volume, over which link (the bandwidth table)
+``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
+                             optimizer state per rank
+``moe``            4         the MoE dispatch / combine all-to-alls: bytes, send splits
+=================  ========  ============================================================
+
+What they import: ``bandwidth`` is pure Python (not even numpy); ``collectives``,
+``measure``, ``tp_dp_step`` and ``moe`` import numpy (``measure`` through
+``collectives``) and none of them imports torch when it is loaded, so ``import
+tutorial_lib.costs`` loads no torch.  Two functions reach torch through other modules
+of the library when they are called: :func:`tp_dp_step_collectives` with ``tp > 1``
+reads each block's collectives from :func:`tutorial_lib.transformer.block_collectives`
+(which imports torch), and :func:`measure_collective` imports torch,
+:mod:`tutorial_lib.comm` and :mod:`tutorial_lib.launch`, and starts processes.  Every
+other function is a pure function of its arguments.
+
+Byte counts follow the library's convention (:mod:`tutorial_lib.comm`, tabled in
+:mod:`tutorial_lib.costs.collectives`), so ``ring_bytes_sent(e.op, e.bytes,
+len(e.group_ranks))`` works directly on a trace event ``e``.
+"""
+from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, cp_kv_chunk_bytes,
+                        dp_gradient_bytes, ep_all_to_all_bytes, link_bandwidths,
+                        pp_activation_bytes, tp_all_reduce_bytes, transfer_seconds)
+from .collectives import (OPS, AlphaBeta, Fit, Sample, all_gather_bytes, all_reduce_bytes,
+                          all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
+                          fit_alpha_beta, predict_time, reduce_scatter_bytes, ring_bytes_sent,
+                          ring_steps, send_bytes, tree_broadcast_time)
+from .measure import (DEFAULT_SIZES, MEASURABLE_OPS, TimedRounds, measure_collective,
+                      rounds_by_size, samples_from_trace)
+from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_rank_all_to_alls,
+                  moe_rank_send_splits, moe_send_counts)
+from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
+                         data_parallel_bucket_bytes, gpt_parameter_shapes,
+                         step_bytes_by_group, tp_dp_step_collectives,
+                         zero1_state_bytes_per_rank)
+
+__all__ = [
+    "LinkSpec", "ParallelismTraffic", "bandwidth_table", "cp_kv_chunk_bytes",
+    "dp_gradient_bytes", "ep_all_to_all_bytes", "link_bandwidths", "pp_activation_bytes",
+    "tp_all_reduce_bytes", "transfer_seconds",
+    "OPS", "AlphaBeta", "Fit", "Sample", "all_gather_bytes", "all_reduce_bytes",
+    "all_to_all_bytes", "broadcast_bytes", "bus_bandwidth", "cost_coefficients",
+    "fit_alpha_beta", "predict_time", "reduce_scatter_bytes", "ring_bytes_sent", "ring_steps",
+    "send_bytes", "tree_broadcast_time",
+    "DEFAULT_SIZES", "MEASURABLE_OPS", "TimedRounds", "measure_collective", "rounds_by_size",
+    "samples_from_trace",
+    "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
+    "moe_send_counts",
+    "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",
+    "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
+    "zero1_state_bytes_per_rank",
+]

@@ -1,0 +1,178 @@
+"""Timing on this machine: collectives on gloo ranks, and the rounds of any timing run.
+
+Chapter 2 (collectives) times every collective with :func:`measure_collective` and
+fits the alpha-beta model of :mod:`tutorial_lib.costs.collectives` to the result.
+:func:`rounds_by_size` turns a timing run's trace into rounds and their median per
+size; chapter 7's :mod:`tutorial_lib.p2p_timing` times the pipeline's P2P modes with
+it too.  Importing this module loads no torch: :func:`measure_collective` imports
+torch, :mod:`tutorial_lib.comm` and :mod:`tutorial_lib.launch` when it runs, and
+starts processes.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from .collectives import Sample
+
+
+# --- the rounds of a timing run ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimedRounds:
+    """The non-warm-up rounds of one measured thing (an op, a P2P mode) on one size."""
+
+    name: str
+    """What was measured: the value of the run's tag (``all_reduce``, ``batched``, ...)."""
+    size: int
+    """The ``size`` tag: bytes asked for (the bytes moved may be rounded)."""
+    events: tuple[tuple, ...]
+    """Each round's trace events, every rank's, in the order the trace holds the rounds."""
+    seconds: tuple[float, ...]
+    """Each round's time: ``max(t_end) - max(first t_start per rank)`` over its events."""
+
+    @property
+    def median_seconds(self) -> float:
+        """The median round time, at least 1 ns (a fit or a ratio cannot use 0)."""
+        return max(statistics.median(self.seconds), 1e-9)
+
+
+def _round_seconds(events) -> float:
+    """From the moment the last rank began its round (before that, the others only wait
+    for it) until the last rank is done."""
+    first_start = {}
+    for e in events:
+        first_start[e.rank] = min(first_start.get(e.rank, e.t_start), e.t_start)
+    return max(e.t_end for e in events) - max(first_start.values())
+
+
+def rounds_by_size(trace, tag: str) -> dict[tuple[str, int], TimedRounds]:
+    """Group a timing run's events into rounds: ``{(name, size): TimedRounds}``.
+
+    The run tags every timed call with ``tag`` (what is measured, e.g. ``measured_op``),
+    ``size``, ``iteration`` and ``warmup``; one round is one iteration on every rank.
+    Untagged events and warm-up rounds are left out.  The median over the rounds shrugs
+    off the odd round where the scheduler paused a process.
+    """
+    rounds: dict[tuple, dict] = {}
+    for e in trace:
+        if tag not in e.tags or e.tags.get("warmup"):
+            continue
+        by_iteration = rounds.setdefault((e.tags[tag], e.tags["size"]), {})
+        by_iteration.setdefault(e.tags["iteration"], []).append(e)
+    return {(name, size): TimedRounds(name, size, tuple(map(tuple, by_iteration.values())),
+                                      tuple(_round_seconds(r) for r in by_iteration.values()))
+            for (name, size), by_iteration in rounds.items()}
+
+
+# --- measuring collectives ---------------------------------------------------------------
+
+MEASURABLE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+"""Ops :func:`measure_collective` can time (``send`` times a send from rank 0 to rank 1)."""
+
+DEFAULT_SIZES = tuple(1024 * 4 ** i for i in range(7))
+"""1 KiB, 4 KiB, ..., 4 MiB: wide enough to see both the alpha and the beta regime."""
+
+_ELEMENT = 4  # measurements use float32
+
+
+def _make_tensors(op: str, nbytes: int, n: int):
+    """Zero float32 tensors whose size follows the byte convention for ``op`` (rounded to fit ``n``)."""
+    import torch
+    numel = max(1, int(nbytes) // _ELEMENT)
+    if op in ("reduce_scatter", "all_to_all"):
+        numel = max(n, numel - numel % n)  # the input must split into n equal slices
+        out_numel = numel // n if op == "reduce_scatter" else numel
+        return torch.zeros(numel), torch.zeros(out_numel)
+    if op == "all_gather":
+        return torch.zeros(numel), torch.zeros(numel * n)
+    return torch.zeros(numel), None  # zeros: repeated in-place sums never overflow
+
+
+def _run_op(op: str, tensors, rank: int) -> None:
+    from tutorial_lib import comm
+    x, out = tensors
+    if op == "all_reduce":
+        comm.all_reduce(x)
+    elif op == "reduce_scatter":
+        comm.reduce_scatter(out, x)
+    elif op == "all_gather":
+        comm.all_gather(out, x)
+    elif op == "all_to_all":
+        comm.all_to_all(out, x)
+    elif op == "broadcast":
+        comm.broadcast(x, src=0)
+    elif op == "send":
+        if rank == 0:
+            comm.send(x, dst=1)
+        elif rank == 1:
+            comm.recv(x, src=0)
+
+
+def _measure_worker(ctx, ops: Sequence[str], sizes: Sequence[int], repeats: int,
+                    warmup: int) -> None:
+    """Runs in every rank: each op on each size, ``warmup + repeats`` times, barrier first."""
+    import torch.distributed as dist
+    for op in ops:
+        for size in sizes:
+            tensors = _make_tensors(op, size, ctx.world_size)
+            for iteration in range(warmup + repeats):
+                # Untraced barrier: every timed op starts from (nearly) the same moment,
+                # and the trace shows only the ops being measured.
+                dist.barrier()
+                with ctx.tracer.tags(measured_op=op, size=size, iteration=iteration,
+                                     warmup=iteration < warmup):
+                    _run_op(op, tensors, ctx.rank)
+
+
+def samples_from_trace(trace, n: int) -> list[Sample]:
+    """Turn the trace of a :func:`measure_collective` run into one :class:`Sample` per (op, size).
+
+    A sample's ``seconds`` is the median round time of :func:`rounds_by_size`: from the
+    moment the last rank joins until the last rank is done, over the non-warm-up
+    iterations.  Its ``nbytes`` is what the trace recorded (the bytes actually moved:
+    sizes are rounded to split evenly over the ranks).
+    """
+    rounds = rounds_by_size(trace, "measured_op")
+    samples = []
+    for op, size in sorted(rounds):
+        timed = rounds[op, size]
+        moved = next(e.bytes for e in timed.events[-1] if e.op != "recv")
+        samples.append(Sample(op=op, nbytes=moved, n=n, seconds=timed.median_seconds))
+    return samples
+
+
+def measure_collective(op: str | Sequence[str], sizes: Sequence[int] = DEFAULT_SIZES,
+                       world_size: int = 4, repeats: int = 10, warmup: int = 1,
+                       timeout: float = 120.0) -> list[Sample]:
+    """Time ``op`` (one name or several) on this machine for each size in ``sizes`` bytes.
+
+    Starts ``world_size`` gloo ranks with :func:`tutorial_lib.launch.launch`.
+    Each rank runs every size ``warmup + repeats`` times through the traced
+    :mod:`tutorial_lib.comm` wrappers with a barrier before each run; the
+    times come from the trace events (see :func:`samples_from_trace`).
+    Sizes follow the byte convention, so for ``all_gather`` a size is the
+    shard each rank contributes.  Feed the result to
+    :func:`tutorial_lib.costs.collectives.fit_alpha_beta`.
+    """
+    from tutorial_lib.launch import launch
+    ops = (op,) if isinstance(op, str) else tuple(op)
+    for name in ops:
+        if name not in MEASURABLE_OPS:
+            raise ValueError(f"cannot measure {name!r}: measure_collective times "
+                             f"{', '.join(MEASURABLE_OPS)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be a whole number >= 2 to measure communication, "
+                         f"got {world_size!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
+                         f"warmup={warmup}")
+    if not sizes or any(int(s) < 1 for s in sizes):
+        raise ValueError(f"sizes must be a non-empty list of byte counts >= 1, got {list(sizes)}")
+    result = launch(_measure_worker, world_size,
+                    args=(ops, [int(s) for s in sizes], int(repeats), int(warmup)),
+                    timeout=timeout, print_output=False)
+    return samples_from_trace(result.trace, world_size)
+
