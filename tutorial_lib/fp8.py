@@ -116,10 +116,18 @@ def num_tiles(hidden: int, pad: bool = False, tile: int = TILE) -> int:
 
 def scale_from_amax(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
     """``amax / 448`` (amax at least AMAX_FLOOR); with ``pow2`` rounded up to a power of two,
-    so no value can exceed 448 after the division."""
+    so no value can exceed 448 after the division.
+
+    The rounding up works on the float's exponent, as DeepGEMM's UE8M0 scales do: with
+    ``scale = m * 2**e`` and ``m`` in [0.5, 1), the smallest power of two at or above it is
+    ``2**(e-1)`` when ``m == 0.5`` (the scale is one already) and ``2**e`` otherwise.
+    (``exp2(ceil(log2(s)))`` is off by one for an ``s`` a few ulps above a power of two,
+    whose float32 logarithm rounds to the whole number.)
+    """
     scale = amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
     if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).int())
     return scale
 
 

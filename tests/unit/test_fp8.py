@@ -214,3 +214,28 @@ def test_all_to_all_on_one_rank_still_rounds_and_passes_gradients_in_their_own_p
     g = torch.randn(5, 256)
     y.backward(g)
     assert torch.equal(x.grad, fp8.round_to_bf16(g))
+
+
+def test_pow2_scales_round_up_at_every_exponent_edge():
+    """A power-of-two scale is the smallest power of two at or above amax / 448.
+
+    DeepGEMM (deepseek-ai/DeepGEMM, deep_gemm/utils/math.py, ``ceil_to_ue8m0`` as used by
+    ``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8``, commit 54e22612409371d6364144b6
+    9086735beb54e98b) rounds the float32 scale up by its exponent bits: a scale that is
+    exactly a power of two stays, anything above it (by one ulp) goes to the next power.
+    Checked on the edge values of every exponent the amax floor allows, not on random data.
+    """
+    powers = [2.0 ** k for k in range(-20, 21)]
+    edges = []
+    for p in powers:
+        amax = torch.tensor(p * fp8.E4M3_MAX, dtype=torch.float32)
+        edges += [amax, torch.nextafter(amax, torch.tensor(float("inf"))),
+                  torch.nextafter(amax, torch.tensor(0.0))]
+    amax = torch.stack(edges)
+    scale = fp8.scale_from_amax(amax, pow2=True)
+    exact = fp8.scale_from_amax(amax, pow2=False)
+    mantissa, _ = torch.frexp(scale)
+    assert bool((mantissa == 0.5).all())                 # every scale is a power of two
+    assert bool((scale >= exact).all()), (amax[scale < exact], scale[scale < exact])
+    assert bool((scale / 2 < exact).all())               # ... and the smallest such one
+    assert bool(((amax / scale) <= fp8.E4M3_MAX).all())   # nothing above 448 after dividing
