@@ -15,8 +15,9 @@ Read it top to bottom, like the chapter:
    and :func:`fake_quantize_blocks` does 128x128 blocks, as V3 quantizes weights.
 3. **Rows on the wire** (:func:`pack_rows`).  gloo refuses float8 in all-to-all, and one
    collective per token batch is the point, so each token's FP8 bytes and its scales share one
-   ``uint8`` row: ``H`` bytes + 4 per tile (fp32 scales) or + 1 per tile (a power-of-two
-   scale as its biased exponent, like the E8M0 format).  Bit-exact both ways.
+   ``uint8`` row: ``H`` bytes + 4 per tile (fp32 scales, whether free or powers of two) or + 1
+   per tile (a power-of-two scale as its biased exponent, the UE8M0 format).  Bit-exact both
+   ways.
 4. **The all-to-all** (:func:`all_to_all`).  An autograd function whose forward and backward
    each take their own precision (:data:`PRECISIONS`): MoE dispatch's backward is a combine of
    gradients and the combine's backward is a dispatch, and DeepSeek-V3 sends only two of the
@@ -44,7 +45,7 @@ __all__ = [
     "num_tiles", "tile_scales", "quantize_1x128", "dequantize_1x128", "fake_quantize_1x128",
     "quantize_per_tensor", "dequantize_per_tensor", "fake_quantize_blocks", "round_to_bf16",
     "pack_rows", "unpack_rows", "row_bytes", "wire_bytes_per_row", "all_to_all",
-    "check_precision", "check_precision_pair", "encode", "decode",
+    "check_precision", "check_precision_pair", "has_pow2_scales", "encode", "decode",
     "scale_from_amax", "encoded_all_to_all", "PrecisionAllToAll",
 ]
 
@@ -59,18 +60,21 @@ AMAX_FLOOR = 1e-4
 """A tile's amax is clamped to at least this before the scale is taken (DeepSeek-V3's
 inference kernels use the same floor), so an all-zero tile gets a finite, nonzero scale."""
 
-PRECISIONS = ("fp32", "bf16", "fp8", "fp8_pow2")
-"""What a tensor can travel as: ``fp32`` (4 bytes per value), ``bf16`` (2), ``fp8`` (1, plus a
-4-byte fp32 scale per 128 values), ``fp8_pow2`` (1, plus a 1-byte power-of-two exponent per
-128 values)."""
+PRECISIONS = ("fp32", "bf16", "fp8", "fp8_pow2", "fp8_ue8m0")
+"""What a tensor can travel as: ``fp32`` (4 bytes per value), ``bf16`` (2), and FP8 (1 byte per
+value) with one scale per 128 values in three flavours: ``fp8``, any fp32 scale (4 bytes);
+``fp8_pow2``, a power-of-two scale still sent as fp32 (4 bytes; DeepEP's ``round_scale``);
+``fp8_ue8m0``, a power-of-two scale sent as its one-byte exponent (1 byte; DeepEP's
+``use_ue8m0``)."""
 
-DEEPSEEK_V3_DISPATCH = ("fp8", "bf16")
-"""(forward, backward) of the dispatch in DeepSeek-V3: tokens go out in FP8 (the up-projection
-consumes FP8 anyway); the gradients coming back, a combine, stay BF16."""
-DEEPSEEK_V3_COMBINE = ("bf16", "fp8")
+DEEPSEEK_V3_DISPATCH = ("fp8_pow2", "bf16")
+"""(forward, backward) of the dispatch in DeepSeek-V3: tokens go out in FP8 with power-of-two
+scales (the up-projection consumes FP8 anyway, and V3's report makes these scales integral
+powers of two); the gradients coming back, a combine, stay BF16."""
+DEEPSEEK_V3_COMBINE = ("bf16", "fp8_pow2")
 """(forward, backward) of the combine in DeepSeek-V3: expert outputs come back in BF16; the
-gradients going out to the experts, a dispatch, travel in FP8 (the down-projection's dgrad
-consumes FP8)."""
+gradients going out to the experts, a dispatch, travel in FP8 with power-of-two scales, the
+same treatment as the dispatched activations (the down-projection's dgrad consumes FP8)."""
 FP8_DISPATCH = ("fp8", "fp8")
 """Every leg in FP8, the simplest reading of "the dispatch and combine may use FP8": both
 directions of the dispatch in FP8 (DeepSeek-V3 keeps some legs in BF16: see above)."""
@@ -99,6 +103,11 @@ def check_precision_pair(pair) -> tuple[str, str] | None:
         raise ValueError(f"a communication precision is a (forward, backward) pair such as "
                          f"('fp8', 'bf16'), got {pair!r}")
     return check_precision(pair[0]), check_precision(pair[1])
+
+
+def has_pow2_scales(precision: str) -> bool:
+    """Whether ``precision`` rounds its scales up to powers of two (``fp8_pow2``, ``fp8_ue8m0``)."""
+    return check_precision(precision) in ("fp8_pow2", "fp8_ue8m0")
 
 
 def num_tiles(hidden: int, pad: bool = False, tile: int = TILE) -> int:
@@ -216,22 +225,22 @@ def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
 # --- 3. rows on the wire -------------------------------------------------------------------
 
 
-def _scale_bytes(pow2: bool) -> int:
-    return 1 if pow2 else 4
+def _scale_bytes(ue8m0: bool) -> int:
+    return 1 if ue8m0 else 4
 
 
-def pack_rows(q: torch.Tensor, scales: torch.Tensor, pow2: bool = False) -> torch.Tensor:
+def pack_rows(q: torch.Tensor, scales: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     """``q [T, H]`` float8 + ``scales [T, tiles]`` -> ``[T, H + 4 tiles]`` uint8 (``+ tiles``
-    with ``pow2``: each scale as its exponent + 127, one byte)."""
+    with ``ue8m0``: each power-of-two scale as its exponent + 127, one byte)."""
     if q.dtype != E4M3:
         raise TypeError(f"pack_rows takes float8_e4m3fn values, got {q.dtype}")
     if q.dim() != 2 or scales.dim() != 2 or q.shape[0] != scales.shape[0]:
         raise ValueError(f"pack_rows takes q [T, H] and scales [T, tiles], got "
                          f"{tuple(q.shape)} and {tuple(scales.shape)}")
-    if pow2:
+    if ue8m0:
         exponent = torch.log2(scales.float())
         if not torch.equal(exponent, exponent.round()) or (exponent.numel() and exponent.abs().max() > 127):
-            raise ValueError("pow2=True packs each scale as a one-byte exponent: every scale must "
+            raise ValueError("ue8m0=True packs each scale as a one-byte exponent: every scale must "
                              "be a power of two between 2**-127 and 2**127 (quantize with "
                              "pow2=True)")
         scale_bytes = (exponent.round().to(torch.int32) + 127).to(torch.uint8)
@@ -240,26 +249,26 @@ def pack_rows(q: torch.Tensor, scales: torch.Tensor, pow2: bool = False) -> torc
     return torch.cat([q.contiguous().view(torch.uint8), scale_bytes], dim=1)
 
 
-def unpack_rows(rows: torch.Tensor, hidden: int, pow2: bool = False
+def unpack_rows(rows: torch.Tensor, hidden: int, ue8m0: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_rows`: ``[T, row_bytes]`` uint8 -> ``(q [T, H], scales [T, tiles])``."""
     tiles = num_tiles(hidden, pad=True)
-    width = hidden + tiles * _scale_bytes(pow2)
+    width = hidden + tiles * _scale_bytes(ue8m0)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != width:
         raise ValueError(f"unpack_rows expects [T, {width}] uint8 rows for hidden {hidden} "
-                         f"({'pow2' if pow2 else 'fp32'} scales), got {tuple(rows.shape)} {rows.dtype}")
+                         f"({'ue8m0' if ue8m0 else 'fp32'} scales), got {tuple(rows.shape)} {rows.dtype}")
     q = rows[:, :hidden].contiguous().view(E4M3)
     tail = rows[:, hidden:].contiguous()
-    if pow2:
+    if ue8m0:
         scales = torch.exp2(tail.to(torch.float32) - 127)
     else:
         scales = tail.view(torch.float32)
     return q, scales
 
 
-def row_bytes(hidden: int, pow2: bool = False) -> int:
-    """Bytes of one packed FP8 row: ``H + 4 * ceil(H/128)`` (``+ ceil(H/128)`` with pow2)."""
-    return hidden + num_tiles(hidden, pad=True) * _scale_bytes(pow2)
+def row_bytes(hidden: int, ue8m0: bool = False) -> int:
+    """Bytes of one packed FP8 row: ``H + 4 * ceil(H/128)`` (``+ ceil(H/128)`` with ue8m0)."""
+    return hidden + num_tiles(hidden, pad=True) * _scale_bytes(ue8m0)
 
 
 def wire_bytes_per_row(hidden: int, precision: str) -> int:
@@ -269,7 +278,7 @@ def wire_bytes_per_row(hidden: int, precision: str) -> int:
         return 4 * hidden
     if precision == "bf16":
         return 2 * hidden
-    return row_bytes(hidden, pow2=precision == "fp8_pow2")
+    return row_bytes(hidden, ue8m0=precision == "fp8_ue8m0")
 
 
 # --- 4. the all-to-all ---------------------------------------------------------------------
@@ -281,16 +290,15 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
         return x.float()
     if precision == "bf16":
         return x.bfloat16()
-    pow2 = precision == "fp8_pow2"
-    q, scales = quantize_1x128(x, pow2=pow2, pad=True)
-    return pack_rows(q, scales, pow2=pow2)
+    q, scales = quantize_1x128(x, pow2=has_pow2_scales(precision), pad=True)
+    return pack_rows(q, scales, ue8m0=precision == "fp8_ue8m0")
 
 
 def decode(wire: torch.Tensor, precision: str, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     """What arrived -> ``[R, H]`` of ``dtype`` (FP8 dequantized in float32 first)."""
     if precision in ("fp32", "bf16"):
         return wire.to(dtype)
-    q, scales = unpack_rows(wire, hidden, pow2=precision == "fp8_pow2")
+    q, scales = unpack_rows(wire, hidden, ue8m0=precision == "fp8_ue8m0")
     return dequantize_1x128(q, scales, dtype=dtype)
 
 

@@ -104,10 +104,10 @@ class PrecisionRecipe:
         if precision == "bf16":
             return ("bf16", "bf16"), ("bf16", "bf16")
 
-        def fp8_flavour(pair):  # fp8_pow2 for the dispatcher: every FP8 leg uses pow2 scales
+        def fp8_flavour(pair):  # a pow2 / ue8m0 dispatcher gives its flavour to every FP8 leg
             if pair is None or precision == "fp8":
                 return pair
-            return tuple("fp8_pow2" if p.startswith("fp8") else p for p in pair)
+            return tuple(precision if p.startswith("fp8") else p for p in pair)
         return fp8_flavour(self.dispatch), fp8_flavour(self.combine)
 
     def to_dict(self) -> dict:
@@ -139,7 +139,7 @@ RECIPES: dict[str, PrecisionRecipe] = {
 """``fp32``: nothing changes.  ``bf16``: every matmul in BF16 but the router, tokens travel
 in BF16.  ``deepseek_v3``: DeepSeek-V3's mixed precision: FP8 for the linears and experts,
 BF16/FP32 for embedding, output head, router, norms and attention core; dispatch FP8 forward,
-combine FP8 backward."""
+combine FP8 backward, both with power-of-two scales sent as fp32 (``fp8_pow2``)."""
 
 
 def get_recipe(name: str) -> PrecisionRecipe:
@@ -214,13 +214,13 @@ def resolve_recipe(name_or_path: str | PrecisionRecipe) -> PrecisionRecipe:
 def _activation_rounding(precision: str):
     if precision == "bf16":
         return fp8.round_to_bf16
-    return lambda x: fp8.fake_quantize_1x128(x, pow2=precision == "fp8_pow2", pad=True)
+    return lambda x: fp8.fake_quantize_1x128(x, pow2=fp8.has_pow2_scales(precision), pad=True)
 
 
 def _weight_rounding(precision: str):
     if precision == "bf16":
         return fp8.round_to_bf16
-    return lambda w: fp8.fake_quantize_blocks(w, pow2=precision == "fp8_pow2")
+    return lambda w: fp8.fake_quantize_blocks(w, pow2=fp8.has_pow2_scales(precision))
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -4,7 +4,8 @@ One launch (EP = 4, Megatron layout) runs three parts; the checks run in the tes
 
 * ``fp8.all_to_all`` of rows with uneven splits (a zero split included) in every precision,
   forward and backward: the bytes each traced event reports equal ``rows x
-  wire_bytes_per_row`` (``H + 4H/128`` for ``fp8``, ``H + H/128`` for ``fp8_pow2``), and what
+  wire_bytes_per_row`` (``H + 4H/128`` for ``fp8`` and ``fp8_pow2``, ``H + H/128`` for
+  ``fp8_ue8m0``), and what
   arrives is bit for bit the sender's rows encoded and decoded;
 * the MoE layer with row precisions fp32 (the default), bf16, DeepSeek-V3's and all-FP8:
   every rank issues the same collectives in the same order (op, group, tags, splits) in
@@ -130,7 +131,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("hidden", [256, 384])
 def test_bytes_on_the_wire_equal_the_formula(run, p, hidden):
     per_row = {"fp32": 4 * hidden, "bf16": 2 * hidden, "fp8": hidden + 4 * hidden // 128,
-               "fp8_pow2": hidden + hidden // 128}[p]
+               "fp8_pow2": hidden + 4 * hidden // 128, "fp8_ue8m0": hidden + hidden // 128}[p]
     events = run.trace.filter(op="all_to_all", part="raw", hidden=hidden, precision=p)
     assert len(events) == 2 * EP  # one forward and one backward per rank
     for e in events:
@@ -185,21 +186,27 @@ def test_every_rank_issues_the_same_collectives_in_every_precision(run):
 
 
 def test_deepseek_v3_default_precisions_on_the_wire(run):
-    assert fp8.DEEPSEEK_V3_DISPATCH == ("fp8", "bf16") and fp8.DEEPSEEK_V3_COMBINE == ("bf16", "fp8")
+    """V3's FP8 legs carry power-of-two scales as fp32 (see tests/unit/test_precision.py's
+    test_deepseek_v3_sends_fp8_legs_with_power_of_two_scales_as_fp32_numbers for the sources):
+    uint8 rows of H + 4H/128 bytes on every rank."""
+    assert fp8.DEEPSEEK_V3_DISPATCH == ("fp8_pow2", "bf16")
+    assert fp8.DEEPSEEK_V3_COMBINE == ("bf16", "fp8_pow2")
     for rank in range(EP):
         events = run.trace.filter(rank=rank, part="moe", setting="deepseek_v3", serial=False,
                                   op="all_to_all")
         got = {(e.tags["op_name"], e.tags["phase"], e.tags["payload"]): (e.dtype, e.tags.get("precision"))
                for e in events}
         assert got == {("dispatch", "forward", "counts"): ("int64", None),
-                       ("dispatch", "forward", "tokens"): ("uint8", "fp8"),
+                       ("dispatch", "forward", "tokens"): ("uint8", "fp8_pow2"),
                        ("combine", "forward", "tokens"): ("bfloat16", "bf16"),
-                       ("combine", "backward", "tokens"): ("uint8", "fp8"),
+                       ("combine", "backward", "tokens"): ("uint8", "fp8_pow2"),
                        ("dispatch", "backward", "tokens"): ("bfloat16", "bf16")}, rank
         for e in events:
             rows = sum(e.splits["input"])
             if e.tags["payload"] == "tokens":
                 assert e.bytes == rows * fp8.wire_bytes_per_row(H, e.tags["precision"])
+                if e.dtype == "uint8":
+                    assert e.bytes == rows * (H + 4 * H // 128)
 
 
 def test_fp32_default_is_untouched(run):

@@ -105,10 +105,14 @@ def test_the_reference_is_the_wire_formula_and_the_encoded_size():
 
 @pytest.mark.parametrize("wrong,hint", [
     (lambda t, k, h, p: t * k * h * {"fp32": 4, "bf16": 2}.get(p, 1), ch08.HINT_BYTES_NO_SCALES),
-    (lambda t, k, h, p: t * k * {"fp32": 4 * h, "bf16": 2 * h, "fp8": h + 4, "fp8_pow2": h + 1}[p],
-     ch08.HINT_BYTES_ONE_SCALE),
+    (lambda t, k, h, p: t * k * {"fp32": 4 * h, "bf16": 2 * h, "fp8": h + 4, "fp8_pow2": h + 4,
+                                 "fp8_ue8m0": h + 1}[p], ch08.HINT_BYTES_ONE_SCALE),
     (lambda t, k, h, p: t * k * {"fp32": 4 * h, "bf16": 2 * h, "fp8": h + h // 128,
-                                 "fp8_pow2": h + 4 * h // 128}[p], ch08.HINT_BYTES_SCALE_SIZE),
+                                 "fp8_pow2": h + 4 * h // 128, "fp8_ue8m0": h + 4 * h // 128}[p],
+     ch08.HINT_BYTES_SCALE_SIZE),
+    (lambda t, k, h, p: t * k * {"fp32": 4 * h, "bf16": 2 * h, "fp8": h + 4 * h // 128,
+                                 "fp8_pow2": h + h // 128, "fp8_ue8m0": h + h // 128}[p],
+     ch08.HINT_BYTES_POW2_AS_ONE_BYTE),
     (lambda t, k, h, p: _right(t, k, h, p) // k, ch08.HINT_BYTES_TOKENS),
     (lambda t, k, h, p: 8 * _right(t, k, h, p), ch08.HINT_BYTES_BITS),
     (lambda t, k, h, p: "lots", ch08.HINT_BYTES_FORMAT),

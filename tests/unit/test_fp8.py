@@ -142,7 +142,7 @@ def test_pad_makes_a_shorter_last_tile(gaussian):
 
 
 def test_unknown_precision_names_are_refused():
-    with pytest.raises(ValueError, match="fp16.*fp32, bf16, fp8, fp8_pow2"):
+    with pytest.raises(ValueError, match="fp16.*fp32, bf16, fp8, fp8_pow2, fp8_ue8m0"):
         fp8.check_precision("fp16")
     with pytest.raises(ValueError, match=r"\(forward, backward\) pair"):
         fp8.check_precision_pair(("fp8", "bf16", "fp32"))
@@ -152,18 +152,19 @@ def test_unknown_precision_names_are_refused():
 # --- packed rows --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hidden,pow2", [(256, False), (256, True), (7168, False), (300, True), (8, False)])
-def test_pack_unpack_is_bit_exact(hidden, pow2):
+@pytest.mark.parametrize("hidden,precision", [(256, "fp8"), (256, "fp8_ue8m0"), (7168, "fp8"),
+                                              (300, "fp8_ue8m0"), (8, "fp8"), (300, "fp8_pow2")])
+def test_pack_unpack_is_bit_exact(hidden, precision):
     x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(hidden)) * 3
     x[0] = 0  # an all-zero token: the floor scale must survive the trip
+    pow2, ue8m0 = fp8.has_pow2_scales(precision), precision == "fp8_ue8m0"
     q, s = fp8.quantize_1x128(x, pow2=pow2, pad=True)
-    rows = fp8.pack_rows(q, s, pow2=pow2)
-    assert rows.dtype == torch.uint8 and rows.shape == (6, fp8.row_bytes(hidden, pow2))
-    q2, s2 = fp8.unpack_rows(rows, hidden, pow2=pow2)
+    rows = fp8.pack_rows(q, s, ue8m0=ue8m0)
+    assert rows.dtype == torch.uint8 and rows.shape == (6, fp8.row_bytes(hidden, ue8m0))
+    q2, s2 = fp8.unpack_rows(rows, hidden, ue8m0=ue8m0)
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(s2, s)
-    assert torch.equal(fp8.decode(fp8.encode(x, "fp8_pow2" if pow2 else "fp8"),
-                                  "fp8_pow2" if pow2 else "fp8", hidden, torch.float32),
+    assert torch.equal(fp8.decode(fp8.encode(x, precision), precision, hidden, torch.float32),
                        fp8.dequantize_1x128(q, s))
 
 
@@ -179,9 +180,9 @@ def test_no_rows_is_fine(p):
 def test_pack_refuses_scales_that_are_not_powers_of_two_for_one_byte_exponents():
     q, s = fp8.quantize_1x128(torch.randn(2, 128))
     with pytest.raises(ValueError, match="power of two"):
-        fp8.pack_rows(q, s, pow2=True)
+        fp8.pack_rows(q, s, ue8m0=True)
     with pytest.raises(ValueError, match=r"unpack_rows expects \[T, 129\]"):
-        fp8.unpack_rows(fp8.pack_rows(q, s), 128, pow2=True)
+        fp8.unpack_rows(fp8.pack_rows(q, s), 128, ue8m0=True)
 
 
 # --- the formulas -------------------------------------------------------------------------
@@ -192,7 +193,8 @@ def test_wire_bytes_formulas(hidden):
     assert fp8.wire_bytes_per_row(hidden, "fp32") == 4 * hidden
     assert fp8.wire_bytes_per_row(hidden, "bf16") == 2 * hidden
     assert fp8.wire_bytes_per_row(hidden, "fp8") == hidden + 4 * hidden // 128
-    assert fp8.wire_bytes_per_row(hidden, "fp8_pow2") == hidden + hidden // 128
+    assert fp8.wire_bytes_per_row(hidden, "fp8_pow2") == hidden + 4 * hidden // 128
+    assert fp8.wire_bytes_per_row(hidden, "fp8_ue8m0") == hidden + hidden // 128
     # the formula is what encode really produces
     x = torch.randn(3, hidden)
     for p in fp8.PRECISIONS:
@@ -203,7 +205,7 @@ def test_wire_bytes_formulas(hidden):
 def test_fp8_with_fp32_scales_is_51_6_percent_of_bf16():
     ratio = fp8.wire_bytes_per_row(7168, "fp8") / fp8.wire_bytes_per_row(7168, "bf16")
     assert math.isclose(ratio, 0.515625)
-    assert math.isclose(fp8.wire_bytes_per_row(7168, "fp8_pow2") / (2 * 7168), 129 / 256)
+    assert math.isclose(fp8.wire_bytes_per_row(7168, "fp8_ue8m0") / (2 * 7168), 129 / 256)
     assert fp8.wire_bytes_per_row(300, "fp8") == 300 + 3 * 4  # a short last tile, no padding sent
 
 

@@ -29,6 +29,38 @@ def model():
 IDS = torch.randint(0, VOCAB, (8, 2), generator=torch.Generator().manual_seed(1))
 
 
+# --- DeepSeek-V3's dispatch scales -----------------------------------------------------------
+
+
+def test_deepseek_v3_sends_fp8_legs_with_power_of_two_scales_as_fp32_numbers():
+    """V3's FP8 legs round every scale up to a power of two, and the scales travel as fp32.
+
+    DeepSeek-V3 Technical Report (arXiv:2412.19437v2), section 3.3.3, "Low-Precision
+    Communication": the activations quantized before the dispatch (the MoE up-projection's
+    input) use integral-power-of-two scaling factors, and the activation gradients before the
+    down-projection (the combine's backward) are treated the same way; the forward combine and
+    the dispatch's backward stay BF16.  DeepEP (deepseek-ai/DeepEP, deep_ep/buffers/legacy.py,
+    ``Buffer.dispatch`` takes FP8 tokens with a ``[tokens, hidden // 128]`` ``torch.float``
+    scale tensor; ``Buffer.low_latency_dispatch`` has ``round_scale`` for power-of-two scales
+    and a separate ``use_ue8m0`` to pack them into bytes; commit dd758caf451848bd150e1046af3d0a73e5fff38d)
+    keeps the two apart, so the bytes of a row stay ``H + 4H/128`` unless UE8M0 packing is asked for.
+    """
+    dispatch, combine = get_recipe("deepseek_v3").communication_of("layers.3.mlp")
+    assert dispatch == ("fp8_pow2", "bf16") and combine == ("bf16", "fp8_pow2")
+    tokens = torch.randn(6, 7168, generator=torch.Generator().manual_seed(0)) * 5
+    for precision_name in (dispatch[0], combine[1]):
+        wire = fp8.encode(tokens, precision_name)
+        assert wire.shape == (6, 7168 + 4 * 7168 // 128)                     # 7392 bytes a row
+        q, scales = fp8.unpack_rows(wire, 7168)                                # fp32 scales ...
+        mantissa, _ = torch.frexp(scales)
+        assert bool((mantissa == 0.5).all())                                  # ... powers of two
+        assert torch.equal(scales, fp8.tile_scales(tokens, pow2=True))        # rounded up from amax/448
+    # a pow2 or UE8M0 dispatcher rule turns every FP8 leg of the recipe into its flavour
+    ue8m0 = PrecisionRecipe(rules=[("*.dispatcher", "fp8_ue8m0")], dispatch=("fp8", "bf16"),
+                            combine=("bf16", "fp8"))
+    assert ue8m0.communication_of("layers.3.mlp") == (("fp8_ue8m0", "bf16"), ("bf16", "fp8_ue8m0"))
+
+
 # --- rules ------------------------------------------------------------------------------
 
 
@@ -52,7 +84,7 @@ def test_named_recipes_follow_deepseek_v3():
     for name in ("layers.4.self_attention.linear_qkv", "layers.4.self_attention.linear_proj",
                  "layers.0.mlp.linear_fc1", "layers.4.mlp.experts", "layers.4.mlp.shared_experts"):
         assert v3.precision_of(name) == "fp8", name
-    assert v3.communication_of("layers.4.mlp") == (("fp8", "bf16"), ("bf16", "fp8"))
+    assert v3.communication_of("layers.4.mlp") == (("fp8_pow2", "bf16"), ("bf16", "fp8_pow2"))
     assert get_recipe("fp32").communication_of("layers.4.mlp") == (None, None)
     assert get_recipe("bf16").communication_of("layers.4.mlp") == (("bf16",) * 2, ("bf16",) * 2)
     get_recipe("deepseek_v3").rules.append(("x", "fp32"))  # a copy: the named one is unchanged
@@ -80,7 +112,7 @@ def test_recipe_files_in_toml_and_json(tmp_path):
     assert recipe.rules[1:] == get_recipe("deepseek_v3").rules  # user rules come first
     assert recipe.precision_of("layers.0.mlp.linear_fc1") == "bf16"
     assert recipe.precision_of("layers.1.mlp.experts") == "fp8"
-    assert recipe.combine == ("bf16", "bf16") and recipe.dispatch == ("fp8", "bf16")
+    assert recipe.combine == ("bf16", "bf16") and recipe.dispatch == ("fp8_pow2", "bf16")
     js = tmp_path / "plain.json"
     js.write_text(json.dumps({"default": "bf16", "dispatch": "none", "rules": [["*.router", "fp32"]]}))
     plain = resolve_recipe(str(js))
@@ -106,10 +138,10 @@ def test_the_plan_names_every_linear_like_module_and_dispatcher(model):
     assert plan["layers.2.mlp.experts"].precision == "fp8"
     assert plan["layers.2.mlp.experts"].rule == "default"
     assert plan["output_layer"].precision == "bf16"
-    assert plan["layers.1.mlp.dispatcher"].precision == "dispatch fp8/bf16, combine bf16/fp8"
+    assert plan["layers.1.mlp.dispatcher"].precision == "dispatch fp8_pow2/bf16, combine bf16/fp8_pow2"
     assert "layers.0.mlp.dispatcher" not in plan  # layer 0 is dense
-    assert model.layers[1].mlp.dispatcher.dispatch_precision == ("fp8", "bf16")
-    assert model.layers[2].mlp.dispatcher.combine_precision == ("bf16", "fp8")
+    assert model.layers[1].mlp.dispatcher.dispatch_precision == ("fp8_pow2", "bf16")
+    assert model.layers[2].mlp.dispatcher.combine_precision == ("bf16", "fp8_pow2")
     kinds = {e.kind for e in plan.values()}
     assert kinds == {"ColumnParallelLinear", "RowParallelLinear", "Router", "RoutedExperts",
                      "SharedExperts", "Linear", "dispatcher"}
@@ -120,7 +152,7 @@ def test_a_rule_for_a_layer_sets_its_communication_too(model):
     recipe.rules.insert(0, ("layers.2.*", "bf16"))
     apply_recipe(model, recipe)
     assert model.layers[2].mlp.dispatcher.dispatch_precision == ("bf16", "bf16")
-    assert model.layers[1].mlp.dispatcher.dispatch_precision == ("fp8", "bf16")
+    assert model.layers[1].mlp.dispatcher.dispatch_precision == ("fp8_pow2", "bf16")
     recipe.rules.insert(0, ("layers.1.mlp.dispatcher", "fp32"))
     apply_recipe(model, recipe)
     assert model.layers[1].mlp.dispatcher.dispatch_precision is None
@@ -134,7 +166,7 @@ def _simulated_linear(x, w, precision_name, dy):
         xq, wq = fp8.round_to_bf16(xr.detach()), fp8.round_to_bf16(wr.detach())
         dyq = fp8.round_to_bf16(dy)
     else:
-        pow2 = precision_name == "fp8_pow2"
+        pow2 = fp8.has_pow2_scales(precision_name)
         xq = fp8.fake_quantize_1x128(xr.detach(), pow2=pow2)
         wq = fp8.fake_quantize_blocks(wr.detach(), pow2=pow2)
         dyq = fp8.fake_quantize_1x128(dy, pow2=pow2)
@@ -142,7 +174,7 @@ def _simulated_linear(x, w, precision_name, dy):
     return y, dyq @ wq, dyq.reshape(-1, dyq.shape[-1]).T @ xq.reshape(-1, xq.shape[-1])
 
 
-@pytest.mark.parametrize("precision_name", ["bf16", "fp8", "fp8_pow2"])
+@pytest.mark.parametrize("precision_name", ["bf16", "fp8", "fp8_pow2", "fp8_ue8m0"])
 def test_a_linear_sees_rounded_inputs_weights_and_output_gradients(precision_name):
     torch.manual_seed(0)
     layer = torch.nn.Linear(256, 200, bias=False)

@@ -67,8 +67,13 @@ HINT_BYTES_ONE_SCALE = (
     "them per copy."
 )
 HINT_BYTES_SCALE_SIZE = (
-    "the scale sizes are swapped: 'fp8' sends fp32 scales (4 bytes per tile), 'fp8_pow2' a "
+    "the scale sizes are swapped: 'fp8' sends fp32 scales (4 bytes per tile), 'fp8_ue8m0' a "
     "one-byte exponent per tile."
+)
+HINT_BYTES_POW2_AS_ONE_BYTE = (
+    "'fp8_pow2' rounds each scale to a power of two but still sends it as an fp32 number, 4 "
+    "bytes per tile (DeepSeek-V3's dispatch, as DeepEP takes the scales); only 'fp8_ue8m0' "
+    "packs the exponent into one byte."
 )
 HINT_BYTES_TOKENS = (
     "you counted tokens, not token copies: each token goes to K experts, so the dispatch sends "
@@ -79,7 +84,8 @@ HINT_BYTES_ELEMENT = (
     "check the bytes per element: fp32 4, bf16 2, FP8 1 (+ scales)."
 )
 HINT_BYTES_GENERIC = (
-    "bytes = T * K * row, with row = 4H (fp32), 2H (bf16), H + 4 H/128 (fp8), H + H/128 (fp8_pow2)."
+    "bytes = T * K * row, with row = 4H (fp32), 2H (bf16), H + 4 H/128 (fp8 and fp8_pow2), "
+    "H + H/128 (fp8_ue8m0)."
 )
 
 HINT_ENDS_FORMAT = (
@@ -118,7 +124,8 @@ QUANTIZE_HINTS = Mistakes(
 PAYLOAD_HINTS = Mistakes(
     HINT_BYTES_GENERIC, any_case={"format"}, format=HINT_BYTES_FORMAT,
     no_scales=HINT_BYTES_NO_SCALES, one_scale=HINT_BYTES_ONE_SCALE,
-    scale_size=HINT_BYTES_SCALE_SIZE, tokens=HINT_BYTES_TOKENS, bits=HINT_BYTES_BITS,
+    scale_size=HINT_BYTES_SCALE_SIZE, pow2_as_one_byte=HINT_BYTES_POW2_AS_ONE_BYTE,
+    tokens=HINT_BYTES_TOKENS, bits=HINT_BYTES_BITS,
     element=HINT_BYTES_ELEMENT)
 #: The mistakes of exercise 8.3, in order of preference (found by ``_ends_problems``).
 ENDS_HINTS = Mistakes(
@@ -239,9 +246,9 @@ def check_quantize_1x128(fn) -> CheckResult:
 def payload_cases():
     """(name, tokens, topk, hidden, precision)."""
     cases = [(f"DeepSeek-V3: 4096 tokens, top-8, H = 7168, {p}", 4096, 8, 7168, p)
-             for p in ("fp32", "bf16", "fp8", "fp8_pow2")]
+             for p in ("fp32", "bf16", "fp8", "fp8_pow2", "fp8_ue8m0")]
     cases += [("1 token, top-1, H = 128, fp8", 1, 1, 128, "fp8"),
-              ("3 tokens, top-2, H = 256, fp8_pow2", 3, 2, 256, "fp8_pow2"),
+              ("3 tokens, top-2, H = 256, fp8_ue8m0", 3, 2, 256, "fp8_ue8m0"),
               ("10 tokens, top-4, H = 384, bf16", 10, 4, 384, "bf16")]
     return cases
 
@@ -257,8 +264,12 @@ def _payload_mistakes(tokens, topk, hidden, precision) -> dict[str, float]:
     out = {"tokens": right / topk if topk > 1 else -1, "bits": 8 * right}
     if precision.startswith("fp8"):
         out["no_scales"] = copies * hidden
-        out["one_scale"] = copies * (hidden + (1 if precision == "fp8_pow2" else 4))
-        out["scale_size"] = copies * (hidden + tiles * (4 if precision == "fp8_pow2" else 1))
+        one_byte = precision == "fp8_ue8m0"
+        out["one_scale"] = copies * (hidden + (1 if one_byte else 4))
+        if precision == "fp8_pow2":
+            out["pow2_as_one_byte"] = copies * (hidden + tiles)
+        else:
+            out["scale_size"] = copies * (hidden + tiles * (4 if one_byte else 1))
     else:
         out["element"] = copies * hidden * (4 if precision == "bf16" else 2)
     return out
