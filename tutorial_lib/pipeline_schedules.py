@@ -178,7 +178,7 @@ def check_microbatch_groups(pp_size: int, num_microbatches: int,
                 f"schedule: the microbatches go through each chunk in groups of "
                 f"microbatch_group_size_per_vp_stage, pp_size by default, and a group (the last "
                 f"one too) needs at least pp_size microbatches to fill the pipeline; try {fixes} "
-                f"microbatches, or a larger microbatch_group_size_per_vp_stage")
+                f"microbatches")
         return pp
     _check_positive("microbatch_group_size_per_vp_stage", n,
                     "a group holds at least one microbatch")
