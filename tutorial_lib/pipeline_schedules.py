@@ -20,7 +20,9 @@ Three schedules are built, each for one ``rank`` of the pipeline group:
     ``min(PP - rank, M)`` microbatches in flight.
 :func:`interleaved_one_f_one_b`
     Megatron's interleaved 1F1B: each rank holds ``V`` model chunks; chunk ``c`` of
-    rank ``r`` is model stage ``c * PP + r``.  The bubble shrinks by ``V``.
+    rank ``r`` is model stage ``c * PP + r``.  The bubble shrinks by ``V``.  The
+    order is Megatron-Core 0.20.0's (the schedule table of 0.10 and later, for every
+    ``M`` it accepts, ``M == PP`` included).
 
 Messages (the ``peer`` is a rank of the pipeline group):
 
@@ -125,7 +127,8 @@ def _check_positive(name: str, value, what: str) -> None:
         raise ConfigError("malformed", f"{name} ({value!r}) must be an integer >= 1: {what}")
 
 
-def _check(pp_size: int, num_microbatches: int, rank: int, virtual_pipeline_size: int = 1) -> None:
+def _check(pp_size: int, num_microbatches: int, rank: int, virtual_pipeline_size: int = 1,
+           microbatch_group_size_per_vp_stage: int | None = None) -> None:
     _check_positive("pp_size", pp_size, "a pipeline has at least one stage")
     _check_positive("num_microbatches", num_microbatches, "a step runs at least one microbatch")
     _check_positive("virtual_pipeline_size", virtual_pipeline_size,
@@ -138,13 +141,63 @@ def _check(pp_size: int, num_microbatches: int, rank: int, virtual_pipeline_size
                           f"virtual_pipeline_size ({virtual_pipeline_size}) > 1 needs pp_size >= 2, "
                           f"got pp_size {pp_size}: with one stage there is nothing to interleave; "
                           f"use virtual_pipeline_size=1")
-    if virtual_pipeline_size > 1 and num_microbatches % pp_size:
-        lower = num_microbatches // pp_size * pp_size
-        fixes = " or ".join(str(n) for n in (lower, lower + pp_size) if n > 0)
+    if virtual_pipeline_size > 1:
+        check_microbatch_groups(pp_size, num_microbatches, microbatch_group_size_per_vp_stage)
+    elif microbatch_group_size_per_vp_stage is not None:
         raise ConfigError("interleaved schedule",
-                          f"num_microbatches ({num_microbatches}) must be divisible by pp_size "
-                          f"({pp_size}) for the interleaved schedule (Megatron's rule: microbatches "
-                          f"go through the chunks in groups of pp_size); try {fixes} microbatches")
+                          f"microbatch_group_size_per_vp_stage ({microbatch_group_size_per_vp_stage}) "
+                          f"only applies to the interleaved schedule (virtual_pipeline_size >= 2), "
+                          f"got virtual_pipeline_size {virtual_pipeline_size}; leave it None")
+
+
+def check_microbatch_groups(pp_size: int, num_microbatches: int,
+                            microbatch_group_size_per_vp_stage: int | None = None) -> int:
+    """The interleaved schedule's rules on ``M``; returns the group size ``N`` it uses.
+
+    The interleaved schedule takes the microbatches through each chunk in groups of
+    ``N = microbatch_group_size_per_vp_stage`` consecutive microbatches
+    (:func:`get_schedule_table`); ``None`` means ``N = PP``, Megatron's default (a
+    depth-first schedule).  Megatron-Core 0.20.0
+    (``forward_backward_pipelining_with_interleaving``) refuses two cases, and so
+    does this function, with a :class:`ConfigError`:
+
+    * ``N < PP`` or ``N > M``: a group must fill the pipeline and fit in the step;
+    * a last, shorter group of ``0 < M mod N < PP`` microbatches: it cannot fill the
+      pipeline either (Megatron calls it a dependency bubble).
+
+    With the default ``N = PP`` both say: ``M`` must be a multiple of ``PP``.
+    """
+    pp, m, n = pp_size, num_microbatches, microbatch_group_size_per_vp_stage
+    if n is None:
+        if m % pp:
+            lower = m // pp * pp
+            fixes = " or ".join(str(k) for k in (lower, lower + pp) if k > 0)
+            raise ConfigError(
+                "interleaved schedule",
+                f"num_microbatches ({m}) must be divisible by pp_size ({pp}) for the interleaved "
+                f"schedule: the microbatches go through each chunk in groups of "
+                f"microbatch_group_size_per_vp_stage, pp_size by default, and a group (the last "
+                f"one too) needs at least pp_size microbatches to fill the pipeline; try {fixes} "
+                f"microbatches")
+        return pp
+    _check_positive("microbatch_group_size_per_vp_stage", n,
+                    "a group holds at least one microbatch")
+    if not pp <= n <= m:
+        fix = (f"try a group size from {pp} to {m}" if pp <= m else
+               f"run at least {pp} microbatches")
+        raise ConfigError(
+            "interleaved schedule",
+            f"microbatch_group_size_per_vp_stage ({n}) must lie between pp_size ({pp}) and "
+            f"num_microbatches ({m}): a group must fill the pipeline and fit in the step; {fix}")
+    if 0 < m % n < pp:
+        lower, left = m // n * n, m % n
+        raise ConfigError(
+            "interleaved schedule",
+            f"num_microbatches ({m}) in groups of microbatch_group_size_per_vp_stage ({n}) "
+            f"leaves a last group of {left} microbatch{'es' if left > 1 else ''}, fewer than "
+            f"pp_size ({pp}): it cannot fill the pipeline; try {lower} or {lower + pp} "
+            f"microbatches (a multiple of {n}, or at least {pp} left over)")
+    return n
 
 
 # --- the building blocks: one forward or backward with its messages ------------------------
@@ -199,23 +252,51 @@ def gpipe(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
     return actions
 
 
+def get_schedule_table(num_microbatches: int, num_model_chunks: int,
+                       microbatch_group_size_per_vp_stage: int) -> list[tuple[int, int]]:
+    """The interleaved schedule's forwards in order, as ``(microbatch, chunk)`` pairs.
+
+    The microbatches are cut into groups of ``N = microbatch_group_size_per_vp_stage``
+    consecutive ones (the last group holds what is left, at most ``N``).  Group by
+    group, the whole group goes through chunk 0, then through chunk 1, ..., then
+    chunk ``V - 1``.  Megatron-Core >= 0.10 builds this table (same name) and drives
+    the interleaved schedule with it for every ``M``; the backwards run the same
+    table with the chunks reversed (chunk ``c`` -> ``V - 1 - c``).
+
+    >>> get_schedule_table(5, 2, 3)   # PP = 2, N = 3: microbatches 0-2, then 3-4
+    [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    """
+    for name, value in (("num_microbatches", num_microbatches), ("num_model_chunks", num_model_chunks),
+                        ("microbatch_group_size_per_vp_stage", microbatch_group_size_per_vp_stage)):
+        _check_positive(name, value, "the schedule table counts from 1")
+    n = microbatch_group_size_per_vp_stage
+    table = []
+    for first in range(0, num_microbatches, n):
+        group = range(first, min(first + n, num_microbatches))
+        table += [(i, c) for c in range(num_model_chunks) for i in group]
+    return table
+
+
 def num_warmup_microbatches(pp_size: int, num_microbatches: int, rank: int,
-                            virtual_pipeline_size: int = 1) -> int:
+                            virtual_pipeline_size: int = 1,
+                            microbatch_group_size_per_vp_stage: int | None = None) -> int:
     """Forwards a rank runs before its first 1F1B pair (Megatron's count).
 
     Non-interleaved: ``min(PP - rank - 1, M)``: rank ``r`` must fill the
     ``PP - r - 1`` stages after it before the first gradient can come back.
     Interleaved (``V > 1``, counted in chunk-microbatches out of ``V * M``):
-    ``min(2 * (PP - rank - 1) + (V - 1) * PP, V * M)``, and all ``V * M`` when
-    ``M == PP`` (Megatron then runs every forward before any backward).
+    ``min(2 * (PP - rank - 1) + (V - 1) * N, V * M)`` with ``N`` the group size of
+    :func:`check_microbatch_groups` (``PP`` by default), the rule of Megatron-Core
+    >= 0.10 (``get_pp_rank_microbatches``, 0.20.0).  When it reaches ``V * M`` every
+    forward runs before any backward.  (Up to Megatron-Core 0.9 that was also
+    forced whenever ``M == PP``; since 0.10 ``M == PP`` follows the same count.)
     """
-    _check(pp_size, num_microbatches, rank, virtual_pipeline_size)
+    _check(pp_size, num_microbatches, rank, virtual_pipeline_size, microbatch_group_size_per_vp_stage)
     pp, m, v = pp_size, num_microbatches, virtual_pipeline_size
     if v == 1:
         return min(pp - rank - 1, m)
-    if m == pp:
-        return v * m
-    return min(2 * (pp - rank - 1) + (v - 1) * pp, v * m)
+    n = check_microbatch_groups(pp, m, microbatch_group_size_per_vp_stage)
+    return min(2 * (pp - rank - 1) + (v - 1) * n, v * m)
 
 
 def one_f_one_b(pp_size: int, num_microbatches: int, rank: int, *,
@@ -245,50 +326,60 @@ def one_f_one_b(pp_size: int, num_microbatches: int, rank: int, *,
 
 
 def interleaved_one_f_one_b(pp_size: int, num_microbatches: int, rank: int,
-                            virtual_pipeline_size: int) -> list[Action]:
+                            virtual_pipeline_size: int,
+                            microbatch_group_size_per_vp_stage: int | None = None) -> list[Action]:
     """Megatron's interleaved 1F1B with ``V = virtual_pipeline_size`` chunks per rank.
 
-    The ``V * M`` chunk-microbatches are numbered ``k = 0, 1, ...`` in groups of
-    ``PP * V``: inside a group, ``PP`` microbatches go through chunk 0, then the
-    same ``PP`` through chunk 1, and so on (backwards take the chunks in reverse).
-    Warm-up is :func:`num_warmup_microbatches`; the steady state runs forward
-    ``k + warmup`` then backward ``k``.  ``V = 1`` is plain :func:`one_f_one_b`.
+    Follows Megatron-Core 0.20.0 (``forward_backward_pipelining_with_interleaving``,
+    the same order since 0.10).  The ``V * M`` chunk-microbatches are numbered
+    ``k = 0, 1, ...`` by :func:`get_schedule_table`: with the default group size
+    ``N = PP``, ``PP`` microbatches go through chunk 0, then the same ``PP`` through
+    chunk 1, and so on; backward ``k`` is the same entry with the chunk reversed.
+    A rank runs ``w`` = :func:`num_warmup_microbatches` forwards, then forward
+    ``k + w`` and backward ``k`` in turn, then the remaining backwards.  This holds
+    for every accepted ``M``, ``M == PP`` included (Megatron up to 0.9 ran every
+    forward first there).  ``V = 1`` is plain :func:`one_f_one_b`.
     """
-    _check(pp_size, num_microbatches, rank, virtual_pipeline_size)
+    _check(pp_size, num_microbatches, rank, virtual_pipeline_size, microbatch_group_size_per_vp_stage)
     pp, m, v = pp_size, num_microbatches, virtual_pipeline_size
     if v == 1:
         return one_f_one_b(pp, m, rank)
-    total = v * m
-    warmup = num_warmup_microbatches(pp, m, rank, v)
+    n = check_microbatch_groups(pp, m, microbatch_group_size_per_vp_stage)
+    table = get_schedule_table(m, v, n)
+    warmup = num_warmup_microbatches(pp, m, rank, v, n)
 
-    def chunk(k: int, forward: bool) -> int:
-        c = (k % (pp * v)) // pp
-        return c if forward else v - 1 - c
+    def forward(k: int) -> list[Action]:
+        microbatch, chunk = table[k]
+        return _forward(rank, pp, v, microbatch, chunk)
 
-    def microbatch(k: int) -> int:
-        return (k // (pp * v)) * pp + k % pp
+    def backward(k: int) -> list[Action]:
+        microbatch, chunk = table[k]
+        return _backward(rank, pp, v, microbatch, v - 1 - chunk)
 
     actions = []
     for k in range(warmup):
-        actions += _forward(rank, pp, v, microbatch(k), chunk(k, True))
-    for k in range(total - warmup):
-        f = k + warmup
-        actions += _forward(rank, pp, v, microbatch(f), chunk(f, True))
-        actions += _backward(rank, pp, v, microbatch(k), chunk(k, False))
-    for k in range(total - warmup, total):
-        actions += _backward(rank, pp, v, microbatch(k), chunk(k, False))
+        actions += forward(k)
+    for k in range(len(table) - warmup):
+        actions += forward(k + warmup) + backward(k)
+    for k in range(len(table) - warmup, len(table)):
+        actions += backward(k)
     return actions
 
 
 def build_schedules(name: str, pp_size: int, num_microbatches: int, virtual_pipeline_size: int = 1,
                     **options) -> dict[int, list[Action]]:
-    """Every rank's list: ``build_schedules("1f1b", 4, 8)`` -> ``{0: [...], ..., 3: [...]}``."""
+    """Every rank's list: ``build_schedules("1f1b", 4, 8)`` -> ``{0: [...], ..., 3: [...]}``.
+
+    ``options`` go to the schedule's builder: ``wrong_recv_backward_peer`` for
+    ``1f1b``, ``microbatch_group_size_per_vp_stage`` for ``interleaved``.
+    """
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(SCHEDULE_NAMES)}")
     if name != "interleaved" and virtual_pipeline_size != 1:
         raise ValueError(f"virtual_pipeline_size ({virtual_pipeline_size}) needs the interleaved "
                          f"schedule, not {name!r}")
-    _check(pp_size, num_microbatches, 0, virtual_pipeline_size)
+    _check(pp_size, num_microbatches, 0, virtual_pipeline_size,
+           options.get("microbatch_group_size_per_vp_stage") if name == "interleaved" else None)
     if name == "interleaved":
         return {r: interleaved_one_f_one_b(pp_size, num_microbatches, r, virtual_pipeline_size, **options)
                 for r in range(pp_size)}
@@ -478,22 +569,27 @@ def peak_activations_in_flight(actions: list[Action]) -> int:
 
 
 def expected_peak_activations(name: str, pp_size: int, num_microbatches: int, rank: int,
-                              virtual_pipeline_size: int = 1) -> int:
+                              virtual_pipeline_size: int = 1,
+                              microbatch_group_size_per_vp_stage: int | None = None) -> int:
     """The formula for :func:`peak_activations_in_flight`, per schedule.
 
     * GPipe: ``M``.
     * 1F1B: ``min(PP - rank, M)``: the warm-up forwards plus the steady state's one.
     * interleaved: ``min(warmup + 1, V * M)`` chunk-microbatches with Megatron's
-      warm-up ``2 (PP - rank - 1) + (V - 1) PP`` (all ``V M`` when ``M == PP``).  On
-      rank 0 that is ``V PP + PP - 1`` chunks, i.e. ``PP (1 + (PP - 1) / (V PP))``
-      full stages: the factor of Korthikanti et al. (2022) for interleaving.
+      warm-up ``2 (PP - rank - 1) + (V - 1) N`` (:func:`num_warmup_microbatches`,
+      group size ``N = PP`` by default).  With ``M >= 2 PP`` rank 0 holds
+      ``V PP + PP - 1`` chunks, i.e. ``PP (1 + (PP - 1) / (V PP))`` full stages: the
+      factor of Korthikanti et al. (2022) for interleaving.  With ``M == PP`` the
+      cap ``V M`` binds on the first ranks only: at ``PP = 8, V = 2`` the ranks hold
+      ``16, 16, 16, 16, 15, 13, 11, 9`` (Megatron-Core >= 0.10; up to 0.9, 16 each).
     """
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(SCHEDULE_NAMES)}")
-    _check(pp_size, num_microbatches, rank, virtual_pipeline_size)
+    _check(pp_size, num_microbatches, rank, virtual_pipeline_size, microbatch_group_size_per_vp_stage)
     if name == "gpipe":
         return num_microbatches
-    warmup = num_warmup_microbatches(pp_size, num_microbatches, rank, virtual_pipeline_size)
+    warmup = num_warmup_microbatches(pp_size, num_microbatches, rank, virtual_pipeline_size,
+                                     microbatch_group_size_per_vp_stage)
     return min(warmup + 1, virtual_pipeline_size * num_microbatches)
 
 

@@ -57,7 +57,7 @@ from .deepseek import DeepSeekModel, Microbatch
 from .moe_balance import max_violation, update_expert_bias
 from .p2p import MODES
 from .pipeline import check_schedule_and_mode, forward_backward_pipelining
-from .pipeline_schedules import SCHEDULE_NAMES
+from .pipeline_schedules import SCHEDULE_NAMES, check_microbatch_groups
 from .tp_dp_step import finish_step
 from .trace import get_tracer
 
@@ -137,10 +137,7 @@ def validate_args(args: TrainingArgs) -> None:
             raise ConfigError("interleaved schedule",
                               f"the interleaved schedule needs pipeline_model_parallel_size >= 2 and "
                               f"virtual_pipeline_model_parallel_size >= 2, got {pp} and {v}")
-        if args.num_microbatches % pp:
-            raise ConfigError("interleaved schedule",
-                              f"num_microbatches ({args.num_microbatches}) must be divisible by "
-                              f"pipeline_model_parallel_size ({pp}) for the interleaved schedule")
+        check_microbatch_groups(pp, args.num_microbatches)  # M a multiple of PP (Megatron's default)
     check_pipeline_layers(args.num_layers, pp, v)
     _resolve_precision_recipe(args.precision_recipe)
 

@@ -187,6 +187,8 @@ def test_the_record_holds_the_lm_loss_and_the_balance_terms_under_their_own_keys
     (dict(world_size=2, pipeline_model_parallel_size=2, schedule="interleaved", num_layers=6), "rule 9"),
     (dict(world_size=2, pipeline_model_parallel_size=2, schedule="interleaved", p2p_mode="sequential"),
      "interleaved schedule"),
+    (dict(world_size=3, pipeline_model_parallel_size=3, schedule="interleaved", p2p_mode="overlapped",
+          num_microbatches=4), "interleaved schedule"),  # M not a multiple of PP
 ])
 def test_invalid_grids_are_refused_with_the_rule(changes, rule):
     with pytest.raises(ConfigError) as error:

@@ -7,8 +7,8 @@ import pytest
 from tutorial_lib.config import ConfigError
 from tutorial_lib.pipeline_schedules import (
     Action, DeadlockError, MismatchError, build_schedules, bubble_fraction, expected_bubble,
-    expected_peak_activations, gpipe, interleaved_one_f_one_b, makespan, num_warmup_microbatches,
-    one_f_one_b, peak_activations_in_flight, planned_spans, simulate,
+    check_microbatch_groups, expected_peak_activations, get_schedule_table, gpipe, interleaved_one_f_one_b,
+    makespan, num_warmup_microbatches, one_f_one_b, peak_activations_in_flight, planned_spans, simulate,
 )
 
 # Every valid (schedule, PP, M, V): PP 1..6, M 1..12; interleaved needs V >= 2, PP >= 2, M % PP == 0.
@@ -62,7 +62,7 @@ def test_warmup_forwards_before_the_first_backward(case):
             steady = computes[warmup:warmup + 2 * (m - warmup)]
             assert steady == ["forward", "backward"] * (m - warmup)
         else:
-            warmup = v * m if m == pp else min(2 * (pp - rank - 1) + (v - 1) * pp, v * m)
+            warmup = min(2 * (pp - rank - 1) + (v - 1) * pp, v * m)  # M == PP too (Megatron >= 0.10)
             assert num_warmup_microbatches(pp, m, rank, v) == warmup
             assert before_first_backward == min(warmup + 1, v * m)
             steady = computes[warmup:warmup + 2 * (v * m - warmup)]
@@ -82,10 +82,146 @@ def test_hand_written_orders():
     # Megatron's figure (PP=4, M=8, V=2): device 1 runs 10 forwards before its first backward.
     assert compute_order(interleaved_one_f_one_b(4, 8, 0, 2)).split()[:12] == [
         "F0", "F1", "F2", "F3", "F0.1", "F1.1", "F2.1", "F3.1", "F4", "F5", "F6", "B0.1"]
-    # M == PP: Megatron runs every forward first.
-    assert compute_order(interleaved_one_f_one_b(2, 2, 1, 2)) == "F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1"
+    # M == PP: rank 0 warms up with 2 + 2 = 4 = V*M forwards (all of them), rank 1 with 2.
+    assert compute_order(interleaved_one_f_one_b(2, 2, 0, 2)) == "F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1"
+    assert compute_order(interleaved_one_f_one_b(2, 2, 1, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1"
     # V = 1 is plain 1F1B.
     assert interleaved_one_f_one_b(4, 6, 2, 1) == one_f_one_b(4, 6, 2)
+
+
+# --- interleaved 1F1B in Megatron-Core's order ------------------------------------------------
+#
+# Upstream: NVIDIA/Megatron-LM, megatron/core/pipeline_parallel/schedules.py at d98e8a64
+# (Megatron-Core 0.20.0): forward_backward_pipelining_with_interleaving, get_schedule_table,
+# get_pp_rank_microbatches; the default group size PP from ModelParallelConfig.__post_init__
+# (megatron/core/model_parallel_config.py).  The order has been table-driven for every M since
+# Megatron-Core 0.10 (commit 4295be1a, "tunable schedule with overlapping"); up to 0.9 a step
+# with M == PP ran every forward before any backward.
+
+
+def group_size_is_accepted(pp, m, n):
+    """Megatron's two refusals, stated on their own: N outside [PP, M], or a last group of 1..PP-1."""
+    return pp <= n <= m and not 0 < m % n < pp
+
+
+def megatron_interleaved_order(pp, m, v, rank, group=None):
+    """One rank's computes, ``(kind, microbatch, chunk)``, derived here without the library.
+
+    Forward slot ``k`` takes the ``k``-th ``(microbatch i, chunk c)`` ordered by the key
+    ``(i // N, c, i)``: consecutive groups of ``N`` microbatches (``N = PP`` unless given),
+    each group through every chunk before the next group starts.  Backward slot ``k`` takes
+    the same pair with the chunk mirrored (``V - 1 - c``).  ``w = min(2 (PP - rank - 1) +
+    (V - 1) N, V M)`` forwards come first; then forwards and backwards alternate; then the
+    backwards left.  As positions on a line of ``2 V M`` steps: forward ``k`` sits at
+    ``max(k, 2k - w)``, backward ``k`` at ``min(2k + w + 1, V M + k)``.
+    """
+    n = pp if group is None else group
+    slots = sorted(((i, c) for i in range(m) for c in range(v)), key=lambda ic: (ic[0] // n, ic[1], ic[0]))
+    w = min(2 * (pp - rank - 1) + (v - 1) * n, v * m)
+    placed = {}
+    for k, (i, c) in enumerate(slots):
+        placed[max(k, 2 * k - w)] = ("forward", i, c)
+        placed[min(2 * k + w + 1, v * m + k)] = ("backward", i, v - 1 - c)
+    assert sorted(placed) == list(range(2 * v * m))  # every step of the line holds one compute
+    return [placed[t] for t in range(2 * v * m)]
+
+
+# Default group size (N = PP): M = PP, 2 PP, 3 PP for PP 2..8 and V 2..4; and every accepted
+# non-default N for PP 2..5, M up to 12 (M need not be a multiple of PP there: PP 3, N 4, M 4 or 7).
+PARITY = ([(pp, m, v, None) for pp in range(2, 9) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
+          + [(pp, m, v, n) for pp in range(2, 6) for m in range(pp, 13) for n in range(pp + 1, m + 1)
+             for v in (2, 3) if group_size_is_accepted(pp, m, n)])
+
+
+def library_order(pp, m, v, rank, group=None):
+    options = {} if group is None else {"microbatch_group_size_per_vp_stage": group}
+    actions = interleaved_one_f_one_b(pp, m, rank, v, **options)
+    return [(a.kind, a.microbatch, a.chunk) for a in actions if a.is_compute]
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_interleaved_order_is_megatrons_for_every_accepted_m(pp):
+    """Every rank's computes equal :func:`megatron_interleaved_order`, M == PP included.
+
+    Upstream rule: NVIDIA/Megatron-LM, megatron/core/pipeline_parallel/schedules.py,
+    ``get_schedule_table`` + ``get_pp_rank_microbatches`` as used by
+    ``forward_backward_pipelining_with_interleaving`` (Megatron-Core 0.20.0, d98e8a64).
+    """
+    cases = [c for c in PARITY if c[0] == pp]
+    assert any(m == pp for _, m, _, _ in cases) and any(m == 2 * pp for _, m, _, _ in cases)
+    wrong = [(m, v, n, rank) for _, m, v, n in cases for rank in range(pp)
+             if library_order(pp, m, v, rank, n) != megatron_interleaved_order(pp, m, v, rank, n)]
+    assert not wrong, f"(M, V, N, rank) off Megatron's order: {wrong[:8]} ({len(wrong)} in all)"
+
+
+def test_m_not_a_multiple_of_pp_runs_where_megatron_accepts_it():
+    """A group size N != PP (Megatron-Core >= 0.10, ``microbatch_group_size_per_vp_stage``)
+    admits M that PP does not divide; those schedules run, with the closed-form bubble."""
+    assert any(m % pp for pp, m, _, _ in PARITY)
+    for pp, m, v, n in PARITY:
+        if n is None:
+            continue
+        scheds = build_schedules("interleaved", pp, m, v, microbatch_group_size_per_vp_stage=n)
+        tl = simulate(scheds, Fraction(1), Fraction(2), Fraction(0))  # no deadlock, messages matched
+        assert bubble_fraction(tl) == Fraction(pp - 1, v * m + pp - 1), (pp, m, v, n)
+        for rank, actions in scheds.items():
+            assert peak_activations_in_flight(actions) == expected_peak_activations(
+                "interleaved", pp, m, rank, v, microbatch_group_size_per_vp_stage=n)
+
+
+def test_m_equal_to_pp_is_no_longer_all_forwards_first():
+    """M == PP follows the warm-up count too (Megatron-Core >= 0.10; 0.20.0, d98e8a64,
+    ``get_pp_rank_microbatches``), where Megatron-Core <= 0.9 ran all V * M forwards first."""
+    # PP = 2, M = 2, V = 2, rank 1: warm-up 2 (0 + 1 * 2), not all 4 (Megatron-Core <= 0.9).
+    assert num_warmup_microbatches(2, 2, 1, 2) == 2
+    assert [f"{k[0].upper()}{i}" + (f".{c}" if c else "") for k, i, c in megatron_interleaved_order(2, 2, 2, 1)] \
+        == "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1".split()
+    assert compute_order(interleaved_one_f_one_b(2, 2, 1, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1"
+    # PP = 8, V = 2, M = 8: the cap V * M = 16 binds on ranks 0-3 only.
+    peaks = [peak_activations_in_flight(interleaved_one_f_one_b(8, 8, r, 2)) for r in range(8)]
+    assert peaks == [16, 16, 16, 16, 15, 13, 11, 9]
+    assert peaks == [expected_peak_activations("interleaved", 8, 8, r, 2) for r in range(8)]
+
+
+def test_schedule_table_matches_megatrons_documented_examples():
+    # ModelParallelConfig.microbatch_group_size_per_vp_stage's docstring (PP 2, V 2): N = 2, M = 4
+    # runs microbatches 0 1 0 1 2 3 2 3; N = 3, M = 5 runs 0 1 2 0 1 2 3 4 3 4, and the comment in
+    # forward_backward_pipelining_with_interleaving gives that table's chunks 0 0 0 1 1 1 0 0 1 1.
+    assert [i for i, _ in get_schedule_table(4, 2, 2)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    table = get_schedule_table(5, 2, 3)
+    assert [i for i, _ in table] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    forwards = [(a.microbatch, a.chunk) for a in interleaved_one_f_one_b(2, 5, 0, 2, 3) if a.kind == "forward"]
+    assert forwards == table
+
+
+@pytest.mark.parametrize("pp", range(1, 6))
+def test_group_size_rules_are_megatrons(pp):
+    """The refusals of ``forward_backward_pipelining_with_interleaving`` (Megatron-Core 0.20.0,
+    d98e8a64): N within [PP, M], no last group of 1..PP-1; N defaults to PP."""
+    for m in range(1, 13):
+        default_ok = m % pp == 0  # N = PP: both rules reduce to "M a multiple of PP"
+        if pp > 1:
+            assert default_ok == group_size_is_accepted(pp, m, pp)
+        for n in [None] + list(range(1, 14)):
+            ok = default_ok if n is None else group_size_is_accepted(pp, m, n)
+            if ok:
+                assert check_microbatch_groups(pp, m, n) == (pp if n is None else n)
+                continue
+            with pytest.raises(ConfigError) as error:
+                check_microbatch_groups(pp, m, n)
+            message = str(error.value)
+            assert error.value.rule == "interleaved schedule"
+            assert f"({m})" in message and ("try" in message or "run at least" in message), message
+    with pytest.raises(ConfigError, match=r"microbatch_group_size_per_vp_stage \(2\) must lie between "
+                                          r"pp_size \(3\) and num_microbatches \(6\).*from 3 to 6"):
+        interleaved_one_f_one_b(3, 6, 0, 2, 2)
+    with pytest.raises(ConfigError, match=r"num_microbatches \(5\) in groups of microbatch_group_size_per_vp"
+                                          r"_stage \(4\) leaves a last group of 1 microbatch, fewer than "
+                                          r"pp_size \(3\).*try 4 or 7 microbatches"):
+        interleaved_one_f_one_b(3, 5, 0, 2, 4)
+    with pytest.raises(ConfigError, match=r"only applies to the interleaved schedule"):
+        num_warmup_microbatches(3, 6, 0, 1, 3)
 
 
 # --- messages: peers, labels, every send matched in order -------------------------------------
@@ -322,7 +458,7 @@ def test_validation_errors_name_the_numbers():
     with pytest.raises(ConfigError, match=r"rank \(2\) must be a pipeline rank in 0\.\.1"):
         one_f_one_b(2, 4, 2)
     with pytest.raises(ConfigError, match=r"num_microbatches \(6\) must be divisible by pp_size \(4\)"
-                                          r".*try 4 or 8"):
+                                          r".*try 4 or 8 microbatches"):
         interleaved_one_f_one_b(4, 6, 0, 2)
     with pytest.raises(ConfigError, match=r"try 3 microbatches"):
         interleaved_one_f_one_b(3, 2, 0, 2)
