@@ -74,7 +74,12 @@ class ParallelConfig:
     """CP: ranks that split the sequence inside attention (defaults to 1 in this course)."""
 
     expert_tensor_parallel_size: int = 1
-    """ETP: ranks that split each routed expert's weights (1 in this course's training code)."""
+    """ETP: ranks that split each routed expert's weights.
+
+    1 by default: the only value this course's training code runs (rule 5).  Megatron-Core
+    (0.20.0) defaults it to TP, and so do :func:`~tutorial_lib.grid.build_grid` and
+    ``python -m tutorial_lib.grid`` in the megatron layout.
+    """
 
     @property
     def data_parallel_size(self) -> int:
@@ -191,12 +196,13 @@ def check_grid(config: ParallelConfig, layout: str = "megatron") -> None:
 
     ``layout`` decides what must divide the world: in Megatron's folded layout the
     dense grid (TP, CP, PP) and the expert grid (ETP, EP, PP) must each divide it;
-    in the ``course`` and ``visualizer`` layouts EP is a dimension of its own, so
-    TP * CP * EP * PP must divide it, and experts can only be split along TP.
+    in the single-grid layouts (``course``, ``visualizer``, and ``custom``: one grid
+    in a given order) EP is a dimension of its own, so TP * CP * EP * PP must divide
+    it, and experts can only be split along TP.
     """
     for f in fields(config):
         _check_positive_int(f.name, getattr(config, f.name))
-    if layout not in LAYOUTS:
+    if layout not in LAYOUTS + ("custom",):
         raise ConfigError(
             "malformed", f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}"
         )

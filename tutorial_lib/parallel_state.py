@@ -35,9 +35,14 @@ class ParallelState:
 _STATE: ParallelState | None = None
 
 
-def initialize_model_parallel(config: ParallelConfig, layout: str = "megatron",
+def initialize_model_parallel(config: ParallelConfig, layout: str | None = None,
                               order: str | None = None) -> ParallelState:
-    """Build every group of ``config``'s grid; call once per worker after ``init_process_group``."""
+    """Build every group of ``config``'s grid; call once per worker after ``init_process_group``.
+
+    ``layout`` and ``order`` as in :class:`~tutorial_lib.grid.ProcessGrid`: neither given,
+    Megatron-Core's layout in its default order; ``layout="megatron", order=...``, its two
+    grids read from that order; an order alone, one grid in that order.
+    """
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel needs torch.distributed to be initialised "

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.dist
 KINDS = GROUP_KINDS + EXTRA_GROUP_KINDS
 
 
-def _report_groups(ctx, config, layout):
-    parallel_state.initialize_model_parallel(config, layout=layout)
+def _report_groups(ctx, config, layout, order=None):
+    parallel_state.initialize_model_parallel(config, layout=layout, order=order)
     live, sums = {}, {}
     for kind in KINDS:
         try:
@@ -44,12 +44,16 @@ def _report_groups(ctx, config, layout):
     (6, 1, 3, 2, 1, "course"),
     (4, 2, 1, 1, 2, "megatron"),
     (16, 2, 1, 2, 2, "course"),  # expert_dp mixes tp and cp: members must come out sorted
+    (8, 2, 2, 2, 1, "megatron tp-cp-ep-pp-dp"),  # Megatron's two grids from another order
 ])
 def test_live_groups_equal_the_grid(world, tp, pp, ep, cp, layout):
     config = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                             expert_model_parallel_size=ep, context_parallel_size=cp)
-    grid = ProcessGrid(config, layout=layout)
-    out = launch(_report_groups, world, args=(config, layout), timeout=90)
+    layout, _, order = layout.partition(" ")
+    grid = ProcessGrid(config, layout=layout, order=order or None)
+    if order:  # the order moves groups: the live ones must follow it
+        assert grid.groups("dp") != ProcessGrid(config, layout=layout).groups("dp")
+    out = launch(_report_groups, world, args=(config, layout, order or None), timeout=90)
     for rank, (live, sums) in enumerate(out.results):
         for kind in KINDS:
             if isinstance(live[kind], str):

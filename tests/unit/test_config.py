@@ -109,3 +109,10 @@ def test_single_grid_layouts_only_split_experts_along_tp():
     with pytest.raises(ConfigError, match=r"expert_tensor_parallel_size \(2\) must be 1 or equal"):
         check_grid(pc(16, tp=4, etp=2), layout="visualizer")
     check_grid(pc(16, tp=4, etp=2), layout="megatron")  # an independent expert grid may
+
+
+def test_custom_layout_is_one_grid():
+    # one grid in a given order (python -m tutorial_lib.grid --order ...): EP is a dimension
+    expect("rule 1", "TP * CP * EP * PP = 8", "'custom' layout",
+           parallel=pc(12, tp=2, pp=2, ep=2), layout="custom")
+    check_grid(pc(16, tp=2, pp=2, ep=2), layout="custom")
