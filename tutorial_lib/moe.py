@@ -22,7 +22,9 @@ Read it top to bottom, like the chapter:
    ``ceil(capacity_factor * T * K / N)`` per expert.
 4. **The layer** (:class:`MoELayer`): router -> (capacity) -> dispatch -> experts ->
    combine -> weighted sum in fp32 (+ shared experts), with sequence parallelism around
-   it when TP > 1, plus the DeepSeek balance losses of :mod:`tutorial_lib.moe_balance`.
+   it when TP > 1, plus the DeepSeek balance losses of :mod:`tutorial_lib.moe_balance`
+   (on sigmoid affinities normalised per token; under sequence parallelism counted over
+   the TP group, so the router gradient is the serial one).
 5. **Gradients**: synced by :class:`tutorial_lib.data_parallel.DataParallel`, experts over
    the expert-data-parallel group but divided by the *dense* data-parallel size (why: see
    the end of this module and :data:`tutorial_lib.data_parallel.DOMAINS`).
@@ -424,14 +426,18 @@ class MoELayer(torch.nn.Module):
 
     ``forward`` returns ``(y, info)``: ``info["aux_losses"]`` holds the enabled balance
     losses of ``balance`` (a :class:`moe_balance.BalanceConfig`; add their sum to the LM
-    loss), the rest are routing statistics for the chapter (see :meth:`forward`).
+    loss), the rest are routing statistics for the chapter (see :meth:`forward`).  The
+    losses weigh each token's affinities as a distribution: softmax probabilities as they
+    are, sigmoid affinities divided by their sum (:func:`moe_balance.normalize_per_token`).
 
     With TP > 1, ``sequence_parallel=True`` is required (Megatron asserts the same):
     every TP rank holds the whole ``[s, b, h]``; the layer scatters the sequence so each
     TP rank routes ``s/TP`` of it (no routed-expert work is duplicated) and gathers the
     result.  The router and shared experts then see different tokens on each TP rank:
     their gradients are partial sums, so they are flagged ``sequence_parallel=True`` for
-    :func:`allreduce_sequence_parallel_grads` (like the LayerNorms of a TP block).
+    :func:`allreduce_sequence_parallel_grads` (like the LayerNorms of a TP block).  The
+    balance losses count the whole replica's tokens (summed over the TP group) and return
+    the replica's value on every TP rank; each rank's gradient covers its own tokens.
 
     TP and EP together (the course's rule 2 forbids it; Megatron does not): after the
     sequence scatter every TP rank holds different tokens, so the EP all-to-all needs
@@ -538,18 +544,27 @@ class MoELayer(torch.nn.Module):
         return y, info
 
     def _aux_losses(self, route: RouterOutput, s_local: int, batch: int) -> dict:
-        """The balance losses on this rank's tokens (sequence loss: whole sequences over TP)."""
+        """The balance losses of the replica's tokens, from this rank's share of them.
+
+        A sigmoid router's affinities are normalised per token first (every loss assumes
+        each token's probabilities sum to 1).  Under sequence parallelism the TP ranks
+        split the tokens: the losses sum their counts and token numbers over the TP group,
+        so each rank's gradient is its tokens' share of the serial one.
+        """
         if self.balance is None or route.scores.shape[0] == 0:
             return {}  # no tokens here: every fraction of the losses would be 0 / 0
         n, k = self.num_experts, self.topk
+        probs = route.scores
+        if self.router.score_function == "sigmoid":
+            probs = moe_balance.normalize_per_token(probs)
         # [s, b] token order -> [b, s] sequences, as the sequence-wise loss expects
-        scores = route.scores.view(s_local, batch, n).transpose(0, 1)
+        probs = probs.view(s_local, batch, n).transpose(0, 1)
         topk_idx = route.topk_idx.view(s_local, batch, k).transpose(0, 1)
         split_over_tp = self.sequence_parallel and parallel_state.group_size(self.tp_group) > 1
         return moe_balance.total_aux_loss(
-            self.balance, scores, topk_idx, n, k, num_devices=self.num_devices,
+            self.balance, probs, topk_idx, n, k, num_devices=self.num_devices,
             max_devices=self.device_limit, logits=route.logits,
-            sequence_group=self.tp_group if split_over_tp else None)
+            group=self.tp_group if split_over_tp else None)
 
     @torch.no_grad()
     def global_load(self, topk_idx: torch.Tensor) -> torch.Tensor:

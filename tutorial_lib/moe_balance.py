@@ -15,11 +15,29 @@ Notation (the papers'): ``T`` tokens, ``N'`` routed experts, ``K'`` experts per 
 contiguous block ``E_d = [d N'/D, (d+1) N'/D)``, and ``M`` the most devices one token
 may reach.  ``probs`` is ``[T, N']``: each token's router probabilities over *all* routed
 experts (softmax in DeepSeekMoE and V2), not only the top-k gates.  ``topk_idx`` is
-``[T, K']`` (int64): the experts each token was sent to.  Counts come from ``topk_idx``
-and carry no gradient; the gradient flows through ``probs`` alone.
+``[T, K']`` (int64): the experts counted, for the V2 losses those each token was sent to
+(V2's ``f_i`` counts the choice made under device-limited routing; Megatron-Core 0.20.0
+counts the plain top-k of the scores for every aux loss, which differs only under a group
+limit or a bias).  The sequence-wise loss counts the unbiased top-k (V3's formula).  Counts
+carry no gradient; the gradient flows through ``probs`` alone.
 
 With perfectly even routing and uniform probabilities every balance loss equals its
-coefficient, so ``loss / coeff == 1`` is "balanced" and larger is worse.
+coefficient, so ``loss / coeff == 1`` is "balanced" and larger is worse.  Those values
+assume each token's ``probs`` sum to 1: a sigmoid router's affinities must first be divided
+by their sum (:func:`normalize_per_token`; :class:`tutorial_lib.moe.MoELayer` does it).
+
+**Tokens split over ranks** (``group``).  Under sequence parallelism (or context
+parallelism) the ranks of a group each route part of the same batch.  Every loss and the
+z-loss take ``group``, the group kind that splits the tokens: the counts and ``T`` are
+summed over it (one all-reduce), so ``f`` is the whole batch's, while ``P`` keeps only this
+rank's tokens, divided by the whole ``T``.  Each rank then backpropagates the exact gradient
+of the whole loss with respect to its own tokens, and summing the router gradients over the
+group (what sequence parallelism does) gives the serial gradient.  The value returned is the
+whole loss on every rank (a second all-reduce).  Megatron-Core 0.20.0 (d98e8a64,
+``router.py`` ``TopKRouter._apply_aux_loss`` and ``_apply_seq_aux_loss`` via
+``moe_utils.get_tokens_per_expert_and_token_count``) sums its tokens-per-expert over the
+TP x CP group and divides by the group's token count in the same way, each rank keeping its
+own probabilities (its z-loss divides the coefficient by the TP x CP size instead).
 """
 from __future__ import annotations
 
@@ -60,6 +78,36 @@ def _check_router_outputs(probs, topk_idx, num_experts, topk=None):
                          f"{topk}; they are the same K'")
 
 
+def normalize_per_token(scores: torch.Tensor) -> torch.Tensor:
+    """``s'_{i,t} = s_{i,t} / sum_j s_{j,t}``: each token's affinities over all ``N'`` routed
+    experts turned into a distribution (DeepSeek-V3, section 2.1.2).
+
+    Softmax probabilities already are one.  Sigmoid affinities are not: at ``s = 0.5``
+    everywhere the expert loss would be ``N'/2`` instead of 1.  Megatron-Core 0.20.0
+    (d98e8a64, ``moe_utils.compute_routing_scores_for_aux_loss``) normalises a sigmoid
+    router's scores this way before every auxiliary loss.
+    """
+    return scores / scores.sum(dim=-1, keepdim=True)
+
+
+def _group_totals(group, num_tokens: int, counts: torch.Tensor):
+    """``(num_tokens, counts)`` summed over the ranks of ``group`` in one all-reduce
+    (unchanged when ``group`` is None).  ``counts``: int64, any shape (empty for none)."""
+    if group is None:
+        return num_tokens, counts
+    packed = torch.cat([counts.reshape(-1), counts.new_tensor([num_tokens])])
+    comm.all_reduce(packed, group=group)
+    return int(packed[-1]), packed[:-1].view(counts.shape)
+
+
+def _whole_loss(part: torch.Tensor, group) -> torch.Tensor:
+    """Value: the sum of every rank's ``part`` (the whole loss); gradient: this rank's ``part``."""
+    if group is None:
+        return part
+    whole = comm.all_reduce(part.detach().clone(), group=group)
+    return whole + (part - part.detach())
+
+
 def _experts_per_device(num_experts: int, num_devices: int) -> int:
     if num_devices < 1 or num_experts % num_devices:
         lower = max(num_devices, num_experts // num_devices * num_devices)
@@ -69,11 +117,13 @@ def _experts_per_device(num_experts: int, num_devices: int) -> int:
     return num_experts // num_devices
 
 
-def expert_fractions(probs, topk_idx, num_experts, topk):
-    """f_i = N'/(K' T) * #tokens choosing i (no grad) and P_i = (1/T) sum_t probs[t, i]."""
-    T = probs.shape[0]
-    counts = expert_load(topk_idx, num_experts).to(probs.dtype)
-    f = counts * num_experts / (topk * T)
+def expert_fractions(probs, topk_idx, num_experts, topk, group=None):
+    """f_i = N'/(K' T) * #tokens choosing i (no grad) and P_i = (1/T) sum_t probs[t, i].
+
+    With ``group``, ``T`` and the counts are the group's, and ``P`` sums this rank's tokens.
+    """
+    T, counts = _group_totals(group, probs.shape[0], expert_load(topk_idx, num_experts))
+    f = counts.to(probs.dtype) * num_experts / (topk * T)
     P = probs.sum(dim=0) / T
     return f, P
 
@@ -81,7 +131,7 @@ def expert_fractions(probs, topk_idx, num_experts, topk):
 # --- DeepSeekMoE / DeepSeek-V2 auxiliary losses ----------------------------
 
 
-def expert_balance_loss(probs, topk_idx, num_experts, topk, coeff=1.0):
+def expert_balance_loss(probs, topk_idx, num_experts, topk, coeff=1.0, group=None):
     """Expert-level balance loss (DeepSeekMoE 3.3; DeepSeek-V2 2.2.3)::
 
         L_ExpBal = alpha1 * sum_{i=1..N'} f_i P_i
@@ -89,14 +139,15 @@ def expert_balance_loss(probs, topk_idx, num_experts, topk, coeff=1.0):
         P_i = 1/T * sum_t s_{i,t}
 
     1 at perfect balance; at most ``N'/K'``, reached when every token picks the same K'
-    experts and all probability lies on them.
+    experts and all probability lies on them.  ``group``: tokens split over ranks (see the
+    module docstring).
     """
     _check_router_outputs(probs, topk_idx, num_experts, topk)
-    f, P = expert_fractions(probs, topk_idx, num_experts, topk)
-    return coeff * (f * P).sum()
+    f, P = expert_fractions(probs, topk_idx, num_experts, topk, group)
+    return _whole_loss(coeff * (f * P).sum(), group)
 
 
-def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1.0):
+def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1.0, group=None):
     """Device-level balance loss (DeepSeekMoE 3.3; DeepSeek-V2 2.2.3)::
 
         L_DevBal = alpha2 * sum_{d=1..D} f'_d P'_d
@@ -107,13 +158,14 @@ def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1
     """
     _check_router_outputs(probs, topk_idx, num_experts, topk)
     per_device = _experts_per_device(num_experts, num_devices)
-    f, P = expert_fractions(probs, topk_idx, num_experts, topk)
+    f, P = expert_fractions(probs, topk_idx, num_experts, topk, group)
     f_device = f.view(num_devices, per_device).mean(dim=1)
     P_device = P.view(num_devices, per_device).sum(dim=1)
-    return coeff * (f_device * P_device).sum()
+    return _whole_loss(coeff * (f_device * P_device).sum(), group)
 
 
-def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_devices, coeff=1.0):
+def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_devices, coeff=1.0,
+                               group=None):
     """Communication balance loss (DeepSeek-V2 2.2.3)::
 
         L_CommBal = alpha3 * sum_{d=1..D} f''_d P''_d
@@ -130,13 +182,13 @@ def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_de
     if not 1 <= max_devices <= num_devices:
         raise ValueError(f"max_devices (M = {max_devices}) must be between 1 and num_devices "
                          f"(D = {num_devices})")
-    T = probs.shape[0]
     device_of_pick = topk_idx // per_device                        # [T, K']
-    reaches = torch.zeros(T, num_devices, dtype=torch.bool, device=probs.device)
+    reaches = torch.zeros(probs.shape[0], num_devices, dtype=torch.bool, device=probs.device)
     reaches.scatter_(1, device_of_pick, True)                      # once per (token, device)
-    f = reaches.sum(dim=0).to(probs.dtype) * num_devices / (max_devices * T)
+    T, received = _group_totals(group, probs.shape[0], reaches.sum(dim=0))
+    f = received.to(probs.dtype) * num_devices / (max_devices * T)
     P = (probs.sum(dim=0) / T).view(num_devices, per_device).sum(dim=1)
-    return coeff * (f * P).sum()
+    return _whole_loss(coeff * (f * P).sum(), group)
 
 
 # --- DeepSeek-V3: complementary sequence-wise loss --------------------------
@@ -151,10 +203,14 @@ def sequence_balance_loss(scores, topk_idx, num_experts, topk, coeff=1.0, group=
         P_i = 1/S * sum_t s'_{i,t}
 
     averaged over the ``B`` sequences.  ``scores`` is ``[B, S, N']`` (sigmoid affinities s,
-    without the balancing bias), ``topk_idx`` is ``[B, S, K']``.  The paper writes the
-    indicator as ``s_{i,t} in Topk(s_t, K')`` (unbiased); the experts really used are
-    chosen by ``s + b``.  Pass whichever selection you mean to balance: the biased one
-    (:func:`tutorial_lib.moe.select_experts`, what the experts receive) or ``torch.topk(scores, K').indices`` (the literal formula).
+    without the balancing bias, or probabilities already normalised: normalising twice
+    changes nothing), ``topk_idx`` is ``[B, S, K']``.  The paper's indicator is
+    ``s_{i,t} in Topk(s_t, K')``: the top-K' of the affinities alone, ``torch.topk(scores,
+    K').indices``, not the experts the bias steered the tokens to (those are chosen by
+    ``s + b``, :func:`tutorial_lib.moe.select_experts`).  Megatron-Core 0.20.0 (d98e8a64,
+    ``moe_utils.compute_routing_scores_for_aux_loss``) counts the same unbiased top-k.
+    The function counts whatever ``topk_idx`` it is given; :func:`total_aux_loss` picks it
+    by ``BalanceConfig.sequence_loss_topk``.
 
     ``group``: ``None`` when each rank holds whole sequences.  When the tokens of each
     sequence are split over ranks (context or sequence parallelism), name the group kind
@@ -172,30 +228,24 @@ def sequence_balance_loss(scores, topk_idx, num_experts, topk, coeff=1.0, group=
     B, S_local, _ = scores.shape
     counts = torch.zeros(B, num_experts, dtype=torch.int64, device=scores.device)
     counts.scatter_add_(1, topk_idx.reshape(B, -1), torch.ones_like(topk_idx.reshape(B, -1)))
-    S = S_local
-    if group is not None:  # one all-reduce for the counts and the sequence length together
-        packed = torch.cat([counts.reshape(-1), torch.tensor([S_local], device=scores.device)])
-        comm.all_reduce(packed, group=group)
-        counts, S = packed[:-1].view(B, num_experts), int(packed[-1])
+    S, counts = _group_totals(group, S_local, counts)  # whole sequences: one all-reduce
     f = counts.to(scores.dtype) * num_experts / (topk * S)          # [B, N'], no grad
-    s_normalised = scores / scores.sum(dim=-1, keepdim=True)
-    P = s_normalised.sum(dim=1) / S                                  # this rank's tokens only
+    P = normalize_per_token(scores).sum(dim=1) / S                   # this rank's tokens only
     loss = coeff * (f * P).sum(dim=-1).mean()
-    if group is None:
-        return loss
-    whole = comm.all_reduce(loss.detach().clone(), group=group)     # sum of the parts
-    return whole + (loss - loss.detach())  # value: the whole loss; gradient: this rank's part
+    return _whole_loss(loss, group)  # value: the whole loss; gradient: this rank's part
 
 
 # --- router z-loss (ST-MoE) ---------------------------------------------------
 
 
-def router_z_loss(logits, coeff=1.0):
+def router_z_loss(logits, coeff=1.0, group=None):
     """Router z-loss (ST-MoE): ``coeff * 1/T * sum_t (logsumexp_i logits[t, i])^2``.
 
     Keeps router logits small so the softmax stays well-conditioned in low precision.
+    ``group``: tokens split over ranks; ``T`` is then the group's (see the module docstring).
     """
-    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+    T, _ = _group_totals(group, logits.shape[0], logits.new_zeros(0, dtype=torch.int64))
+    return _whole_loss(coeff * torch.logsumexp(logits, dim=-1).square().sum() / T, group)
 
 
 # --- DeepSeek-V3: auxiliary-loss-free balancing -------------------------------
@@ -236,6 +286,9 @@ def update_expert_bias(bias, load, gamma):
 # --- configuration and the convenience entry point ----------------------------
 
 
+SEQUENCE_LOSS_TOPK = ("unbiased", "routed")
+
+
 @dataclass
 class BalanceConfig:
     """Which balancing terms a MoE layer uses, and how strongly.  Defaults: DeepSeek-V2."""
@@ -260,46 +313,66 @@ class BalanceConfig:
     """Add the communication loss (V2); needs ``num_devices`` and ``max_devices``."""
     use_sequence_loss: bool = False
     """Add the sequence-wise loss (V3); needs ``probs`` shaped ``[B, S, N']``."""
+    sequence_loss_topk: str = "unbiased"
+    """Which experts the sequence-wise loss counts: ``"unbiased"``, each token's top-K' of
+    its affinities alone (V3's formula, section 2.1.2, and Megatron-Core 0.20.0), or
+    ``"routed"``, the experts it was really sent to (chosen with the bias and the device
+    limit), which chapter 5 compares."""
     use_z_loss: bool = False
     """Add the router z-loss (ST-MoE); needs the router ``logits``."""
     use_bias_balancing: bool = False
     """Route by ``scores + bias`` (:func:`tutorial_lib.moe.select_experts`); call
     :func:`update_expert_bias` after each step (V3)."""
 
+    def __post_init__(self):
+        if self.sequence_loss_topk not in SEQUENCE_LOSS_TOPK:
+            raise ValueError(f"sequence_loss_topk must be one of {SEQUENCE_LOSS_TOPK}, got "
+                             f"{self.sequence_loss_topk!r}; V3's formula is 'unbiased'")
+
     @classmethod
-    def deepseek_v3(cls) -> "BalanceConfig":
-        """V3's recipe: bias balancing plus the small sequence-wise loss, nothing else."""
-        return cls(use_expert_loss=False, use_device_loss=False, use_communication_loss=False,
-                   use_sequence_loss=True, use_bias_balancing=True)
+    def deepseek_v3(cls, **changes) -> "BalanceConfig":
+        """V3's recipe: bias balancing plus the small sequence-wise loss, nothing else
+        (``changes``: other field values, e.g. ``gamma=0.01``)."""
+        recipe = dict(use_expert_loss=False, use_device_loss=False, use_communication_loss=False,
+                      use_sequence_loss=True, use_bias_balancing=True)
+        return cls(**{**recipe, **changes})
 
 
 def total_aux_loss(config, probs, topk_idx, num_experts, topk, num_devices=1, max_devices=None,
-                   logits=None, sequence_group=None) -> dict:
+                   logits=None, group=None) -> dict:
     """Every enabled loss of ``config``, by name; add ``sum(losses.values())`` to the LM loss.
 
     ``probs``/``topk_idx``: ``[T, N']``/``[T, K']``, or ``[B, S, N']``/``[B, S, K']``
-    (required by the sequence-wise loss; flattened for the others).  ``max_devices``
-    defaults to ``num_devices`` (no device limit); with ``num_devices=1`` the device and
-    communication losses are the constant 1.  Keys: ``expert``, ``device``,
+    (required by the sequence-wise loss; flattened for the others).  ``probs``: each token's
+    distribution over all routed experts (softmax probabilities, or sigmoid affinities
+    through :func:`normalize_per_token`).  ``topk_idx``: the experts the tokens were sent to,
+    which the V2 losses count; the sequence-wise loss counts ``torch.topk(probs, K')``
+    unless ``config.sequence_loss_topk == "routed"``.  ``max_devices`` defaults to
+    ``num_devices`` (no device limit); with ``num_devices=1`` the device and communication
+    losses are the constant 1.  ``group``: the group kind the tokens are split over (the
+    TP group under sequence parallelism), or ``None``.  Keys: ``expert``, ``device``,
     ``communication``, ``sequence``, ``z``.
     """
     flat_probs, flat_idx = probs.reshape(-1, num_experts), topk_idx.reshape(-1, topk_idx.shape[-1])
     losses = {}
     if config.use_expert_loss:
         losses["expert"] = expert_balance_loss(flat_probs, flat_idx, num_experts, topk,
-                                               config.alpha1)
+                                               config.alpha1, group)
     if config.use_device_loss:
         losses["device"] = device_balance_loss(flat_probs, flat_idx, num_experts, topk,
-                                               num_devices, config.alpha2)
+                                               num_devices, config.alpha2, group)
     if config.use_communication_loss:
         losses["communication"] = communication_balance_loss(
             flat_probs, flat_idx, num_experts, num_devices, max_devices or num_devices,
-            config.alpha3)
+            config.alpha3, group)
     if config.use_sequence_loss:
-        losses["sequence"] = sequence_balance_loss(probs, topk_idx, num_experts, topk,
-                                                   config.sequence_alpha, group=sequence_group)
+        counted = topk_idx
+        if config.sequence_loss_topk == "unbiased":  # V3: the top-K' of the affinities alone
+            counted = torch.topk(probs.detach(), topk, dim=-1).indices
+        losses["sequence"] = sequence_balance_loss(probs, counted, num_experts, topk,
+                                                   config.sequence_alpha, group)
     if config.use_z_loss:
         if logits is None:
             raise ValueError("use_z_loss needs the router logits: pass logits=")
-        losses["z"] = router_z_loss(logits, config.z_loss_coeff)
+        losses["z"] = router_z_loss(logits, config.z_loss_coeff, group)
     return losses

@@ -6,6 +6,11 @@
 * The sequence-wise loss of sequences split over ranks (Megatron's zigzag CP split, or
   uneven contiguous pieces) equals the loss of the whole sequences on every rank, and each
   rank's gradient is the matching slice of the serial gradient.
+* So do DeepSeek-V2's expert, device and communication losses and the z-loss, on uneven
+  pieces: the counts and the token count are the group's, the probabilities each rank's
+  own (Megatron-Core 0.20.0, d98e8a64, megatron/core/transformer/moe/router.py
+  ``TopKRouter._apply_aux_loss``, via moe_utils.py ``get_tokens_per_expert_and_token_count``
+  over the TP x CP group).
 
 float64 throughout: values agree to ``rtol=1e-12``; loads exactly.
 """
@@ -20,6 +25,7 @@ from tutorial_lib.launch import launch
 pytestmark = pytest.mark.dist
 
 N, K, B, COEFF = 8, 2, 2, 1e-4
+D, M = 4, 2  # the V2 losses: devices, and devices a token may reach
 
 
 def _batch(seed, seq_length):
@@ -88,22 +94,60 @@ def test_sequence_loss_over_context_parallel_ranks_equals_the_whole_sequence():
     assert [e.shape for e in cp_reduces] == [(B * N + 1,), (), (N,)]
 
 
+def _v2_losses(probs, topk_idx, logits, group=None):
+    """The V2 losses and the z-loss of ``[B, S, N]`` tokens, with V2's coefficients."""
+    p, idx, z = probs.reshape(-1, N), topk_idx.reshape(-1, K), logits.reshape(-1, N)
+    return {"expert": moe_balance.expert_balance_loss(p, idx, N, K, 0.003, group),
+            "device": moe_balance.device_balance_loss(p, idx, N, K, D, 0.05, group),
+            "communication": moe_balance.communication_balance_loss(p, idx, N, D, M, 0.02, group),
+            "z": moe_balance.router_z_loss(z, 0.001, group)}
+
+
+def _v2_values_and_grads(logits, positions=slice(None), group=None):
+    """Each loss's value and its gradient with respect to the logits of ``positions``."""
+    out = {}
+    for name in ("expert", "device", "communication", "z"):
+        mine = logits[:, positions].clone().requires_grad_(True)
+        probs = torch.softmax(mine, dim=-1)
+        loss = _v2_losses(probs, torch.topk(probs.detach(), K, dim=-1).indices, mine, group)[name]
+        loss.backward()
+        out[name] = (loss.item(), mine.grad)
+    return out
+
+
+def _v2_logits(seq_length):
+    return torch.randn(B, seq_length, N, generator=torch.Generator().manual_seed(9),
+                       dtype=torch.float64)
+
+
 def _uneven_worker(ctx, pieces, seq_length):
     start = sum(pieces[:ctx.rank])
     positions = list(range(start, start + pieces[ctx.rank]))
-    return _split_loss_and_load(ctx, positions, "world", 7, seq_length)
+    v2 = _v2_values_and_grads(_v2_logits(seq_length), positions, "world")
+    return _split_loss_and_load(ctx, positions, "world", 7, seq_length) + (v2,)
 
 
-def test_uneven_pieces_over_world_equal_the_whole_sequence_and_load():
+def test_uneven_pieces_over_world_equal_the_whole_batch_for_every_loss_and_load():
     pieces = [5, 3, 4]
     seq_length = sum(pieces)
     res = launch(_uneven_worker, 3, args=(pieces, seq_length), timeout=60)
     scores, topk_idx = _batch(7, seq_length)
     loss, grad = _serial(scores, topk_idx)
     start = 0
-    for rank, (value, local_grad, loads) in enumerate(res.results):
+    for rank, (value, local_grad, loads, _) in enumerate(res.results):
         assert value == pytest.approx(loss, rel=1e-12), rank
         torch.testing.assert_close(local_grad, grad[:, start:start + pieces[rank]],
                                    rtol=1e-12, atol=1e-18)
         assert loads["world"] == moe_balance.expert_load(topk_idx, N).tolist()
         start += pieces[rank]
+    # the V2 losses and the z-loss: the whole batch's value on every rank, and each rank's
+    # gradient the slice of the serial one (so their sum over the ranks is the serial gradient)
+    serial = _v2_values_and_grads(_v2_logits(seq_length))
+    for name, (whole, whole_grad) in serial.items():
+        start = 0
+        for rank, (*_, v2) in enumerate(res.results):
+            value, local_grad = v2[name]
+            assert value == pytest.approx(whole, rel=1e-12), (name, rank)
+            torch.testing.assert_close(local_grad, whole_grad[:, start:start + pieces[rank]],
+                                       rtol=1e-12, atol=1e-18, msg=f"{name}, rank {rank}")
+            start += pieces[rank]

@@ -44,14 +44,15 @@ def test_correct_expert_losses_pass(answer):
     assert len(result.cases) == len(ch05.loss_cases())
 
 
-def test_the_cases_include_balance_collapse_and_a_biased_routing():
+def test_the_cases_include_balance_collapse_and_a_device_limited_routing():
     values = {name: float(moe_balance.expert_balance_loss(p, idx, n, k)) for name, p, idx, n, k in ch05.loss_cases()}
     assert any(v == pytest.approx(1.0, abs=1e-12) for v in values.values())     # perfect balance
     collapse = [v for name, v in values.items() if name.startswith("collapse")]
     assert collapse and 3.5 < collapse[0] < 4.0                                  # near N'/K' = 4
-    biased = [(p, idx, k) for name, p, idx, _, k in ch05.loss_cases() if "bias" in name]
-    p, idx, k = biased[0]
+    limited = [(p, idx, k) for name, p, idx, _, k in ch05.loss_cases() if "device-limited" in name]
+    p, idx, k = limited[0]
     assert not torch.equal(torch.topk(p, k, dim=-1).indices.sort(-1).values, idx.sort(-1).values)
+    assert all(len(set((row // 2).tolist())) == 1 for row in idx)  # one device (of 2 experts) each
     # every mistake changes the answer of at least one case
     for mistake in ch05.LOSS_MISTAKES:
         assert any(float(ch05.expert_loss_variant(p, idx, n, k, mistake)) != pytest.approx(values[name])

@@ -321,3 +321,130 @@ def test_errors_name_the_rule_and_the_numbers():
         moe_balance.expert_balance_loss(probs, topk_idx, 8, 2)
     with pytest.raises(ValueError, match=r"scores must be \[B, S, N'\]"):
         moe_balance.sequence_balance_loss(probs, topk_idx, 6, 2)
+
+
+def test_balance_config_rejects_an_unknown_sequence_loss_topk():
+    with pytest.raises(ValueError, match=r"sequence_loss_topk must be one of .*'biased'"):
+        moe_balance.BalanceConfig(sequence_loss_topk="biased")
+
+
+# --- through the MoE layer ------------------------------------------------------------------
+
+LN, LK, LD, LM = 8, 2, 4, 2   # the layer tests: N' experts, K' per token, D devices, M devices a token
+LS, LB = 8, 2                 # sequences of LS tokens, LB of them
+
+
+def _identity_layer(score_function, balance, **kwargs):
+    """A serial layer whose router logits are its input (hidden size N', weight = identity)."""
+    layer = moe.MoELayer(LN, LN, LK, 4, score_function=score_function, balance=balance,
+                         num_devices=LD, ep_group=None, tp_group=None, seed=1, **kwargs)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(LN))
+    return layer
+
+
+def _per_coefficient(layer, info):
+    c = layer.balance
+    coeff = {"expert": c.alpha1, "device": c.alpha2, "communication": c.alpha3,
+             "sequence": c.sequence_alpha}
+    return {name: value.item() / coeff[name] for name, value in info["aux_losses"].items()}
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_layer_balance_losses_are_1_at_balance_and_peak_at_collapse_for_both_routers(score_function):
+    """The closed forms through ``MoELayer``: a sigmoid router must give what a softmax gives.
+
+    Every balance loss assumes each token's probabilities over the N' experts sum to 1, so
+    a sigmoid router's affinities are divided by their sum before the V2 losses, as V3
+    (arXiv:2412.19437, section 2.1.2) writes s' for its sequence-wise loss and as
+    Megatron-Core 0.20.0 (d98e8a64) does for every aux loss in
+    megatron/core/transformer/moe/moe_utils.py, ``compute_routing_scores_for_aux_loss``
+    (``score_function == "sigmoid"``: scores / scores.sum(-1)).  Fed the raw sigmoids, the
+    balanced expert loss was 3.08 here (N'/2 = 4 at zero logits, 8 with 16 experts).
+
+    Balance: token (s, b) has logits +1 on experts s and s + 4 (mod 8), -1 elsewhere:
+    every sequence and the batch use every expert equally, each token reaches M = 2
+    devices, every device receives MT/D tokens, and the mean probability is 1/N' per
+    expert (DeepSeek-V2 arXiv:2405.04434, 2.2.3: each loss is 1).  Collapse: every token
+    has +30 on experts 0 and 1 (device 0), -30 elsewhere: N'/K' = 4, D = 4, D/M = 2.
+    """
+    balance = moe_balance.BalanceConfig(use_sequence_loss=True)
+    layer = _identity_layer(score_function, balance, device_limit=LM)
+    spread = torch.where(torch.arange(LN) % (LN // LK) == 0, 1.0, -1.0)  # +1 on 0 and 4
+    balanced = torch.stack([spread.roll(s) for s in range(LS)])[:, None, :].expand(LS, LB, LN)
+    _, info = layer(balanced.contiguous())
+    assert (info["tokens_per_expert"] == LS * LB * LK // LN).all()
+    for name, value in _per_coefficient(layer, info).items():
+        assert value == pytest.approx(1.0, rel=1e-6), (name, value)
+    collapsed = torch.full((LS, LB, LN), -30.0)
+    collapsed[..., :LK] = 30.0
+    _, info = layer(collapsed)
+    assert info["tokens_per_expert"].tolist() == [LS * LB] * LK + [0] * (LN - LK)
+    worst = _per_coefficient(layer, info)
+    assert worst == pytest.approx({"expert": LN / LK, "device": LD, "communication": LD / LM,
+                                   "sequence": LN / LK}, rel=1e-6)
+
+
+def test_layer_balance_losses_of_a_sigmoid_router_weigh_its_normalised_affinities():
+    """On random tokens the V2 losses of a sigmoid layer are the pure losses of
+    ``scores / scores.sum(-1)`` (Megatron-Core 0.20.0, d98e8a64, moe_utils.py,
+    ``compute_routing_scores_for_aux_loss``), and their gradient reaches the router."""
+    layer = moe.MoELayer(8, LN, LK, 4, score_function="sigmoid", balance=moe_balance.BalanceConfig(),
+                         device_limit=LM, num_devices=LD, ep_group=None, tp_group=None, seed=2)
+    x = torch.randn(LS, LB, 8, generator=torch.Generator().manual_seed(3))
+    _, info = layer(x)
+    route = layer.router(x.reshape(-1, 8))
+    probs = route.scores / route.scores.sum(-1, keepdim=True)
+    c = layer.balance
+    want = {"expert": moe_balance.expert_balance_loss(probs, route.topk_idx, LN, LK, c.alpha1),
+            "device": moe_balance.device_balance_loss(probs, route.topk_idx, LN, LK, LD, c.alpha2),
+            "communication": moe_balance.communication_balance_loss(probs, route.topk_idx, LN, LD,
+                                                                    LM, c.alpha3)}
+    for name, value in want.items():
+        torch.testing.assert_close(info["aux_losses"][name], value, rtol=1e-6, atol=0)
+    sum(info["aux_losses"].values()).backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+
+
+def _v3_layer_losses(bias, sequence_loss_topk):
+    """A V3 layer's sequence-wise loss and its router gradient, routed with ``bias``."""
+    balance = moe_balance.BalanceConfig.deepseek_v3(sequence_loss_topk=sequence_loss_topk)
+    layer = moe.MoELayer(8, LN, LK, 4, score_function="sigmoid", balance=balance,
+                         num_devices=LD, ep_group=None, tp_group=None, seed=4)
+    layer.router.expert_bias.copy_(bias)
+    x = torch.randn(LS, LB, 8, generator=torch.Generator().manual_seed(5))
+    _, info = layer(x)
+    (grad,) = torch.autograd.grad(info["aux_losses"]["sequence"], layer.router.weight)
+    return info, grad, layer.router(x.reshape(-1, 8)).scores
+
+
+def test_sequence_loss_counts_the_unbiased_topk_so_the_bias_never_moves_it():
+    """DeepSeek-V3 (arXiv:2412.19437, section 2.1.2, eq. of L_Bal): f_i counts
+    ``s_{i,t} in Topk({s_{j,t}}, K_r)``, the top-K_r of the affinities, with no bias.
+    Megatron-Core 0.20.0 (d98e8a64) counts the same: megatron/core/transformer/moe/router.py
+    ``TopKRouter.routing`` passes ``_apply_seq_aux_loss`` the routing map of
+    moe_utils.py ``compute_routing_scores_for_aux_loss``, a plain top-k of the scores, not
+    the bias-steered map of ``topk_routing_with_score_function``.
+
+    So a bias that changes many choices changes neither the loss nor its router gradient,
+    and the loss is the pure loss of ``torch.topk(scores, K')``.  ``"routed"`` (kept to
+    compare, in chapter 5) counts the steered choice instead and does move.
+    """
+    none = torch.zeros(LN)
+    steer = torch.linspace(0.3, -0.3, LN)  # pulls tokens toward the low-numbered experts
+    plain, grad_plain, scores = _v3_layer_losses(none, "unbiased")
+    steered, grad_steered, _ = _v3_layer_losses(steer, "unbiased")
+    changed = (plain["topk_idx"].sort(-1).values != steered["topk_idx"].sort(-1).values).any(-1)
+    assert changed.sum() >= 4                                  # the bias really moved choices
+    assert torch.equal(plain["aux_losses"]["sequence"], steered["aux_losses"]["sequence"])
+    assert torch.equal(grad_plain, grad_steered)
+    unbiased = torch.topk(scores, LK, dim=-1).indices
+    as_sequences = lambda t: t.view(LS, LB, -1).transpose(0, 1)  # [s, b] tokens -> [b, s]
+    want = moe_balance.sequence_balance_loss(as_sequences(scores), as_sequences(unbiased), LN, LK,
+                                             1e-4)
+    torch.testing.assert_close(steered["aux_losses"]["sequence"], want, rtol=1e-6, atol=0)
+    routed, grad_routed, _ = _v3_layer_losses(steer, "routed")
+    counted = moe_balance.sequence_balance_loss(as_sequences(scores),
+                                                as_sequences(routed["topk_idx"]), LN, LK, 1e-4)
+    torch.testing.assert_close(routed["aux_losses"]["sequence"], counted, rtol=1e-6, atol=0)
+    assert not torch.equal(grad_routed, grad_plain)

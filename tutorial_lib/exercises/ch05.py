@@ -4,8 +4,8 @@
   topk)`` is DeepSeekMoE's expert-level balance loss (coefficient 1).  The checker
   compares the value *and* the gradient with respect to ``probs`` with
   :func:`tutorial_lib.moe_balance.expert_balance_loss` on random routings, perfect balance,
-  a collapse onto K' experts and a routing that is not the top-k of ``probs`` (a biased
-  one).  Forgetting the ``N'/K'`` scaling, dividing by the tokens instead of the
+  a collapse onto K' experts and a routing that is not the top-k of ``probs`` (DeepSeek-V2's
+  device-limited routing, whose picks V2's ``f_i`` counts).  Forgetting the ``N'/K'`` scaling, dividing by the tokens instead of the
   assignments, using the top-k gates instead of the full probabilities, re-running top-k
   instead of counting ``topk_idx``, and a loss cut off from autograd each get a hint.
 * :func:`check_biased_topk`: ``fn(scores, bias, k) -> (topk_idx, gates)`` is DeepSeek-V3's
@@ -58,9 +58,9 @@ HINT_LOSS_GATES = (
     "raises: P_i = probs.mean(dim=0)."
 )
 HINT_LOSS_OWN_TOPK = (
-    "count the experts in topk_idx, the experts the tokens were really sent to. With a "
-    "bias or a device limit they are not torch.topk(probs, K'): one case routes with a "
-    "bias, and your counts followed probs instead."
+    "count the experts in topk_idx, the experts the tokens were really sent to. With "
+    "DeepSeek-V2's device-limited routing they are not torch.topk(probs, K'): one case "
+    "keeps each token on a single device, and your counts followed probs instead."
 )
 HINT_LOSS_NO_GRAD = (
     "the value is right but no gradient reaches probs: the loss must stay in autograd "
@@ -190,11 +190,11 @@ def loss_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
     collapse = torch.softmax(logits, dim=-1)
     cases.append((f"collapse: every token picks experts 0 and 1, N'={N}, K'={K} (loss near N'/K')",
                   collapse, torch.arange(K).expand(T, K).clone(), N, K))
-    N, K, T = 8, 2, 24
+    N, K, T, D, M = 8, 2, 24, 4, 1
     probs = torch.softmax(torch.randn(T, N, generator=g, dtype=torch.float64), dim=-1)
-    bias = torch.linspace(0.4, -0.4, N, dtype=torch.float64)  # steers picks off the top-k
-    cases.append((f"routed with a bias (topk_idx is not the top-k of probs): N'={N}, K'={K}, T={T}",
-                  probs, torch.topk(probs + bias, K, dim=-1).indices, N, K))
+    limited = moe.select_experts(probs, K, device_limit=M, num_devices=D)  # off the top-k
+    cases.append((f"device-limited routing, M={M} of D={D} devices (topk_idx is not the top-k "
+                  f"of probs): N'={N}, K'={K}, T={T}", probs, limited, N, K))
     return cases
 
 
