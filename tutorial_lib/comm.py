@@ -108,27 +108,38 @@ def all_reduce(tensor: torch.Tensor, group="world", op: str = "sum", async_op: b
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group="world",
-                   op: str = "sum") -> torch.Tensor:
-    """Rank i of ``group`` receives the reduction of every rank's i-th slice (dim 0) of ``input``."""
+                   op: str = "sum", async_op: bool = False):
+    """Rank i of ``group`` receives the reduction of every rank's i-th slice (dim 0) of ``input``.
+
+    ``async_op=True`` returns a :class:`TracedWork` at once, as :func:`all_reduce` does.
+    """
     _refuse_float8_reduction(input, "reduce_scatter")
     kind, pg, ranks = _resolve(group)
     if input.shape[0] != output.shape[0] * len(ranks):
         raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be output dim 0 "
                          f"({output.shape[0]}) x group size ({len(ranks)})")
-    event = _begin("reduce_scatter", input, kind, ranks, tags={"reduce_op": op})
-    _reduce_scatter_single(output, input.contiguous(), op=_REDUCE_OPS[op], group=pg)
+    event = _begin("reduce_scatter", input, kind, ranks, blocking=not async_op, tags={"reduce_op": op})
+    work = _reduce_scatter_single(output, input.contiguous(), op=_REDUCE_OPS[op], group=pg,
+                                  async_op=async_op)
+    if async_op:
+        return TracedWork(work, event, output)
     _finish(event, output)
     return output
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group="world") -> torch.Tensor:
-    """Concatenate every rank's ``input`` along dim 0 into ``output``, on every rank."""
+def all_gather(output: torch.Tensor, input: torch.Tensor, group="world", async_op: bool = False):
+    """Concatenate every rank's ``input`` along dim 0 into ``output``, on every rank.
+
+    ``async_op=True`` returns a :class:`TracedWork` at once, as :func:`all_reduce` does.
+    """
     kind, pg, ranks = _resolve(group)
     if output.shape[0] != input.shape[0] * len(ranks):
         raise ValueError(f"all_gather: output dim 0 ({output.shape[0]}) must be input dim 0 "
                          f"({input.shape[0]}) x group size ({len(ranks)})")
-    event = _begin("all_gather", input, kind, ranks)
-    _all_gather_single(_wire(output), _wire(input.contiguous()), group=pg)
+    event = _begin("all_gather", input, kind, ranks, blocking=not async_op)
+    work = _all_gather_single(_wire(output), _wire(input.contiguous()), group=pg, async_op=async_op)
+    if async_op:
+        return TracedWork(work, event, output)
     _finish(event, output)
     return output
 

@@ -22,8 +22,9 @@ and returns the usual batch-first tensors, so callers never see the transpose.
   summed (one all-reduce forward; backward none);
 * every block: :func:`tutorial_lib.transformer.block_collectives`;
 * the output layer: its input enters a column-parallel matmul, so backward all-reduces
-  ``dX`` (with sequence parallelism: all-gather forward, reduce-scatter backward);
-* the loss: three all-reduces of one number per token (max, target logit, sum of
+  ``dX`` (with sequence parallelism: all-gather forward; backward, all-gather the saved
+  input shard again for dW, then reduce-scatter dX);
+* the loss: three all-reduces of one fp32 number per token (max, target logit, sum of
   exponentials); the ``[s, b, V]`` logits are never gathered.
 
 **Sequence parallelism** (``ModelConfig.sequence_parallel``) follows Megatron's

@@ -24,13 +24,18 @@ Read it top to bottom, like the chapter:
    Every collective goes through :mod:`tutorial_lib.comm` on the ``tp`` group, tagged
    ``phase="forward"|"backward"`` and ``op_name=<function name>``, so traces count them.
    With TP size 1 each function returns its input and issues no collective.
+   One more function is not a pair: :func:`linear_with_sequence_parallel_all_gather`, the
+   column-parallel matmul under sequence parallelism, which all-gathers its input in the
+   forward pass, keeps only this rank's shard for backward and gathers it again there.
 3. **The layers**: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
-   :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy`.  Each
-   layer builds the *full* master weight from ``torch.Generator().manual_seed(seed)``
-   exactly as its serial counterpart (:func:`serial_linear`, :func:`serial_embedding`)
-   would, then keeps its slice (Megatron's ``_initialize_affine_weight_cpu``): every
-   shard *is* the matching slice of the serial layer.
-4. **Sequence-parallel gradients**: :func:`allreduce_sequence_parallel_grads`.
+   :class:`VocabParallelEmbedding` and :func:`vocab_parallel_cross_entropy` (fp32, with
+   optional label smoothing).  Each layer builds the *full* master weight from
+   ``torch.Generator().manual_seed(seed)`` exactly as its serial counterpart
+   (:func:`serial_linear`, :func:`serial_embedding`) would, then keeps its slice
+   (Megatron's ``_initialize_affine_weight_cpu``): every shard *is* the matching slice
+   of the serial layer.
+4. **Sequence-parallel gradients**: :func:`allreduce_sequence_parallel_grads`, and
+   :func:`saved_activation_bytes`, which measures what a layer keeps for backward.
 
 Layout: activations are ``[s, b, h]`` (sequence, batch, hidden) as in Megatron, so
 the sequence dimension is dim 0, the one :func:`comm.all_gather` and
@@ -40,6 +45,7 @@ collectives followed by a split-and-concatenate.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +61,13 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "derive_seed", "init_linear_master", "init_embedding_master", "serial_linear", "serial_embedding",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy", "allreduce_sequence_parallel_grads",
+    "vocab_parallel_cross_entropy", "allreduce_sequence_parallel_grads", "saved_activation_bytes",
+    "linear_with_sequence_parallel_all_gather", "SP_LINEAR", "megatron_label_smoothing_losses",
     "CopyToTensorModelParallelRegion", "ReduceFromTensorModelParallelRegion",
     "ScatterToTensorModelParallelRegion", "GatherFromTensorModelParallelRegion",
     "ScatterToSequenceParallelRegion", "GatherFromSequenceParallelRegion",
-    "ReduceScatterToSequenceParallelRegion", "VocabParallelCrossEntropy",
+    "ReduceScatterToSequenceParallelRegion", "LinearWithSequenceParallelAllGather",
+    "VocabParallelCrossEntropy",
 ]
 
 # --- 1. shapes that must divide by the TP size ---------------------------------------
@@ -94,9 +102,12 @@ def _split(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
-def _gather_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
+def _gather_first_dim(x: torch.Tensor, group: str, async_op: bool = False):
+    """``[T*s, ...]`` from every rank's ``[s, ...]``; with ``async_op``: ``(out, work)``."""
     size = parallel_state.group_size(group)
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if async_op:
+        return out, comm.all_gather(out, x.contiguous(), group=group, async_op=True)
     return comm.all_gather(out, x.contiguous(), group=group)
 
 
@@ -106,10 +117,13 @@ def _gather_last_dim(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.cat(stacked.chunk(parallel_state.group_size(group), dim=0), dim=-1).contiguous()
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group: str) -> torch.Tensor:
+def _reduce_scatter_first_dim(x: torch.Tensor, group: str, async_op: bool = False):
+    """My ``[s/T, ...]`` slice of the sum over ranks; with ``async_op``: ``(out, work)``."""
     size = parallel_state.group_size(group)
     divide(x.shape[0], size, "seq_length")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if async_op:
+        return out, comm.reduce_scatter(out, x.contiguous(), group=group, async_op=True)
     return comm.reduce_scatter(out, x.contiguous(), group=group)
 
 
@@ -272,6 +286,81 @@ def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp"):
     return ReduceScatterToSequenceParallelRegion.apply(x, tp_group)
 
 
+# --- the column-parallel matmul under sequence parallelism ---------------------------------
+
+SP_LINEAR = "linear_with_sequence_parallel_all_gather"
+"""The ``op_name`` of the collectives of :class:`LinearWithSequenceParallelAllGather`."""
+
+
+class LinearWithSequenceParallelAllGather(torch.autograd.Function):
+    """``F.linear`` of the all-gathered sequence, keeping only this rank's shard for backward.
+
+    The sequence-parallel branch of Megatron-Core 0.20.0's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` (``megatron/core/tensor_parallel/
+    layers.py``, d98e8a64), without its fused gradient accumulation.
+    Forward: all-gather ``x`` (``[s/T, b, in]``) to ``[s, b, in]`` and multiply.  A plain
+    ``F.linear`` of the gathered input would keep the whole ``[s, b, in]`` for its weight
+    gradient; this function keeps the ``[s/T, b, in]`` shard instead.  Backward:
+
+    1. start an asynchronous all-gather of the saved shard (the input again, for dW);
+    2. meanwhile compute ``dX = dY W`` for the whole sequence (partial sums over TP);
+    3. wait for the gather; start an asynchronous reduce-scatter of ``dX`` (each rank
+       keeps the summed gradient of its own tokens);
+    4. meanwhile compute ``dW = dY^T X`` and ``db``; wait for the reduce-scatter.
+
+    One more all-gather per layer in backward (``s/T * b * in`` elements a rank), hidden
+    behind the two matmuls on a GPU, in exchange for storing ``1/T`` of the input.  All
+    three collectives are tagged ``op_name="linear_with_sequence_parallel_all_gather"``
+    (:data:`SP_LINEAR`).
+    A precision recipe (:mod:`tutorial_lib.precision`) rounds the forward matmul here but
+    not the two backward ones.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)  # my shard of the sequence, not the gathered input
+        with _tags(SP_LINEAR, "forward"):
+            total = _gather_first_dim(x, group)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        grad_output = grad_output.contiguous()
+        if need_dw:
+            with _tags(SP_LINEAR, "backward"):
+                total, gathering = _gather_first_dim(x, ctx.group, async_op=True)
+        # dX = dY W needs no input: compute it while the gather runs
+        grad_total = grad_output.matmul(weight) if need_dx else None
+        grad_x = grad_weight = grad_bias = None
+        if need_dw:
+            gathering.wait()
+        if need_dx:
+            with _tags(SP_LINEAR, "backward"):
+                grad_x, scattering = _reduce_scatter_first_dim(grad_total, ctx.group,
+                                                               async_op=True)
+        if need_dw:  # dW while the reduce-scatter runs
+            grad_weight = grad_output.flatten(0, -2).t().matmul(total.flatten(0, -2))
+        if ctx.has_bias and need_db:
+            grad_bias = grad_output.flatten(0, -2).sum(dim=0)
+        if need_dx:
+            scattering.wait()
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear_with_sequence_parallel_all_gather(x, weight, bias=None, tp_group="tp"):
+    """``F.linear(all_gather(x), weight, bias)`` that keeps only ``x`` (this rank's tokens)
+    for backward and gathers it again there (:class:`LinearWithSequenceParallelAllGather`).
+
+    ``x``: ``[s/T, b, in]``; returns ``[s, b, out_shard]``.  With TP size 1: ``F.linear``.
+    """
+    if parallel_state.group_size(tp_group) == 1:
+        return F.linear(x, weight, bias)
+    return LinearWithSequenceParallelAllGather.apply(x, weight, bias, tp_group)
+
+
 # --- 3. one seed, one master weight, many shards ------------------------------------------
 
 
@@ -343,13 +432,11 @@ class ColumnParallelLinear(torch.nn.Module):
 
     Weight shard ``[output_size / T, input_size]``.  The input enters through
     :func:`copy_to_tensor_model_parallel_region` (backward: all-reduce dX), or, with
-    ``sequence_parallel``, is all-gathered from ``[s/T, b, in]`` by
-    :func:`gather_from_sequence_parallel_region` (backward: reduce-scatter dX).
+    ``sequence_parallel``, is all-gathered from ``[s/T, b, in]`` inside
+    :func:`linear_with_sequence_parallel_all_gather`, which keeps only the
+    ``[s/T, b, in]`` shard for backward and all-gathers it again there for dW (backward:
+    all-gather the input, reduce-scatter dX), as Megatron-Core does.
     The output stays split ``[..., output_size / T]`` unless ``gather_output``.
-
-    Unlike Megatron, which all-gathers the sequence-parallel input a second time in
-    backward to compute dW (so as not to keep ``[s, b, in]`` alive), autograd keeps the
-    gathered input here: one collective less, a little more memory.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
@@ -367,10 +454,9 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
+            y = linear_with_sequence_parallel_all_gather(x, self.weight, self.bias, self.tp_group)
         else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -445,13 +531,16 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Softmax cross-entropy over a vocabulary split across TP ranks; backward is local."""
+    """Softmax cross-entropy over a vocabulary split across TP ranks, in fp32; backward is local."""
 
     @staticmethod
-    def forward(ctx, logits, target, group):
+    def forward(ctx, logits, target, label_smoothing, group):
         size, rank = parallel_state.group_size(group), parallel_state.group_rank(group)
         per_rank = logits.shape[-1]
-        start = rank * per_rank
+        vocab, start = per_rank * size, rank * per_rank
+        ctx.logits_dtype = logits.dtype
+        # At least fp32 (fp64 stays fp64): bf16 would round exp, sums and log to 3 digits.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         with _tags("vocab_parallel_cross_entropy", "forward"):
             # 1. the global max, for a stable exp (it cancels out of the loss)
             logits_max = logits.max(dim=-1).values
@@ -463,6 +552,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             local_target = (target - start).masked_fill(outside, 0)
             target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
             target_logit = target_logit.masked_fill(outside, 0.0)
+            if label_smoothing:
+                # The smoothed target: 1 - eps on the label, eps / V on every id. Its
+                # logit term, (1 - eps) z_target + eps * mean(z), is a sum over the
+                # vocabulary like z_target: the same all-reduce sums it.
+                target_logit = ((1.0 - label_smoothing) * target_logit
+                                + label_smoothing / vocab * shifted.sum(dim=-1))
             # 3. the softmax denominator, summed over every rank's slice of the vocabulary
             exp_logits = shifted.exp()
             sum_exp = exp_logits.sum(dim=-1)
@@ -470,31 +565,73 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
                 comm.all_reduce(target_logit, group=group)
                 comm.all_reduce(sum_exp, group=group)
         loss = sum_exp.log() - target_logit
+        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
         ctx.save_for_backward(exp_logits / sum_exp.unsqueeze(-1), local_target, outside)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # d loss / d logits = softmax - one_hot(target): both are known on my slice.
+        # d loss / d logits = softmax - smoothed target: both are known on my slice.
         softmax, local_target, outside = ctx.saved_tensors
+        eps = ctx.label_smoothing
         grad = softmax.clone()
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        return grad * grad_loss.unsqueeze(-1), None, None
+        on_label = (1.0 - eps) * (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -on_label.unsqueeze(-1))
+        if eps:
+            grad -= eps / ctx.vocab
+        grad = grad * grad_loss.unsqueeze(-1)
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor,
-                                 tp_group="tp") -> torch.Tensor:
+                                 tp_group="tp", label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token loss ``log sum_v exp(z_v) - z_target`` from this rank's ``[..., V/T]`` logits.
 
     Forward: three all-reduces of one number per token (max, target logit, sum of
     exponentials), never the ``[..., V]`` logits.  Backward: no communication.
-    ``target`` holds global vocabulary ids, the same on every TP rank.
+    ``target`` holds global vocabulary ids, the same on every TP rank.  The loss is
+    computed and returned in fp32 (fp64 for fp64 logits) whatever the logits' dtype
+    (Megatron-Core >= 0.8 upcasts too); the gradient comes back in the logits' dtype.
+
+    ``label_smoothing`` (``eps`` in ``[0, 1)``): ``torch.nn.functional.cross_entropy``'s
+    convention, the target ``(1 - eps) one_hot + eps / V``, so the loss is
+    ``(1 - eps) (logZ - z_target) + eps (logZ - mean_v z_v)`` with the mean over the whole
+    vocabulary: the same on every TP rank and at every TP size.  It costs no extra
+    collective.  (Megatron-Core 0.20.0's smoothing differs by rank: see
+    :func:`megatron_label_smoothing_losses`.)
     """
     vocab = logits_shard.shape[-1] * parallel_state.group_size(tp_group)
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
         raise ValueError(f"target ids must lie in [0, {vocab}) (the vocabulary size), "
                          f"got ids from {int(target.min())} to {int(target.max())}")
-    return VocabParallelCrossEntropy.apply(logits_shard, target, tp_group)
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1) (the share of the target spread "
+                         f"over the vocabulary), got {label_smoothing}; try 0.1")
+    return VocabParallelCrossEntropy.apply(logits_shard, target, float(label_smoothing), tp_group)
+
+
+def megatron_label_smoothing_losses(logits: torch.Tensor, target: torch.Tensor,
+                                    label_smoothing: float, tp_size: int):
+    """The loss each of ``tp_size`` ranks returns under Megatron-Core 0.20.0's label
+    smoothing (``_VocabParallelCrossEntropy`` in ``megatron/core/tensor_parallel/
+    cross_entropy.py``, d98e8a64), recomputed serially from all the logits, ``[..., V]``.
+
+    A teaching model of that formula, not used in training: returns ``[tp_size, ...]``.
+    Upstream normalises the probabilities over the whole vocabulary (its all-reduces),
+    then smooths with what it has on the rank: the width of the rank's slice, ``V/T``,
+    stands in for ``V`` in the coefficient ``eps V / (V - 1)``, and the mean of the log
+    probabilities is taken over the rank's slice only.  So each rank's loss depends on
+    which slice it holds, and even at ``T = 1`` its target puts ``eps / (V - 1)`` on
+    each id but the label, where torch's puts ``eps / V`` on every id.
+    """
+    log_probs = logits.float().log_softmax(dim=-1)
+    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    losses = []
+    for piece in log_probs.chunk(tp_size, dim=-1):
+        width = piece.shape[-1]  # upstream's "vocab_size": the slice's width, not V
+        coefficient = label_smoothing * width / (width - 1)
+        losses.append((1.0 - coefficient) * nll - coefficient * piece.mean(dim=-1))
+    return torch.stack(losses)
 
 
 # --- 5. sequence parallelism's extra gradient sync -------------------------------------------
@@ -528,3 +665,54 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group="tp") ->
         comm.all_reduce(flat, group=tp_group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(summed.view_as(g))
+
+
+# --- 6. what a layer keeps for backward ------------------------------------------------------
+
+
+@contextmanager
+def saved_activation_bytes(modules: dict[str, torch.nn.Module]):
+    """Measure the bytes autograd keeps for backward inside each module's forward.
+
+    ``with saved_activation_bytes({"qkv": block.self_attention.linear_qkv}) as saved:`` run
+    forward, then ``saved["qkv"]`` is the bytes of the tensors that module's autograd
+    nodes saved (``torch.autograd.graph.saved_tensors_hooks``), counted by the storage
+    each keeps alive (a saved view keeps its whole storage), each storage once, the
+    module's own parameters left out: its saved activations.  Summed over every forward
+    inside the ``with`` block (each storage once per forward).  Modules must not contain
+    one another.
+    """
+    saved = {name: 0 for name in modules}
+    handles = []
+
+    def watch(name, module):
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        seen = set()
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                saved[name] += storage.nbytes()
+            return tensor
+
+        hooks = []
+
+        def enter(mod, args):
+            seen.clear()  # a storage counts once per forward (a later one may reuse the address)
+            hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
+            hooks[-1].__enter__()
+
+        def leave(mod, args, output):
+            hooks.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+
+    for name, module in modules.items():
+        watch(name, module)
+    try:
+        yield saved
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -19,11 +19,18 @@ Without sequence parallelism: **2 all-reduces forward and 2 backward**, each of
 ``s*b*h`` elements.  With sequence parallelism (``sequence_parallel=True``) the block's input
 and output are ``[s/T, b, h]`` and each all-reduce splits into its two halves: an
 all-gather before each column-parallel layer (forward; its backward is a reduce-scatter)
-and a reduce-scatter after each row-parallel layer (forward; its backward an all-gather):
-2 all-gathers + 2 reduce-scatters forward, 2 reduce-scatters + 2 all-gathers backward,
-the same bytes on the wire as the all-reduces, but the LayerNorms, residuals (and any
-dropout) now run on ``1/T`` of the tokens.  Then one more all-reduce after backward: see
-:func:`allreduce_sequence_parallel_grads`.  :func:`block_collectives` lists all of this.
+and a reduce-scatter after each row-parallel layer (forward; its backward an all-gather).
+Forward: 2 all-gathers + 2 reduce-scatters, the same bytes on the wire as the 2
+all-reduces.  Backward: the same 2 reduce-scatters + 2 all-gathers, plus one more
+all-gather per column-parallel layer, because ``linear_qkv`` and ``linear_fc1`` keep only
+this rank's ``[s/T, b, h]`` input for backward and gather it again for their weight
+gradient (Megatron's way, :func:`~tutorial_lib.tensor_parallel.linear_with_sequence_parallel_all_gather`).
+So a block sends 5/4 of the bytes it sends without sequence parallelism, and every
+activation it stores for backward is ``1/T`` of the tokens or of the features: the
+LayerNorms, residuals (and any dropout) run on ``1/T`` of the tokens, and the
+column-parallel inputs are kept as ``1/T`` shards.  Then one more all-reduce after
+backward: see :func:`allreduce_sequence_parallel_grads`.  :func:`block_collectives` lists
+all of this.
 
 Why the LayerNorm gradients need that all-reduce: the LayerNorm weights are *replicated*
 on every TP rank, but with sequence parallelism each rank normalises only its own
@@ -48,6 +55,7 @@ import torch.nn.functional as F
 
 from . import parallel_state
 from .tensor_parallel import (
+    SP_LINEAR,
     derive_seed,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -154,10 +162,13 @@ def block_collectives(seq_length: int, micro_batch_size: int, hidden_size: int, 
     else:
         tokens_per_rank = divide(seq_length, tp_size, "seq_length")
         shard = tokens_per_rank * micro_batch_size * hidden_size * bytes_per_element
-        gather = "gather_from_sequence_parallel_region"
+        column = SP_LINEAR
         scatter = "reduce_scatter_to_sequence_parallel_region"
-        layer = [("forward", gather, "all_gather", shard), ("forward", scatter, "reduce_scatter", full)]
-        undo = [("backward", scatter, "all_gather", shard), ("backward", gather, "reduce_scatter", full)]
+        layer = [("forward", column, "all_gather", shard), ("forward", scatter, "reduce_scatter", full)]
+        # Backward, row-parallel layer first: gather dY; then the column-parallel layer gathers
+        # its saved input shard again (for dW) and reduce-scatters dX.
+        undo = [("backward", scatter, "all_gather", shard), ("backward", column, "all_gather", shard),
+                ("backward", column, "reduce_scatter", full)]
         # 2 LayerNorms (weight + bias) and 2 row-parallel biases: 6h gradient elements in one buffer.
         sync = [("grad_sync", "allreduce_sequence_parallel_grads", "all_reduce",
                  6 * hidden_size * bytes_per_element)]

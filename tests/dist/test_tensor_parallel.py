@@ -8,7 +8,10 @@ wrong group (the world, the DP group) gives a sum no TP group can give.
 
 Tolerances: closed-form sums and weight shards are compared exactly (``torch.equal``);
 layer outputs and gradients against the serial ``nn.Linear`` / ``nn.Embedding`` /
-``F.cross_entropy`` in fp32 with ``atol=1e-5, rtol=1e-5``.
+``F.cross_entropy`` in fp32 with ``atol=1e-5, rtol=1e-5``.  The cross-entropy of bf16
+logits is compared with ``F.cross_entropy`` in fp64 of the same bf16 values: the loss at
+``rtol=1e-6`` (fp32 rounding), its bf16 gradient at ``atol=2**-8`` (bf16 rounding of
+values below 1).
 """
 import sys
 
@@ -190,8 +193,12 @@ def _layers(ctx, tp_size):
         _exact(layer.weight, ref.weight.detach().chunk(T, 0)[i], f"{name}: weight shard is my rows")
         _exact(layer.bias, ref.bias.detach().chunk(T, 0)[i], f"{name}: bias shard")
         x = (x_full[rows] if sequence_parallel else x_full).clone().requires_grad_()
-        with tags(layer=name):
+        with tags(layer=name), tp.saved_activation_bytes({name: layer}) as saved:
             y = layer(x)
+        # Kept for dW: the input this rank was given, [s/T, b, in] under SP (not the gathered one).
+        want_saved = (S // T if sequence_parallel else S) * B * IN * 4
+        _check(saved[name] == want_saved, f"{name}: autograd saved {saved[name]} bytes, not {want_saved}")
+        with tags(layer=name):
             want_y = ref_y if gather_output else ref_y.chunk(T, -1)[i]
             _close(y, want_y, f"{name}: output")
             _backward(y, dy_full if gather_output else dy_full.chunk(T, -1)[i])
@@ -242,19 +249,33 @@ def _layers(ctx, tp_size):
             _backward(y, dy[rows] if sequence_parallel else dy)
         _close(layer.weight.grad, ref.weight.grad.chunk(T, 0)[i], f"{name}: weight grad")
 
-    # Cross-entropy over a split vocabulary, targets on both sides of every boundary.
+    # Cross-entropy over a split vocabulary, targets on both sides of every boundary; plain,
+    # label-smoothed (torch's convention, the same loss on every rank at every TP), and of
+    # bf16 logits (computed in fp32: compared with fp64).
     logits_full = 3 * torch.randn(S, B, VOCAB, generator=g)
     target = (torch.arange(S * B) % VOCAB)[torch.randperm(S * B, generator=g)].view(S, B)
     dloss = torch.rand(S, B, generator=g)
-    ref_logits = logits_full.clone().requires_grad_()
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(S, B)
-    _backward(ref_loss, dloss)
-    shard = logits_full.chunk(T, -1)[i].clone().requires_grad_()
-    with tags(layer="cross_entropy"):
-        loss = tp.vocab_parallel_cross_entropy(shard, target)
-        _close(loss, ref_loss.detach(), "cross-entropy: per-token loss")
-        _backward(loss, dloss)
-    _close(shard.grad, ref_logits.grad.chunk(T, -1)[i], "cross-entropy: grad of my logits")
+    cases = {"cross_entropy": (logits_full, 0.0, torch.float32),
+             "cross_entropy_smoothed": (logits_full, 0.1, torch.float32),
+             "cross_entropy_bf16": (logits_full.bfloat16(), 0.0, torch.float64)}
+    for name, (logits, smoothing, ref_dtype) in cases.items():
+        ref_logits = logits.to(ref_dtype, copy=True).requires_grad_()
+        ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none",
+                                   label_smoothing=smoothing).view(S, B)
+        _backward(ref_loss, dloss.to(ref_dtype))
+        shard = logits.chunk(T, -1)[i].clone().requires_grad_()
+        smoothed = {"label_smoothing": smoothing} if smoothing else {}
+        with tags(layer=name):
+            loss = tp.vocab_parallel_cross_entropy(shard, target, **smoothed)
+            _backward(loss, dloss)
+        if logits.dtype == torch.bfloat16:
+            _close(loss.double(), ref_loss.detach(), f"{name}: per-token loss", atol=0, rtol=1e-6)
+            _check(loss.dtype == torch.float32 and shard.grad.dtype == torch.bfloat16, f"{name}: dtypes")
+            _close(shard.grad.double(), ref_logits.grad.chunk(T, -1)[i], f"{name}: grad of my logits",
+                   atol=2 ** -8, rtol=0)
+        else:
+            _close(loss, ref_loss.detach(), f"{name}: per-token loss")
+            _close(shard.grad, ref_logits.grad.chunk(T, -1)[i], f"{name}: grad of my logits")
     return group
 
 
@@ -271,9 +292,13 @@ def _expected_layer_events(T):
         "column_gather_output": [
             ("forward", "gather_from_tensor_model_parallel_region", "all_gather", y_shard),
             ("backward", "copy_to_tensor_model_parallel_region", "all_reduce", x)],
+        # Megatron-Core 0.20.0 (d98e8a64), layers.py, LinearWithGradAccumulationAndAsyncCommunication:
+        # under SP the column-parallel layer saves its input shard and all-gathers it again in
+        # backward (for dW), then reduce-scatters dX.
         "column_sequence_parallel": [
-            ("forward", "gather_from_sequence_parallel_region", "all_gather", x_seq),
-            ("backward", "gather_from_sequence_parallel_region", "reduce_scatter", x)],
+            ("forward", "linear_with_sequence_parallel_all_gather", "all_gather", x_seq),
+            ("backward", "linear_with_sequence_parallel_all_gather", "all_gather", x_seq),
+            ("backward", "linear_with_sequence_parallel_all_gather", "reduce_scatter", x)],
         "row": [("forward", "reduce_from_tensor_model_parallel_region", "all_reduce", y)],
         "row_scatter_input": [
             ("forward", "reduce_from_tensor_model_parallel_region", "all_reduce", y),
@@ -287,11 +312,29 @@ def _expected_layer_events(T):
             ("forward", "reduce_scatter_to_sequence_parallel_region", "reduce_scatter", e),
             ("backward", "reduce_scatter_to_sequence_parallel_region", "all_gather", e_seq)],
         "cross_entropy": [("forward", "vocab_parallel_cross_entropy", "all_reduce", per_token)] * 3,
+        # Smoothing rides on the target-logit all-reduce: no fourth collective.
+        "cross_entropy_smoothed": [("forward", "vocab_parallel_cross_entropy", "all_reduce", per_token)] * 3,
+        # bf16 logits, fp32 reductions: 4 bytes a token, not 2.
+        "cross_entropy_bf16": [("forward", "vocab_parallel_cross_entropy", "all_reduce", per_token)] * 3,
     }
 
 
 @pytest.mark.parametrize("tp_size,dp_size", CONFIGS)
 def test_parallel_layers_equal_the_serial_layer_and_issue_the_expected_collectives(tp_size, dp_size):
+    """Every layer against its serial twin, and its collectives.  Two upstream rules shape it.
+
+    * Megatron-Core 0.20.0 (d98e8a64), ``megatron/core/tensor_parallel/layers.py``,
+      ``LinearWithGradAccumulationAndAsyncCommunication``: under sequence parallelism a
+      column-parallel layer saves its ``[s/T, b, in]`` input shard (checked in the worker
+      with ``saved_activation_bytes``) and all-gathers it again in backward before the
+      reduce-scatter of dX (the expected events).
+    * ``megatron/core/tensor_parallel/cross_entropy.py``, ``VocabParallelCrossEntropy``:
+      the logits are upcast to fp32 (bf16 logits: loss within fp32 rounding of fp64, fp32
+      all-reduces).  Its label smoothing, which takes the slice width for the vocabulary
+      size and averages the log-probabilities over the rank's slice (Megatron-LM issues
+      #737, #7464), is *not* followed: the smoothed loss and its gradient must equal serial
+      ``F.cross_entropy(label_smoothing=0.1)`` on every rank at TP 2 and 4.
+    """
     res = launch(_layers, tp_size * dp_size, args=(tp_size,), timeout=60)
     expected = _expected_layer_events(tp_size)
     for rank, group in enumerate(res.results):
@@ -301,8 +344,10 @@ def test_parallel_layers_equal_the_serial_layer_and_issue_the_expected_collectiv
             got.setdefault(e.tags["layer"], []).append((e.tags["phase"], e.tags["op_name"], e.op, e.bytes))
         assert got == expected
     if tp_size > 1:  # the three cross-entropy reductions: max first, then two sums
-        ops = [e.tags["reduce_op"] for e in res.trace.filter(rank=0, layer="cross_entropy")]
-        assert ops == ["max", "sum", "sum"]
+        for name in ("cross_entropy", "cross_entropy_smoothed", "cross_entropy_bf16"):
+            ops = [e.tags["reduce_op"] for e in res.trace.filter(rank=0, layer=name)]
+            assert ops == ["max", "sum", "sum"]
+            assert {e.dtype for e in res.trace.filter(rank=0, layer=name)} == {"float32"}
 
 
 # --- errors that teach ---------------------------------------------------------------------

@@ -22,8 +22,10 @@ import numpy as np
 # Per microbatch, inside one DP replica (TP collectives, group "tp", only when TP > 1):
 #   forward:  word embedding all-reduce; each block's (transformer.block_collectives);
 #             the output layer's all-gather (SP only); the cross-entropy's 3 all-reduces
-#   backward: the output layer's all-reduce of dX (SP: reduce-scatter); each block's;
-#             the embedding scatter's all-gather (SP only)
+#             (fp32, whatever the model's dtype: the loss upcasts)
+#   backward: the output layer's all-reduce of dX (SP: the all-gather of its saved input
+#             shard, then the reduce-scatter of dX); each block's; the embedding
+#             scatter's all-gather (SP only)
 # Once per step:
 #   grad_sync: one all-reduce of every sequence-parallel gradient over TP (SP only)
 #   backward:  DataParallel's bucket all-reduces over DP (not with ZeRO-1)
@@ -36,6 +38,7 @@ import numpy as np
 DATA_PARALLEL_BUCKET_SIZE_BYTES = 40_000_000
 
 _NORM_BYTES = 4  # the clip's squared norm and the logged loss are float32 scalars
+_LOSS_BYTES = 4  # the vocab-parallel cross-entropy computes in float32 whatever the logits' dtype
 _ZERO1_BYTES = 4  # ZeRO-1's flat buffers are float32 (the master copy) whatever the model's dtype
 
 
@@ -143,7 +146,9 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
     issue their collectives even when DP = 1 (a group of one rank, where gloo returns at
     once), while the clip and the log skip groups of one rank; and with sequence
     parallelism the word embedding still all-reduces (Megatron's pattern with a learned
-    position embedding), the split along the sequence comes after it for free.
+    position embedding), the split along the sequence comes after it for free, while
+    every column-parallel layer (qkv, fc1, the output layer) all-gathers its input twice,
+    once forward and once backward (it keeps only its shard for dW).
     """
     tp, dp = _positive("tp", tp), _positive("dp", dp)
     b, m = _positive("micro_batch_size", micro_batch_size), _positive("num_microbatches", num_microbatches)
@@ -155,7 +160,7 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
         _per_rank(s, tp, "seq_length")
     activation = s * b * h * bytes_per_element      # one [s, b, h] tensor
     shard = activation // tp                        # this rank's [s/T, b, h] slice
-    per_token = s * b * bytes_per_element           # one number per token: [s, b]
+    per_token = s * b * _LOSS_BYTES                 # one fp32 number per token: [s, b]
     rows: list[StepCollective] = []
 
     def add(op, kind, phase, count, nbytes, what):
@@ -185,6 +190,8 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
         add("all_reduce", "tp", "forward", 3 * m, per_token,
             "vocab-parallel cross-entropy: max, target logit, sum of exponentials")
         if sp:
+            add("all_gather", "tp", "backward", m, shard,
+                "output layer: gather its saved input shard again, for dW")
             add("reduce_scatter", "tp", "backward", m, activation,
                 "output layer: dX partial sums over vocabulary shards, back to my tokens")
         else:

@@ -115,7 +115,14 @@ HINT_STEP_TP_ONCE = (
 HINT_STEP_SP_SMALLER = (
     "sequence parallelism does not shrink the TP traffic: it splits each all-reduce into a "
     "reduce-scatter and an all-gather of the same activation, (N-1)/N * B each, which add up "
-    "to the all-reduce's 2(N-1)/N * B. It saves activation memory, not bytes on the wire."
+    "to the all-reduce's 2(N-1)/N * B. It saves activation memory, not bytes on the wire (its "
+    "backward even adds one all-gather per column-parallel layer)."
+)
+HINT_STEP_SP_NO_REGATHER = (
+    "with sequence parallelism the backward pass sends one more all-gather per column-parallel "
+    "layer (QKV and fc1): each keeps only its [s/T, b, h] input shard for backward and gathers "
+    "the whole input again to compute its weight gradient, (N-1)/N * B more per layer. So a "
+    "block sends 5 all-reduces' worth per microbatch, not 4."
 )
 HINT_STEP_SP_NO_SYNC = (
     "with sequence parallelism there is one more TP all-reduce per step: the gradients of "
@@ -147,8 +154,9 @@ HINT_STEP_FFN_4H = (
 HINT_STEP_TP_GENERIC = (
     "TP per rank and step: num_layers * num_microbatches * 4 collectives' worth of the activation "
     "A = s*b*h*4 bytes, each sending 2(T-1)/T * A (an all-reduce, or with sequence parallelism a "
-    "reduce-scatter plus an all-gather), plus, with sequence parallelism only, one all-reduce of "
-    "the 6h*num_layers LayerNorm and bias gradients."
+    "reduce-scatter plus an all-gather). With sequence parallelism, also 2 more all-gathers per "
+    "block and microbatch in backward ((T-1)/T * A each: QKV and fc1 gather their saved input "
+    "again) and one all-reduce of the 6h*num_layers LayerNorm and bias gradients."
 )
 HINT_STEP_DP_GENERIC = (
     "DP per rank and step: one all-reduce (in buckets: the total is what counts) of the gradients "
@@ -167,7 +175,8 @@ STEP_HINTS = Mistakes(
     HINT_STEP_TP_GENERIC, any_case={"format", "raised"},
     format=HINT_STEP_FORMAT, raised=HINT_STEP_RAISED,
     payload=HINT_STEP_PAYLOAD, one_phase=HINT_STEP_ONE_PHASE, forward_only=HINT_STEP_FORWARD_ONLY,
-    tp_once=HINT_STEP_TP_ONCE, sp_smaller=HINT_STEP_SP_SMALLER, sp_no_sync=HINT_STEP_SP_NO_SYNC,
+    tp_once=HINT_STEP_TP_ONCE, sp_smaller=HINT_STEP_SP_SMALLER,
+    sp_no_regather=HINT_STEP_SP_NO_REGATHER, sp_no_sync=HINT_STEP_SP_NO_SYNC,
     sp_sync_always=HINT_STEP_SP_SYNC_NO_SP, dp_payload=HINT_STEP_PAYLOAD,
     dp_one_phase=HINT_STEP_ONE_PHASE, dp_per_microbatch=HINT_STEP_DP_PER_MICROBATCH,
     dp_unsharded=HINT_STEP_DP_UNSHARDED, dp_weights_only=HINT_STEP_DP_WEIGHTS_ONLY,
@@ -381,8 +390,9 @@ _SHARDED_WHY = {
                   "input on every TP rank and dY_i is the gradient of this rank's own outputs",
     "fc2_weight": "its gradient dW_i = X_i^T dY is already complete on rank i: X_i is this "
                   "rank's slice of the input and dY is the same full gradient on every TP rank",
-    "fc1_weight_sp": "its input is all-gathered before the matmul, so X is the full sequence and "
-                     "dW_i = X^T dY_i is already complete on rank i",
+    "fc1_weight_sp": "its input is all-gathered before the matmul (and again in backward, for "
+                     "dW), so X is the full sequence and dW_i = X^T dY_i is already complete on "
+                     "rank i",
     "embedding_weight": "each rank's rows are the rows of its own vocabulary range and dY reaches "
                         "every rank whole, so each rank's row gradients are already complete",
 }
@@ -497,6 +507,7 @@ def block_params_per_rank(h: int, ffn: int, T: int) -> int:
 
 def reference_step_bytes(cfg: StepConfig, *, wire: bool = True, backward: bool = True,
                          tp_per_microbatch: bool = True, sp_smaller: bool = False,
+                         sp_regather: bool = True,
                          sp_sync: bool | None = None, ring_phases: int = 2,
                          dp_per_microbatch: bool = False, dp_unsharded: bool = False,
                          dp_weights_only: bool = False, ffn_4h: bool = False) -> dict:
@@ -505,9 +516,10 @@ def reference_step_bytes(cfg: StepConfig, *, wire: bool = True, backward: bool =
     The keyword arguments switch on the classic mistakes (the checker's hints), so
     with the defaults this is the right answer:
 
-    * TP: ``L * M * 4 * 2(T-1)/T * A`` with ``A = s b h * 4`` bytes, with or without
-      sequence parallelism, plus with it ``2(T-1)/T * 6 h L * 4`` for the LayerNorm
-      and bias gradients;
+    * TP: ``L * M * 4 * 2(T-1)/T * A`` with ``A = s b h * 4`` bytes; with sequence
+      parallelism ``L * M * 5 * 2(T-1)/T * A`` (the backward all-gathers the inputs of
+      QKV and fc1 again: two more ``(T-1)/T * A`` per block), plus ``2(T-1)/T * 6 h L * 4``
+      for the LayerNorm and bias gradients;
     * DP: ``2(D-1)/D * 4 * L * block_params_per_rank(h, ffn, T)``.
     """
     s, b, h, L, M = cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size, cfg.num_layers, cfg.num_microbatches
@@ -519,8 +531,15 @@ def reference_step_bytes(cfg: StepConfig, *, wire: bool = True, backward: bool =
             return 0.0
         return ring_phases * (n - 1) / n if wire else 1.0
 
+    def gather(n):  # bytes sent per byte of an all-gather's result (payload: my 1/n shard)
+        if n == 1:
+            return 0.0
+        return (n - 1) / n if wire else 1.0 / n
+
     activation = s * b * h * 4
     per_block = (4 if backward else 2) * ring(T) * activation
+    if cfg.sequence_parallel and backward and sp_regather:
+        per_block += 2 * gather(T) * activation  # QKV's and fc1's saved inputs, gathered again
     if cfg.sequence_parallel and sp_smaller:
         per_block /= T
     tp = L * (M if tp_per_microbatch else 1) * per_block
@@ -540,6 +559,7 @@ STEP_MISTAKES = {
     "forward_only": ("tp", dict(backward=False)),
     "tp_once": ("tp", dict(tp_per_microbatch=False)),
     "sp_smaller": ("tp", dict(sp_smaller=True)),
+    "sp_no_regather": ("tp", dict(sp_regather=False)),
     "sp_no_sync": ("tp", dict(sp_sync=False)),
     "sp_sync_always": ("tp", dict(sp_sync=True)),
     "dp_payload": ("dp", dict(wire=False)),
