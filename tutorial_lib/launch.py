@@ -11,20 +11,37 @@ How it works, and why:
   imports torch for every rank of every launch (3-4 s for 4 ranks here).  A
   forkserver imports torch once, then forks a warm copy per rank (0.1-0.2 s).
   Only torch is preloaded: the server keeps the modules *and the environment*
-  it started with, so preloading this library would hide your edits to it.
+  it started with, so preloading this library would hide your edits to it.  A
+  server that died is started again, transparently.
 * **cloudpickle.**  Workers cannot import a function defined in a notebook
   (``__main__``), so the launcher ships it by value.
 * **rendezvous through ``init_method``.**  Each launch gets a fresh
   ``file://`` store in its own temporary directory: two notebooks launching at
   the same time cannot collide on a port, and nothing travels through
   environment variables (forked children would keep the server's).
+* **pipes the launcher owns.**  Each rank's stdout and stderr are pipes whose
+  read ends only the launcher holds, forwarded line by line, prefixed
+  ``[rank r]``; what a rank wrote before it died (gloo's last words before an
+  abort, say) is still in the pipe and reaches the error report.  Results come
+  back over a pipe of their own per rank, so a worker that closes its stdout
+  keeps its result.
+* **two clocks.**  ``start_timeout`` bounds the start-up (fork, unpickling the
+  function and its imports, joining the process group); the ``timeout`` clock
+  starts only when every rank has joined, so a busy machine that is slow to
+  start workers is never mistaken for a deadlock.
 * **no process left behind.**  A worker that raises ends the launch at once with
-  its traceback; a launch that runs past ``timeout`` (a deadlock, say) ends with
-  a report of what every rank was blocked in; an interrupted cell kills the
-  workers; and each worker watches the launching process and exits if it dies.
-* **whole lines of output.**  Each worker's stdout and stderr are captured at
-  the file-descriptor level and forwarded line by line, prefixed ``[rank r]``,
-  so prints from several ranks never interleave mid-line.
+  its traceback; a launch that runs past ``timeout`` ends with a report of what
+  every rank was blocked in; an interrupted cell kills the workers.  Every worker
+  leads its own process group, and the launcher ends whole groups, so the
+  processes a worker started (a ``DataLoader``'s workers, a ``subprocess``) end
+  with it.  Each worker holds the read end of a *liveness pipe* whose only write
+  end is the launcher's: when the launcher dies, even by ``kill -9`` and never
+  reaped, the pipe reports end-of-file and the worker ends its group.
+* **collective checks.**  With ``check_collectives`` (on by default inside a
+  notebook) torch's own consistency check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)
+  wraps every process group: before each collective the ranks compare the op,
+  shapes and dtypes, and a mismatch raises at once, naming the ranks and shapes
+  that disagree, instead of crashing gloo or hanging until the timeout.
 
 The same worker function runs under ``torchrun`` (``env://`` rendezvous) with
 :func:`run_under_torchrun`; :func:`is_torchrun` tells which world you are in.
@@ -32,9 +49,12 @@ The same worker function runs under ``torchrun`` (``env://`` rendezvous) with
 from __future__ import annotations
 
 import faulthandler
+import fcntl
+import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue as queue_module
+import re
 import shutil
 import signal
 import sys
@@ -97,12 +117,17 @@ class LaunchResult:
 
 
 class WorkerError(RuntimeError):
-    """A worker raised (or died); carries that rank's traceback."""
+    """A worker raised (or died); carries that rank's traceback.
+
+    ``results`` holds what the ranks that did finish returned (``None`` for the others),
+    so one bad rank does not lose the rest.
+    """
 
     def __init__(self, rank: int, summary: str, worker_traceback: str):
         self.rank = rank
         self.summary = summary
         self.worker_traceback = worker_traceback
+        self.results: list = []
         super().__init__(f"rank {rank} failed: {summary}\n\n"
                          f"----- traceback from rank {rank} -----\n{worker_traceback}")
 
@@ -113,13 +138,29 @@ class LaunchTimeout(RuntimeError):
     def __init__(self, timeout: float, report: dict[int, str]):
         self.timeout = timeout
         self.report = report
-        lines = [f"launch timed out after {timeout:g} s; the workers were killed. "
-                 f"What each rank was doing:"]
+        lines = [f"launch timed out {timeout:g} s after every rank had joined; the workers "
+                 f"were killed. What each rank was doing:"]
         for rank in sorted(report):
             lines.append(f"  rank {rank}: {report[rank]}")
         lines.append("A rank blocked in a receive (or collective) whose peers never send is "
                      "a deadlock: check that every send has a matching receive on the peer, "
                      "in the same order, and that every rank of a group joins each collective.")
+        super().__init__("\n".join(lines))
+
+
+class StartupTimeout(RuntimeError):
+    """The workers did not all join the process group within ``start_timeout`` seconds."""
+
+    def __init__(self, start_timeout: float, report: dict[int, str]):
+        self.start_timeout = start_timeout
+        self.report = report
+        lines = [f"the workers did not all start within start_timeout={start_timeout:g} s "
+                 f"(forked, function unpickled with its imports, process group joined); "
+                 f"they were killed. Where each rank was:"]
+        for rank in sorted(report):
+            lines.append(f"  rank {rank}: {report[rank]}")
+        lines.append("On a busy machine start-up can take long: pass a larger start_timeout, "
+                     "or launch fewer ranks. Nothing of your function had run yet.")
         super().__init__("\n".join(lines))
 
 
@@ -145,6 +186,13 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (where collective checks are on by default)."""
+    shell = sys.modules.get("IPython")
+    ipython = getattr(shell, "get_ipython", lambda: None)() if shell else None
+    return ipython is not None and "IPKernelApp" in getattr(ipython, "config", {})
+
+
 # --- the worker side ------------------------------------------------------------------
 
 
@@ -159,12 +207,12 @@ def _describe_pending(event: TraceEvent) -> str:
     return " ".join(parts)
 
 
-def _write_status(run_dir: str, rank: int, tracer: Tracer) -> None:
-    """Write what this rank is blocked in, for the launcher's deadlock report."""
-    event = tracer.pending
+def _write_status(run_dir: str, rank: int, tracer: Tracer | None) -> None:
+    """Write what this rank is blocked in, for the launcher's report."""
+    event = tracer.pending if tracer is not None else None
     if event is not None:
         text = f"{event.t_start!r}\nwaiting in {_describe_pending(event)}"
-    elif tracer.finished:
+    elif tracer is not None and tracer.finished:
         text = f"{time.time()!r}\nfinished its function; waiting for the other ranks to finish theirs"
     else:
         text = ""
@@ -174,68 +222,79 @@ def _write_status(run_dir: str, rank: int, tracer: Tracer) -> None:
     os.replace(tmp, os.path.join(run_dir, f"status.{rank}"))
 
 
-def _forward_fd(fd: int, stream: str, rank: int, out_queue) -> threading.Thread:
-    """Point file descriptor ``fd`` at a pipe and forward whole lines to the launcher."""
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, fd)
-    os.close(write_end)
-
-    def pump():
-        with os.fdopen(read_end, "rb") as pipe:
-            for raw in pipe:
-                out_queue.put(("line", rank, stream, raw.decode(errors="replace").rstrip("\n")))
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    return thread
+def _end_my_process_group() -> None:
+    """Kill this worker and every process it started (they share its process group)."""
+    try:
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(3)
 
 
-def _watch(launcher_pid: int, run_dir: str, rank: int) -> None:
-    """The worker's watchdog thread: exit if the launcher dies; answer report requests.
+def _watch(alive, run_dir: str, rank: int) -> None:
+    """The worker's watchdog thread: end the group if the launcher dies; answer report requests.
 
-    It runs while the main thread is blocked inside a collective (torch releases
-    the GIL there), so it can read the op the main thread is stuck in.
+    ``alive`` is the read end of the liveness pipe: nothing is ever written to it, so it
+    becomes readable only at end-of-file, when the launcher's write end closes (the launcher
+    exited or was killed).  The thread runs while the main thread is blocked inside a
+    collective (torch releases the GIL there), so it can read the op the main thread is
+    stuck in.
     """
     request = os.path.join(run_dir, "report.request")
     answered = False
     while True:
-        time.sleep(_WATCH_INTERVAL)
-        try:
-            os.kill(launcher_pid, 0)
-        except ProcessLookupError:
-            os._exit(3)
+        if alive.poll(_WATCH_INTERVAL):
+            _end_my_process_group()
         if not answered and os.path.exists(request):
             from .trace import get_tracer
             _write_status(run_dir, rank, get_tracer())
             answered = True
 
 
-_WATCH_INTERVAL = 0.1  # seconds between the watchdog's checks
+_WATCH_INTERVAL = 0.1  # seconds between the watchdog's checks for a report request
 
 
-def _worker_main(rank, world_size, backend, init_method, payload, out_queue, run_dir,
-                 launcher_pid, options) -> None:
-    threading.Thread(target=_watch, args=(launcher_pid, run_dir, rank), daemon=True).start()
-    pumps = [_forward_fd(1, "stdout", rank, out_queue), _forward_fd(2, "stderr", rank, out_queue)]
+def _safe_summary(exc: BaseException) -> str:
+    """``Type: message``, even for an exception whose ``__str__`` raises."""
+    try:
+        text = str(exc)
+    except Exception as inner:  # noqa: BLE001 - the user's __str__ may do anything
+        text = f"<its __str__ raised {type(inner).__name__}: {inner!r}>"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _send(conn, message) -> None:
+    conn.send_bytes(cloudpickle.dumps(message))
+
+
+def _worker_main(rank, world_size, backend, init_method, payload, result_conn, stdout_conn,
+                 stderr_conn, alive, run_dir, options) -> None:
+    os.setpgid(0, 0)  # lead a process group: the launcher ends it whole
+    for fd, conn in ((1, stdout_conn), (2, stderr_conn)):
+        os.dup2(conn.fileno(), fd)  # the launcher holds the read end
+        conn.close()
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    threading.Thread(target=_watch, args=(alive, run_dir, rank), daemon=True).start()
     stack_file = open(os.path.join(run_dir, f"stack.{rank}"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
-    status = "ok"
     try:
         import torch
         import torch.distributed as dist
         torch.set_num_threads(options["threads"])
         tracer = set_tracer(Tracer(rank, enabled=options["trace"],
                                    capture_values=options["capture_values"]))
+        fn, args, kwargs = cloudpickle.loads(payload)  # imports the function's modules
         device = "cpu"
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = f"cuda:{torch.cuda.current_device()}"
+        if options["check_collectives"]:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
         dist.init_process_group(process_group_backend(backend), init_method=init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=options["timeout"] + 60))
-        fn, args, kwargs = cloudpickle.loads(payload)
+        _send(result_conn, ("ready", rank))  # the launcher's timeout clock starts now
         ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
                             local_rank=rank)
         result = fn(ctx, *args, **kwargs)
@@ -244,23 +303,23 @@ def _worker_main(rank, world_size, backend, init_method, payload, out_queue, run
             # Leave together: a rank that exits while a peer still reads from it
             # would break that peer's last op ("Connection reset by peer").
             dist.barrier()
-        message = ("ok", rank, cloudpickle.dumps(result), [e.to_dict() for e in tracer.events])
+        try:
+            result_bytes = cloudpickle.dumps(result)
+        except Exception as exc:  # noqa: BLE001
+            raise TypeError(f"rank {rank}'s return value (a {type(result).__name__}) cannot be "
+                            f"pickled to send it back: {_safe_summary(exc)}; return plain data "
+                            f"(numbers, lists, dicts, tensors)") from exc
+        message = ("ok", rank, result_bytes, [e.to_dict() for e in tracer.events])
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
-        status = "error"
-        summary = f"{type(exc).__name__}: {exc}"
-        message = ("error", rank, summary, traceback.format_exc())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Close our ends of the pipes so the pumps see end-of-file and finish first:
-    # then every line a worker printed reaches the launcher before its result.
-    os.close(1)
-    os.close(2)
-    for pump in pumps:
-        pump.join(timeout=2)
-    out_queue.put(message)
-    out_queue.close()
-    out_queue.join_thread()
-    if status == "ok":
+        message = ("error", rank, _safe_summary(exc), traceback.format_exc())
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the function may have closed its own stdout
+            pass
+    _send(result_conn, message)
+    result_conn.close()
+    if message[0] == "ok":
         try:
             import torch.distributed as dist
             if dist.is_initialized():
@@ -290,6 +349,16 @@ def _get_context():
     return _CONTEXT
 
 
+def _restart_forkserver() -> None:
+    """Forget a forkserver that died (or is dying), so the next start launches a new one."""
+    from multiprocessing import forkserver
+    try:
+        forkserver._forkserver._stop()
+    except (OSError, ChildProcessError):
+        server = forkserver._forkserver
+        server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
 @contextmanager
 def _main_module_hidden():
     """Start workers without re-running the caller's script in each of them.
@@ -311,17 +380,34 @@ def _main_module_hidden():
             main.__file__ = saved_file
 
 
+def _signal_group(process, sig: int) -> None:
+    """Send ``sig`` to the process group a worker leads (it and what it started).
+
+    A worker that has not yet made its group (just forked) gets the signal alone.  A
+    group outlives its leader while a member lives, and Linux does not reuse the number
+    meanwhile, so signalling the group of a worker that already exited is safe.
+    """
+    try:
+        os.killpg(process.pid, sig)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    if process.exitcode is None:
+        try:
+            os.kill(process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _kill(processes) -> None:
+    """End every worker and everything it started; reap the workers."""
     processes = [p for p in processes if p.pid is not None]  # skip never-started ones
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.time() + 1.0
-    for p in processes:
-        p.join(max(0.0, deadline - time.time()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in processes:
+            _signal_group(p, sig)
+        deadline = time.time() + 1.0
+        for p in processes:
+            p.join(max(0.0, deadline - time.time()))
 
 
 def _clean_stack(text: str) -> str:
@@ -340,10 +426,22 @@ def _clean_stack(text: str) -> str:
     return " <- ".join(frames[:6]) if frames else "(no Python frames)"
 
 
-def _deadlock_report(processes, run_dir: str, finished: set[int]) -> dict[int, str]:
+def _untraced_torch_call(text: str) -> str | None:
+    """The ``torch.distributed`` function a rank is blocked in, when no traced op says so."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("File ") and "/torch/distributed/" in line and " in " in line:
+            func = line.rsplit(" in ", 1)[1]
+            if not func.startswith("_") and func != "wrapper":
+                return func
+    return None
+
+
+def _rank_report(processes, run_dir: str, done: set[int]) -> dict[int, str]:
+    """What every rank not in ``done`` is doing: its traced op, else its stack."""
     open(os.path.join(run_dir, "report.request"), "w").close()  # the watchdogs answer this
     for rank, p in enumerate(processes):
-        if rank not in finished and p.is_alive():
+        if rank not in done and p.is_alive():
             try:
                 os.kill(p.pid, signal.SIGUSR1)  # faulthandler dumps the stack, even mid-C call
             except ProcessLookupError:
@@ -352,7 +450,7 @@ def _deadlock_report(processes, run_dir: str, finished: set[int]) -> dict[int, s
     now = time.time()
     report = {}
     for rank, p in enumerate(processes):
-        if rank in finished:
+        if rank in done:
             report[rank] = "finished"
             continue
         status_text = ""
@@ -364,123 +462,179 @@ def _deadlock_report(processes, run_dir: str, finished: set[int]) -> dict[int, s
                 status_text = f"{text} (for {now - float(since):.1f} s)"
         except FileNotFoundError:
             pass
-        stack = ""
+        raw_stack = ""
         try:
             with open(os.path.join(run_dir, f"stack.{rank}")) as f:
-                stack = _clean_stack(f.read())
+                raw_stack = f.read()
         except FileNotFoundError:
             pass
-        waiting = status_text or "running, not inside a traced op"
+        untraced = _untraced_torch_call(raw_stack)
+        if status_text:
+            waiting = status_text
+        elif untraced:
+            waiting = f"waiting in torch.distributed.{untraced} (not traced: called directly)"
+        elif not p.is_alive() or p.pid is None:
+            waiting = "not running"
+        else:
+            waiting = "running, not inside a traced op"
+        stack = _clean_stack(raw_stack) if raw_stack else ""
         report[rank] = f"{waiting}; stack: {stack}" if stack else waiting
     return report
 
 
-def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
-           backend: str = "auto", timeout: float = 60.0, trace: bool = True,
-           capture_values: int = 0, print_output: bool = True, threads: int | None = None
-           ) -> LaunchResult:
-    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return every result.
+_MISMATCH = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
 
-    ``backend``: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when each rank gets a GPU).
-    ``timeout``: seconds before the launch is declared deadlocked and killed.
-    ``trace``: record every traced op; ``capture_values``: also record the values
-    of tensors with at most this many elements (for animations).
-    ``threads``: torch threads per worker (default: the cores shared among ranks).
+
+def explain_collective_mismatch(summary: str) -> str | None:
+    """A short reading of torch's collective-consistency error, or ``None`` for other errors.
+
+    torch's check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) prints two long fingerprints; this
+    names the two ranks, their ops, shapes and dtypes.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if backend == "auto":
-        backend = default_backend(world_size)
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
-    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    options = {"timeout": float(timeout), "trace": trace, "capture_values": int(capture_values),
-               "threads": threads or max(1, (os.cpu_count() or 1) // world_size)}
-    context = _get_context()
-    run_dir = tempfile.mkdtemp(prefix="tutorial_lib_launch_")
-    init_method = f"file://{os.path.join(run_dir, 'rendezvous')}"
-    out_queue = context.Queue()
-    processes = [
-        context.Process(target=_worker_main, name=f"tutorial_lib-rank{rank}", daemon=True,
-                        args=(rank, world_size, backend, init_method, payload, out_queue,
-                              run_dir, os.getpid(), options))
-        for rank in range(world_size)
-    ]
-    collector = _Collector(world_size, print_output)
-    started = time.time()
-    try:
-        with _main_module_hidden():
-            for p in processes:
-                p.start()
-        deadline = started + timeout
-        while len(collector.finished) < world_size:
-            if collector.poll(out_queue, wait=0.05):
-                if collector.failures:
-                    raise collector.first_cause(processes, out_queue)
-                continue
-            for rank, p in enumerate(processes):
-                if rank not in collector.finished and p.exitcode is not None:
-                    raise collector.first_cause(processes, out_queue)
-            if time.time() > deadline:
-                raise LaunchTimeout(timeout, _deadlock_report(processes, run_dir, collector.finished))
-    finally:
-        _kill(processes)
-        out_queue.close()
-        out_queue.cancel_join_thread()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return LaunchResult(results=collector.results, trace=Trace(collector.events),
-                        output=collector.output, backend=backend, wall_time=time.time() - started)
+    found = _MISMATCH.findall(summary)
+    if "Detected mismatch between collectives" not in summary or len(found) < 2:
+        return None
+    sides = [f"rank {r} runs {op.lower()} of shape [{shape}] {dtype.lower()}"
+             for r, _, op, shape, dtype in found[:2]]
+    return (f"collective mismatch (call #{found[0][1]} on its group): {sides[0]}, but "
+            f"{sides[1]}. Every rank of a group must issue the same collectives, with the "
+            f"same shapes and dtypes, in the same order.")
 
 
 class _Collector:
-    """Reads the workers' messages: output lines, results with traces, errors."""
+    """Reads the workers' pipes: output lines, readiness, results with traces, errors."""
 
     def __init__(self, world_size: int, print_output: bool):
         self.print_output = print_output
         self.results: list = [None] * world_size
         self.events: list[TraceEvent] = []
         self.output: dict[int, list] = {r: [] for r in range(world_size)}
+        self.ready: set[int] = set()
         self.finished: set[int] = set()
         self.failures: list[WorkerError] = []
+        self.closed: set[int] = set()  # ranks whose result pipe reached end-of-file
+        self._partial: dict[int, bytes] = {}
+        self._streams: dict[int, tuple[int, str]] = {}  # fd -> (rank, stream)
+        self._results: dict[Any, int] = {}              # result connection -> rank
 
-    def poll(self, out_queue, wait: float) -> bool:
-        """Handle one message if one arrives within ``wait`` seconds; False if none did."""
+    def add_rank(self, rank: int, result_conn, stdout_fd: int, stderr_fd: int) -> None:
+        self._results[result_conn] = rank
+        for fd, stream in ((stdout_fd, "stdout"), (stderr_fd, "stderr")):
+            os.set_blocking(fd, False)
+            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+            self._streams[fd] = (rank, stream)
+            self._partial[fd] = b""
+
+    def waitables(self) -> list:
+        return list(self._results) + list(self._streams)
+
+    def poll(self, wait: float) -> bool:
+        """Handle whatever arrives within ``wait`` seconds; False if nothing did."""
+        ready = mp_connection.wait(self.waitables(), timeout=wait)
+        for obj in ready:
+            if obj in self._results:
+                self._read_result(obj)
+            else:
+                self._read_output(obj)
+        return bool(ready)
+
+    def _line(self, rank: int, stream: str, text: str) -> None:
+        self.output[rank].append((stream, text))
+        if self.print_output:
+            target = sys.stderr if stream == "stderr" else sys.stdout
+            target.write(f"[rank {rank}] {text}\n")
+            target.flush()
+
+    def _read_output(self, fd: int, final: bool = False) -> None:
+        rank, stream = self._streams[fd]
         try:
-            message = out_queue.get(timeout=wait)
-        except queue_module.Empty:
-            return False
-        kind, rank = message[0], message[1]
-        if kind == "line":
-            self.output[rank].append((message[2], message[3]))
-            if self.print_output:
-                target = sys.stderr if message[2] == "stderr" else sys.stdout
-                target.write(f"[rank {rank}] {message[3]}\n")
-                target.flush()
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:  # end-of-file: every writer is gone
+            self._flush_partial(fd)
+            del self._streams[fd]
+            os.close(fd)
+            return
+        *lines, self._partial[fd] = (self._partial[fd] + chunk).split(b"\n")
+        for raw in lines:
+            self._line(rank, stream, raw.decode(errors="replace"))
+
+    def _flush_partial(self, fd: int) -> None:
+        if self._partial.get(fd):
+            rank, stream = self._streams[fd]
+            self._line(rank, stream, self._partial[fd].decode(errors="replace"))
+            self._partial[fd] = b""
+
+    def _read_result(self, conn) -> None:
+        rank = self._results[conn]
+        try:
+            message = cloudpickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            del self._results[conn]
+            conn.close()
+            self.closed.add(rank)
+            return
+        kind = message[0]
+        if kind == "ready":
+            self.ready.add(rank)
         elif kind == "ok":
-            self.results[rank] = cloudpickle.loads(message[2])
+            try:
+                self.results[rank] = cloudpickle.loads(message[2])
+            except Exception as exc:  # noqa: BLE001 - name the rank, keep the others
+                self.failures.append(WorkerError(
+                    rank, f"its return value could not be unpickled in the launcher: "
+                          f"{_safe_summary(exc)}",
+                    "(the function returned normally; only rebuilding its result here failed. "
+                    "Return plain data: numbers, lists, dicts, tensors.)"))
             self.events.extend(Trace.from_dicts(message[3]))
             self.finished.add(rank)
         elif kind == "error":
-            self.failures.append(WorkerError(rank, message[2], message[3]))
-        return True
+            summary = explain_collective_mismatch(message[2]) or message[2]
+            self.failures.append(WorkerError(rank, summary, message[3]))
 
-    def first_cause(self, processes, out_queue, grace: float = 0.5) -> WorkerError:
+    def drain(self, seconds: float) -> None:
+        """Read what is left in the pipes, for at most ``seconds``."""
+        end = time.time() + seconds
+        while self._streams and time.time() < end:
+            if not self.poll(0.02):
+                break
+        for fd in list(self._streams):
+            self._flush_partial(fd)
+
+    def close(self) -> None:
+        for fd in list(self._streams):
+            os.close(fd)
+        self._streams.clear()
+        for conn in list(self._results):
+            conn.close()
+        self._results.clear()
+
+    def last_stderr(self, rank: int, lines: int = 8) -> list[str]:
+        return [text for stream, text in self.output[rank] if stream == "stderr"][-lines:]
+
+    def first_cause(self, processes, grace: float = 0.5) -> WorkerError:
         """The failure that started it all, with the others it caused listed after it.
 
         When one rank fails its peers soon fail too ("Connection reset by peer"):
         wait a moment for every report, then blame a rank that died without an
-        exception, else the first one whose error is not a lost connection.
+        exception (with the last lines it wrote to stderr), else the first one whose
+        error is not a lost connection.
         """
         end = time.time() + grace
         while time.time() < end:
-            self.poll(out_queue, wait=0.05)
+            self.poll(0.05)
         reported = {f.rank for f in self.failures}
         for rank, p in enumerate(processes):
             if rank not in self.finished and rank not in reported and p.exitcode is not None:
+                last = self.last_stderr(rank)
+                said = ("its last lines on stderr:\n" + "\n".join(f"    {t}" for t in last)
+                        if last else "it wrote nothing to stderr")
                 self.failures.insert(0, WorkerError(
                     rank, f"process exited with code {p.exitcode} before returning a result",
-                    "(no Python traceback: the process died, e.g. killed by a signal, "
-                    "os._exit, or out of memory)"))
+                    f"(no Python traceback: the process died, e.g. killed by a signal, "
+                    f"os._exit, a C++ abort, or out of memory; {said})"))
         lost_peer = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
         causes = [f for f in self.failures if not any(t in f.summary for t in lost_peer)]
         first = (causes or self.failures)[0]
@@ -488,13 +642,123 @@ class _Collector:
         if others:
             first.args = (first.args[0] + "\n\nAfterwards, probably as a consequence:\n" +
                           "\n".join(f"  rank {f.rank}: {f.summary[:200]}" for f in others),)
+        first.results = list(self.results)
         return first
+
+
+def _start(processes) -> None:
+    """Start the workers; if the forkserver died, start a new one and try once more."""
+    with _main_module_hidden():
+        for p in processes:
+            try:
+                p.start()
+            except (EOFError, ConnectionError, FileNotFoundError):
+                _restart_forkserver()
+                p.start()
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
+           backend: str = "auto", timeout: float = 60.0, trace: bool = True,
+           capture_values: int = 0, print_output: bool = True, threads: int | None = None,
+           start_timeout: float = 180.0, check_collectives: bool | None = None) -> LaunchResult:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return every result.
+
+    ``backend``: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when each rank gets a GPU).
+    ``timeout``: seconds, counted from the moment every rank has joined the process group,
+    before the launch is declared deadlocked and killed; ``start_timeout`` bounds the
+    start-up before that.  ``trace``: record every traced op; ``capture_values``: also
+    record the values of tensors with at most this many elements (for animations).
+    ``threads``: torch threads per worker (default: the cores shared among ranks).
+    ``check_collectives``: compare every collective's op, shapes and dtypes across ranks
+    before it runs (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``); default: on inside a
+    notebook, off elsewhere (it costs an extra exchange per collective).
+    """
+    _check_positive_int("world_size", world_size)
+    if backend == "auto":
+        backend = default_backend(world_size)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
+    for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+        _check_seconds(name, value)
+    if check_collectives is None:
+        check_collectives = in_notebook()
+    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    options = {"timeout": float(timeout), "trace": trace, "capture_values": int(capture_values),
+               "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
+               "check_collectives": bool(check_collectives)}
+    context = _get_context()
+    run_dir = tempfile.mkdtemp(prefix="tutorial_lib_launch_")
+    init_method = f"file://{os.path.join(run_dir, 'rendezvous')}"
+    collector = _Collector(world_size, print_output)
+    alive_read, alive_write = os.pipe()  # the launcher alone ever holds alive_write
+    alive = mp_connection.Connection(alive_read, writable=False)
+    processes, to_close = [], [alive]
+    for rank in range(world_size):
+        result_read, result_write = context.Pipe(duplex=False)
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        collector.add_rank(rank, result_read, out_read, err_read)
+        ends = [result_write, mp_connection.Connection(out_write, readable=False),
+                mp_connection.Connection(err_write, readable=False)]
+        to_close += ends
+        processes.append(context.Process(
+            target=_worker_main, name=f"tutorial_lib-rank{rank}",
+            args=(rank, world_size, backend, init_method, payload, *ends, alive, run_dir,
+                  options)))
+    started = time.time()
+    try:
+        try:
+            _start(processes)
+        finally:
+            for conn in to_close:  # the children hold their own copies now
+                conn.close()
+        deadline = started + start_timeout
+        joined = False
+        while len(collector.finished) < world_size:
+            collector.poll(0.05)
+            if collector.failures:
+                raise collector.first_cause(processes)
+            for rank, p in enumerate(processes):
+                if rank not in collector.finished and p.exitcode is not None:
+                    raise collector.first_cause(processes)
+            if not joined and len(collector.ready) == world_size:
+                joined, deadline = True, time.time() + timeout
+            if time.time() > deadline:
+                report = _rank_report(processes, run_dir, collector.finished)
+                if joined:
+                    raise LaunchTimeout(timeout, report)
+                for rank in range(world_size):
+                    if rank in collector.ready and rank not in collector.finished:
+                        report[rank] = "joined the process group; " + report[rank]
+                raise StartupTimeout(start_timeout, report)
+        for p in processes:
+            p.join(2.0)  # each rank exits right after its result
+    finally:
+        _kill(processes)
+        collector.drain(1.0)
+        collector.close()
+        os.close(alive_write)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return LaunchResult(results=collector.results, trace=Trace(collector.events),
+                        output=collector.output, backend=backend, wall_time=time.time() - started)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}; "
+                         f"e.g. {name}=60")
 
 
 def warm_up() -> float:
     """Start the forkserver (imports torch once); returns the seconds it took."""
     t0 = time.time()
-    launch(_noop, 1, trace=False)
+    launch(_noop, 1, trace=False, check_collectives=False)
     return time.time() - t0
 
 
