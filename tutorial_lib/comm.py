@@ -37,11 +37,14 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _resolve(group):
-    """(kind, ProcessGroup, global ranks) for a kind name or a live group."""
+def _resolve(group, p2p: bool = False):
+    """(kind, ProcessGroup, global ranks) for a kind name or a live group; with ``p2p`` the
+    group's point-to-point twin while torch's collective check is on
+    (:func:`~tutorial_lib.parallel_state.get_p2p_group`)."""
     if group is None or isinstance(group, str):
         kind = group or "world"
-        return kind, parallel_state.get_group(kind), tuple(parallel_state.get_group_ranks(kind))
+        live = parallel_state.get_p2p_group(kind) if p2p else parallel_state.get_group(kind)
+        return kind, live, tuple(parallel_state.get_group_ranks(kind))
     return "custom", group, tuple(dist.get_process_group_ranks(group))
 
 
@@ -201,7 +204,7 @@ def send(tensor: torch.Tensor, dst: int, group="world", tag: int = 0) -> None:
     ``tag``: messages between two ranks are matched in order *per tag*, so two streams
     (say activations and labels) with different tags cannot take each other's place.
     """
-    kind, pg, ranks = _resolve(group)
+    kind, pg, ranks = _resolve(group, p2p=True)
     _check_peer(dst, ranks, "send", kind)
     event = _begin("send", tensor, kind, ranks, peer=dst)
     dist.send(tensor.contiguous(), dst=dst, group=pg, tag=tag)
@@ -210,7 +213,7 @@ def send(tensor: torch.Tensor, dst: int, group="world", tag: int = 0) -> None:
 
 def recv(tensor: torch.Tensor, src: int, group="world", tag: int = 0) -> torch.Tensor:
     """Blocking receive from global rank ``src`` into ``tensor`` (``tag``: see :func:`send`)."""
-    kind, pg, ranks = _resolve(group)
+    kind, pg, ranks = _resolve(group, p2p=True)
     _check_peer(src, ranks, "recv", kind)
     event = _begin("recv", tensor, kind, ranks, peer=src)
     event.values_in = None  # the buffer's old contents are not data
@@ -237,7 +240,7 @@ class TracedWork:
 
 
 def _p2p_event(op: str, tensor, peer: int, group) -> tuple:
-    kind, pg, ranks = _resolve(group)
+    kind, pg, ranks = _resolve(group, p2p=True)
     _check_peer(peer, ranks, op, kind)
     event = _begin(op, tensor, kind, ranks, peer=peer, blocking=False)
     if op == "recv":

@@ -294,6 +294,9 @@ def _worker_main(rank, world_size, backend, init_method, payload, result_conn, s
         dist.init_process_group(process_group_backend(backend), init_method=init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=options["timeout"] + 60))
+        if options["check_collectives"]:
+            from . import parallel_state
+            parallel_state.make_world_p2p_group()  # P2P on WORLD then leaves the check alone
         _send(result_conn, ("ready", rank))  # the launcher's timeout clock starts now
         ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
                             local_rank=rank)
@@ -482,24 +485,35 @@ def _rank_report(processes, run_dir: str, done: set[int]) -> dict[int, str]:
     return report
 
 
-_MISMATCH = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
-                       r"OpType=(\w+), TensorShape=\[([^\]]*)\], TensorDtypes=(\w+)")
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+),? ?OpType=(\w+)(?:, TensorShape=\[([^\]]*)\], "
+                          r"TensorDtypes=(\w+))?")
 
 
 def explain_collective_mismatch(summary: str) -> str | None:
     """A short reading of torch's collective-consistency error, or ``None`` for other errors.
 
     torch's check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) prints two long fingerprints; this
-    names the two ranks, their ops, shapes and dtypes.
+    names the two ranks, their ops, shapes and dtypes, and how many ops each had issued
+    on the group before (its sequence number).
     """
-    found = _MISMATCH.findall(summary)
+    found = _FINGERPRINT.findall(summary)
     if "Detected mismatch between collectives" not in summary or len(found) < 2:
         return None
-    sides = [f"rank {r} runs {op.lower()} of shape [{shape}] {dtype.lower()}"
-             for r, _, op, shape, dtype in found[:2]]
-    return (f"collective mismatch (call #{found[0][1]} on its group): {sides[0]}, but "
-            f"{sides[1]}. Every rank of a group must issue the same collectives, with the "
-            f"same shapes and dtypes, in the same order.")
+
+    def side(rank, op, shape, dtype):
+        what = f"rank {rank} runs {op.lower()}"
+        return what + (f" of shape [{shape}] {dtype.lower()}" if dtype else "")
+
+    (r0, seq0, op0, shape0, dtype0), (r1, seq1, op1, shape1, dtype1) = found[:2]
+    text = (f"collective mismatch: {side(r0, op0, shape0, dtype0)} as its op #{seq0} on the "
+            f"group, but {side(r1, op1, shape1, dtype1)} as its op #{seq1}.")
+    if (op0, shape0, dtype0) == (op1, shape1, dtype1) and seq0 != seq1:
+        text += (" The ops match but their counts differ: one rank skipped or added a "
+                 "collective on this group earlier (torch.distributed.send/recv called "
+                 "directly on the group count too; tutorial_lib.comm's do not).")
+    return text + (" Every rank of a group must issue the same collectives, with the same "
+                   "shapes and dtypes, in the same order.")
 
 
 class _Collector:

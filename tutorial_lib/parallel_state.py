@@ -30,6 +30,9 @@ class ParallelState:
     """Kind -> the ``ProcessGroup`` of that kind containing this rank."""
     ranks: dict = field(default_factory=dict)
     """Kind -> the global ranks of that group, in group order."""
+    p2p_groups: dict = field(default_factory=dict)
+    """Kind -> the twin of that group for point-to-point traffic, made only while torch's
+    collective check is on (:func:`new_unchecked_group`)."""
 
 
 _STATE: ParallelState | None = None
@@ -55,14 +58,20 @@ def initialize_model_parallel(config: ParallelConfig, layout: str | None = None,
     state = ParallelState(grid=grid, rank=rank)
     # Kinds often share rank lists (e.g. dp and expert_dp): create each list once.
     created: dict[tuple[int, ...], object] = {}
+    twins: dict[tuple[int, ...], object] = {}
+    checked = collective_checks_on()
     for kind in GROUP_KINDS + EXTRA_GROUP_KINDS:
         for ranks in grid.groups(kind):
             key = tuple(ranks)
             if key not in created:
                 created[key] = dist.new_group(ranks=list(key))
+                if checked:
+                    twins[key] = new_unchecked_group(list(key))
             if rank in ranks:
                 state.groups[kind] = created[key]
                 state.ranks[kind] = list(ranks)
+                if checked:
+                    state.p2p_groups[kind] = twins[key]
     state.groups["world"] = dist.group.WORLD
     state.ranks["world"] = list(range(dist.get_world_size()))
     # new_group does not wait for its members: without this barrier a rank could
@@ -93,6 +102,49 @@ def get_group(kind: str = "world"):
             state.grid.group_of(kind, state.rank)  # raises the reason this rank has none
         raise KeyError(f"unknown group kind {kind!r}; kinds are {', '.join(sorted(state.groups))}")
     return state.groups[kind]
+
+
+def collective_checks_on() -> bool:
+    """True when torch's collective-consistency check wraps new groups
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``; ``launch(..., check_collectives=True)``)."""
+    return dist.get_debug_level() == dist.DebugLevel.DETAIL
+
+
+def new_unchecked_group(ranks: list[int] | None = None):
+    """A new group that torch's collective check leaves alone, for point-to-point traffic.
+
+    The check compares a sequence number with each collective, and gloo counts sends and
+    receives in that number too: after a pipeline's uneven point-to-point traffic the ranks'
+    numbers differ although every collective matches.  So while the check is on, ``comm``'s
+    sends and receives travel on a twin of each group made with the check off (the wrapper
+    is chosen when a group is created).  Collective over the world, like ``new_group``.
+    """
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    try:
+        return dist.new_group(ranks=ranks)
+    finally:
+        dist.set_debug_level(level)
+
+
+_WORLD_P2P = None
+
+
+def make_world_p2p_group() -> None:
+    """Make the world's point-to-point twin; every rank calls it right after
+    ``init_process_group`` when the collective check is on (the launcher does)."""
+    global _WORLD_P2P
+    _WORLD_P2P = new_unchecked_group() if collective_checks_on() else None
+
+
+def get_p2p_group(kind: str = "world"):
+    """The group ``comm``'s sends and receives of ``kind`` use: the group itself, or its
+    unchecked twin while the collective check is on (:func:`new_unchecked_group`)."""
+    if kind == "world" and _WORLD_P2P is not None:
+        return _WORLD_P2P
+    if _STATE is not None and kind in _STATE.p2p_groups:
+        return _STATE.p2p_groups[kind]
+    return get_group(kind)
 
 
 def get_group_ranks(kind: str = "world") -> list[int]:

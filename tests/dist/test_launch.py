@@ -403,3 +403,28 @@ def test_workers_exit_when_the_launcher_is_killed_and_never_reaped(tmp_path):
         assert wait_until_gone(pids, seconds=15) == [], "workers outlived an unreaped launcher"
     finally:
         proc.wait(timeout=10)
+
+
+def _uneven_p2p_then_collectives(ctx):
+    from tutorial_lib import parallel_state
+    from tutorial_lib.config import ParallelConfig
+    parallel_state.initialize_model_parallel(ParallelConfig(3, pipeline_model_parallel_size=3))
+    x = torch.ones(2)
+    if ctx.rank < 2:                       # a pipeline: 0 -> 1 -> 2, ranks send unevenly
+        comm.send(x, ctx.rank + 1, group="pp")
+    if ctx.rank > 0:
+        comm.recv(x, ctx.rank - 1, group="pp")
+    comm.send(x, (ctx.rank + 1) % 3) if ctx.rank == 0 else None
+    if ctx.rank == 1:
+        comm.recv(x, 0)
+    t = torch.ones(1)
+    comm.all_reduce(t, group="pp")
+    comm.all_reduce(t)
+    return t.item()
+
+
+def test_the_collective_check_is_not_fooled_by_uneven_point_to_point_traffic():
+    """torch's check counts sends and receives in its sequence numbers; comm's P2P travels on
+    unchecked twin groups, so a pipeline's uneven P2P does not look like a mismatch."""
+    out = launch(_uneven_p2p_then_collectives, 3, check_collectives=True)
+    assert out.results == [9.0] * 3
