@@ -1,0 +1,24 @@
+"""Stored reference measurements: saved with their machine, date and load, loaded back."""
+import pytest
+
+from tutorial_lib import reference
+
+
+def test_save_then_load_keeps_rows_and_says_where_they_were_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    rows = [{"bytes": 4, "us": 120.5}, {"bytes": 1 << 20, "us": 900.0}]
+    saved = reference.save("demo_table", rows, command="python bench/x.py", notes="gloo")
+    back = reference.load("demo_table")
+    assert back.rows == rows and back.column("bytes") == [4, 1 << 20]
+    assert back.machine == saved.machine and "cores" in back.machine
+    assert back.command == "python bench/x.py" and back.notes == "gloo"
+    assert back.caption().startswith(f"reference: {back.machine}, {back.date}")
+
+
+def test_unknown_and_odd_names_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    reference.save("known_one", [])
+    with pytest.raises(FileNotFoundError, match="no stored reference 'missing'.*known_one"):
+        reference.load("missing")
+    with pytest.raises(ValueError, match="plain file stem"):
+        reference.load("../etc/passwd")
