@@ -440,6 +440,14 @@ def _untraced_torch_call(text: str) -> str | None:
     return None
 
 
+def _read_if_there(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def _rank_report(processes, run_dir: str, done: set[int]) -> dict[int, str]:
     """What every rank not in ``done`` is doing: its traced op, else its stack."""
     open(os.path.join(run_dir, "report.request"), "w").close()  # the watchdogs answer this
@@ -457,20 +465,11 @@ def _rank_report(processes, run_dir: str, done: set[int]) -> dict[int, str]:
             report[rank] = "finished"
             continue
         status_text = ""
-        try:
-            with open(os.path.join(run_dir, f"status.{rank}")) as f:
-                raw = f.read()
-            if raw:
-                since, text = raw.split("\n", 1)
-                status_text = f"{text} (for {now - float(since):.1f} s)"
-        except FileNotFoundError:
-            pass
-        raw_stack = ""
-        try:
-            with open(os.path.join(run_dir, f"stack.{rank}")) as f:
-                raw_stack = f.read()
-        except FileNotFoundError:
-            pass
+        raw = _read_if_there(os.path.join(run_dir, f"status.{rank}"))
+        if raw:
+            since, text = raw.split("\n", 1)
+            status_text = f"{text} (for {now - float(since):.1f} s)"
+        raw_stack = _read_if_there(os.path.join(run_dir, f"stack.{rank}"))
         untraced = _untraced_torch_call(raw_stack)
         if status_text:
             waiting = status_text
