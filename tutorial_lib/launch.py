@@ -88,6 +88,9 @@ class WorkerContext:
     """``cpu`` or ``cuda:N``: where this rank's tensors should live."""
     local_rank: int = 0
     """Rank within this machine (equals ``rank`` for the notebook launcher)."""
+    namespace: dict = field(default_factory=dict)
+    """Names this rank keeps between calls of a persistent :class:`~tutorial_lib.cluster.Cluster`
+    (a fresh dict for each :func:`launch`)."""
 
     @property
     def tracer(self) -> Tracer:
@@ -237,17 +240,18 @@ def _watch(alive, run_dir: str, rank: int) -> None:
     becomes readable only at end-of-file, when the launcher's write end closes (the launcher
     exited or was killed).  The thread runs while the main thread is blocked inside a
     collective (torch releases the GIL there), so it can read the op the main thread is
-    stuck in.
+    stuck in.  Each new report request (the file's content changes) is answered once.
     """
     request = os.path.join(run_dir, "report.request")
-    answered = False
+    answered = None
     while True:
         if alive.poll(_WATCH_INTERVAL):
             _end_my_process_group()
-        if not answered and os.path.exists(request):
+        asked = _read_if_there(request) if os.path.exists(request) else None
+        if asked is not None and asked != answered:
             from .trace import get_tracer
             _write_status(run_dir, rank, get_tracer())
-            answered = True
+            answered = asked
 
 
 _WATCH_INTERVAL = 0.1  # seconds between the watchdog's checks for a report request
@@ -266,8 +270,9 @@ def _send(conn, message) -> None:
     conn.send_bytes(cloudpickle.dumps(message))
 
 
-def _worker_main(rank, world_size, backend, init_method, payload, result_conn, stdout_conn,
-                 stderr_conn, alive, run_dir, options) -> None:
+def enter_worker(rank: int, stdout_conn, stderr_conn, alive, run_dir: str) -> None:
+    """The first thing a worker does: its own process group, stdout and stderr into the
+    launcher's pipes, the watchdog, and a stack dump on SIGUSR1 for the reports."""
     os.setpgid(0, 0)  # lead a process group: the launcher ends it whole
     for fd, conn in ((1, stdout_conn), (2, stderr_conn)):
         os.dup2(conn.fileno(), fd)  # the launcher holds the read end
@@ -277,49 +282,69 @@ def _worker_main(rank, world_size, backend, init_method, payload, result_conn, s
     threading.Thread(target=_watch, args=(alive, run_dir, rank), daemon=True).start()
     stack_file = open(os.path.join(run_dir, f"stack.{rank}"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+
+
+def join_world(rank: int, world_size: int, backend: str, init_method: str,
+               options: dict) -> WorkerContext:
+    """Join the process group (with torch's collective check when asked); the context."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(options["threads"])
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    if options["check_collectives"]:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    dist.init_process_group(process_group_backend(backend), init_method=init_method, rank=rank,
+                            world_size=world_size,
+                            timeout=timedelta(seconds=options["timeout"] + 60))
+    if options["check_collectives"]:
+        from . import parallel_state
+        parallel_state.make_world_p2p_group()  # P2P on WORLD then leaves the check alone
+    return WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
+                         local_rank=rank)
+
+
+def pickled_result(rank: int, result) -> bytes:
+    """``result`` pickled to travel back, or a TypeError that says what to return instead."""
     try:
-        import torch
-        import torch.distributed as dist
-        torch.set_num_threads(options["threads"])
-        tracer = set_tracer(Tracer(rank, enabled=options["trace"],
-                                   capture_values=options["capture_values"]))
-        fn, args, kwargs = cloudpickle.loads(payload)  # imports the function's modules
-        device = "cpu"
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            device = f"cuda:{torch.cuda.current_device()}"
-        if options["check_collectives"]:
-            os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-            dist.set_debug_level(dist.DebugLevel.DETAIL)
-        dist.init_process_group(process_group_backend(backend), init_method=init_method, rank=rank,
-                                world_size=world_size,
-                                timeout=timedelta(seconds=options["timeout"] + 60))
-        if options["check_collectives"]:
-            from . import parallel_state
-            parallel_state.make_world_p2p_group()  # P2P on WORLD then leaves the check alone
-        _send(result_conn, ("ready", rank))  # the launcher's timeout clock starts now
-        ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
-                            local_rank=rank)
-        result = fn(ctx, *args, **kwargs)
-        if dist.is_initialized():
-            tracer.finished = True
-            # Leave together: a rank that exits while a peer still reads from it
-            # would break that peer's last op ("Connection reset by peer").
-            dist.barrier()
-        try:
-            result_bytes = cloudpickle.dumps(result)
-        except Exception as exc:  # noqa: BLE001
-            raise TypeError(f"rank {rank}'s return value (a {type(result).__name__}) cannot be "
-                            f"pickled to send it back: {_safe_summary(exc)}; return plain data "
-                            f"(numbers, lists, dicts, tensors)") from exc
-        message = ("ok", rank, result_bytes, [e.to_dict() for e in tracer.events])
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
-        message = ("error", rank, _safe_summary(exc), traceback.format_exc())
+        return cloudpickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(f"rank {rank}'s return value (a {type(result).__name__}) cannot be "
+                        f"pickled to send it back: {_safe_summary(exc)}; return plain data "
+                        f"(numbers, lists, dicts, tensors)") from exc
+
+
+def flush_output() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # the function may have closed its own stdout
             pass
+
+
+def _worker_main(rank, world_size, backend, init_method, payload, result_conn, stdout_conn,
+                 stderr_conn, alive, run_dir, options) -> None:
+    enter_worker(rank, stdout_conn, stderr_conn, alive, run_dir)
+    try:
+        tracer = set_tracer(Tracer(rank, enabled=options["trace"],
+                                   capture_values=options["capture_values"]))
+        fn, args, kwargs = cloudpickle.loads(payload)  # imports the function's modules
+        ctx = join_world(rank, world_size, backend, init_method, options)
+        _send(result_conn, ("ready", rank))  # the launcher's timeout clock starts now
+        result = fn(ctx, *args, **kwargs)
+        import torch.distributed as dist
+        if dist.is_initialized():
+            tracer.finished = True
+            # Leave together: a rank that exits while a peer still reads from it
+            # would break that peer's last op ("Connection reset by peer").
+            dist.barrier()
+        message = ("ok", rank, pickled_result(rank, result), [e.to_dict() for e in tracer.events])
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
+        message = ("error", rank, _safe_summary(exc), traceback.format_exc())
+    flush_output()
     _send(result_conn, message)
     result_conn.close()
     if message[0] == "ok":
@@ -450,7 +475,8 @@ def _read_if_there(path: str) -> str:
 
 def _rank_report(processes, run_dir: str, done: set[int]) -> dict[int, str]:
     """What every rank not in ``done`` is doing: its traced op, else its stack."""
-    open(os.path.join(run_dir, "report.request"), "w").close()  # the watchdogs answer this
+    with open(os.path.join(run_dir, "report.request"), "w") as f:  # the watchdogs answer it
+        f.write(repr(time.time()))  # new content: a new request
     for rank, p in enumerate(processes):
         if rank not in done and p.is_alive():
             try:
@@ -515,7 +541,7 @@ def explain_collective_mismatch(summary: str) -> str | None:
                    "shapes and dtypes, in the same order.")
 
 
-class _Collector:
+class Collector:
     """Reads the workers' pipes: output lines, readiness, results with traces, errors."""
 
     def __init__(self, world_size: int, print_output: bool):
@@ -589,6 +615,11 @@ class _Collector:
             conn.close()
             self.closed.add(rank)
             return
+        self.handle(rank, message)
+
+    def handle(self, rank: int, message: tuple) -> None:
+        """One message from ``rank``: ``("ready",)``, ``("ok", result, events)`` or
+        ``("error", summary, traceback)`` (each with the rank second)."""
         kind = message[0]
         if kind == "ready":
             self.ready.add(rank)
@@ -670,6 +701,86 @@ def _start(processes) -> None:
                 p.start()
 
 
+class RankProcesses:
+    """The worker processes of one launch (or one cluster) and the launcher's pipe ends.
+
+    Per rank: a result pipe, stdout and stderr pipes (read by :class:`Collector`); for all
+    ranks one liveness pipe whose write end only this object holds.  ``close`` ends every
+    worker's process group, reads what is left in the pipes and removes the run folder.
+    """
+
+    def __init__(self, world_size: int, print_output: bool, prefix: str = "tutorial_lib_launch_"):
+        self.world_size = world_size
+        self.context = _get_context()
+        self.run_dir = tempfile.mkdtemp(prefix=prefix)
+        self.init_method = f"file://{os.path.join(self.run_dir, 'rendezvous')}"
+        self.collector = Collector(world_size, print_output)
+        self.processes: list = []
+        self._alive_write: int | None = None
+        self.started = time.time()
+
+    def start(self, target: Callable, args_of: Callable) -> None:
+        """One process per rank running ``target(*args)``, with ``args, extra =
+        args_of(rank, ends)``: ``ends`` are the child's ends ``(result, stdout, stderr,
+        alive)``; ``extra`` lists the child's ends of any further pipes, closed here once
+        the children hold their copies."""
+        alive_read, self._alive_write = os.pipe()  # the launcher alone holds the write end
+        alive = mp_connection.Connection(alive_read, writable=False)
+        to_close = [alive]
+        for rank in range(self.world_size):
+            result_read, result_write = self.context.Pipe(duplex=False)
+            out_read, out_write = os.pipe()
+            err_read, err_write = os.pipe()
+            self.collector.add_rank(rank, result_read, out_read, err_read)
+            ends = (result_write, mp_connection.Connection(out_write, readable=False),
+                    mp_connection.Connection(err_write, readable=False), alive)
+            args, extra = args_of(rank, ends)
+            to_close += [*ends[:3], *extra]
+            self.processes.append(self.context.Process(target=target, args=args,
+                                                       name=f"tutorial_lib-rank{rank}"))
+        self.started = time.time()
+        try:
+            _start(self.processes)
+        finally:
+            for conn in to_close:  # the children hold their own copies now
+                conn.close()
+
+    def dead_ranks(self, done: set[int]) -> list[int]:
+        """Ranks outside ``done`` whose process has exited."""
+        return [r for r, p in enumerate(self.processes) if r not in done and p.exitcode is not None]
+
+    def report(self, done: set[int]) -> dict[int, str]:
+        return _rank_report(self.processes, self.run_dir, done)
+
+    def close(self) -> None:
+        _kill(self.processes)
+        self.collector.drain(1.0)
+        self.collector.close()
+        if self._alive_write is not None:
+            os.close(self._alive_write)
+            self._alive_write = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def worker_options(world_size: int, timeout: float, trace: bool = True, capture_values: int = 0,
+                   threads: int | None = None, check_collectives: bool | None = None) -> dict:
+    """What every worker needs to know, checked."""
+    _check_seconds("timeout", timeout)
+    if check_collectives is None:
+        check_collectives = in_notebook()
+    return {"timeout": float(timeout), "trace": trace, "capture_values": int(capture_values),
+            "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
+            "check_collectives": bool(check_collectives)}
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    if backend == "auto":
+        backend = default_backend(world_size)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
+    return backend
+
+
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
            backend: str = "auto", timeout: float = 60.0, trace: bool = True,
            capture_values: int = 0, print_output: bool = True, threads: int | None = None,
@@ -687,73 +798,40 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: di
     notebook, off elsewhere (it costs an extra exchange per collective).
     """
     _check_positive_int("world_size", world_size)
-    if backend == "auto":
-        backend = default_backend(world_size)
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
-    for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
-        _check_seconds(name, value)
-    if check_collectives is None:
-        check_collectives = in_notebook()
+    backend = resolve_backend(backend, world_size)
+    _check_seconds("start_timeout", start_timeout)
+    options = worker_options(world_size, timeout, trace, capture_values, threads,
+                             check_collectives)
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    options = {"timeout": float(timeout), "trace": trace, "capture_values": int(capture_values),
-               "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
-               "check_collectives": bool(check_collectives)}
-    context = _get_context()
-    run_dir = tempfile.mkdtemp(prefix="tutorial_lib_launch_")
-    init_method = f"file://{os.path.join(run_dir, 'rendezvous')}"
-    collector = _Collector(world_size, print_output)
-    alive_read, alive_write = os.pipe()  # the launcher alone ever holds alive_write
-    alive = mp_connection.Connection(alive_read, writable=False)
-    processes, to_close = [], [alive]
-    for rank in range(world_size):
-        result_read, result_write = context.Pipe(duplex=False)
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
-        collector.add_rank(rank, result_read, out_read, err_read)
-        ends = [result_write, mp_connection.Connection(out_write, readable=False),
-                mp_connection.Connection(err_write, readable=False)]
-        to_close += ends
-        processes.append(context.Process(
-            target=_worker_main, name=f"tutorial_lib-rank{rank}",
-            args=(rank, world_size, backend, init_method, payload, *ends, alive, run_dir,
-                  options)))
-    started = time.time()
+    ranks = RankProcesses(world_size, print_output)
+    collector = ranks.collector
     try:
-        try:
-            _start(processes)
-        finally:
-            for conn in to_close:  # the children hold their own copies now
-                conn.close()
-        deadline = started + start_timeout
+        ranks.start(_worker_main, lambda rank, ends: (
+            (rank, world_size, backend, ranks.init_method, payload, *ends, ranks.run_dir,
+             options), ()))
+        deadline = ranks.started + start_timeout
         joined = False
         while len(collector.finished) < world_size:
             collector.poll(0.05)
-            if collector.failures:
-                raise collector.first_cause(processes)
-            for rank, p in enumerate(processes):
-                if rank not in collector.finished and p.exitcode is not None:
-                    raise collector.first_cause(processes)
+            if collector.failures or ranks.dead_ranks(collector.finished):
+                raise collector.first_cause(ranks.processes)
             if not joined and len(collector.ready) == world_size:
                 joined, deadline = True, time.time() + timeout
             if time.time() > deadline:
-                report = _rank_report(processes, run_dir, collector.finished)
+                report = ranks.report(collector.finished)
                 if joined:
                     raise LaunchTimeout(timeout, report)
                 for rank in range(world_size):
                     if rank in collector.ready and rank not in collector.finished:
                         report[rank] = "joined the process group; " + report[rank]
                 raise StartupTimeout(start_timeout, report)
-        for p in processes:
+        for p in ranks.processes:
             p.join(2.0)  # each rank exits right after its result
     finally:
-        _kill(processes)
-        collector.drain(1.0)
-        collector.close()
-        os.close(alive_write)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        ranks.close()
     return LaunchResult(results=collector.results, trace=Trace(collector.events),
-                        output=collector.output, backend=backend, wall_time=time.time() - started)
+                        output=collector.output, backend=backend,
+                        wall_time=time.time() - ranks.started)
 
 
 def _check_positive_int(name: str, value) -> None:
