@@ -11,8 +11,11 @@ used and ``--world-size`` is ignored.  Flags carry Megatron's names and are buil
 fields of the config dataclasses (``tutorial_lib.config.add_arguments``): ``--help`` prints
 each field's docstring and its default.  ``--config FILE``
 reads the same options from a JSON or TOML file (keys spelled like the flags, with
-``-`` or ``_``); flags given on the command line win.  An invalid grid or batch exits
-with status 2 and the validator's message before any worker starts.
+``-`` or ``_``); flags given on the command line win.  Any invalid value (the grid, the
+batch, the model's shapes, the seed, learning rate, clipping, timeout, a config file that
+is not an object of options, a run that would not fit in this machine's memory) exits
+with status 2 and the validator's message (the rule, the value, a fix) before torch is
+loaded or any worker starts.
 
 Every layout trains the same model on the same data: the per-step losses agree with the
 one-rank run (``--world-size 1``) to fp32 rounding.  ``--json`` prints one JSON object per
@@ -33,18 +36,12 @@ import os
 import sys
 from dataclasses import fields
 
+# Only torch-free modules until the arguments are valid: a bad value exits with status 2
+# before torch is loaded (tutorial_lib.arguments); tutorial_lib.train_4d comes in main().
+from tutorial_lib.arguments import (CONFIG_FIELDS, TrainingArgs, args_from_dict, load_config_file,
+                                    validate_args)
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
-from tutorial_lib.train_4d import (CONFIG_FIELDS, TrainingArgs, args_from_dict, format_progress, train,
-                                   train_worker, validate_args)
-
-
-def _load_config_file(path: str) -> dict:
-    with open(path, "rb") as handle:
-        if path.endswith(".toml"):
-            import tomllib
-            return tomllib.load(handle)
-        return json.load(handle)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,21 +66,24 @@ def parse_args(argv=None) -> tuple[TrainingArgs, bool]:
     """The run's options: the config file's (if any), then the flags given, which win."""
     given = vars(build_parser().parse_args(argv))  # TrainingArgs' options only when given
     config, as_json = given.pop("config"), given.pop("json")
-    values = _load_config_file(config) if config else {}
-    values = {k.replace("-", "_"): v for k, v in values.items()}
+    values = load_config_file(config) if config else {}
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
     values.update(given)
-    return args_from_dict(values), as_json
+    return args_from_dict(values, source=f"--config {config}" if config else None), as_json
 
 
 def main(argv=None) -> int:
     try:
         args, as_json = parse_args(argv)
+        local_ranks = None
         if is_torchrun():
             args.world_size = int(os.environ["WORLD_SIZE"])
-        validate_args(args)
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+        validate_args(args, local_ranks=local_ranks)
     except (ConfigError, OSError, ValueError) as error:
         print(f"train_4d.py: error: {error}", file=sys.stderr)
         return 2
+    from tutorial_lib.train_4d import format_progress, train, train_worker  # loads torch
 
     def show(record):
         print(json.dumps(record) if as_json else format_progress(record, args.steps), flush=True)

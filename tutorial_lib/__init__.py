@@ -17,8 +17,10 @@ Read it module by module, like the book's chapters:
 * :mod:`tutorial_lib.pipeline_schedules`: pipeline schedules as pure data, and their simulator;
 * :mod:`tutorial_lib.p2p`, :mod:`tutorial_lib.p2p_timing`: the pipeline's point-to-point helpers;
 * :mod:`tutorial_lib.pipeline`: the executor that runs a schedule with real stages;
-* :mod:`tutorial_lib.train_4d`: the 4D training run (``examples/train_4d.py``);
-* :mod:`tutorial_lib.fp8`, :mod:`tutorial_lib.precision`: FP8 tiles and precision recipes;
+* :mod:`tutorial_lib.arguments`, :mod:`tutorial_lib.train_4d`: the 4D run's arguments and
+  their validation (no torch), and the run itself (``examples/train_4d.py``);
+* :mod:`tutorial_lib.fp8`, :mod:`tutorial_lib.recipes`, :mod:`tutorial_lib.precision`: FP8
+  tiles, precision recipes as data (no torch), and applying them to a model;
 * :mod:`tutorial_lib.costs`: closed-form predictions (bytes, alpha-beta times);
 * :mod:`tutorial_lib.viz`: widgets drawn from recorded traces.
 """

@@ -22,11 +22,18 @@ them on purpose):
 3. microbatches: ``num_microbatches >= 1`` and they divide the batch;
 4. routed experts divide evenly over expert-parallel ranks;
 5. routed experts are not tensor-parallel (``expert_tensor_parallel_size == 1``);
-6. the sequence divides over TP ranks when MoE sequence parallelism is on;
+6. the sequence divides over TP ranks when sequence parallelism is on, and in a model
+   with MoE layers under TP (each MoE layer splits the sequence over the TP ranks);
 7. no dropout with tensor or expert parallelism;
 8. attention heads divide over TP ranks;
 9. layers divide over pipeline stages (times the virtual stages of the
-   interleaved schedule): :func:`check_pipeline_layers`.
+   interleaved schedule): :func:`check_pipeline_layers`;
+10. the vocabulary divides over TP ranks (the embedding and LM head are split by rows);
+11. attention heads divide the hidden size (each head gets ``hidden_size / heads`` channels).
+
+Before any rule, every field must hold a value of its type (:func:`check_field_types`:
+``"8"`` is not a world size, ``True`` is not 1), and :func:`validate` must be given the
+dataclasses themselves, in their order.
 
 The grid alone (what ``python -m tutorial_lib.grid`` draws) only needs the
 structural rules: :func:`check_grid`.
@@ -35,9 +42,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
+import math
 import numbers
 import textwrap
+import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
@@ -178,14 +188,97 @@ def _check_positive_int(name: str, value) -> None:
         )
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+#: The largest number whose divisors a message lists (trial division up to its square root
+#: stays under a second); above it a message says "a divisor of n" instead.
+LISTED_DIVISORS_UP_TO = 10**12
+
+
+def _divisors(n: int, up_to: int | None = None) -> list[int] | None:
+    """The divisors of ``n`` (those ``<= up_to`` if given), ascending; ``None`` above
+    :data:`LISTED_DIVISORS_UP_TO`."""
+    if n > LISTED_DIVISORS_UP_TO:
+        return None
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    return [d for d in found if up_to is None or d <= up_to]
+
+
+def _one_of_divisors(n: int, up_to: int | None = None) -> str:
+    listed = _divisors(n, up_to)
+    return f"one of {listed}" if listed is not None else f"a divisor of {n}"
+
+
+_TYPE_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
+               type(None): "None"}
+
+
+def _has_type(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False  # True is an int to Python, never a size or a rate here
+    if kind is int:
+        return isinstance(value, numbers.Integral)
+    if kind is float:
+        return isinstance(value, numbers.Real)
+    return isinstance(value, kind)
+
+
+def check_field_types(config) -> None:
+    """:class:`ConfigError` ``"malformed"`` unless every field of dataclass ``config`` holds its type.
+
+    ``int`` fields take whole numbers (not ``True``, not ``8.0``), ``float`` fields any real
+    number, ``bool`` fields ``True`` / ``False``, ``str`` fields strings, ``X | None`` either.
+    Ranges are checked by the rules; this only stops ``"8"`` or ``"fast"`` from reaching them.
+    """
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value, kind = getattr(config, f.name), hints[f.name]
+        allowed = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) \
+            else (kind,)
+        if any(_has_type(value, t) for t in allowed):
+            continue
+        wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in allowed)
+        hint = ""
+        if int in allowed and isinstance(value, numbers.Real) and not isinstance(value, bool) \
+                and math.isfinite(value) and float(value).is_integer():
+            hint = f"; write {int(value)} instead of {value!r}"
+        elif isinstance(value, str) and (int in allowed or float in allowed):
+            hint = "; write the number without quotes"
+        raise ConfigError("malformed", f"{f.name} must be {wanted}, got {value!r} "
+                                       f"({type(value).__name__}){hint}")
+
+
+def check_number(name: str, value, *, minimum: float = 0.0, above_minimum: bool = False,
+                 meaning: str = "") -> None:
+    """:class:`ConfigError` ``"malformed"`` unless ``value`` is a finite real ``>= minimum``
+    (``> minimum`` with ``above_minimum``); NaN and infinities are refused.  ``meaning`` ends
+    the message (what the number is for, and a value that works)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > minimum if above_minimum else value >= minimum)
+    if not ok:
+        bound = f"> {minimum:g}" if above_minimum else f">= {minimum:g}"
+        raise ConfigError("malformed", f"{name} must be a finite number {bound}, got {value!r}"
+                                       + (f"; {meaning}" if meaning else ""))
 
 
 def _nearest_multiples(value: int, base: int) -> str:
     lower = (value // base) * base
     upper = lower + base
     return f"{lower} or {upper}" if lower > 0 else f"{upper}"
+
+
+def _check_config_type(name: str, value, cls: type, call: str, optional: bool = False) -> None:
+    """:class:`ConfigError` unless ``value`` is a ``cls`` (or ``None`` when ``optional``)."""
+    if isinstance(value, cls) or (optional and value is None):
+        return
+    wanted = f"a {cls.__name__}" + (" or None" if optional else "")
+    if type(value) in (ParallelConfig, ModelConfig, TrainConfig):
+        got = f"a {type(value).__name__}; the arguments look swapped: {call} takes them in that order"
+    else:
+        got = f"{value!r} ({type(value).__name__}); build one, e.g. {cls.__name__}(" + \
+            ("world_size=8, tensor_model_parallel_size=2)" if cls is ParallelConfig else ")")
+    raise ConfigError("malformed", f"{name} must be {wanted}, got {got}")
 
 
 # --- structural rules (the grid) -------------------------------------------
@@ -200,8 +293,12 @@ def check_grid(config: ParallelConfig, layout: str = "megatron") -> None:
     in a given order) EP is a dimension of its own, so TP * CP * EP * PP must divide
     it, and experts can only be split along TP.
     """
+    _check_config_type("config", config, ParallelConfig, "check_grid(config, layout)")
     for f in fields(config):
         _check_positive_int(f.name, getattr(config, f.name))
+    if not isinstance(layout, str):
+        raise ConfigError("malformed", f"layout must be a string, one of {', '.join(LAYOUTS)}; "
+                                       f"got {layout!r} ({type(layout).__name__})")
     if layout not in LAYOUTS + ("custom",):
         raise ConfigError(
             "malformed", f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}"
@@ -224,13 +321,12 @@ def check_grid(config: ParallelConfig, layout: str = "megatron") -> None:
             )
     for grid_name, formula, product in grids:
         if w % product:
-            fits = [d for d in _divisors(w) if d <= product]
             raise ConfigError(
                 "rule 1",
                 f"world_size ({w}) must be divisible by {formula} = {product} "
                 f"(the {grid_name} grid of the {layout!r} layout); "
                 f"use a world size of {_nearest_multiples(w, product)}, or make {formula} "
-                f"one of {fits}",
+                f"{_one_of_divisors(w, product)}",
             )
 
 
@@ -243,7 +339,18 @@ def validate(
     train: TrainConfig | None = None,
     layout: str = "megatron",
 ) -> None:
-    """Raise :class:`ConfigError` for the first broken rule; return ``None`` if all hold."""
+    """Raise :class:`ConfigError` for the first broken rule; return ``None`` if all hold.
+
+    Anything else that goes wrong is a :class:`ConfigError` too: an argument that is not
+    its dataclass (``None``, swapped arguments), a field of the wrong type.
+    """
+    call = "validate(parallel, model=None, train=None, layout='megatron')"
+    _check_config_type("parallel", parallel, ParallelConfig, call)
+    _check_config_type("model", model, ModelConfig, call, optional=True)
+    _check_config_type("train", train, TrainConfig, call, optional=True)
+    for config in (parallel, model, train):
+        if config is not None:
+            check_field_types(config)
     check_grid(parallel, layout)
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size
@@ -285,18 +392,28 @@ def validate(
             )
         per_replica = train.global_batch_size // dp
         if per_replica % m:
-            ok = [d for d in _divisors(per_replica)]
             raise ConfigError(
                 "rule 3",
                 f"each data-parallel replica's batch ({train.global_batch_size} / {dp} = "
                 f"{per_replica} sequences) must be divisible by num_microbatches ({m}); "
-                f"choose num_microbatches from {ok}",
+                f"make num_microbatches {_one_of_divisors(per_replica)}",
             )
 
     if model is None:
         return
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         _check_positive_int(name, getattr(model, name))
+    for name in ("num_shared_experts", "first_k_dense_replace"):
+        value = getattr(model, name)
+        if value < 0:
+            raise ConfigError("malformed", f"{name} must be >= 0, got {value}; "
+                                           f"0 means {_ZERO_MEANS[name]}")
+    for name in ("ffn_hidden_size", "moe_ffn_hidden_size"):
+        if getattr(model, name) is not None:
+            _check_positive_int(name, getattr(model, name))
+    if model.num_experts < 0:
+        raise ConfigError("malformed", f"num_experts must be >= 0, got {model.num_experts}; "
+                                       f"0 means a dense model")
     if model.num_experts:
         _check_positive_int("num_experts", model.num_experts)
         _check_positive_int("moe_router_topk", model.moe_router_topk)
@@ -338,6 +455,36 @@ def validate(
             f"tensor_model_parallel_size ({tp}) so each TP rank owns whole heads; try "
             f"{_nearest_multiples(model.num_attention_heads, tp)} heads",
         )
+    if model.vocab_size % tp:
+        raise ConfigError(
+            "rule 10",
+            f"vocab_size ({model.vocab_size}) must be divisible by tensor_model_parallel_size "
+            f"({tp}): the embedding table and the LM head are split over TP ranks by vocabulary "
+            f"rows, the same number on each. Use vocab_size "
+            f"{_nearest_multiples(model.vocab_size, tp)} (Megatron pads the vocabulary up to a "
+            f"multiple of make_vocab_size_divisible_by x TP instead; this course does not pad)",
+        )
+    if model.hidden_size % model.num_attention_heads:
+        h, a = model.hidden_size, model.num_attention_heads
+        raise ConfigError(
+            "rule 11",
+            f"hidden_size ({h}) must be divisible by num_attention_heads ({a}): each head "
+            f"attends over hidden_size / num_attention_heads channels; use hidden_size "
+            f"{_nearest_multiples(h, a)}, or a number of heads that divides {h}",
+        )
+    moe_layers = model.num_experts > 0 and model.first_k_dense_replace < model.num_layers
+    if moe_layers and tp > 1 and model.seq_length % tp:
+        raise ConfigError(
+            "rule 6",
+            f"seq_length ({model.seq_length}) must be divisible by tensor_model_parallel_size "
+            f"({tp}) in a model with MoE layers: with TP > 1 each MoE layer splits the sequence "
+            f"over the TP ranks (Megatron requires sequence parallelism there); try seq_length "
+            f"{_nearest_multiples(model.seq_length, tp)}",
+        )
+
+
+_ZERO_MEANS = {"num_shared_experts": "no shared expert",
+               "first_k_dense_replace": "every layer is an MoE layer"}
 
 
 def check_pipeline_layers(num_layers: int, pipeline_model_parallel_size: int,
@@ -374,6 +521,11 @@ def field_docs(cls) -> dict[str, str]:
     :func:`config_fields` has no source of its own: it takes the docstring of the field
     it copies, found through ``metadata["config"]``.
     """
+    return dict(_field_docs(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _field_docs(cls) -> dict[str, str]:
     docs = {}
     for klass in reversed(cls.__mro__):
         try:

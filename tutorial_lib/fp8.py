@@ -37,6 +37,8 @@ import math
 import torch
 
 from . import comm, parallel_state
+from .recipes import (DEEPSEEK_V3_COMBINE, DEEPSEEK_V3_DISPATCH, PRECISIONS, check_precision,
+                      check_precision_pair)
 from .trace import get_tracer
 
 __all__ = [
@@ -60,49 +62,19 @@ AMAX_FLOOR = 1e-4
 """A tile's amax is clamped to at least this before the scale is taken (DeepSeek-V3's
 inference kernels use the same floor), so an all-zero tile gets a finite, nonzero scale."""
 
-PRECISIONS = ("fp32", "bf16", "fp8", "fp8_pow2", "fp8_ue8m0")
-"""What a tensor can travel as: ``fp32`` (4 bytes per value), ``bf16`` (2), and FP8 (1 byte per
-value) with one scale per 128 values in three flavours: ``fp8``, any fp32 scale (4 bytes);
-``fp8_pow2``, a power-of-two scale still sent as fp32 (4 bytes; DeepEP's ``round_scale``);
-``fp8_ue8m0``, a power-of-two scale sent as its one-byte exponent (1 byte; DeepEP's
-``use_ue8m0``)."""
+# PRECISIONS, DEEPSEEK_V3_DISPATCH / _COMBINE, check_precision and check_precision_pair are
+# defined, without torch, in tutorial_lib.recipes (a command line checks recipes before it
+# loads torch); they are imported above and belong to this module's API as well.
 
-DEEPSEEK_V3_DISPATCH = ("fp8_pow2", "bf16")
-"""(forward, backward) of the dispatch in DeepSeek-V3: tokens go out in FP8 with power-of-two
-scales (the up-projection consumes FP8 anyway, and V3's report makes these scales integral
-powers of two); the gradients coming back, a combine, stay BF16."""
-DEEPSEEK_V3_COMBINE = ("bf16", "fp8_pow2")
-"""(forward, backward) of the combine in DeepSeek-V3: expert outputs come back in BF16; the
-gradients going out to the experts, a dispatch, travel in FP8 with power-of-two scales, the
-same treatment as the dispatched activations (the down-projection's dgrad consumes FP8)."""
 FP8_DISPATCH = ("fp8", "fp8")
 """Every leg in FP8, the simplest reading of "the dispatch and combine may use FP8": both
-directions of the dispatch in FP8 (DeepSeek-V3 keeps some legs in BF16: see above)."""
+directions of the dispatch in FP8 (DeepSeek-V3 keeps some legs in BF16:
+:data:`DEEPSEEK_V3_DISPATCH`)."""
 FP8_COMBINE = ("fp8", "fp8")
 """Likewise for the combine."""
 
 
 # --- 1. checks that teach ------------------------------------------------------------------
-
-
-def check_precision(precision: str) -> str:
-    """``precision`` if it is one of :data:`PRECISIONS`, else a ``ValueError`` listing them."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    return precision
-
-
-def check_precision_pair(pair) -> tuple[str, str] | None:
-    """A ``(forward, backward)`` pair of precisions (a single name means both), or ``None``."""
-    if pair is None:
-        return None
-    if isinstance(pair, str):
-        pair = (pair, pair)
-    pair = tuple(pair)
-    if len(pair) != 2:
-        raise ValueError(f"a communication precision is a (forward, backward) pair such as "
-                         f"('fp8', 'bf16'), got {pair!r}")
-    return check_precision(pair[0]), check_precision(pair[1])
 
 
 def has_pow2_scales(precision: str) -> bool:

@@ -44,6 +44,7 @@ every layout, as in Megatron.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -90,6 +91,12 @@ def parse_order(order: str, sizes: dict[str, int] | None = None,
     """
     dims = tuple(part.strip() for part in str(order).lower().split("-"))
     names = ", ".join(SINGLE_GRID_DIMS)
+    if not str(order).strip():
+        raise ConfigError(
+            "malformed",
+            f"order {order!r} is empty; an order joins {names} with '-', fastest first "
+            f"(e.g. {MEGATRON_ORDER!r}), or leave the order out for the layout's own",
+        )
     for dim in dims:
         if dim not in SINGLE_GRID_DIMS:
             raise ConfigError(
@@ -155,6 +162,37 @@ class RankGrid:
             rank = rank * size + c
         return rank
 
+    def stride(self, dim: str) -> int:
+        """How far apart two ranks are whose ``dim`` coordinates differ by one."""
+        return math.prod(self.sizes[:self.order.index(dim)])
+
+    def group_count(self, *varying: str) -> int:
+        """How many groups :meth:`groups` lists for ``varying``."""
+        return self.world_size // self.group_size(*varying)
+
+    def group_size(self, *varying: str) -> int:
+        """How many ranks each group of ``varying`` holds."""
+        return math.prod(self.size(d) for d in varying)
+
+    def group_member(self, group: int, index: int, *varying: str) -> int:
+        """``self.groups(*varying)[group][index]`` without listing the groups.
+
+        Group ``g``'s fixed coordinates are the digits of ``g`` in the mixed radix of the
+        fixed dimensions, fastest first; member ``i``'s varying coordinates are the digits of
+        ``i`` in the varying dimensions' radix.  Both orders ascend, because a dimension's
+        stride exceeds what all faster dimensions together can add.
+        """
+        fixed = [d for d in self.order if d not in varying]
+        if not 0 <= group < self.group_count(*varying) or not 0 <= index < self.group_size(*varying):
+            raise ValueError(f"group {group}, member {index}: outside the {self.group_count(*varying)} "
+                             f"groups of {self.group_size(*varying)} ranks varying {varying}")
+        rank = 0
+        for dims, number in ((fixed, group), ([d for d in self.order if d in varying], index)):
+            for dim in dims:
+                rank += (number % self.size(dim)) * self.stride(dim)
+                number //= self.size(dim)
+        return rank
+
     def groups(self, *varying: str) -> list[list[int]]:
         """Ranks sharing every coordinate except ``varying``, one list per group.
 
@@ -207,11 +245,15 @@ def megatron_grids(config: ParallelConfig, order: str = MEGATRON_ORDER) -> tuple
             f"the dense and expert data-parallel sizes to match, but DP = {dp} and EDP = {edp}; "
             f"put pp last (e.g. {MEGATRON_ORDER!r}) or make TP * CP equal ETP * EP",
         )
-    if dense.groups("pp") != expert.groups("pp"):
+    # The pipeline groups agree iff ``pp`` has the same stride in both grids (or PP = 1):
+    # then every rank has the same pp coordinate in both; else rank 0's groups differ.
+    if pp > 1 and dense.stride("pp") != expert.stride("pp"):
+        first = {name: _abbreviated(lambda i, grid=grid: grid.group_member(0, i, "pp"), pp)
+                 for name, grid in (("dense", dense), ("expert", expert))}
         raise ConfigError(
             "order",
             f"order {order!r} gives the dense and expert grids different pipeline groups "
-            f"(rank 0's: {dense.groups('pp')[0]} and {expert.groups('pp')[0]}), and Megatron-Core "
+            f"(rank 0's: {first['dense']} and {first['expert']}), and Megatron-Core "
             f"needs one pipeline for both; put pp last (e.g. {MEGATRON_ORDER!r})",
         )
     return dense, expert
@@ -249,14 +291,15 @@ class ProcessGrid:
         self.layout = layout
         c = config
         if layout == "megatron":
-            self.dense, self.expert = megatron_grids(config, order or MEGATRON_ORDER)
+            order = MEGATRON_ORDER if order is None else order
+            self.dense, self.expert = megatron_grids(config, order)
             # the order as Megatron-Core completes it: left-out dimensions (size 1) appended
-            self.order = "-".join(parse_order(order or MEGATRON_ORDER, dict.fromkeys(SINGLE_GRID_DIMS, 1)))
+            self.order = "-".join(parse_order(order, dict.fromkeys(SINGLE_GRID_DIMS, 1)))
         else:
             sizes = {"tp": c.tensor_model_parallel_size, "cp": c.context_parallel_size,
                      "ep": c.expert_model_parallel_size, "pp": c.pipeline_model_parallel_size}
             sizes["dp"] = c.world_size // math.prod(sizes.values())
-            dims = parse_order(order or LAYOUT_ORDERS[layout][0], sizes)
+            dims = parse_order(LAYOUT_ORDERS[layout][0] if order is None else order, sizes)
             self.dense = self.expert = RankGrid(dims, tuple(sizes[d] for d in dims))
             self.order = "-".join(dims)
 
@@ -277,35 +320,64 @@ class ProcessGrid:
         return out
 
     @cached_property
-    def _groups(self) -> dict[str, list[list[int]]]:
+    def _specs(self) -> dict[str, tuple[RankGrid, tuple[str, ...]]]:
+        """Each group kind but ``embedding`` as ``(grid, varying dimensions)``."""
         d, e = self.dense, self.expert
         etp = self.config.expert_tensor_parallel_size
         if self.folded:
-            groups = {
-                "tp": d.groups("tp"), "cp": d.groups("cp"), "pp": d.groups("pp"),
-                "dp": d.groups("dp"), "dp_cp": d.groups("cp", "dp"), "mp": d.groups("tp", "pp"),
-                "ep": e.groups("ep"), "expert_tp": e.groups("etp"), "expert_dp": e.groups("edp"),
+            return {
+                "tp": (d, ("tp",)), "cp": (d, ("cp",)), "pp": (d, ("pp",)), "dp": (d, ("dp",)),
+                "dp_cp": (d, ("cp", "dp")), "mp": (d, ("tp", "pp")),
+                "ep": (e, ("ep",)), "expert_tp": (e, ("etp",)), "expert_dp": (e, ("edp",)),
             }
-        else:
-            expert_replicas = ("dp", "cp") if etp > 1 else ("tp", "dp", "cp")
-            groups = {
-                "tp": d.groups("tp"), "cp": d.groups("cp"), "pp": d.groups("pp"),
-                "ep": d.groups("ep"),
-                "dp": d.groups("ep", "dp"),
-                "dp_cp": d.groups("ep", "dp", "cp"),
-                "mp": d.groups("tp", "pp"),
-                "expert_tp": d.groups("tp") if etp > 1 else [[r] for r in range(self.world_size)],
-                "expert_dp": d.groups(*expert_replicas),
-            }
+        expert_replicas = ("dp", "cp") if etp > 1 else ("tp", "dp", "cp")
+        return {
+            "tp": (d, ("tp",)), "cp": (d, ("cp",)), "pp": (d, ("pp",)), "ep": (d, ("ep",)),
+            "dp": (d, ("ep", "dp")),
+            "dp_cp": (d, ("ep", "dp", "cp")),
+            "mp": (d, ("tp", "pp")),
+            "expert_tp": (d, ("tp",) if etp > 1 else ()),  # ETP = 1: every rank alone
+            "expert_dp": (d, expert_replicas),
+        }
+
+    @cached_property
+    def _groups(self) -> dict[str, list[list[int]]]:
+        groups = {kind: grid.groups(*varying) for kind, (grid, varying) in self._specs.items()}
         groups["embedding"] = [sorted({g[0], g[-1]}) for g in groups["pp"]]
         return groups
 
-    def groups(self, kind: str) -> list[list[int]]:
-        """Every group of ``kind`` (see :data:`GROUP_KINDS` and :data:`EXTRA_GROUP_KINDS`)."""
-        if kind not in self._groups:
+    def _check_kind(self, kind: str) -> None:
+        if kind not in self._specs and kind != "embedding":
             raise KeyError(
                 f"unknown group kind {kind!r}; kinds are {', '.join(GROUP_KINDS + EXTRA_GROUP_KINDS)}"
             )
+
+    def group_count(self, kind: str) -> int:
+        """How many groups of ``kind`` there are, without listing them."""
+        self._check_kind(kind)
+        grid, varying = self._specs["pp" if kind == "embedding" else kind]
+        return grid.group_count(*varying)
+
+    def group_size(self, kind: str) -> int:
+        """How many ranks each group of ``kind`` holds (all groups of a kind are alike)."""
+        self._check_kind(kind)
+        if kind == "embedding":
+            return min(2, self.group_size("pp"))
+        grid, varying = self._specs[kind]
+        return grid.group_size(*varying)
+
+    def group_member(self, kind: str, group: int, index: int) -> int:
+        """``self.groups(kind)[group][index]``, computed without listing every group."""
+        self._check_kind(kind)
+        if kind == "embedding":
+            size = self.group_size("pp")
+            return self.group_member("pp", group, (0, size - 1)[index] if size > 1 else index)
+        grid, varying = self._specs[kind]
+        return grid.group_member(group, index, *varying)
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` (see :data:`GROUP_KINDS` and :data:`EXTRA_GROUP_KINDS`)."""
+        self._check_kind(kind)
         return [list(g) for g in self._groups[kind]]
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -356,14 +428,58 @@ def build_grid(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int =
     return ProcessGrid(config, layout=layout, order=order)
 
 
-def format_groups(grid: ProcessGrid, kinds=GROUP_KINDS) -> str:
+#: The command line prints every group up to this world size, a summary above it.
+LIST_ALL_UP_TO = 256
+
+#: ``--all`` and ``--json`` list every group of at most this many ranks (2**20; a minute's work).
+MAX_LISTED_WORLD_SIZE = 2**20
+
+#: The largest world the command line describes at all (2**24 ranks).
+MAX_WORLD_SIZE = 2**24
+
+
+def _abbreviated(member, size: int, shown: int = 8) -> str:
+    """A group of ``size`` ranks, ``member(i)`` its ``i``-th, as ``[0, 1, 2, ..., 99]``: all of
+    them up to ``shown``, else the first ``shown - 1`` and the last."""
+    if size <= shown:
+        return str([member(i) for i in range(size)])
+    return "[" + ", ".join(str(member(i)) for i in range(shown - 1)) + f", ..., {member(size - 1)}]"
+
+
+def format_groups(grid: ProcessGrid, kinds=GROUP_KINDS, summary: bool = False,
+                  groups_shown: int = 4, members_shown: int = 8) -> str:
+    """The layout's description, then one line per kind: ``count x size:`` and its groups.
+
+    ``summary``: only the first ``groups_shown`` groups, each as its first
+    ``members_shown - 1`` ranks and its last (computed without listing the groups, so a
+    world of 2**24 ranks answers at once).
+    """
     lines = [grid.describe()]
     width = max(len(k) for k in kinds)
     for kind in kinds:
-        groups = grid.groups(kind)
-        lines.append(f"  {kind:<{width}}  {len(groups)} x {len(groups[0])}: "
-                     + " ".join(str(g) for g in groups))
+        count, size = grid.group_count(kind), grid.group_size(kind)
+        head = f"  {kind:<{width}}  {count} x {size}: "
+        if not summary:
+            lines.append(head + " ".join(str(g) for g in grid.groups(kind)))
+            continue
+        shown = [_abbreviated(functools.partial(grid.group_member, kind, g), size, members_shown)
+                 for g in range(min(count, groups_shown))]
+        more = f" ... ({count - len(shown):,} more)" if count > len(shown) else ""
+        lines.append(head + " ".join(shown) + more)
+    if summary:
+        lines.append(f"(a summary: the first {groups_shown} groups of each kind; --all prints every "
+                     f"group, up to {MAX_LISTED_WORLD_SIZE:,} ranks)")
     return "\n".join(lines)
+
+
+def _repeating_world(grid: ProcessGrid) -> int:
+    """The smallest world with the same sizes: the groups' pattern repeats every this many ranks."""
+    c = grid.config
+    tp, cp, pp = c.tensor_model_parallel_size, c.context_parallel_size, c.pipeline_model_parallel_size
+    ep, etp = c.expert_model_parallel_size, c.expert_tensor_parallel_size
+    if grid.folded:
+        return math.lcm(tp * cp * pp, etp * ep * pp)
+    return tp * cp * ep * pp
 
 
 def main(argv=None) -> int:
@@ -371,7 +487,9 @@ def main(argv=None) -> int:
         prog="python -m tutorial_lib.grid",
         description="Print every communicator group of a parallel layout.",
     )
-    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True,
+                        help=f"ranks in all (at most {MAX_WORLD_SIZE:,}); above {LIST_ALL_UP_TO} "
+                             f"a summary is printed unless --all")
     parser.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
     parser.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size")
@@ -390,7 +508,12 @@ def main(argv=None) -> int:
         "EP a dimension of its own, like the course and visualizer layouts: for "
         "tp-cp-ep-dp-pp its groups differ from Megatron-Core's exactly when EP > 1 and "
         "CP > 1 or ETP != TP"))
-    parser.add_argument("--json", action="store_true", help="print one JSON object: kind -> rank lists")
+    parser.add_argument("--json", action="store_true",
+                        help=f"print one JSON object: kind -> rank lists (above {LIST_ALL_UP_TO} "
+                             f"ranks only with --all)")
+    parser.add_argument("--all", action="store_true",
+                        help=f"print every group, also above {LIST_ALL_UP_TO} ranks (up to "
+                             f"{MAX_LISTED_WORLD_SIZE:,})")
     parser.add_argument("--all-kinds", action="store_true",
                         help="also print dp_cp, mp (model parallel) and embedding groups")
     args = parser.parse_args(argv)
@@ -401,10 +524,31 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    w, small = args.world_size, _repeating_world(grid)
+    sizes = " ".join(f"--{name} {value}" for name, value in (
+        ("tp", args.tp), ("pp", args.pp), ("ep", args.ep), ("cp", args.cp)) if value != 1)
+    smaller = (f"the groups repeat every {small:,} ranks, so --world-size {min(4 * small, w):,}"
+               + (f" {sizes}" if sizes else "") + " shows the same pattern")
+    numbers = w * len(kinds)
+    if w > MAX_WORLD_SIZE:
+        print(f"error: world_size ({w:,}) is more ranks than this command describes (at most "
+              f"{MAX_WORLD_SIZE:,} = 2**24); {smaller}", file=sys.stderr)
+        return 2
+    if (args.all or args.json) and w > MAX_LISTED_WORLD_SIZE:
+        print(f"error: {'--json' if args.json else '--all'} lists every group, {numbers:,} numbers "
+              f"for world_size {w:,}, and lists at most {MAX_LISTED_WORLD_SIZE:,} (2**20) ranks; "
+              f"leave out {'--json and ' if args.json else ''}--all for a summary, or: {smaller}",
+              file=sys.stderr)
+        return 2
+    if args.json and not args.all and w > LIST_ALL_UP_TO:
+        print(f"error: --json lists every group, {numbers:,} numbers for world_size {w:,} (more "
+              f"than {LIST_ALL_UP_TO} ranks); add --all to print them all, or leave out --json "
+              f"for a summary", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(grid.all_groups(kinds)))
     else:
-        print(format_groups(grid, kinds))
+        print(format_groups(grid, kinds, summary=w > LIST_ALL_UP_TO and not args.all))
     return 0
 
 

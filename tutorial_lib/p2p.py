@@ -71,9 +71,11 @@ import subprocess
 import torch
 
 from . import comm, parallel_state
+from .pipeline_schedules import P2P_MODES
 from .trace import get_tracer
 
-MODES = ("sequential", "overlapped", "batched")
+MODES = P2P_MODES
+"""``sequential``, ``overlapped``, ``batched`` (:data:`tutorial_lib.pipeline_schedules.P2P_MODES`)."""
 DEFAULT_MODE = "batched"
 """Megatron's default: ``batch_p2p_comm = not overlap_p2p_comm`` with overlap off."""
 

@@ -55,8 +55,8 @@ import torch
 from . import comm, parallel_state
 from .config import ConfigError
 from .deepseek import Microbatch
-from .p2p import MODES, communicate
-from .pipeline_schedules import PAYLOAD, SCHEDULE_NAMES, Action, build_schedules
+from .p2p import communicate
+from .pipeline_schedules import PAYLOAD, Action, build_schedules, check_schedule_and_mode
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
@@ -81,25 +81,6 @@ _HELPERS = {
     (("send", "activation"), ("recv", "activation")): "send_forward_recv_forward",
     (("send", "grad"), ("recv", "grad")): "send_backward_recv_backward",
 }
-
-
-def check_schedule_and_mode(schedule: str, p2p_mode: str) -> None:
-    """Refuse unknown names, and interleaved + sequential, the pair that cannot run."""
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError("malformed", f"schedule must be one of "
-                                       f"{', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
-    if p2p_mode not in MODES:
-        raise ConfigError("malformed", f"p2p_mode must be one of {', '.join(MODES)}, "
-                                       f"got {p2p_mode!r}")
-    if schedule == "interleaved" and p2p_mode == "sequential":
-        raise ConfigError(
-            "interleaved schedule",
-            "the interleaved schedule needs sends that do not block (p2p_mode "
-            "'overlapped' or 'batched'): with V chunks per rank, neighbours exchange "
-            "activations of one chunk and gradients of another in both directions at "
-            "once, and two blocking sends towards each other deadlock whatever the "
-            "order.  Megatron runs interleaving with overlap_p2p_comm; use --p2p-mode "
-            "overlapped")
 
 
 # --- which P2P call each run of messages is (pure) ------------------------------------

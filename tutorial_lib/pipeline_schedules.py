@@ -74,6 +74,10 @@ PAYLOAD = {"send_activation": "activation", "recv_activation": "activation",
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 
+P2P_MODES = ("sequential", "overlapped", "batched")
+"""How :mod:`tutorial_lib.p2p` issues a step's sends and receives (``p2p.MODES``); named here,
+without torch, so that a run's arguments can be checked before torch is loaded."""
+
 
 @dataclass(frozen=True)
 class Action:
@@ -148,6 +152,25 @@ def _check(pp_size: int, num_microbatches: int, rank: int, virtual_pipeline_size
                           f"microbatch_group_size_per_vp_stage ({microbatch_group_size_per_vp_stage}) "
                           f"only applies to the interleaved schedule (virtual_pipeline_size >= 2), "
                           f"got virtual_pipeline_size {virtual_pipeline_size}; leave it None")
+
+
+def check_schedule_and_mode(schedule: str, p2p_mode: str) -> None:
+    """Refuse unknown names, and interleaved + sequential, the pair that cannot run."""
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError("malformed", f"schedule must be one of "
+                                       f"{', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+    if p2p_mode not in P2P_MODES:
+        raise ConfigError("malformed", f"p2p_mode must be one of {', '.join(P2P_MODES)}, "
+                                       f"got {p2p_mode!r}")
+    if schedule == "interleaved" and p2p_mode == "sequential":
+        raise ConfigError(
+            "interleaved schedule",
+            "the interleaved schedule needs sends that do not block (p2p_mode "
+            "'overlapped' or 'batched'): with V chunks per rank, neighbours exchange "
+            "activations of one chunk and gradients of another in both directions at "
+            "once, and two blocking sends towards each other deadlock whatever the "
+            "order.  Megatron runs interleaving with overlap_p2p_comm; use --p2p-mode "
+            "overlapped")
 
 
 def check_microbatch_groups(pp_size: int, num_microbatches: int,

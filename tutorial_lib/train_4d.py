@@ -41,118 +41,29 @@ there, and the losses drift apart by about 1e-4 (bf16) to 1e-3 (deepseek_v3) in 
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
 
 import torch
 
 from . import comm, parallel_state, precision
-from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers,
-                     config_fields, validate)
+from .arguments import (CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs, args_from_dict, check_memory,
+                        load_config_file, resolve_precision_recipe, validate_args)
 from .data import split_global_batch, split_microbatches, synthetic_batch
 from .data_parallel import DataParallel
 from .deepseek import DeepSeekModel, Microbatch
 from .moe_balance import max_violation, update_expert_bias
-from .p2p import MODES
-from .pipeline import check_schedule_and_mode, forward_backward_pipelining
-from .pipeline_schedules import SCHEDULE_NAMES, check_microbatch_groups
+from .pipeline import forward_backward_pipelining
 from .tp_dp_step import finish_step
 from .trace import get_tracer
 
-__all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "build_chunks",
-           "train_worker", "train", "format_progress"]
+__all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
+           "load_config_file", "check_memory", "build_chunks", "train_worker", "train",
+           "format_progress"]
 
-
-#: The config dataclasses' fields the 4D run takes, flat in :class:`TrainingArgs`; each is
-#: documented once, on its dataclass, and ``examples/train_4d.py --help`` prints that text.
-CONFIG_FIELDS = {
-    ParallelConfig: ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "expert_model_parallel_size"),
-    TrainConfig: ("global_batch_size", "num_microbatches"),
-    ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                  "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",
-                  "dropout"),
-}
-
-#: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE
-#: model (4 routed experts) and a batch of 16 sequences in 4 microbatches.
-RUN_DEFAULTS = {"world_size": 1, "num_experts": 4, "global_batch_size": 16, "num_microbatches": 4}
-
-
-@dataclass
-class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
-    """Everything ``train_4d.py`` takes; field names are Megatron's flags with ``_`` for ``-``.
-
-    The fields of :data:`CONFIG_FIELDS` come first, flat (``TrainingArgs(num_layers=8)``,
-    ``args.num_layers``), with the defaults of :data:`RUN_DEFAULTS`; :meth:`configs` gives
-    them back as the three config dataclasses.  The fields below are the run's own.
-    """
-
-    virtual_pipeline_model_parallel_size: int = 2
-    """V: model chunks per rank for ``schedule="interleaved"`` (ignored by the other schedules)."""
-    steps: int = 5
-    """Optimizer steps."""
-    seed: int = 1234
-    """Seeds the weights, the data and the dropout masks."""
-    lr: float = 3e-3
-    """Adam learning rate."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
-    schedule: str = field(default="1f1b", metadata={"choices": SCHEDULE_NAMES})
-    """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved``."""
-    p2p_mode: str = field(default="batched", metadata={"choices": MODES})
-    """P2P mode: ``sequential``, ``overlapped`` or ``batched`` (Megatron's default)."""
-    precision_recipe: str = field(default="fp32",
-                                  metadata={"metavar": "{%s,FILE}" % ",".join(precision.RECIPES)})
-    """Precision recipe: ``fp32`` (nothing changes), ``bf16``, ``deepseek_v3``, or a path to a
-    ``.json`` / ``.toml`` recipe file (:func:`tutorial_lib.precision.recipe_from_file`)."""
-    timeout: float = 600.0
-    """Seconds before the launcher declares a hang and prints what each rank waits in."""
-
-    def configs(self) -> tuple[ParallelConfig, ModelConfig, TrainConfig]:
-        """The three dataclasses the validator and the model take."""
-        def build(cls):
-            return cls(**{name: getattr(self, name) for name in CONFIG_FIELDS[cls]})
-        return build(ParallelConfig), build(ModelConfig), build(TrainConfig)
-
-    @property
-    def chunks_per_rank(self) -> int:
-        return self.virtual_pipeline_model_parallel_size if self.schedule == "interleaved" else 1
-
-
-def validate_args(args: TrainingArgs) -> None:
-    """Every rule, checked before any worker starts; raises :class:`ConfigError`."""
-    check_schedule_and_mode(args.schedule, args.p2p_mode)
-    for name in ("steps",):
-        value = getattr(args, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("malformed", f"{name} must be a whole number >= 1, got {value!r}")
-    parallel, model, train = args.configs()
-    validate(parallel, model, train)
-    pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
-    if args.schedule == "interleaved":
-        if pp < 2 or v < 2:
-            raise ConfigError("interleaved schedule",
-                              f"the interleaved schedule needs pipeline_model_parallel_size >= 2 and "
-                              f"virtual_pipeline_model_parallel_size >= 2, got {pp} and {v}")
-        check_microbatch_groups(pp, args.num_microbatches)  # M a multiple of PP (Megatron's default)
-    check_pipeline_layers(args.num_layers, pp, v)
-    _resolve_precision_recipe(args.precision_recipe)
-
-
-def _resolve_precision_recipe(name_or_path: str) -> precision.PrecisionRecipe:
-    """The recipe named by ``precision_recipe``, or a :class:`ConfigError` naming the choices."""
-    choices = f"choose one of {', '.join(precision.RECIPES)} or a .json / .toml recipe file"
-    if name_or_path not in precision.RECIPES and not os.path.isfile(name_or_path):
-        raise ConfigError("precision recipe", f"unknown precision_recipe {name_or_path!r}: "
-                          f"{choices} (precision.recipe_from_file)")
-    try:
-        return precision.resolve_recipe(name_or_path)
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        raise ConfigError("precision recipe", f"the recipe file {name_or_path!r} cannot be used: "
-                          f"{error}; {choices}") from None
+# TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
+# torch, so that examples/train_4d.py refuses a bad value before it loads torch; they are
+# imported above and belong to this module's API as well.
 
 
 def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
@@ -163,7 +74,7 @@ def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
     chunks = [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed)
               for c in range(v)]
     if args.precision_recipe != "fp32":  # fp32: the model exactly as built
-        recipe = _resolve_precision_recipe(args.precision_recipe)
+        recipe = resolve_precision_recipe(args.precision_recipe)
         for chunk in chunks:
             precision.apply_recipe(chunk, recipe)
     return chunks
@@ -297,13 +208,3 @@ def train(args: TrainingArgs, progress: bool = False, trace: bool = False, **lau
 
 def _worker(ctx, args, progress):
     return train_worker(ctx, args, _print_on_rank_0(ctx, args) if progress else None)
-
-
-def args_from_dict(values: dict) -> TrainingArgs:
-    """A :class:`TrainingArgs` from a dict with Megatron flag names (``-`` or ``_``)."""
-    known = {f.name for f in fields(TrainingArgs)}
-    clean = {k.replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(clean) - known)
-    if unknown:
-        raise ConfigError("malformed", f"unknown training options {unknown}; known: {sorted(known)}")
-    return TrainingArgs(**clean)

@@ -199,7 +199,8 @@ def test_unknown_or_broken_recipes_are_refused_before_any_worker_starts(tmp_path
 
     def no_workers(*args, **kwargs):
         raise AssertionError("a worker was started")
-    monkeypatch.setattr(train_4d, "train", no_workers)
+    # the command line takes train() from tutorial_lib.train_4d once the arguments are valid
+    monkeypatch.setattr("tutorial_lib.train_4d.train", no_workers)
     monkeypatch.setattr(train_4d, "run_under_torchrun", no_workers)
     for value in ("nope", str(broken), str(tmp_path)):
         assert train_4d.main(["--precision-recipe", value]) == 2

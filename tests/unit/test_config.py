@@ -116,3 +116,94 @@ def test_custom_layout_is_one_grid():
     expect("rule 1", "TP * CP * EP * PP = 8", "'custom' layout",
            parallel=pc(12, tp=2, pp=2, ep=2), layout="custom")
     check_grid(pc(16, tp=2, pp=2, ep=2), layout="custom")
+
+
+# --- issue 12: every bad value is a ConfigError ------------------------------------------------
+
+
+@pytest.mark.parametrize("call,fragment", [
+    (lambda: validate(None), "parallel must be a ParallelConfig, got None"),
+    (lambda: validate(ModelConfig(), ParallelConfig(2)), "the arguments look swapped"),
+    (lambda: validate(ParallelConfig(2), TrainConfig()), "model must be a ModelConfig or None, got a TrainConfig"),
+    (lambda: validate(ParallelConfig(2), None, ModelConfig()), "train must be a TrainConfig or None"),
+    (lambda: validate(ParallelConfig("8")), "world_size must be a whole number, got '8' (str)"),
+    (lambda: validate(ParallelConfig(8.0)), "write 8 instead of 8.0"),
+    (lambda: validate(ParallelConfig(2), ModelConfig(dropout="0.1")), "dropout must be a number, got '0.1'"),
+    (lambda: validate(ParallelConfig(2), ModelConfig(num_shared_experts="1")), "num_shared_experts must be a whole number"),
+    (lambda: validate(ParallelConfig(2), ModelConfig(ffn_hidden_size="64")), "ffn_hidden_size must be a whole number or None"),
+    (lambda: validate(ParallelConfig(2), ModelConfig(sequence_parallel="yes")), "sequence_parallel must be true or false"),
+    (lambda: validate(ParallelConfig(2), ModelConfig(num_layers=True)), "num_layers must be a whole number, got True"),
+    (lambda: validate(ParallelConfig(2), layout=3), "layout must be a string"),
+    (lambda: check_grid(None), "config must be a ParallelConfig, got None"),
+])
+def test_the_validator_api_answers_bad_arguments_with_config_errors(call, fragment):
+    """Issue 12: ``validate(None)``, swapped arguments and a string where a number belongs
+    raised a raw AttributeError / TypeError.  No upstream counterpart (Megatron-Core's
+    dataclasses fail with raw errors too, e.g. ``TransformerConfig.__post_init__`` compares
+    whatever it is given); the course's rule is CONTRIBUTING's: a ConfigError naming the
+    rule, the value and a fix."""
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_rule10_the_vocabulary_divides_over_tp():
+    """Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by *
+    tensor_model_parallel_size`` (NVIDIA/Megatron-LM, megatron/training/vocab_utils.py,
+    ``_calculate_padded_vocab_size_cached``, Megatron-Core 0.20.0, d98e8a64) because the
+    vocab-parallel embedding and LM head give each TP rank the same number of rows.  The
+    course does not pad, so it refuses and names the padded size.  (63 with TP 2 used to
+    fail in a worker, 15-67 s in.)"""
+    expect("rule 10", "vocab_size (63)", "tensor_model_parallel_size (2)", "62 or 64",
+           parallel=pc(2, tp=2), model=ModelConfig(vocab_size=63))
+    validate(pc(2, tp=2), ModelConfig(vocab_size=62))
+    validate(pc(1), ModelConfig(vocab_size=63))  # serial: any vocabulary
+
+
+def test_rule11_heads_divide_the_hidden_size():
+    """Megatron-LM's ``validate_args`` (megatron/training/arguments.py, Megatron-Core 0.20.0,
+    d98e8a64) asserts ``hidden_size % num_attention_heads == 0`` when ``kv_channels`` is not
+    given, and sets ``kv_channels = hidden_size // num_attention_heads``."""
+    expect("rule 11", "hidden_size (30)", "num_attention_heads (4)", "28 or 32",
+           parallel=pc(1), model=ModelConfig(hidden_size=30))
+    # rule 8 (heads over TP) keeps its place before it: the chapters break rule 8 this way
+    expect("rule 8", parallel=pc(4, tp=4), model=ModelConfig(num_attention_heads=6))
+
+
+@pytest.mark.parametrize("name,fix", [("num_shared_experts", "0 means no shared expert"),
+                                      ("first_k_dense_replace", "0 means every layer is an MoE layer")])
+def test_negative_moe_counts_are_refused(name, fix):
+    """Megatron-Core 0.20.0 (d98e8a64): ``TransformerConfig.__post_init__`` refuses a shared
+    expert size <= 0 (``moe_shared_expert_intermediate_size`` is ``num_shared_experts`` times
+    the expert width, or None for none), and ``gpt_layer_specs.py`` takes DeepSeek's
+    ``first_k_dense_replace`` as a ``moe_layer_freq`` list of 0 / 1 whose length must be
+    ``num_layers``: a count of leading dense layers is >= 0.  -1 used to build silently or
+    fail in a worker."""
+    expect("malformed", f"{name} must be >= 0, got -1", fix,
+           parallel=pc(1), model=ModelConfig(num_experts=4, **{name: -1}))
+
+
+def test_rule6_moe_layers_under_tp_need_a_divisible_sequence():
+    """Megatron-Core 0.20.0 (d98e8a64, megatron/core/transformer/moe/moe_layer.py,
+    ``MoELayer.forward``) refuses to train MoE with TP > 1 without sequence parallelism, whose
+    split (``tensor_parallel/mappings.py``, ``_split_along_first_dim``) asserts the sequence
+    divides by TP.  The course's MoE layers always split the sequence under TP, so a model
+    with an MoE layer needs ``seq_length % TP == 0`` even with ``sequence_parallel=False``."""
+    expect("rule 6", "seq_length (15)", "in a model with MoE layers",
+           parallel=pc(2, tp=2), model=ModelConfig(seq_length=15, num_experts=4))
+    # no MoE layer (dense, or every layer below first_k_dense_replace): no split
+    validate(pc(2, tp=2), ModelConfig(seq_length=15, num_experts=4, first_k_dense_replace=4))
+    validate(pc(2, tp=2), ModelConfig(seq_length=15))
+
+
+def test_divisor_hints_do_not_scan_huge_numbers():
+    """A rule 1 or rule 3 message listed every divisor by trial division up to n: a world of
+    10**12 + 1 never answered.  Now divisors are listed up to 10**12 (by trial division up to
+    the square root) and named in words above it."""
+    small = expect("rule 1", "one of [1, 2, 3, 4, 6]", parallel=pc(12, tp=8))
+    assert "world_size (12)" in small
+    huge = expect("rule 1", "a divisor of 1000000000001", parallel=pc(10**12 + 1, tp=3))
+    assert "999999999999 or 1000000000002" in huge
+    expect("rule 1", "a divisor of 10000000000000000000000000000", parallel=pc(10**28, tp=3))
+    expect("rule 3", "make num_microbatches a divisor of 1649267441664",
+           parallel=pc(2), train=TrainConfig(global_batch_size=3 * 2**40, num_microbatches=2**41))

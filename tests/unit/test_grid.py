@@ -6,8 +6,8 @@ import math
 import pytest
 
 from tutorial_lib.config import ConfigError
-from tutorial_lib.grid import (EXTRA_GROUP_KINDS, GROUP_KINDS, MEGATRON_ORDER, RankGrid, build_grid, main,
-                               parse_order)
+from tutorial_lib.grid import (EXTRA_GROUP_KINDS, GROUP_KINDS, MEGATRON_ORDER, RankGrid, build_grid,
+                               format_groups, main, parse_order)
 
 SHAPES = [  # (world, tp, pp, ep, cp)
     (1, 1, 1, 1, 1), (2, 2, 1, 1, 1), (4, 1, 4, 1, 1), (8, 2, 2, 2, 1), (8, 1, 2, 4, 1),
@@ -352,3 +352,101 @@ def test_an_order_may_leave_out_dimensions_of_size_1(order):
         build_grid(16, tp=2, pp=2, ep=2, order=order)  # in one grid EP is a dimension
     with pytest.raises(ConfigError, match=r"leaves out ep, whose size in the expert grid .* is 2"):
         build_grid(16, tp=2, pp=2, ep=2, layout="megatron", order=order)
+
+
+# --- issue 12: huge worlds answer at once, with a summary ----------------------------------
+
+
+def test_groups_computed_one_member_at_a_time_equal_the_listed_groups():
+    """``group_count`` / ``group_size`` / ``group_member`` (what the summary uses, without
+    listing a world's groups) give exactly ``groups(kind)``, for every kind, in every
+    layout, for the megatron shapes in several orders and the single-grid shapes."""
+    grids = [build_grid(world, tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, layout="megatron", order=order)
+             for world, tp, pp, ep, cp, etp in MEGATRON_SHAPES
+             for order in ("tp-cp-ep-dp-pp", "tp-ep-cp-dp-pp", "tp-cp-ep-pp-dp")
+             if _megatron_takes(world, tp, pp, ep, cp, etp, order)]
+    grids += [build_grid(*shape, layout=layout) for shape in SHAPES for layout in ("course", "visualizer")]
+    grids += [build_grid(*shape, order="pp-dp-cp-ep-tp") for shape in SHAPES]
+    for grid in grids:
+        for kind in ALL_KINDS:
+            lazy = [[grid.group_member(kind, g, i) for i in range(grid.group_size(kind))]
+                    for g in range(grid.group_count(kind))]
+            assert lazy == grid.groups(kind), (grid.describe(), kind)
+    assert len(grids) > 40
+
+
+def _megatron_takes(*shape) -> bool:
+    try:
+        megatron_groups(*shape)
+    except MegatronRefuses:
+        return False
+    return True
+
+
+def test_cli_summarizes_a_world_of_a_million_ranks(capsys):
+    """Issue 12: ``--world-size 2**20`` took about a minute and printed 62 MB.  Above 256
+    ranks the command prints a summary (each kind's count x size, its first groups, a
+    group's first ranks and its last), computed without listing the groups; ``--all``
+    prints everything, as before, and small worlds are printed whole as before."""
+    assert main(["--world-size", str(2**20), "--tp", "8", "--pp", "4", "--ep", "2", "--all-kinds"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 5000, len(out)
+    lines = out.splitlines()
+    assert lines[1].startswith("  tp         131072 x 8: [0, 1, 2, 3, 4, 5, 6, 7] [8, 9,")
+    assert lines[1].endswith("... (131,068 more)")
+    pp = next(line for line in lines if line.startswith("  pp "))
+    assert "262144 x 4: [0, 262144, 524288, 786432] [1, 262145, 524289, 786433]" in pp
+    dp = next(line for line in lines if line.startswith("  dp "))
+    assert "32 x 32768: [0, 8, 16, 24, 32, 40, 48, ..., 262136]" in dp  # first ranks ... last
+    assert "--all prints every group" in lines[-1]
+    # 256 ranks and fewer: every group, as before
+    assert main(["--world-size", "16", "--tp", "2", "--pp", "2"]) == 0
+    small = capsys.readouterr().out
+    assert small.strip() == format_groups(build_grid(16, tp=2, pp=2))
+    assert "summary" not in small
+    # --all above 256 ranks lists every group; --json needs --all there
+    assert main(["--world-size", "512", "--tp", "2", "--all"]) == 0
+    assert capsys.readouterr().out.strip() == format_groups(build_grid(512, tp=2))
+    assert main(["--world-size", "512", "--tp", "2", "--json"]) == 2
+    assert "--json lists every group, 3,584 numbers" in capsys.readouterr().err
+    assert main(["--world-size", "512", "--tp", "2", "--json", "--all"]) == 0
+    assert json.loads(capsys.readouterr().out)["tp"][255] == [510, 511]
+
+
+@pytest.mark.parametrize("world,sizes,smaller", [
+    (2**24 + 8, ["--tp", "2", "--pp", "4"], "--world-size 32 --tp 2 --pp 4"),
+    (10**12 + 1, [], "--world-size 4"),
+    (10**18, ["--tp", "2", "--pp", "4"], "--world-size 32 --tp 2 --pp 4"),
+    (10**30, ["--tp", "2", "--pp", "4"], "--world-size 32 --tp 2 --pp 4"),
+])
+def test_cli_refuses_absurd_worlds_with_a_smaller_one_that_shows_the_same(world, sizes, smaller, capsys):
+    """Issue 12: 10**12 + 1 never answered (a divisor scan), 10**18 and 10**30 ended in
+    MemoryError / OverflowError tracebacks.  Above 2**24 ranks the command refuses, with
+    exit 2, and names a world with the same sizes (the groups repeat every TP x CP x EP x
+    PP ranks, in the megatron layout every lcm of its two grids)."""
+    assert main(["--world-size", str(world), *sizes]) == 2
+    err = capsys.readouterr().err
+    assert f"world_size ({world:,}) is more ranks than this command describes" in err
+    assert f"{smaller} shows the same pattern" in err
+    assert "Traceback" not in err
+
+
+def test_cli_lists_every_group_only_up_to_a_million_ranks(capsys):
+    for flags, named in ((["--all"], "--all"), (["--json", "--all"], "--json")):
+        assert main(["--world-size", str(2**21), "--tp", "2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {named} lists every group, 14,680,064 numbers for world_size 2,097,152" in err
+    assert main(["--world-size", str(2**21), "--tp", "2"]) == 0  # the summary answers
+    assert "1048576 x 2" in capsys.readouterr().out
+
+
+def test_an_empty_order_is_refused_not_replaced(capsys):
+    """Issue 12: ``--order ""`` printed Megatron-Core's default order (with ``--layout
+    megatron``), which the user never typed, or a KeyError traceback (without).  An order
+    given is the order used, as ``initialize_model_parallel`` (Megatron-Core 0.20.0,
+    d98e8a64) uses its ``order`` argument as given; an empty one names no dimension."""
+    for layout in (None, "megatron"):
+        with pytest.raises(ConfigError, match="order '' is empty"):
+            build_grid(8, tp=2, layout=layout, order="")
+        assert main(["--world-size", "8", "--order", ""] + (["--layout", layout] if layout else [])) == 2
+        assert "order '' is empty" in capsys.readouterr().err

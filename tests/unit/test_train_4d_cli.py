@@ -1,6 +1,8 @@
 """The command line of ``examples/train_4d.py``, built from the config dataclasses' field docstrings.
 
-Parsing only: nothing here starts a process (the runs are in tests/dist/test_pipeline_training.py).
+Parsing and validation only: nothing here starts a process (the runs are in
+tests/dist/test_pipeline_training.py, the command line's refusals as a user meets them in
+tests/dist/test_train_4d_validation.py).
 """
 import argparse
 import importlib.util
@@ -12,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tutorial_lib import costs
+from tutorial_lib.arguments import args_from_dict, check_memory, validate_args
 from tutorial_lib.config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments,
                                  field_docs)
+from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.train_4d import CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
@@ -167,3 +172,150 @@ def test_add_arguments_reads_types_docstrings_and_defaults():
     assert "How many; 100% required." in text
     assert "Optional width. (default: None)" in text and "Go fast. (default: False)" in text
     assert text.count("(default") == 3
+
+
+# --- issue 12: every bad value refused before any worker starts ---------------------------------
+
+BAD_RUN_VALUES = [  # (changes, rule, fragments of the message: the rule, the value, the fix)
+    (dict(world_size=2, tensor_model_parallel_size=2, vocab_size=63), "rule 10", ["vocab_size (63)", "62 or 64"]),
+    (dict(hidden_size=30), "rule 11", ["hidden_size (30)", "28 or 32"]),
+    (dict(num_shared_experts=-1), "malformed", ["num_shared_experts must be >= 0, got -1"]),
+    (dict(first_k_dense_replace=-1), "malformed", ["first_k_dense_replace must be >= 0, got -1"]),
+    (dict(seed=2**70), "malformed", [f"got {2**70}", "e.g. --seed 1234"]),
+    (dict(seed=0), "malformed", ["seed must be from 1 to 4294967295", "got 0"]),
+    (dict(lr=-1.0), "malformed", ["lr must be a finite number >= 0, got -1.0", "e.g. --lr 3e-3"]),
+    (dict(lr=float("nan")), "malformed", ["got nan"]),
+    (dict(lr=float("inf")), "malformed", ["got inf"]),
+    (dict(clip_grad=-1.0), "malformed", ["clip_grad must be a finite number >= 0, got -1.0", "0 turns clipping off"]),
+    (dict(clip_grad=float("nan")), "malformed", ["clip_grad", "got nan"]),
+    (dict(timeout=0.0), "malformed", ["timeout must be a finite number > 0, got 0.0", "--timeout 600"]),
+    (dict(timeout=-5.0), "malformed", ["got -5.0"]),
+    (dict(timeout=float("inf")), "malformed", ["timeout", "got inf"]),
+    (dict(timeout=float("nan")), "malformed", ["timeout", "got nan"]),
+    (dict(lr="fast"), "malformed", ["lr must be a number, got 'fast' (str)"]),
+    (dict(steps=2.0), "malformed", ["steps must be a whole number, got 2.0", "write 2 instead of 2.0"]),
+    (dict(world_size=2, tensor_model_parallel_size=2, seq_length=15), "rule 6", ["seq_length (15)"]),
+    (dict(hidden_size=2**16, num_layers=64), "memory", ["pipeline rank 0 (1 rank, each", "Fix:"]),
+]
+
+
+@pytest.mark.parametrize("changes,rule,fragments", BAD_RUN_VALUES, ids=lambda v: str(v)[:40])
+def test_validate_args_refuses_every_bad_value_with_the_rule_the_value_and_a_fix(changes, rule, fragments):
+    """Issue 12: these used to start workers and fail 15-67 s later with a worker traceback,
+    or train silently (``lr`` nan / inf trained to NaN and exited 0; ``clip_grad`` -1 or nan
+    turned clipping off).  The rules and their upstream sources: the seed as Megatron-LM's
+    ``_set_random_seed`` (megatron/training/initialize.py: a seed <= 0 raises, and numpy's
+    seeds end at 2**32 - 1); the learning rate as ``OptimizerParamScheduler`` (megatron/core/
+    optimizer_param_scheduler.py asserts 0 <= min_lr <= max_lr); clipping: Megatron-Core
+    clips only when ``clip_grad > 0`` (megatron/core/optimizer/optimizer.py), so the course
+    asks for 0 to say "off"; the timeout as the course's launcher (finite, > 0); the memory
+    as ``report_theoretical_memory`` estimates it (megatron/training/theoretical_memory_usage.py)
+    -- all Megatron-Core 0.20.0, d98e8a64.  The model's rules: tests/unit/test_config.py."""
+    with pytest.raises(ConfigError) as info:
+        validate_args(replace(TrainingArgs(), **changes))
+    assert info.value.rule == rule, str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_validate_args_takes_the_limits_themselves():
+    for changes in (dict(seed=1), dict(seed=2**32 - 1), dict(lr=0.0), dict(clip_grad=0.0), dict(timeout=0.5),
+                    dict(num_shared_experts=0, first_k_dense_replace=0), dict(lr=1)):
+        validate_args(replace(TrainingArgs(), **changes))
+    with pytest.raises(ConfigError, match="validate_args takes a TrainingArgs, got None"):
+        validate_args(None)
+
+
+@pytest.mark.parametrize("name,content,fragment", [
+    ("list.json", b"[1, 2]", "holds an array ([1, 2]), not an object of options"),
+    ("string.json", b'"fast"', "holds a string (\"fast\"), not an object of options"),
+    ("empty.json", b"", "is empty"),
+    ("blank.toml", b"  \n", "is empty"),
+    ("run.yaml", b"lr: 0.1\n", "is YAML, which train_4d does not read"),
+    ("run.json", b"lr: 0.1\n", "is not valid JSON (Expecting value at line 1 column 1)"),
+    ("run.toml", b"lr = = 1\n", "is not valid TOML"),
+    ("binary.json", bytes(range(128, 256)), "is not text"),
+    ("fast.json", b'{"lr": "fast"}', "fast.json: lr must be a number, got 'fast' (str)"),
+    ("fast.toml", b'lr = "fast"\n', "fast.toml: lr must be a number, got 'fast' (str)"),
+    ("float.json", b'{"world_size": 4.0}', "world_size must be a whole number, got 4.0 (float); write 4"),
+])
+def test_a_config_file_that_is_not_an_object_of_options_is_named_and_refused(script, tmp_path, name,
+                                                                          content, fragment):
+    """Issue 12: a JSON list or string gave an AttributeError traceback; an empty, YAML or
+    binary file said "Expecting value: line 1 column 1" without naming the file; ``"lr":
+    "fast"`` reached the optimizer.  (Megatron-LM's ``--yaml-cfg`` likewise reads one mapping
+    of options, megatron/training/yaml_arguments.py, Megatron-Core 0.20.0.)"""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        script.parse_args(["--config", str(path)])
+    assert str(path) in str(info.value) and fragment in str(info.value), str(info.value)
+    assert script.main(["--config", str(path)]) == 2  # refused before a worker could start
+
+
+def test_a_missing_config_file_is_named(script, tmp_path, capsys):
+    assert script.main(["--config", str(tmp_path / "nope.json")]) == 2
+    assert f"cannot read the config file '{tmp_path / 'nope.json'}': No such file" in capsys.readouterr().err
+
+
+def test_args_from_dict_names_its_source():
+    with pytest.raises(ConfigError, match=r"^\[malformed\] run.json: unknown training options \['num_layer'\]"):
+        args_from_dict({"num-layer": 4}, source="run.json")
+    with pytest.raises(ConfigError, match="run.json: dropout must be a number, got None"):
+        args_from_dict({"dropout": None}, source="run.json")
+
+
+# --- the memory estimate ------------------------------------------------------------------
+
+
+MODELS = [ModelConfig(num_experts=4), ModelConfig(num_experts=0, ffn_hidden_size=40),
+          ModelConfig(num_layers=6, num_experts=6, moe_ffn_hidden_size=12, num_shared_experts=2,
+                      first_k_dense_replace=0, hidden_size=24, num_attention_heads=3, vocab_size=50,
+                      seq_length=10),
+          ModelConfig(num_experts=2, first_k_dense_replace=3)]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=range(len(MODELS)))
+def test_the_estimate_counts_the_parameters_each_pipeline_stage_builds(model):
+    """``costs.memory_per_rank`` counts a rank's parameters from the shapes alone; here against
+    ``DeepSeekModel`` built for every stage of PP 1, 2 and (interleaved) 2 x V 2 (serial: TP =
+    EP = 1; the TP and EP splits: tests/dist/test_train_4d_validation.py)."""
+    for pp, v in ((1, 1), (2, 1), (2, 2)):
+        if model.num_layers % (pp * v):
+            continue
+        estimate = costs.memory_per_rank(model, ParallelConfig(pp, pipeline_model_parallel_size=pp),
+                                         TrainConfig(8, 2), "interleaved" if v > 1 else "1f1b", v)
+        for rank in range(pp):
+            built = sum(p.numel() for c in range(v)
+                        for p in DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v).parameters())
+            assert estimate[rank].parameters == built, (pp, v, rank)
+            assert estimate[rank].weights == 4 * built and estimate[rank].optimizer == 8 * built
+
+
+def test_the_estimate_adds_the_bucket_and_the_schedules_microbatches():
+    model, train = ModelConfig(num_experts=4), TrainConfig(16, 4)
+    alone = costs.memory_per_rank(model, ParallelConfig(1), train)[0]
+    replicas = costs.memory_per_rank(model, ParallelConfig(2), TrainConfig(16, 4))[0]  # DP 2
+    assert alone.gradients == alone.weights and replicas.gradients == 2 * replicas.weights
+    gpipe = costs.memory_per_rank(model, ParallelConfig(4, pipeline_model_parallel_size=4), train, "gpipe")
+    one_f_one_b = costs.memory_per_rank(model, ParallelConfig(4, pipeline_model_parallel_size=4), train)
+    assert [r.chunk_microbatches for r in gpipe] == [4, 4, 4, 4]
+    assert [r.chunk_microbatches for r in one_f_one_b] == [4, 3, 2, 1]  # min(PP - rank, M)
+    assert gpipe[1].activations == 4 * one_f_one_b[1].activations / 3
+    assert costs.memory_on_this_machine(one_f_one_b) == sum(r.total for r in one_f_one_b)
+    assert costs.memory_on_this_machine(one_f_one_b, local_ranks=2) == 2 * max(r.total for r in one_f_one_b)
+
+
+def test_check_memory_refuses_with_a_per_rank_breakdown():
+    args = TrainingArgs(world_size=4, pipeline_model_parallel_size=4)
+    estimate = check_memory(args, available=2**40)
+    need = costs.memory_on_this_machine(estimate)
+    with pytest.raises(ConfigError) as info:
+        check_memory(args, available=need - 1)
+    message = str(info.value)
+    assert info.value.rule == "memory" and f"about {costs.format_bytes(need)}" in message
+    assert message.count("pipeline rank ") == 4 and "Adam" in message and "activations" in message
+    # a world whose processes alone cannot fit is refused without adding up every rank
+    huge = TrainingArgs(world_size=10**6, pipeline_model_parallel_size=10**6, num_layers=10**6)
+    with pytest.raises(ConfigError, match=r"(?s)the worker processes alone.*pipeline rank 999999"):
+        check_memory(huge, available=2**40)

@@ -17,9 +17,12 @@ module             chapters  what it holds
 ``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
                              optimizer state per rank
 ``moe``            4         the MoE dispatch / combine all-to-alls: bytes, send splits
+``memory``         --        a 4D run's memory per rank (weights, gradients, Adam,
+                             activations), checked before ``train_4d`` starts workers
 =================  ========  ============================================================
 
-What they import: ``bandwidth`` is pure Python (not even numpy); ``collectives``,
+What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
+(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules`); ``collectives``,
 ``measure``, ``tp_dp_step`` and ``moe`` import numpy (``measure`` through
 ``collectives``) and none of them imports torch when it is loaded, so ``import
 tutorial_lib.costs`` loads no torch.  Two functions reach torch through other modules
@@ -42,6 +45,8 @@ from .collectives import (OPS, AlphaBeta, Fit, Sample, all_gather_bytes, all_red
                           ring_steps, send_bytes, tree_broadcast_time)
 from .measure import (DEFAULT_SIZES, MEASURABLE_OPS, TimedRounds, measure_collective,
                       rounds_by_size, samples_from_trace)
+from .memory import (RankMemory, available_memory_bytes, format_bytes, layer_parameters,
+                     memory_on_this_machine, memory_per_rank)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_rank_all_to_alls,
                   moe_rank_send_splits, moe_send_counts)
 from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,

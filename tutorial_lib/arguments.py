@@ -1,0 +1,269 @@
+"""The 4D run's arguments and their validation, without torch (Megatron's ``arguments.py``).
+
+:class:`TrainingArgs` holds everything ``examples/train_4d.py`` takes; :func:`validate_args`
+checks all of it and :func:`load_config_file` / :func:`args_from_dict` read it from a
+file.  Nothing here imports torch, so the command line parses and validates its
+arguments, and refuses a bad one with exit status 2 and a :class:`ConfigError` naming the
+rule, the value and a fix, before it loads torch or starts a worker (Megatron's
+``megatron/training/arguments.py`` likewise parses and validates before initializing).
+:mod:`tutorial_lib.train_4d` re-exports every name here.
+
+What :func:`validate_args` checks, in order: every field's type, the schedule and P2P
+mode, the run's own numbers (``steps``, ``seed``, ``lr``, ``clip_grad``, ``timeout``),
+the layout and model rules of :func:`tutorial_lib.config.validate`, the interleaved
+schedule's rules, the precision recipe (a name, or a file that is read and checked), and
+last whether the run fits in this machine's memory (:mod:`tutorial_lib.costs.memory`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_field_types,
+                     check_number, check_pipeline_layers, config_fields, validate)
+from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
+                           memory_on_this_machine, memory_per_rank)
+from .pipeline_schedules import (P2P_MODES, SCHEDULE_NAMES, check_microbatch_groups,
+                                 check_schedule_and_mode)
+from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
+
+__all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "TrainingArgs", "validate_args",
+           "resolve_precision_recipe", "check_memory", "load_config_file", "args_from_dict"]
+
+
+#: The config dataclasses' fields the 4D run takes, flat in :class:`TrainingArgs`; each is
+#: documented once, on its dataclass, and ``examples/train_4d.py --help`` prints that text.
+CONFIG_FIELDS = {
+    ParallelConfig: ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size"),
+    TrainConfig: ("global_batch_size", "num_microbatches"),
+    ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                  "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",
+                  "dropout"),
+}
+
+#: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE
+#: model (4 routed experts) and a batch of 16 sequences in 4 microbatches.
+RUN_DEFAULTS = {"world_size": 1, "num_experts": 4, "global_batch_size": 16, "num_microbatches": 4}
+
+#: The seeds a run takes: Megatron-Core refuses a seed <= 0 and seeds numpy with it, whose
+#: seeds end at 2**32 - 1 (``megatron/training/initialize.py``, ``_set_random_seed``).
+SEED_RANGE = (1, 2**32 - 1)
+
+
+@dataclass
+class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
+    """Everything ``train_4d.py`` takes; field names are Megatron's flags with ``_`` for ``-``.
+
+    The fields of :data:`CONFIG_FIELDS` come first, flat (``TrainingArgs(num_layers=8)``,
+    ``args.num_layers``), with the defaults of :data:`RUN_DEFAULTS`; :meth:`configs` gives
+    them back as the three config dataclasses.  The fields below are the run's own.
+    """
+
+    virtual_pipeline_model_parallel_size: int = 2
+    """V: model chunks per rank for ``schedule="interleaved"`` (ignored by the other schedules)."""
+    steps: int = 5
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seeds the weights, the data and the dropout masks (1 to 2**32 - 1, as in Megatron)."""
+    lr: float = 3e-3
+    """Adam learning rate (finite, >= 0)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    schedule: str = field(default="1f1b", metadata={"choices": SCHEDULE_NAMES})
+    """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved``."""
+    p2p_mode: str = field(default="batched", metadata={"choices": P2P_MODES})
+    """P2P mode: ``sequential``, ``overlapped`` or ``batched`` (Megatron's default)."""
+    precision_recipe: str = field(default="fp32",
+                                  metadata={"metavar": "{%s,FILE}" % ",".join(RECIPES)})
+    """Precision recipe: ``fp32`` (nothing changes), ``bf16``, ``deepseek_v3``, or a path to a
+    ``.json`` / ``.toml`` recipe file (:func:`tutorial_lib.precision.recipe_from_file`)."""
+    timeout: float = 600.0
+    """Seconds before the launcher declares a hang and prints what each rank waits in."""
+
+    def configs(self) -> tuple[ParallelConfig, ModelConfig, TrainConfig]:
+        """The three dataclasses the validator and the model take."""
+        def build(cls):
+            return cls(**{name: getattr(self, name) for name in CONFIG_FIELDS[cls]})
+        return build(ParallelConfig), build(ModelConfig), build(TrainConfig)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.virtual_pipeline_model_parallel_size if self.schedule == "interleaved" else 1
+
+
+def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
+    """Every rule, checked before any worker starts; raises :class:`ConfigError`.
+
+    ``local_ranks``: how many of the run's ranks this machine runs (torchrun's
+    ``LOCAL_WORLD_SIZE``); ``None``: all of them, as ``train`` starts them here.
+    """
+    if not isinstance(args, TrainingArgs):
+        raise ConfigError("malformed", f"validate_args takes a TrainingArgs, got {args!r} "
+                                       f"({type(args).__name__}); build one: TrainingArgs(world_size=4)")
+    check_field_types(args)
+    check_schedule_and_mode(args.schedule, args.p2p_mode)
+    if args.steps < 1:
+        raise ConfigError("malformed", f"steps must be a whole number >= 1, got {args.steps}")
+    low, high = SEED_RANGE
+    if not low <= args.seed <= high:
+        raise ConfigError("malformed", f"seed must be from {low} to {high} (2**32 - 1), got {args.seed}: "
+                                       f"Megatron refuses a seed <= 0 and seeds numpy with it, "
+                                       f"whose seeds stop at 2**32 - 1; e.g. --seed 1234")
+    check_number("lr", args.lr, meaning="a NaN or infinite learning rate turns every weight "
+                 "into NaN at the first Adam step, a negative one climbs the loss (Megatron "
+                 "asserts 0 <= min_lr <= lr); e.g. --lr 3e-3")
+    check_number("clip_grad", args.clip_grad, meaning="0 turns clipping off, a positive value is "
+                 "the largest global gradient norm allowed (Megatron clips only when clip_grad "
+                 "> 0, so a negative or NaN value there means 'off' without a word; say 0); "
+                 "e.g. --clip-grad 1.0")
+    check_number("timeout", args.timeout, above_minimum=True, meaning="the seconds the launcher "
+                 "waits before it declares a hang; e.g. --timeout 600")
+    parallel, model, train = args.configs()
+    validate(parallel, model, train)
+    pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
+    if args.schedule == "interleaved":
+        if pp < 2 or v < 2:
+            raise ConfigError("interleaved schedule",
+                              f"the interleaved schedule needs pipeline_model_parallel_size >= 2 and "
+                              f"virtual_pipeline_model_parallel_size >= 2, got {pp} and {v}")
+        check_microbatch_groups(pp, args.num_microbatches)  # M a multiple of PP (Megatron's default)
+    check_pipeline_layers(args.num_layers, pp, v)
+    resolve_precision_recipe(args.precision_recipe)
+    check_memory(args, local_ranks=local_ranks)
+
+
+def resolve_precision_recipe(name_or_path: str) -> PrecisionRecipe:
+    """The recipe named by ``precision_recipe``, or a :class:`ConfigError` naming the choices."""
+    choices = f"choose one of {', '.join(RECIPES)} or a .json / .toml recipe file"
+    if name_or_path not in RECIPES and not os.path.isfile(name_or_path):
+        raise ConfigError("precision recipe", f"unknown precision_recipe {name_or_path!r}: "
+                          f"{choices} (precision.recipe_from_file)")
+    try:
+        return resolve_recipe(name_or_path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ConfigError("precision recipe", f"the recipe file {name_or_path!r} cannot be used: "
+                          f"{error}; {choices}") from None
+
+
+def check_memory(args: TrainingArgs, available: int | None = None,
+                 local_ranks: int | None = None) -> list[RankMemory]:
+    """Refuse a run whose estimated memory (:func:`tutorial_lib.costs.memory_per_rank`) exceeds
+    ``available`` bytes (default: what this machine has available now); returns the estimate.
+
+    Compared with host memory, where the course's gloo workers keep every tensor.  When
+    the worker processes alone cannot fit (``ranks x`` :data:`~tutorial_lib.costs.memory.
+    RUNTIME_BYTES_PER_RANK`), the run is refused at once, with the first and last pipeline
+    ranks' breakdown (a world of a million ranks is not added up rank by rank).
+    """
+    parallel, model, train = args.configs()
+    source = "given"
+    if available is None:
+        found = available_memory_bytes()
+        available, source = found if found is not None else (None, "")
+    here = local_ranks if local_ranks is not None else parallel.world_size
+    pp = parallel.pipeline_model_parallel_size
+    estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
+                                 args.chunks_per_rank)
+    if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
+        ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
+    else:
+        ranks = estimate()
+        need = memory_on_this_machine(ranks, local_ranks)
+        if available is None or need <= available:
+            return ranks
+    lines = [r.describe() for r in ranks]
+    if len(lines) > 6:
+        lines = lines[:3] + [f"... ({len(lines) - 5} more pipeline ranks)"] + lines[-2:]
+    elif len(ranks) < pp and pp > 2:
+        lines.insert(1, f"... ({pp - 2} more pipeline ranks, not added up)")
+    who = (f"{local_ranks} of its ranks" if local_ranks is not None
+           else f"its {parallel.world_size} rank{'s' * (parallel.world_size > 1)}")
+    amount = (f"about {format_bytes(need)}" if need is not None else
+              f"at least {format_bytes(here * RUNTIME_BYTES_PER_RANK)} (the worker processes alone)")
+    breakdown = "\n  ".join(lines)
+    raise ConfigError(
+        "memory",
+        f"this run needs {amount} on this machine ({who}), more than the "
+        f"{format_bytes(available)} available ({source}). Estimate per rank (fp32, "
+        f"tutorial_lib.costs.memory; rough, within about 2x):\n  {breakdown}\n"
+        f"Fix: a smaller model (hidden_size, num_layers, num_experts, vocab_size), fewer "
+        f"ranks on this machine, more pipeline stages or TP / EP ranks to split the "
+        f"weights, or fewer microbatches in flight (1f1b instead of gpipe, smaller "
+        f"global_batch_size or seq_length)")
+
+
+def load_config_file(path: str) -> dict:
+    """The options in a ``--config`` file: a JSON object, or a TOML table for ``.toml``.
+
+    Anything else (a missing, empty, binary or YAML file, a JSON list or string) is a
+    :class:`ConfigError` that names the file and says what it holds.
+    """
+    fix = ('write the options as one JSON object, e.g. {"world_size": 4, "lr": 0.003}, or as '
+           'a .toml file of key = value lines')
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except OSError as error:
+        raise ConfigError("config file", f"cannot read the config file {path!r}: "
+                                         f"{error.strerror or error}; {fix}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError("config file", f"the config file {path!r} is not text (byte "
+                                         f"{raw[:16]!r}... is not UTF-8); {fix}") from None
+    if path.lower().endswith((".yaml", ".yml")):
+        raise ConfigError("config file", f"the config file {path!r} is YAML, which train_4d does "
+                                         f"not read; {fix}")
+    if not text.strip():
+        raise ConfigError("config file", f"the config file {path!r} is empty; {fix}")
+    if path.lower().endswith(".toml"):
+        import tomllib
+        try:
+            values = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError("config file", f"the config file {path!r} is not valid TOML: "
+                                             f"{error}; {fix}") from None
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError("config file", f"the config file {path!r} is not valid JSON "
+                                             f"({error.msg} at line {error.lineno} column "
+                                             f"{error.colno}); {fix} (a .toml name reads TOML)") from None
+    if not isinstance(values, dict):
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number",
+                bool: "a boolean", type(None): "null"}.get(type(values), type(values).__name__)
+        raise ConfigError("config file", f"the config file {path!r} holds {kind} "
+                                         f"({_short(values)}), not an object of options; {fix}")
+    return values
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def args_from_dict(values: dict, source: str | None = None) -> TrainingArgs:
+    """A :class:`TrainingArgs` from a dict with Megatron flag names (``-`` or ``_``).
+
+    Unknown names and values of the wrong type (``"lr": "fast"``) are a
+    :class:`ConfigError`; ``source`` (e.g. the config file's name) starts its message.
+    """
+    where = f"{source}: " if source else ""
+    if not isinstance(values, dict):
+        raise ConfigError("malformed", f"{where}training options are a dict of name -> value, "
+                                       f"got {type(values).__name__}")
+    known = {f.name for f in fields(TrainingArgs)}
+    clean = {str(k).replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(clean) - known)
+    if unknown:
+        raise ConfigError("malformed", f"{where}unknown training options {unknown}; known: {sorted(known)}")
+    args = TrainingArgs(**clean)
+    try:
+        check_field_types(args)
+    except ConfigError as error:
+        raise ConfigError(error.rule, where + error.message) from None
+    return args
