@@ -50,6 +50,9 @@ def _cell_times(kc, code: str, repeats: int, timeout: float = 300) -> list[float
 
 def _kernel():
     from jupyter_client.manager import start_new_kernel
+    # nbdistributed starts its workers as `python worker.py`: the python on PATH must be the
+    # one it is installed in (a venv's, say), so this interpreter's folder goes first.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     return start_new_kernel(kernel_name="python3")
 
 
