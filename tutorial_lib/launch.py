@@ -660,15 +660,52 @@ class _Collector:
         return first
 
 
+def _ensure_forkserver() -> None:
+    """Start the forkserver, if it is not running, with Ctrl-C ignored.
+
+    It shares the terminal's process group with the launcher, so a Ctrl-C reaches it too;
+    CPython's forkserver ignores SIGINT only once its preloaded imports are done, and one
+    that arrives during ``import torch`` printed the server's traceback.  An ignored
+    signal stays ignored across ``exec``: the server starts deaf to Ctrl-C.
+    """
+    from multiprocessing import forkserver
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # only the main thread may change a signal's handler
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _start(processes) -> None:
     """Start the workers; if the forkserver died, start a new one and try once more."""
     with _main_module_hidden():
         for p in processes:
             try:
+                _ensure_forkserver()
                 p.start()
             except (EOFError, ConnectionError, FileNotFoundError):
                 _restart_forkserver()
+                _ensure_forkserver()
                 p.start()
+
+
+def _exited_without_result(processes, collector: _Collector, grace: float = 0.5) -> bool:
+    """True if a rank exited without its result, or with an error.
+
+    A rank sends its result and exits at once; all ranks leave together (a barrier), so a
+    rank can exit between the launcher's read of the pipes and its look at the exit codes.
+    Its result then waits in the pipe: read what arrives for ``grace`` seconds before
+    blaming it.
+    """
+    def missing():
+        return [r for r, p in enumerate(processes) if r not in collector.finished and p.exitcode is not None]
+    end = time.time() + grace
+    while missing() and not collector.failures and time.time() < end:
+        collector.poll(0.05)
+    return bool(missing() or collector.failures)
 
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
@@ -732,9 +769,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: di
             collector.poll(0.05)
             if collector.failures:
                 raise collector.first_cause(processes)
-            for rank, p in enumerate(processes):
-                if rank not in collector.finished and p.exitcode is not None:
-                    raise collector.first_cause(processes)
+            if _exited_without_result(processes, collector):
+                raise collector.first_cause(processes)
             if not joined and len(collector.ready) == world_size:
                 joined, deadline = True, time.time() + timeout
             if time.time() > deadline:
