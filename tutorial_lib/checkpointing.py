@@ -34,8 +34,8 @@ tracker, which its ``read_metadata`` refuses.
 
 **What must match on load** (:func:`check_checkpoint_args`): the model's structure,
 :data:`MODEL_ARGS`, because it fixes which tensors exist and their global shapes
-(Megatron-LM's ``check_checkpoint_args`` compares ``num_layers``, ``hidden_size`` and
-``num_attention_heads`` in the same way).  The parallel layout, the schedule, the
+(Megatron-LM d98e8a64's ``check_checkpoint_args`` compares ``num_layers``, ``hidden_size``
+and ``num_attention_heads`` in the same way).  The parallel layout, the schedule, the
 microbatches and the optimizer (plain Adam or ZeRO-1) may all change: that is what a
 sharded checkpoint is for.
 """

@@ -41,8 +41,9 @@ them back into per-parameter tensors (``get_parameter_state``) before the save a
 its own slices after the load (``load_parameter_state``).  Both write the same keys, so a
 ZeRO-1 checkpoint loads into plain Adam and the other way round.
 
-**RNG** (Megatron's rule): saved per (pipeline rank, TP rank), loaded only when the
-checkpoint's TP and PP sizes equal the run's; otherwise rank 0 says it is ignored.  The
+**RNG** (Megatron-LM's rule, d98e8a64 / megatron-core 0.20.0, ``load_checkpoint``): saved
+per (pipeline rank, TP rank), loaded only when the checkpoint's TP and PP sizes equal the
+run's; otherwise rank 0 says it is ignored.  The
 4D run draws nothing from torch's global RNG once built (weights, data and dropout masks
 come from seeded generators), so its losses never depend on it.
 """
