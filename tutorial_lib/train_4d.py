@@ -61,7 +61,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -366,6 +366,9 @@ def train(args: TrainingArgs, progress: bool = False, trace: bool = False,
     """
     from .launch import launch
     validate_args(args)
+    # the workers fork from a long-lived server whose working directory may not be ours
+    args = replace(args, **{name: os.path.abspath(getattr(args, name)) for name in ("save", "load")
+                            if getattr(args, name)})
     launch_kwargs.setdefault("timeout", args.timeout)
     return launch(_worker, args.world_size, args=(args, progress, progress_file), trace=trace,
                   print_output=progress, **launch_kwargs)
