@@ -145,7 +145,9 @@ def commit_checkpoint(checkpoints_path: str, iteration: int) -> str:
 
     Call once every rank has finished writing (after a barrier), on one rank.  An older
     ``iter_N`` (a run that saved this iteration before) is moved aside first and deleted
-    after the rename.
+    after the rename; a kill between those two renames, while the tracker names this very
+    iteration, leaves the tracker naming a missing directory, which ``--load`` refuses,
+    listing the committed iterations (``--ckpt-step`` picks one).
     """
     final = get_checkpoint_name(checkpoints_path, iteration)
     temporary = final + TEMPORARY_SUFFIX
