@@ -27,21 +27,41 @@ simulated BF16 / FP8 matmuls and BF16 / FP8 MoE communication; the default ``fp3
 nothing.  With bf16 or FP8 the layouts agree at the first step and drift apart by rounding
 (about 1e-3 in 5 steps; ``tutorial_lib.train_4d``).  An unknown name or unreadable file
 exits with status 2 before any worker starts.
+
+Checkpoints (Megatron's flags, ``torch.distributed.checkpoint`` underneath)::
+
+    python examples/train_4d.py --world-size 8 --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --steps 10 --save ckpt --save-interval 5
+    python examples/train_4d.py --world-size 8 --pipeline-model-parallel-size 4 \
+        --use-distributed-optimizer --steps 10 --load ckpt --ckpt-step 5   # another layout, ZeRO-1
+    python examples/train_4d.py --world-size 1 --steps 10 --load ckpt    # the latest, on one rank
+
+``--save DIR`` writes ``DIR/iter_0000005`` (committed atomically) and points
+``DIR/latest_checkpointed_iteration.txt`` at it; ``--load DIR`` continues from there up to
+``--steps`` on any layout, with the losses of the uninterrupted run.  A missing, empty or
+half-written ``--load`` directory, or a checkpoint of another model (``--hidden-size`` ...),
+exits with status 2 before any worker starts.  Ctrl-C prints one line: the step it stopped
+at, the last checkpoint and the command that resumes from it (exit status 130).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import sys
+import tempfile
 from dataclasses import fields
 
 # Only torch-free modules until the arguments are valid: a bad value exits with status 2
 # before torch is loaded (tutorial_lib.arguments); tutorial_lib.train_4d comes in main().
+from tutorial_lib import checkpointing
 from tutorial_lib.arguments import (CONFIG_FIELDS, TrainingArgs, args_from_dict, load_config_file,
                                     validate_args)
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
+
+INTERRUPTED_EARLY = "train_4d.py: interrupted before training started"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +92,34 @@ def parse_args(argv=None) -> tuple[TrainingArgs, bool]:
     return args_from_dict(values, source=f"--config {config}" if config else None), as_json
 
 
+def _steps_done(progress_file: str) -> int:
+    try:
+        with open(progress_file) as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def interrupted(args: TrainingArgs, steps_done: int, argv=None) -> str:
+    """One line for Ctrl-C: the step, the last checkpoint and the command that resumes from it."""
+    resumed = checkpointing.latest_checkpoint(args.load) if args.load and args.ckpt_step is None else None
+    done = max(steps_done, resumed.iteration if resumed else args.ckpt_step or 0)
+    line = f"train_4d.py: interrupted at step {done + 1}/{args.steps} ({done} finished)"
+    latest = checkpointing.latest_checkpoint(args.save)
+    if latest is None:
+        return line + "; no checkpoint saved (--save DIR --save-interval N keeps one)"
+    kept, skip = [], False
+    for word in sys.argv[1:] if argv is None else argv:  # the same command, loading the checkpoint
+        if skip:
+            skip = False
+        elif word.split("=")[0] in ("--load", "--ckpt-step"):
+            skip = "=" not in word
+        else:
+            kept.append(word)
+    command = shlex.join(["python", sys.argv[0], *kept, "--load", args.save])
+    return line + f"; last checkpoint: {latest.path} (iteration {latest.iteration}); resume: {command}"
+
+
 def main(argv=None) -> int:
     try:
         args, as_json = parse_args(argv)
@@ -83,21 +131,42 @@ def main(argv=None) -> int:
     except (ConfigError, OSError, ValueError) as error:
         print(f"train_4d.py: error: {error}", file=sys.stderr)
         return 2
-    from tutorial_lib.train_4d import format_progress, train, train_worker  # loads torch
+    try:  # loads torch; Ctrl-C meanwhile: one line, no traceback
+        from tutorial_lib.train_4d import format_progress, format_saved, train, train_worker
+    except KeyboardInterrupt:
+        print(INTERRUPTED_EARLY, file=sys.stderr)
+        return 130
+
+    done = [0]  # steps finished, for the message on Ctrl-C (under torchrun)
 
     def show(record):
+        done[0] = record["step"] + 1
         print(json.dumps(record) if as_json else format_progress(record, args.steps), flush=True)
+
+    def saved(iteration, directory):  # to stderr under --json: stdout holds one object per line
+        print(format_saved(iteration, directory), file=sys.stderr if as_json else sys.stdout, flush=True)
 
     if is_torchrun():
         rank = int(os.environ["RANK"])
-        run_under_torchrun(train_worker, args=(args, show if rank == 0 else None), trace=False)
+        try:
+            run_under_torchrun(train_worker, args=(args, show if rank == 0 else None,
+                                                   saved if rank == 0 else None), trace=False)
+        except KeyboardInterrupt:
+            if rank == 0:
+                print(interrupted(args, done[0], argv), file=sys.stderr)
+            return 130
         return 0
-    try:
-        # Progress lines come from rank 0 as it trains; JSON is printed once all are done.
-        result = train(args, progress=not as_json)
-    except (WorkerError, LaunchTimeout) as error:
-        print(f"train_4d.py: the run failed:\n{error}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="train_4d_") as scratch:
+        progress_file = os.path.join(scratch, "steps_done")
+        try:
+            # Progress lines come from rank 0 as it trains; JSON is printed once all are done.
+            result = train(args, progress=not as_json, progress_file=progress_file)
+        except KeyboardInterrupt:  # Ctrl-C: the launcher has ended the workers
+            print(interrupted(args, _steps_done(progress_file), argv), file=sys.stderr)
+            return 130
+        except (WorkerError, LaunchTimeout) as error:
+            print(f"train_4d.py: the run failed:\n{error}", file=sys.stderr)
+            return 1
     if as_json:
         for record in result.results[0]:
             show(record)
@@ -105,4 +174,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before the launch (parsing, validation)
+        print(INTERRUPTED_EARLY, file=sys.stderr)
+        sys.exit(130)

@@ -21,6 +21,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+from . import checkpointing
 from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_field_types,
                      check_number, check_pipeline_layers, config_fields, validate)
 from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
@@ -82,6 +83,20 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     ``.json`` / ``.toml`` recipe file (:func:`tutorial_lib.precision.recipe_from_file`)."""
     timeout: float = 600.0
     """Seconds before the launcher declares a hang and prints what each rank waits in."""
+    # --- checkpoints and the distributed optimizer (tutorial_lib.checkpointing) ---
+    save: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Directory to save checkpoints in (``torch.distributed.checkpoint``, one ``iter_NNNNNNN``
+    directory per save, committed atomically): every ``save_interval`` steps and after the last."""
+    save_interval: int | None = None
+    """Save every this many steps (needs ``save``; without it, only after the last step)."""
+    load: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Directory to resume from, saved under any layout: the checkpoint its
+    ``latest_checkpointed_iteration.txt`` names; training continues from that step up to ``steps``."""
+    ckpt_step: int | None = None
+    """Load this iteration of ``load`` instead of the latest one."""
+    use_distributed_optimizer: bool = False
+    """ZeRO-1: shard Adam's state over the data-parallel ranks of each gradient domain (dense
+    weights over ``dp``, routed experts over ``expert_dp``); the same losses as plain Adam."""
 
     def configs(self) -> tuple[ParallelConfig, ModelConfig, TrainConfig]:
         """The three dataclasses the validator and the model take."""
@@ -132,7 +147,17 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
         check_microbatch_groups(pp, args.num_microbatches)  # M a multiple of PP (Megatron's default)
     check_pipeline_layers(args.num_layers, pp, v)
     resolve_precision_recipe(args.precision_recipe)
+    _validate_checkpoint_args(args)
     check_memory(args, local_ranks=local_ranks)
+
+
+def _validate_checkpoint_args(args: TrainingArgs) -> None:
+    """``save`` / ``save_interval`` / ``load`` / ``ckpt_step``: the checkpoint to load must be
+    complete and of this model (:mod:`tutorial_lib.checkpointing`), read before any worker starts."""
+    checkpointing.check_save_args(args.save, args.save_interval)
+    found = checkpointing.check_load_args(args.load, args.ckpt_step)
+    if found is not None:
+        checkpointing.check_checkpoint_args(found.common, args)
 
 
 def resolve_precision_recipe(name_or_path: str) -> PrecisionRecipe:

@@ -574,7 +574,8 @@ def add_arguments(parser, cls, names=None) -> None:
     """Add one ``--name-with-dashes`` option per field of dataclass ``cls`` (or per name in ``names``).
 
     The type comes from the annotation (``int | None`` parses an ``int``; ``bool`` gives
-    ``--flag`` / ``--no-flag``), the help from the field's docstring followed by its default,
+    ``--flag`` / ``--no-flag``), the help from the field's docstring followed by its default
+    (``not set`` for ``None``),
     ``choices`` and ``metavar`` from the field's metadata.  An option left out of the
     command line is left out of the parsed namespace too (``argparse.SUPPRESS``), so the
     caller can tell it from one given with the default value.
@@ -587,8 +588,9 @@ def add_arguments(parser, cls, names=None) -> None:
         options = {"dest": name, "default": argparse.SUPPRESS, "help": _help_text(docs.get(name, ""))}
         if f.default is MISSING:
             options["required"] = True
-        else:
-            options["help"] += f" (default: {f.default})".replace("%", "%%")
+        else:  # a None default is an option left unset (e.g. a directory)
+            shown = "not set" if f.default is None else f.default
+            options["help"] += f" (default: {shown})".replace("%", "%%")
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:

@@ -415,10 +415,23 @@ class ShardedBuffer:
 
     def all_gather_params(self) -> None:
         """Every rank's updated slice, concatenated, copied back into the parameters."""
-        flat_params = torch.empty(self.padded_numel, dtype=torch.float32)
-        comm.all_gather(flat_params, self.main_param.detach(), group=self.group)
+        flat_params = self.gather(self.main_param.detach())
         for p, (start, end) in zip(self.params, self.ranges):
             p.copy_(flat_params[start:end].view_as(p))
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The padded flat vector whose slice on each rank of the group is that rank's ``shard``."""
+        flat = torch.empty(self.padded_numel, dtype=torch.float32)
+        comm.all_gather(flat, shard.detach().float(), group=self.group)
+        return flat
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (the padded flat vector) cut back into one tensor per parameter."""
+        return [flat[start:end].view_as(p) for p, (start, end) in zip(self.params, self.ranges)]
+
+    def my_slice(self, tensors) -> torch.Tensor:
+        """This rank's slice of the flat vector made of ``tensors`` (one per parameter)."""
+        return self._flatten(tensors)[self.shard_start:self.shard_start + self.shard_numel].clone()
 
 
 class DistributedOptimizer:
@@ -471,6 +484,61 @@ class DistributedOptimizer:
         for b in self.buffers:
             b.main_param.grad.mul_(scale)
         return norm
+
+    # --- checkpoints: the state as a plain optimizer would hold it ----------------------
+    #
+    # Each rank holds the wrapped optimizer's state for its slice of each flat buffer, a
+    # cut that depends on the DP size and on which parameters share the buffer.  A
+    # checkpoint that any layout (and plain Adam) can load stores the state per parameter
+    # instead: gathered over the buffer's DP group, cut at the parameters' boundaries.
+    # Megatron-Core's DistributedOptimizer offers the same two directions
+    # (get_parameter_state_dp_zero gathers onto DP rank 0; here every DP rank gets it).
+
+    @torch.no_grad()
+    def get_parameter_state(self) -> dict:
+        """``{param: {name: tensor}}``: each parameter's whole optimizer state; collective over DP.
+
+        A state tensor with one value per element of the slice (Adam's ``exp_avg``,
+        ``exp_avg_sq``) is all-gathered and cut per parameter; a scalar (``step``) is
+        copied to every parameter of the buffer.  Empty until the first ``step()``.
+        """
+        out: dict = {}
+        with get_tracer().tags(phase="checkpoint", zero=1):
+            for buffer in self.buffers:
+                inner = self.optimizer.state.get(buffer.main_param, {})
+                for name in sorted(inner):
+                    value = inner[name]
+                    if torch.is_tensor(value) and value.shape == buffer.main_param.shape:
+                        pieces = buffer.unflatten(buffer.gather(value))
+                    else:
+                        pieces = [value] * len(buffer.params)
+                    for p, piece in zip(buffer.params, pieces):
+                        out.setdefault(p, {})[name] = piece.clone() if torch.is_tensor(piece) else piece
+        return out
+
+    @torch.no_grad()
+    def load_parameter_state(self, state: dict) -> None:
+        """Install per-parameter state (``get_parameter_state``'s form), keeping my slices only.
+
+        Also re-reads each fp32 master slice from the parameters, so call it after the
+        parameters themselves were loaded.  No communication.
+        """
+        for buffer in self.buffers:
+            buffer.main_param.copy_(buffer.my_slice([p.detach() for p in buffer.params]))
+            names = {name for p in buffer.params for name in state.get(p, {})}
+            inner = {}
+            for name in sorted(names):
+                values = [state[p][name] for p in buffer.params]
+                if torch.is_tensor(values[0]) and values[0].shape == buffer.params[0].shape:
+                    inner[name] = buffer.my_slice(values)
+                else:
+                    if any(not torch.equal(torch.as_tensor(v), torch.as_tensor(values[0]))
+                           for v in values):
+                        raise ValueError(f"the parameters of the {buffer.domain!r} buffer carry "
+                                         f"different {name!r} values; one flat buffer takes one")
+                    inner[name] = values[0].clone() if torch.is_tensor(values[0]) else values[0]
+            if inner:
+                self.optimizer.state[buffer.main_param] = inner
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank keeps for the optimizer: fp32 master slice + the wrapped state."""

@@ -690,14 +690,35 @@ class Collector:
         return first
 
 
+def _ensure_forkserver() -> None:
+    """Start the forkserver, if it is not running, with Ctrl-C ignored.
+
+    It shares the terminal's process group with the launcher, so a Ctrl-C reaches it too;
+    CPython's forkserver ignores SIGINT only once its preloaded imports are done, and one
+    that arrives during ``import torch`` printed the server's traceback.  An ignored
+    signal stays ignored across ``exec``: the server starts deaf to Ctrl-C.
+    """
+    from multiprocessing import forkserver
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # only the main thread may change a signal's handler
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _start(processes) -> None:
     """Start the workers; if the forkserver died, start a new one and try once more."""
     with _main_module_hidden():
         for p in processes:
             try:
+                _ensure_forkserver()
                 p.start()
             except (EOFError, ConnectionError, FileNotFoundError):
                 _restart_forkserver()
+                _ensure_forkserver()
                 p.start()
 
 
@@ -745,9 +766,21 @@ class RankProcesses:
             for conn in to_close:  # the children hold their own copies now
                 conn.close()
 
-    def dead_ranks(self, done: set[int]) -> list[int]:
-        """Ranks outside ``done`` whose process has exited."""
-        return [r for r, p in enumerate(self.processes) if r not in done and p.exitcode is not None]
+    def dead_ranks(self, done: set[int], grace: float = 0.5) -> list[int]:
+        """Ranks outside ``done`` whose process exited without a result.
+
+        A rank sends its result and exits at once (all ranks leave together, after a
+        barrier), so it can exit between the launcher's read of the pipes and its look at
+        the exit codes, its result still waiting in the pipe: read what arrives for
+        ``grace`` seconds before calling it dead (``done`` grows meanwhile).
+        """
+        def missing():
+            return [r for r, p in enumerate(self.processes)
+                    if r not in done and p.exitcode is not None]
+        end = time.time() + grace
+        while missing() and not self.collector.failures and time.time() < end:
+            self.collector.poll(0.05)
+        return missing()
 
     def report(self, done: set[int]) -> dict[int, str]:
         return _rank_report(self.processes, self.run_dir, done)

@@ -38,19 +38,38 @@ rounding only while the weights are equal: the first step's loss matches the one
 (except FP8 with TP > 1, where each weight shard gets its own scale); after an update the
 fp32 rounding of the gradient sums differs by layout, a BF16 / FP8 rounding flips here and
 there, and the losses drift apart by about 1e-4 (bf16) to 1e-3 (deepseek_v3) in 5 steps.
+
+**ZeRO-1** (``use_distributed_optimizer``, Megatron's ``--use-distributed-optimizer``): the
+model is not wrapped in :class:`~tutorial_lib.data_parallel.DataParallel`; a
+:class:`~tutorial_lib.data_parallel.DistributedOptimizer` reduce-scatters each gradient
+domain over its own group (dense over ``dp``, routed experts over ``expert_dp``, both
+divided by the dense DP size), clips, updates its slice with Adam and all-gathers the
+parameters.  The losses are plain Adam's to fp32 rounding on every layout.
+
+**Checkpoints** (``save``, ``save_interval``, ``load``, ``ckpt_step``): after every
+``save_interval`` steps and after the last, every rank writes its pieces of the model, of
+Adam's state (ZeRO-1 gathers its slices back per parameter), of the expert biases and its
+RNG state with ``torch.distributed.checkpoint`` under global names; ``common.json`` holds
+the iteration (the data position: step ``i`` draws its batch from ``(seed, i)``).  A run
+with ``load`` starts at the checkpoint's iteration and trains up to ``steps``: on the same
+layout the losses are the uninterrupted run's bit for bit, on any other layout (or with
+the other optimizer) to fp32 rounding.  :mod:`tutorial_lib.checkpointing` (names, the
+atomic commit, the checks) and :mod:`tutorial_lib.dist_checkpointing` (the DCP calls).
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 
-from . import comm, parallel_state, precision
+from . import checkpointing, comm, parallel_state, precision
 from .arguments import (CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs, args_from_dict, check_memory,
                         load_config_file, resolve_precision_recipe, validate_args)
 from .data import split_global_batch, split_microbatches, synthetic_batch
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
 from .moe_balance import max_violation, update_expert_bias
 from .pipeline import forward_backward_pipelining
@@ -59,7 +78,7 @@ from .trace import get_tracer
 
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
            "load_config_file", "check_memory", "build_chunks", "train_worker", "train",
-           "format_progress"]
+           "format_progress", "format_saved", "write_progress"]
 
 # TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
 # torch, so that examples/train_4d.py refuses a bad value before it loads torch; they are
@@ -114,10 +133,12 @@ def _update_expert_biases(chunks: list[DeepSeekModel], args: TrainingArgs) -> li
     return violations
 
 
-def train_worker(ctx, args: TrainingArgs, on_step=None) -> list[dict]:
+def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[dict]:
     """Train on this rank; every rank returns the same per-step records.
 
-    ``on_step(record)`` is called on every rank after each step (rank 0 prints).
+    ``on_step(record)`` is called on every rank after each step (rank 0 prints);
+    ``on_save(iteration, directory)`` after each checkpoint is committed.  With
+    ``args.load`` the records start at the checkpoint's step.
     """
     parallel, _, _ = args.configs()
     parallel.world_size = ctx.world_size
@@ -127,14 +148,20 @@ def train_worker(ctx, args: TrainingArgs, on_step=None) -> list[dict]:
     chunks = build_chunks(args)
     pp_rank = parallel_state.get_rank_in("pp")
     modules = torch.nn.ModuleList(chunks)
-    sync = parallel_state.get_size("dp") > 1 or parallel_state.get_size("expert_dp") > 1
+    zero1 = args.use_distributed_optimizer  # ZeRO-1 replaces DataParallel's all-reduce
+    sync = not zero1 and (parallel_state.get_size("dp") > 1 or parallel_state.get_size("expert_dp") > 1)
     model = DataParallel(modules) if sync else modules
-    optimizer = torch.optim.Adam(modules.parameters(), lr=args.lr)
+    optimizer = (DistributedOptimizer(modules.parameters(), torch.optim.Adam, lr=args.lr) if zero1
+                 else torch.optim.Adam(modules.parameters(), lr=args.lr))
+    first_step = 0
+    if args.load:  # imported here: DCP and DTensor cost every worker ~0.6 s to import
+        from .dist_checkpointing import load_checkpoint
+        first_step = load_checkpoint(args.load, chunks, optimizer, args, args.ckpt_step)
     m, dp = args.num_microbatches, parallel_state.get_size("dp")
     rows = args.global_batch_size // dp // m
     shape = (args.seq_length, rows, args.hidden_size)
     records = []
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         started = time.perf_counter()
         model.zero_grad()
         optimizer.zero_grad()
@@ -171,6 +198,11 @@ def train_worker(ctx, args: TrainingArgs, on_step=None) -> list[dict]:
         records.append(record)
         if on_step is not None:
             on_step(record)
+        if checkpointing.is_save_iteration(step + 1, args.steps, args.save, args.save_interval):
+            from .dist_checkpointing import save_checkpoint
+            directory = save_checkpoint(args.save, step + 1, chunks, optimizer, args)
+            if on_save is not None:
+                on_save(step + 1, directory)
     return records
 
 
@@ -193,18 +225,50 @@ def _print_on_rank_0(ctx, args):
     return on_step
 
 
-def train(args: TrainingArgs, progress: bool = False, trace: bool = False, **launch_kwargs):
+def format_saved(iteration: int, directory: str) -> str:
+    """The line printed when a checkpoint is committed."""
+    return f"saved checkpoint of iteration {iteration} to {directory}"
+
+
+def _print_saved_on_rank_0(ctx):
+    def on_save(iteration, directory):
+        if ctx.rank == 0:
+            print(format_saved(iteration, directory), flush=True)
+    return on_save
+
+
+def write_progress(path: str, steps_done: int) -> None:
+    """Record how many steps are done in ``path`` (rank 0, after each step; atomic)."""
+    with open(path + ".tmp", "w") as handle:
+        handle.write(str(steps_done))
+    os.replace(path + ".tmp", path)
+
+
+def train(args: TrainingArgs, progress: bool = False, trace: bool = False,
+          progress_file: str | None = None, **launch_kwargs):
     """Validate, launch ``args.world_size`` gloo/NCCL workers, train; returns the ``LaunchResult``.
 
     ``result.results[0]`` is the list of per-step records.  Raises :class:`ConfigError`
-    before starting anything when the grid or the batch breaks a rule.
+    before starting anything when the grid or the batch breaks a rule.  ``progress_file``:
+    rank 0 writes the number of finished steps there after each step (what
+    ``examples/train_4d.py`` reports when interrupted).
     """
     from .launch import launch
     validate_args(args)
+    # the workers fork from a long-lived server whose working directory may not be ours
+    args = replace(args, **{name: os.path.abspath(getattr(args, name)) for name in ("save", "load")
+                            if getattr(args, name)})
     launch_kwargs.setdefault("timeout", args.timeout)
-    return launch(_worker, args.world_size, args=(args, progress), trace=trace,
+    return launch(_worker, args.world_size, args=(args, progress, progress_file), trace=trace,
                   print_output=progress, **launch_kwargs)
 
 
-def _worker(ctx, args, progress):
-    return train_worker(ctx, args, _print_on_rank_0(ctx, args) if progress else None)
+def _worker(ctx, args, progress, progress_file=None):
+    printer = _print_on_rank_0(ctx, args) if progress else None
+
+    def on_step(record):
+        if printer is not None:
+            printer(record)
+        if progress_file and ctx.rank == 0:
+            write_progress(progress_file, record["step"] + 1)
+    return train_worker(ctx, args, on_step, _print_saved_on_rank_0(ctx) if progress else None)

@@ -1,0 +1,251 @@
+"""Checkpoints on disk (issue 12): names, the atomic commit, and what ``--load`` refuses.
+
+Pure: directories made in ``tmp_path``, no worker.  The saves and loads of real runs are in
+``tests/dist/test_checkpoint.py``.  Upstream: Megatron-LM d98e8a64 (megatron-core 0.20.0),
+``megatron/training/checkpointing.py`` (``get_checkpoint_name``,
+``get_checkpoint_tracker_filename``, ``read_metadata``, ``check_checkpoint_args``,
+``load_checkpoint``'s ``ckpt_step``) and ``megatron/training/config/training_config.py``
+(``CheckpointConfig``: ``save``, ``save_interval``, ``load``, ``ckpt_step``).
+"""
+import importlib.util
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tutorial_lib import checkpointing
+from tutorial_lib.checkpointing import (CKPT_FORMAT, TRACKER_FILENAME, check_checkpoint_args,
+                                        check_save_args, commit_checkpoint, common_state,
+                                        find_checkpoint, get_checkpoint_name, is_save_iteration,
+                                        latest_checkpoint, local_chunk, prepare_checkpoint_dir,
+                                        tensor_sharding)
+from tutorial_lib.config import ConfigError
+from tutorial_lib.train_4d import TrainingArgs, validate_args
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
+ARGS = TrainingArgs(steps=6, num_layers=4, hidden_size=16, vocab_size=32, seq_length=8,
+                    global_batch_size=8, num_microbatches=2)
+
+
+def fake_save(root, iteration, args=ARGS, commit=True) -> str:
+    """What a save leaves on disk, minus the tensors: DCP's index and the common state."""
+    temporary = prepare_checkpoint_dir(str(root), iteration)
+    Path(temporary, ".metadata").write_bytes(b"dcp")
+    checkpointing.write_common_state(temporary, common_state(args, iteration))
+    return commit_checkpoint(str(root), iteration) if commit else temporary
+
+
+def test_names_are_megatrons():
+    """Megatron-LM (d98e8a64) names a save ``iter_{:07d}`` and its tracker
+    ``latest_checkpointed_iteration.txt`` (checkpointing.get_checkpoint_name,
+    get_checkpoint_tracker_filename)."""
+    assert get_checkpoint_name("/ckpt", 4) == "/ckpt/iter_0000004"
+    assert checkpointing.get_checkpoint_tracker_filename("/ckpt") == "/ckpt/latest_checkpointed_iteration.txt"
+    assert TRACKER_FILENAME == "latest_checkpointed_iteration.txt"
+
+
+def test_save_every_interval_and_after_the_last_step():
+    """Megatron-LM (d98e8a64) saves every ``save_interval`` iterations
+    (training.py, checkpoint_and_decide_exit) and once more after the loop when the last
+    iteration is not a multiple of it (training.py, pretrain)."""
+    assert [i for i in range(1, 8) if is_save_iteration(i, 7, "d", 3)] == [3, 6, 7]
+    assert [i for i in range(1, 7) if is_save_iteration(i, 6, "d", 3)] == [3, 6]
+    assert [i for i in range(1, 5) if is_save_iteration(i, 4, "d", None)] == [4]
+    assert not any(is_save_iteration(i, 4, None, 1) for i in range(1, 5))
+
+
+def test_commit_renames_the_directory_then_points_the_tracker(tmp_path):
+    temporary = fake_save(tmp_path, 2, commit=False)
+    assert temporary.endswith("iter_0000002.tmp")
+    assert not (tmp_path / TRACKER_FILENAME).exists()  # written, not committed: nothing to load
+    final = commit_checkpoint(str(tmp_path), 2)
+    assert final == str(tmp_path / "iter_0000002") and not os.path.exists(temporary)
+    assert (tmp_path / TRACKER_FILENAME).read_text() == "2\n"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", TRACKER_FILENAME]  # no temporary left
+    fake_save(tmp_path, 4)
+    assert find_checkpoint(str(tmp_path)).iteration == 4
+
+
+def test_saving_an_iteration_again_replaces_it_whole(tmp_path):
+    fake_save(tmp_path, 2)
+    (tmp_path / "iter_0000002" / "__0_0.distcp").write_bytes(b"old")
+    fake_save(tmp_path, 2)  # a later run that saves iteration 2 again
+    assert not (tmp_path / "iter_0000002" / "__0_0.distcp").exists()
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", TRACKER_FILENAME]
+
+
+def test_commit_refuses_a_directory_dcp_did_not_finish(tmp_path):
+    prepare_checkpoint_dir(str(tmp_path), 2)  # no .metadata: DCP never finished
+    with pytest.raises(RuntimeError, match=".metadata"):
+        commit_checkpoint(str(tmp_path), 2)
+    assert not (tmp_path / TRACKER_FILENAME).exists()
+
+
+def test_a_stale_temporary_directory_is_emptied_before_a_save(tmp_path):
+    temporary = Path(prepare_checkpoint_dir(str(tmp_path), 2))
+    (temporary / "__3_0.distcp").write_bytes(b"from a killed run")
+    assert os.listdir(prepare_checkpoint_dir(str(tmp_path), 2)) == []
+
+
+def test_load_uses_the_tracker_or_ckpt_step(tmp_path):
+    """Megatron-LM's load_checkpoint reads the tracker, unless ``ckpt_step`` names the iteration."""
+    fake_save(tmp_path, 2)
+    fake_save(tmp_path, 4)
+    found = find_checkpoint(str(tmp_path))
+    assert (found.iteration, found.path) == (4, str(tmp_path / "iter_0000004"))
+    assert found.common["args"]["hidden_size"] == 16 and found.common["ckpt_format"] == CKPT_FORMAT
+    assert find_checkpoint(str(tmp_path), ckpt_step=2).iteration == 2
+    assert latest_checkpoint(str(tmp_path)).iteration == 4 and latest_checkpoint(None) is None
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "only interrupted", "garbage tracker",
+                                  "tracker names a missing directory", "no such ckpt_step",
+                                  "not ours"])
+def test_load_refuses_what_is_not_a_complete_checkpoint(tmp_path, case):
+    """A missing, empty or half-written ``--load`` directory is refused with the rule, the value
+    and a fix (Megatron-LM starts from random weights when the tracker is missing, unless
+    ``--exit-on-missing-checkpoint``; here a typo in --load must not train from scratch)."""
+    root, ckpt_step = tmp_path / "ckpt", None
+    expected = {"missing": "does not exist", "empty": "no checkpoint",
+                "only interrupted": "only interrupted saves (iter_0000002.tmp)",
+                "garbage tracker": "not an iteration number",
+                "tracker names a missing directory": "iteration 6, but",
+                "no such ckpt_step": "--ckpt-step names iteration 3",
+                "not ours": "is not a torch_dcp checkpoint"}[case]
+    if case != "missing":
+        root.mkdir()
+    if case == "only interrupted":
+        fake_save(root, 2, commit=False)
+    if case in ("garbage tracker", "tracker names a missing directory", "no such ckpt_step",
+                "not ours"):
+        fake_save(root, 2)
+    if case == "garbage tracker":
+        (root / TRACKER_FILENAME).write_text("")  # what a kill during a plain rewrite leaves
+    if case == "tracker names a missing directory":
+        (root / TRACKER_FILENAME).write_text("6")
+    if case == "no such ckpt_step":
+        ckpt_step = 3
+    if case == "not ours":
+        state = json.loads((root / "iter_0000002" / "common.json").read_text())
+        (root / "iter_0000002" / "common.json").write_text(json.dumps({**state, "ckpt_format": "torch"}))
+    with pytest.raises(ConfigError, match="checkpoint") as error:
+        find_checkpoint(str(root), ckpt_step)
+    assert expected in str(error.value)
+    assert str(root) in str(error.value) or case in ("garbage tracker",)
+    assert latest_checkpoint(str(root)) is None or case == "no such ckpt_step"
+
+
+@pytest.mark.parametrize("name,value", [("hidden_size", 32), ("num_layers", 8), ("num_experts", 8),
+                                        ("num_attention_heads", 2), ("vocab_size", 64)])
+def test_a_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path, name, value):
+    """Megatron-LM's check_checkpoint_args compares num_layers, hidden_size and
+    num_attention_heads with the checkpoint's; here every field that fixes a tensor's shape."""
+    fake_save(tmp_path, 2)
+    common = find_checkpoint(str(tmp_path)).common
+    check_checkpoint_args(common, ARGS)  # the same model: fine
+    check_checkpoint_args(common, replace(ARGS, world_size=8, pipeline_model_parallel_size=4,
+                                          moe_router_topk=1, lr=1e-3))  # layout, routing, lr: fine
+    with pytest.raises(ConfigError) as error:
+        check_checkpoint_args(common, replace(ARGS, **{name: value}))
+    message = str(error.value)
+    assert f"{name} ({value}) differs from the checkpoint's ({getattr(ARGS, name)})" in message
+    assert f"--{name.replace('_', '-')} {getattr(ARGS, name)}" in message  # the fix
+
+
+def test_a_checkpoint_at_or_past_the_last_step_leaves_nothing_to_train(tmp_path):
+    fake_save(tmp_path, 6)
+    with pytest.raises(ConfigError, match=r"iteration 6 and steps is 6.*--steps 7"):
+        check_checkpoint_args(find_checkpoint(str(tmp_path)).common, ARGS)
+
+
+@pytest.mark.parametrize("interval", [0, -2, 2.5, True, "3"])
+def test_save_interval_must_be_a_whole_number_of_at_least_one(tmp_path, interval):
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] save_interval must be a whole number >= 1"):
+        check_save_args(str(tmp_path), interval)
+
+
+def test_save_interval_needs_a_directory_and_save_cannot_be_a_file(tmp_path):
+    with pytest.raises(ConfigError, match="add --save DIR"):
+        check_save_args(None, 2)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_save_args(str(tmp_path / "file"), None)
+    check_save_args(str(tmp_path / "new"), 2)  # created by the first save
+
+
+def test_validate_args_checks_the_checkpoint_before_any_worker(tmp_path):
+    fake_save(tmp_path, 2)
+    validate_args(replace(ARGS, load=str(tmp_path)))
+    validate_args(replace(ARGS, world_size=2, pipeline_model_parallel_size=2, load=str(tmp_path),
+                          use_distributed_optimizer=True))
+    for changes, match in [({"ckpt_step": 2}, "add --load DIR"),
+                           ({"load": str(tmp_path), "ckpt_step": 0}, "ckpt_step must be"),
+                           ({"load": str(tmp_path), "hidden_size": 32}, "hidden_size"),
+                           ({"load": str(tmp_path / "nope")}, "does not exist"),
+                           ({"save_interval": 0, "save": str(tmp_path)}, "save_interval")]:
+        with pytest.raises(ConfigError, match=match):
+            validate_args(replace(ARGS, **changes))
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_4d_ckpt_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_command_line_exits_2_on_a_bad_checkpoint_flag(script, tmp_path, monkeypatch, capsys):
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker would have started")
+    import tutorial_lib.train_4d
+    monkeypatch.setattr(tutorial_lib.train_4d, "train", no_workers)  # main() imports it late
+    monkeypatch.setattr(script, "run_under_torchrun", no_workers)
+    fake_save(tmp_path / "half", 2, commit=False)  # a first save that was killed
+    for argv, said in [(["--save-interval", "0", "--save", str(tmp_path)], "save_interval must be"),
+                       (["--save-interval", "2"], "add --save DIR"),
+                       (["--load", str(tmp_path / "nope")], "does not exist"),
+                       (["--load", str(tmp_path / "half")], "only interrupted saves (iter_0000002.tmp)")]:
+        assert script.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("train_4d.py: error: [checkpoint]") and said in err, err
+
+
+def test_the_checkpoint_flags_are_megatrons(script):
+    """CheckpointConfig (Megatron-LM d98e8a64) names them save, save_interval, load, ckpt_step;
+    the distributed optimizer is --use-distributed-optimizer (megatron/training/arguments.py)."""
+    args, _ = script.parse_args(["--save", "a", "--save-interval", "3", "--load", "b", "--ckpt-step", "2",
+                                 "--use-distributed-optimizer"])
+    assert (args.save, args.save_interval, args.load, args.ckpt_step) == ("a", 3, "b", 2)
+    assert args.use_distributed_optimizer is True
+    text = " ".join(script.build_parser().format_help().split())
+    assert "--save DIR" in text and "--load DIR" in text and "--save-interval N" in text
+
+
+def test_the_interrupted_line_names_the_step_the_checkpoint_and_the_resume_command(script, tmp_path):
+    args = replace(ARGS, save=str(tmp_path), save_interval=2, load=str(tmp_path / "old"))
+    line = script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
+                                         str(tmp_path / "old"), "--ckpt-step=1"])
+    assert line == ("train_4d.py: interrupted at step 4/6 (3 finished); no checkpoint saved "
+                    "(--save DIR --save-interval N keeps one)")
+    fake_save(tmp_path, 2)
+    line = script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
+                                         str(tmp_path / "old"), "--ckpt-step=1"])
+    assert "\n" not in line
+    assert f"last checkpoint: {tmp_path / 'iter_0000002'} (iteration 2)" in line
+    assert line.endswith(f"--steps 6 --save {tmp_path} --load {tmp_path}")  # the old --load dropped
+
+
+def test_which_group_splits_a_tensor_and_the_chunks_dcp_records():
+    """What each rank hands to DCP: TP shards split over ``tp`` along their partition dim,
+    routed experts over ``ep`` along dim 0, the rest whole (DCP keeps one copy)."""
+    assert tensor_sharding(True, 1, "dp") == ("tp", 1)
+    assert tensor_sharding(False, None, "expert_dp") == ("ep", 0)
+    assert tensor_sharding(False, None, "dp") is None
+    assert local_chunk((48, 16), 0, 1, 2) == ((24, 0), (24, 16))
+    assert local_chunk((16, 64), 1, 3, 4) == ((0, 48), (16, 16))
+    assert local_chunk((4, 16, 16), None, 0, 1) == ((0, 0, 0), (4, 16, 16))
+    with pytest.raises(ValueError):
+        local_chunk((6, 4), 0, 0, 4)

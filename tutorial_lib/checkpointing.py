@@ -1,0 +1,355 @@
+"""Checkpoints of the 4D run on disk: their names, the atomic commit, and the checks on load.
+
+Nothing here imports torch or starts a process: the command line checks ``--save`` /
+``--load`` with it before any worker starts, and tests read it directly.  The sharded
+tensors themselves are written and read by :mod:`tutorial_lib.dist_checkpointing` with
+PyTorch Distributed Checkpoint (DCP, ``torch.distributed.checkpoint``), the standard
+sharded format.  One ``--save`` directory (Megatron-LM's names)::
+
+    SAVE/
+      latest_checkpointed_iteration.txt   "4": the last committed checkpoint (the tracker)
+      iter_0000002/                       the state after 2 optimizer steps
+        .metadata                         DCP's index: every key, its global shape, its
+                                          chunks, and the file holding each chunk
+        __0_0.distcp ... __7_0.distcp     the chunks rank 0 ... 7 wrote
+        common.json                       what is not a tensor: iteration, consumed
+                                          samples, the run's arguments (rank 0 writes it)
+      iter_0000004/
+      iter_0000006.tmp/                   a save in progress, or one a kill interrupted
+
+**The atomic commit.**  Every rank writes into ``iter_N.tmp``; DCP writes its
+``.metadata`` once every rank's chunks are written; after a barrier rank 0 adds
+``common.json``, renames the directory to ``iter_N`` (one ``rename``: under its final name
+the directory is complete or absent), then replaces the tracker: it writes
+``latest_checkpointed_iteration.txt.tmp`` and renames it over the old tracker, so the
+tracker always holds a whole number.  Until that last rename the tracker names the
+previous checkpoint, so a run killed anywhere in a save (``SIGKILL``, a lost node) leaves
+a loadable checkpoint, or none at all, never half of one; ``--load`` refuses a directory
+without a tracker and names the ``.tmp`` directories it found.  Megatron-LM (d98e8a64,
+megatron-core 0.20.0, ``megatron/training/checkpointing.py``, ``save_checkpoint``)
+writes ``iter_N`` in place and then rewrites the tracker with a plain ``open(..., 'w')``
+on rank 0 after a barrier: a kill during the save also leaves the previous iteration in
+the tracker, but a kill between truncating the tracker and writing it leaves an empty
+tracker, which its ``read_metadata`` refuses.
+
+**What must match on load** (:func:`check_checkpoint_args`): the model's structure,
+:data:`MODEL_ARGS`, because it fixes which tensors exist and their global shapes
+(Megatron-LM d98e8a64's ``check_checkpoint_args`` compares ``num_layers``, ``hidden_size``
+and ``num_attention_heads`` in the same way).  The parallel layout, the schedule, the
+microbatches and the optimizer (plain Adam or ZeRO-1) may all change: that is what a
+sharded checkpoint is for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from typing import NamedTuple
+
+from .config import ConfigError, ModelConfig
+
+__all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "TEMPORARY_SUFFIX", "CKPT_FORMAT", "MODEL_ARGS",
+           "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
+           "is_save_iteration", "prepare_checkpoint_dir", "commit_checkpoint", "write_tracker",
+           "common_state", "read_common_state", "Checkpoint", "find_checkpoint",
+           "latest_checkpoint", "check_save_args", "check_load_args", "check_checkpoint_args", "tensor_sharding",
+           "local_chunk"]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+"""The file naming the last committed iteration (Megatron-LM's tracker)."""
+COMMON_FILENAME = "common.json"
+"""The checkpoint's non-tensor state, written once by rank 0 (Megatron's ``common.pt``, as JSON)."""
+TEMPORARY_SUFFIX = ".tmp"
+"""A save writes ``iter_N.tmp`` and renames it to ``iter_N`` once every rank has finished."""
+CKPT_FORMAT = "torch_dcp"
+"""Megatron-LM's ``--ckpt-format`` name for plain ``torch.distributed.checkpoint``."""
+DCP_METADATA = ".metadata"
+"""The index DCP writes last, once every rank's chunks are on disk."""
+
+MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+              "num_experts", "first_k_dense_replace", "num_shared_experts", "ffn_hidden_size",
+              "moe_ffn_hidden_size")
+"""The :class:`~tutorial_lib.config.ModelConfig` fields a checkpoint fixes: they decide which
+tensors exist and their global shapes (and ``num_attention_heads`` how ``linear_qkv``'s rows
+are read).  ``moe_router_topk`` and ``dropout`` change how the model runs, not what it holds,
+so a run may resume with other values."""
+
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+def get_checkpoint_name(checkpoints_path: str, iteration: int) -> str:
+    """``checkpoints_path/iter_0000004``: the directory of the checkpoint after ``iteration`` steps."""
+    return os.path.join(checkpoints_path, f"iter_{iteration:07d}")
+
+
+def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+    return os.path.join(checkpoints_path, TRACKER_FILENAME)
+
+
+def read_metadata(tracker_filename: str) -> int:
+    """The iteration the tracker names; :class:`ConfigError` if it holds anything else."""
+    with open(tracker_filename) as handle:
+        text = handle.read().strip()
+    if not text.isdigit():
+        raise ConfigError("checkpoint", f"the tracker {tracker_filename} holds {text!r}, not an "
+                                        f"iteration number; write the iteration of a complete "
+                                        f"iter_NNNNNNN directory into it, or load another directory")
+    return int(text)
+
+
+def is_save_iteration(iteration: int, steps: int, save: str | None, save_interval: int | None) -> bool:
+    """Save after ``iteration`` steps?  Every ``save_interval`` steps, and after the last one."""
+    if not save:
+        return False
+    return iteration == steps or bool(save_interval) and iteration % save_interval == 0
+
+
+# --- the commit (rank 0) ----------------------------------------------------------------------
+
+
+def prepare_checkpoint_dir(checkpoints_path: str, iteration: int) -> str:
+    """An empty ``iter_N.tmp`` to save into (a stale one, left by a kill, is removed first)."""
+    temporary = get_checkpoint_name(checkpoints_path, iteration) + TEMPORARY_SUFFIX
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    return temporary
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename inside ``path`` durable (the directory entry itself is on disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tracker(checkpoints_path: str, iteration: int) -> None:
+    """Point the tracker at ``iteration``: write a temporary file, then rename it over the tracker."""
+    tracker = get_checkpoint_tracker_filename(checkpoints_path)
+    with open(tracker + TEMPORARY_SUFFIX, "w") as handle:
+        handle.write(f"{iteration}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tracker + TEMPORARY_SUFFIX, tracker)
+    _fsync_dir(checkpoints_path)
+
+
+def commit_checkpoint(checkpoints_path: str, iteration: int) -> str:
+    """Rename ``iter_N.tmp`` to ``iter_N``, then point the tracker at it; returns ``iter_N``.
+
+    Call once every rank has finished writing (after a barrier), on one rank.  An older
+    ``iter_N`` (a run that saved this iteration before) is moved aside first and deleted
+    after the rename; a kill between those two renames, while the tracker names this very
+    iteration, leaves the tracker naming a missing directory, which ``--load`` refuses,
+    listing the committed iterations (``--ckpt-step`` picks one).
+    """
+    final = get_checkpoint_name(checkpoints_path, iteration)
+    temporary = final + TEMPORARY_SUFFIX
+    if not os.path.isfile(os.path.join(temporary, DCP_METADATA)):
+        raise RuntimeError(f"{temporary} has no {DCP_METADATA}: DCP did not finish writing it")
+    replaced = None
+    if os.path.exists(final):
+        replaced = final + ".old"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(temporary, final)
+    _fsync_dir(checkpoints_path)
+    write_tracker(checkpoints_path, iteration)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    return final
+
+
+# --- the common state -------------------------------------------------------------------------
+
+
+def common_state(args, iteration: int) -> dict:
+    """What ``common.json`` holds: the format, the data position and the run's arguments.
+
+    ``args``: the run's :class:`~tutorial_lib.train_4d.TrainingArgs`.  The data position is
+    the iteration (the 4D run draws step ``i``'s batch from ``(seed, i)``) and, as in
+    Megatron, the samples consumed so far.
+    """
+    return {"ckpt_format": CKPT_FORMAT, "iteration": iteration,
+            "consumed_train_samples": iteration * args.global_batch_size,
+            "args": dataclasses.asdict(args)}
+
+
+def write_common_state(directory: str, state: dict) -> None:
+    with open(os.path.join(directory, COMMON_FILENAME), "w") as handle:
+        json.dump(state, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def read_common_state(directory: str) -> dict:
+    with open(os.path.join(directory, COMMON_FILENAME)) as handle:
+        return json.load(handle)
+
+
+# --- finding a checkpoint to load ---------------------------------------------------------
+
+
+class Checkpoint(NamedTuple):
+    """A committed checkpoint: where it is, after how many steps, its common state."""
+
+    iteration: int
+    path: str
+    common: dict
+
+
+def _committed_iterations(checkpoints_path: str) -> list[int]:
+    names = os.listdir(checkpoints_path) if os.path.isdir(checkpoints_path) else []
+    return sorted(int(m.group(1)) for m in map(_ITERATION_DIR.match, names) if m)
+
+
+def _unfinished(checkpoints_path: str) -> list[str]:
+    names = os.listdir(checkpoints_path) if os.path.isdir(checkpoints_path) else []
+    return sorted(n for n in names if n.startswith("iter_") and n.endswith(TEMPORARY_SUFFIX))
+
+
+def find_checkpoint(load: str, ckpt_step: int | None = None) -> Checkpoint:
+    """The checkpoint ``--load load`` resumes from: the tracker's, or iteration ``ckpt_step``.
+
+    Raises :class:`ConfigError` (rule ``"checkpoint"``) for a missing directory, one
+    without a tracker (empty, or whose only saves were interrupted: their ``.tmp``
+    directories are named), or a checkpoint that is not complete.
+    """
+    if not os.path.isdir(load):
+        raise ConfigError("checkpoint", f"load directory {load!r} does not exist; pass the --save "
+                                        f"directory of an earlier run")
+    tracker = get_checkpoint_tracker_filename(load)
+    committed = _committed_iterations(load)
+    if ckpt_step is None:
+        if not os.path.isfile(tracker):
+            unfinished = _unfinished(load)
+            found = (f"only interrupted saves ({', '.join(unfinished)}), never committed"
+                     if unfinished else "no checkpoint" if not committed
+                     else f"iterations {committed} but no tracker")
+            raise ConfigError("checkpoint", f"{load!r} has no {TRACKER_FILENAME}, so no complete "
+                                            f"checkpoint to resume from ({found}); pass the --save "
+                                            f"directory of a run that saved at least once"
+                              + (", or --ckpt-step N for one of those iterations"
+                                 if committed else ""))
+        iteration = read_metadata(tracker)
+    else:
+        iteration = ckpt_step
+    path = get_checkpoint_name(load, iteration)
+    missing = [name for name in (DCP_METADATA, COMMON_FILENAME)
+               if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        where = "the tracker names" if ckpt_step is None else "--ckpt-step names"
+        raise ConfigError("checkpoint", f"{where} iteration {iteration}, but {path} "
+                                        f"{'does not exist' if not os.path.isdir(path) else 'lacks ' + ', '.join(missing)}"
+                                        f"; committed iterations in {load!r}: {committed or 'none'}"
+                                        f" (pick one with --ckpt-step)")
+    common = read_common_state(path)
+    if common.get("ckpt_format") != CKPT_FORMAT or common.get("iteration") != iteration:
+        raise ConfigError("checkpoint", f"{path}/{COMMON_FILENAME} is not a {CKPT_FORMAT} checkpoint "
+                                        f"of iteration {iteration} (it says format "
+                                        f"{common.get('ckpt_format')!r}, iteration "
+                                        f"{common.get('iteration')!r}); load a directory this "
+                                        f"course's train_4d saved")
+    return Checkpoint(iteration, path, common)
+
+
+def latest_checkpoint(checkpoints_path: str | None) -> Checkpoint | None:
+    """The checkpoint the tracker of ``checkpoints_path`` names, or ``None`` (none committed yet)."""
+    try:
+        return find_checkpoint(checkpoints_path) if checkpoints_path else None
+    except (ConfigError, OSError, ValueError):
+        return None
+
+
+# --- the checks ---------------------------------------------------------------------------
+
+
+def _check_count(name: str, value, flag: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("checkpoint", f"{name} must be a whole number >= 1, got {value!r}; "
+                                        f"e.g. {flag} 2")
+
+
+def check_save_args(save: str | None, save_interval: int | None) -> None:
+    """``save_interval`` is a whole number >= 1 and comes with ``save``; ``save`` can be a directory."""
+    if save_interval is not None:
+        _check_count("save_interval", save_interval, "--save-interval")
+        if not save:
+            raise ConfigError("checkpoint", f"save_interval ({save_interval}) needs a directory to "
+                                            f"save into; add --save DIR")
+    if save and os.path.exists(save) and not os.path.isdir(save):
+        raise ConfigError("checkpoint", f"save directory {save!r} is a file; pass a directory "
+                                        f"(it is created if missing)")
+
+
+def check_load_args(load: str | None, ckpt_step: int | None) -> Checkpoint | None:
+    """The checkpoint ``--load`` / ``--ckpt-step`` name (``None`` without ``load``), or :class:`ConfigError`."""
+    if ckpt_step is not None:
+        _check_count("ckpt_step", ckpt_step, "--ckpt-step")
+        if not load:
+            raise ConfigError("checkpoint", f"ckpt_step ({ckpt_step}) picks an iteration of the load "
+                                            f"directory; add --load DIR")
+    return find_checkpoint(load, ckpt_step) if load else None
+
+
+def check_checkpoint_args(common: dict, args) -> None:
+    """The checkpoint's model matches ``args`` (:data:`MODEL_ARGS`) and steps remain to train."""
+    saved = common["args"]
+    defaults = dataclasses.asdict(ModelConfig())
+    for name in MODEL_ARGS:
+        mine = getattr(args, name, defaults[name])
+        theirs = saved.get(name, defaults[name])
+        if mine != theirs:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError("checkpoint", f"{name} ({mine}) differs from the checkpoint's "
+                                            f"({theirs}): a checkpoint fixes the model's shapes "
+                                            f"({', '.join(MODEL_ARGS)}); pass {flag} {theirs}, "
+                                            f"or load a checkpoint of this model")
+    iteration = common["iteration"]
+    if iteration >= args.steps:
+        raise ConfigError("checkpoint", f"the checkpoint is at iteration {iteration} and steps is "
+                                        f"{args.steps}: nothing is left to train (steps counts "
+                                        f"from the start, as Megatron's --train-iters); pass "
+                                        f"--steps {iteration + 1} or more")
+
+
+# --- which ranks hold which piece of a tensor --------------------------------------------------
+
+
+def tensor_sharding(tensor_model_parallel: bool, partition_dim: int | None,
+                    domain: str) -> tuple[str, int] | None:
+    """``(group kind, tensor dim)`` a tensor is split along, or ``None`` if every holder has it whole.
+
+    A routed-expert weight (domain ``expert_dp``) stacks this EP rank's experts along dim 0:
+    split over ``ep``.  A tensor-parallel shard (``tensor_model_parallel``) is split over
+    ``tp`` along its ``partition_dim``.  Everything else (LayerNorms, router, shared
+    experts, position embeddings, expert biases) is whole on every rank of its stage.
+    Copies over ``dp`` / ``expert_dp`` (and over PP stages: none, each layer lives on one)
+    are the same chunk written by several ranks: DCP keeps one.
+    """
+    if domain == "expert_dp":
+        return ("ep", 0)
+    if tensor_model_parallel:
+        return ("tp", partition_dim)
+    return None
+
+
+def local_chunk(global_shape: tuple[int, ...], dim: int | None, index: int,
+                parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of piece ``index`` of ``parts`` equal pieces along ``dim``.
+
+    What DCP records for that piece (``dim=None``: the whole tensor, at offset 0).
+    """
+    offsets, sizes = [0] * len(global_shape), list(global_shape)
+    if dim is not None:
+        if global_shape[dim] % parts:
+            raise ValueError(f"dim {dim} of {global_shape} does not split into {parts} equal pieces")
+        sizes[dim] = global_shape[dim] // parts
+        offsets[dim] = index * sizes[dim]
+    return tuple(offsets), tuple(sizes)

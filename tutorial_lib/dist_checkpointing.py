@@ -1,0 +1,235 @@
+"""Save and load the 4D run's state with ``torch.distributed.checkpoint`` (DCP), inside the workers.
+
+Where checkpoints live, the atomic commit and the checks on load are in
+:mod:`tutorial_lib.checkpointing` (no torch); this module builds the state dict every rank
+hands to DCP, and calls DCP.  What a checkpoint holds, under global names::
+
+    model.<name>                        every parameter and buffer (expert biases included),
+                                        named with GLOBAL layer indices (layers.5.mlp...)
+    optimizer.state.<name>.exp_avg      Adam's moments, sharded like the parameter
+    optimizer.state.<name>.exp_avg_sq
+    optimizer.state.<name>.step         Adam's step count (a scalar)
+    rng_state.pp<p>.tp<t>               torch's RNG state of the ranks at (pp, tp) (Megatron's key)
+    common.json (beside the DCP files)  iteration, consumed samples, arguments
+
+**How each tensor is described to DCP: DTensor.**  A tensor split over a group is handed
+over as a :class:`~torch.distributed.tensor.DTensor` on a one-dimensional
+:class:`~torch.distributed.device_mesh.DeviceMesh` made from that live group
+(``DeviceMesh.from_group``, no new process group), placed ``Shard(dim)``: TP shards over
+``tp`` along their ``partition_dim`` (:func:`~tutorial_lib.data_parallel.mark_tensor_parallel`),
+routed experts over ``ep`` along dim 0 (each EP rank stacks its ``N/EP`` experts).  DCP
+computes each piece's offset from the mesh coordinate and records ``(offsets, sizes)`` in
+``.metadata`` (:func:`tutorial_lib.checkpointing.tensor_sharding` and
+:func:`~tutorial_lib.checkpointing.local_chunk` predict them).  A tensor every holder has
+whole is handed over as a plain tensor, which DCP reads as "the whole tensor, the same on
+every rank that has it".  Replicas (the DP copies of a TP shard, the expert-DP copies of an
+expert, the TP copies of a LayerNorm) hand over the same chunk under the same key: DCP's
+planner keeps one writer per chunk, spreading them over the ranks, so each byte of the
+model is written once.  On load every rank asks for the chunks its own layout needs, in
+its own placement, and DCP reads the overlapping pieces of the saved chunks: a checkpoint
+saved under TP2 x PP2 x DP2 loads under PP4 x DP2 or on one rank.  This works on gloo and
+on CPU tensors (DCP only gathers its plans over the world group; a mesh made from a group
+is never used to communicate here).
+
+The pipeline needs nothing of DCP: a layer's name carries its global index, so every
+layout asks for the same keys, and a stage simply asks only for its own layers.
+
+**The optimizer.**  Plain Adam holds its state per parameter, so its tensors are sharded
+like the parameter.  ZeRO-1 (:class:`~tutorial_lib.data_parallel.DistributedOptimizer`)
+holds slices of flat per-domain buffers, a cut that depends on the DP size; it gathers
+them back into per-parameter tensors (``get_parameter_state``) before the save and keeps
+its own slices after the load (``load_parameter_state``).  Both write the same keys, so a
+ZeRO-1 checkpoint loads into plain Adam and the other way round.
+
+**RNG** (Megatron-LM's rule, d98e8a64 / megatron-core 0.20.0, ``load_checkpoint``): saved
+per (pipeline rank, TP rank), loaded only when the checkpoint's TP and PP sizes equal the
+run's; otherwise rank 0 says it is ignored.  The
+4D run draws nothing from torch's global RNG once built (weights, data and dropout masks
+come from seeded generators), so its losses never depend on it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from . import checkpointing, parallel_state
+from .data_parallel import DistributedOptimizer, grad_domain, is_tensor_parallel
+
+__all__ = ["ADAM_STATE", "PAUSE_BEFORE_COMMIT_ENV", "model_tensors", "sharded_state_dict",
+           "save_checkpoint", "load_checkpoint"]
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+"""The optimizer state a checkpoint holds per parameter (the 4D run's optimizer is Adam)."""
+
+PAUSE_BEFORE_COMMIT_ENV = "TUTORIAL_LIB_PAUSE_BEFORE_COMMIT"
+"""Test hook: when this environment variable holds an iteration, the save of that iteration
+stops (rank 0 prints a line and sleeps) after every rank has written and before the
+commit, so a test can kill the run in the middle of a save."""
+
+
+def model_tensors(chunks) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of this rank's chunks, by global name.
+
+    A chunk's ``state_dict`` names its layers with their global indices (``layers.5...``),
+    so the chunks of one rank never collide and every layout uses the same names.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            if name in tensors:
+                raise ValueError(f"two model chunks of this rank both hold {name!r}")
+            tensors[name] = tensor
+    return tensors
+
+
+def _meshes() -> dict[str, DeviceMesh]:
+    """A one-dimensional mesh per group a tensor can be split over, made from the live group."""
+    meshes = {}
+    for kind in ("tp", "ep"):
+        ranks = parallel_state.get_group_ranks(kind)
+        meshes[kind] = DeviceMesh.from_group(parallel_state.get_group(kind), "cpu",
+                                             mesh=torch.tensor(ranks), mesh_dim_names=(kind,))
+    return meshes
+
+
+def _sharding(tensor: torch.Tensor):
+    return checkpointing.tensor_sharding(is_tensor_parallel(tensor), getattr(tensor, "partition_dim", None),
+                                         grad_domain(tensor) if isinstance(tensor, torch.nn.Parameter)
+                                         else "dp")
+
+
+def _describe(local: torch.Tensor, sharding, meshes):
+    """``local`` as DCP should see it: a DTensor if split over a group, else the plain tensor."""
+    if sharding is None:
+        return local
+    kind, dim = sharding
+    return DTensor.from_local(local, meshes[kind], [Shard(dim)], run_check=False)
+
+
+def _optimizer_state(optimizer, params: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """``{name: {state: tensor}}`` for each parameter, whichever optimizer holds it."""
+    if isinstance(optimizer, DistributedOptimizer):
+        by_param = optimizer.get_parameter_state()
+    else:
+        by_param = optimizer.state
+    out = {}
+    for name, param in params.items():
+        state = by_param.get(param) or _empty_state(param)  # empty before the first step
+        if set(ADAM_STATE) - set(state):
+            raise ValueError(f"{name}'s optimizer state has {sorted(state)}; a checkpoint holds "
+                             f"Adam's {ADAM_STATE}")
+        out[name] = {key: state[key] for key in ADAM_STATE}
+    return out
+
+
+def _empty_state(param: torch.Tensor) -> dict:
+    """Adam's state before its first step (also what a load fills in)."""
+    return {"exp_avg": torch.zeros_like(param.detach()), "exp_avg_sq": torch.zeros_like(param.detach()),
+            "step": torch.zeros((), dtype=torch.float32)}
+
+
+def _rng_key() -> str:
+    return f"rng_state.pp{parallel_state.group_rank('pp')}.tp{parallel_state.group_rank('tp')}"
+
+
+def _state_dict(tensors: dict, moments: dict, rng_state: torch.Tensor | None) -> dict:
+    """The flat dict handed to DCP: each tensor as a DTensor (split) or plain (whole), by key."""
+    meshes = _meshes()
+    state: dict = {}
+    for name, tensor in tensors.items():
+        state[f"model.{name}"] = _describe(tensor.detach(), _sharding(tensor), meshes)
+    for name, values in moments.items():
+        for key, value in values.items():  # the moments are split like their parameter
+            state[f"optimizer.state.{name}.{key}"] = (value if key == "step" else
+                                                      _describe(value, _sharding(tensors[name]), meshes))
+    if rng_state is not None:
+        state[_rng_key()] = rng_state
+    return state
+
+
+def sharded_state_dict(chunks, optimizer) -> dict:
+    """The flat dict this rank hands to ``dcp.save``: its pieces of every tensor, by global key.
+
+    ``optimizer``: ``torch.optim.Adam`` over the chunks' parameters, or a
+    :class:`~tutorial_lib.data_parallel.DistributedOptimizer` (then this is collective
+    over its DP groups: it gathers the state).
+    """
+    tensors = model_tensors(chunks)
+    params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
+    return _state_dict(tensors, _optimizer_state(optimizer, params), torch.get_rng_state())
+
+
+def _log(message: str) -> None:
+    """A line from rank 0, on stderr (under torchrun --json, stdout holds the records)."""
+    if dist.get_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def save_checkpoint(checkpoints_path: str, iteration: int, chunks, optimizer, args) -> str:
+    """Write the state after ``iteration`` steps to ``checkpoints_path/iter_N``; every rank calls it.
+
+    Returns the committed directory.  Rank 0 makes ``iter_N.tmp``; every rank writes its
+    chunks there with DCP; after a barrier rank 0 writes ``common.json``, renames the
+    directory and rewrites the tracker (:func:`tutorial_lib.checkpointing.commit_checkpoint`).
+    """
+    rank = dist.get_rank()
+    temporary = checkpointing.get_checkpoint_name(checkpoints_path, iteration) + checkpointing.TEMPORARY_SUFFIX
+    if rank == 0:
+        os.makedirs(checkpoints_path, exist_ok=True)
+        checkpointing.prepare_checkpoint_dir(checkpoints_path, iteration)
+    dist.barrier()  # nobody writes before the directory is there (and empty)
+    state = sharded_state_dict(chunks, optimizer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(temporary))
+    if rank == 0:
+        checkpointing.write_common_state(temporary, checkpointing.common_state(args, iteration))
+    dist.barrier()  # every rank has written: the checkpoint is complete, not yet committed
+    if rank == 0 and os.environ.get(PAUSE_BEFORE_COMMIT_ENV) == str(iteration):
+        print(f"test hook: iteration {iteration} is written to {temporary}, pausing before "
+              f"the commit", file=sys.stderr, flush=True)
+        time.sleep(600)
+    final = checkpointing.get_checkpoint_name(checkpoints_path, iteration)
+    if rank == 0:
+        checkpointing.commit_checkpoint(checkpoints_path, iteration)
+    dist.barrier()  # when save_checkpoint returns, the tracker names iteration N on every rank
+    return final
+
+
+def load_checkpoint(checkpoints_path: str, chunks, optimizer, args, ckpt_step: int | None = None) -> int:
+    """Load the tracker's checkpoint (or ``ckpt_step``'s) into this rank's layout; returns its iteration.
+
+    Every rank calls it once its chunks and optimizer are built.  The parameters and
+    buffers are loaded in place; the optimizer state is installed afterwards (ZeRO-1 keeps
+    its slices of it); the RNG state only when TP and PP are the checkpoint's.
+    """
+    found = checkpointing.find_checkpoint(checkpoints_path, ckpt_step)
+    checkpointing.check_checkpoint_args(found.common, args)
+    saved = found.common["args"]
+    same_tp_pp = (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) == \
+                 (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    tensors = model_tensors(chunks)  # loaded in place: a DTensor's local part is the tensor itself
+    params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
+    moments = {name: _empty_state(param) for name, param in params.items()}  # filled by the load
+    rng_state = torch.empty_like(torch.get_rng_state()) if same_tp_pp else None
+    state = _state_dict(tensors, moments, rng_state)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(found.path))
+    by_param = {params[name]: value for name, value in moments.items()}
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.load_parameter_state(by_param)
+    else:
+        for param, value in by_param.items():
+            optimizer.state[param] = value
+    if same_tp_pp:
+        torch.set_rng_state(rng_state)
+    else:
+        _log(f"checkpoint {found.path}: saved under TP{saved['tensor_model_parallel_size']} x "
+             f"PP{saved['pipeline_model_parallel_size']}, loaded under TP"
+             f"{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size}: the "
+             f"RNG state is ignored (Megatron's rule)")
+    return found.iteration
