@@ -84,7 +84,7 @@ def test_clean_book_builds(tmp_path, build_book):
     for name in ("chapter.html", "../intro.html"):
         html = (page.parent / name).read_text()
         assert "THEBE_JS_URL" not in html and "fontawesome.js" not in html
-        assert "tex-chtml" not in html and 'rel="icon" href=' in html
+        assert "vendor/mathjax" not in html and 'rel="icon" href=' in html
 
 
 def test_warning_fails_the_build(tmp_path, build_book):
@@ -138,6 +138,14 @@ def test_vendored_scripts_exist():
             f"_static/{script} is missing: run `bash scripts/vendor_js.sh`"
         assert not script.endswith(".js"), \
             f"{script}: Jupyter Book would add every _static/**/*.js to every page"
+    # MathJax's loader fetches each component from the file `source` maps it to
+    loader = config["mathjax3_config"]["loader"]
+    for name in loader["load"]:
+        assert name in loader["source"], f"MathJax component {name} has no vendored source"
+    for name, url in loader["source"].items():
+        assert url.startswith("[mathjax]/") and url.endswith(".mjs"), url
+        path = REPO / "_static" / "vendor" / "mathjax" / url.removeprefix("[mathjax]/")
+        assert path.is_file(), f"{name}: {path} is missing: run `bash scripts/vendor_js.sh`"
     bundle = (REPO / "_static" / "vendor" / "html-manager" / "embed-amd.mjs").read_text()
     for module in ("@jupyter-widgets/base", "@jupyter-widgets/controls"):
         assert f'define("{module}"' in bundle, f"embed-amd does not bundle {module}"
