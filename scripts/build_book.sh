@@ -29,6 +29,9 @@ cd "$BOOK"
 
 # Silences debugpy's "frozen modules" notice in every kernel's stderr.
 export PYDEVD_DISABLE_FILE_VALIDATION=1
+# Tells the chapters that no reader's kernel will sit behind these pages:
+# tutorial_lib.viz.widget.live_or_static shows the static version of a live-only widget.
+export TUTORIAL_BOOK_BUILD=1
 
 jupyter-book build "$BOOK" --all -W --keep-going "$@"
 

@@ -6,7 +6,8 @@
 #   requirejs/widgets-paths.mjs      written here: tells require.js where embed-amd lives
 #   html-manager/embed-amd.mjs       renders saved ipywidgets state in static pages
 #   html-manager/*.woff2 ...         Font Awesome fonts that embed-amd references
-#   mathjax/tex-chtml-full.mjs       MathJax 3, TeX input with all extensions built in
+#   mathjax/startup.mjs ...          MathJax 3: the loader and the components this book
+#                                    uses (TeX base + ams, CHTML output), one file each
 #   mathjax/output/chtml/fonts/...   MathJax's CHTML fonts
 #
 # Why `.mjs`: Jupyter Book 1.x adds every `_static/**/*.js` file as a <script>
@@ -24,9 +25,12 @@
 # from that bundle, and uses requirejs + the CDN attribute only for other
 # (custom) widget libraries. ipywidgets 8.x pairs with html-manager ^1.0.
 #
-# Why tex-chtml-full: the default tex-mml-chtml lazy-loads TeX extensions
-# (\boldsymbol, \color, \cancel, ...) from its own folder on first use; the
-# -full bundle contains them all, so only the fonts are separate files.
+# Why MathJax in pieces: its combined bundles carry what this book never uses (the
+# 420 kB context menu, MathML input, every TeX extension in -full: 1.3 MB). The book's
+# formulas need TeX's base and ams packages only, so startup.mjs loads exactly the
+# components that _config.yml lists (mathjax3_config.loader: `load` names them, `source`
+# maps each name to its .mjs file here): 0.75 MB in all. noundefined shows an unknown
+# macro in red instead of failing the formula (tests/book checks that none shows).
 #
 # Needs npm (talks to the npm registry only). The result is committed, so a
 # book build never needs the network. Run from anywhere:
@@ -93,8 +97,13 @@ cat > "$STAGE/requirejs/widgets-paths.mjs" <<'JS'
 })();
 JS
 
-# MathJax: the combined component and the fonts it loads from [mathjax]/output/chtml/fonts/woff-v2
-cp mj/package/es5/tex-chtml-full.js "$STAGE/mathjax/tex-chtml-full.mjs"
+# MathJax: the loader, the components _config.yml names, and the fonts CHTML loads from
+# [mathjax]/output/chtml/fonts/woff-v2.
+for component in startup core input/tex-base input/tex/extensions/ams \
+        input/tex/extensions/noundefined output/chtml output/chtml/fonts/tex a11y/assistive-mml; do
+    mkdir -p "$STAGE/mathjax/$(dirname "$component")"
+    cp "mj/package/es5/$component.js" "$STAGE/mathjax/$component.mjs"
+done
 cp -r mj/package/es5/output/chtml/fonts/woff-v2 "$STAGE/mathjax/output/chtml/fonts/"
 cp mj/package/LICENSE "$STAGE/mathjax/LICENSE"
 
@@ -110,7 +119,9 @@ requirejs ${REQUIREJS_VERSION}   MIT
     requirejs/require.mjs       = require.js (licence in its header)
     requirejs/widgets-paths.mjs = written by the script (module paths for embed-amd)
 mathjax ${MATHJAX_VERSION}   Apache-2.0
-    mathjax/tex-chtml-full.mjs  = es5/tex-chtml-full.js
+    mathjax/<component>.mjs     = es5/<component>.js for startup, core, input/tex-base,
+                                  input/tex/extensions/{ams,noundefined}, output/chtml,
+                                  output/chtml/fonts/tex, a11y/assistive-mml
     mathjax/output/chtml/fonts/woff-v2/ = es5/output/chtml/fonts/woff-v2/
 
 The scripts are named .mjs so that Jupyter Book does not add them to every page

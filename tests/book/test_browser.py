@@ -108,7 +108,8 @@ def test_ipywidgets_render_offline(tmp_path, build_book, serve, open_book_page):
     book = tmp_path / "book"
     (book / "chapters").mkdir(parents=True)
     shutil.copy(REPO / "_config.yml", book / "_config.yml")
-    shutil.copytree(REPO / "_static", book / "_static")
+    for folder in ("_static", "_ext", "_templates"):  # what _config.yml names
+        shutil.copytree(REPO / folder, book / folder)
     (book / "_toc.yml").write_text(
         "format: jb-book\nroot: intro\nchapters:\n  - file: chapters/widgets\n")
     (book / "intro.md").write_text("# Intro\n")

@@ -27,11 +27,23 @@ def notebook(*sources: str) -> str:
     })
 
 
+def copy_book_setup(book: Path) -> None:
+    """The real _config.yml and what it names: the local extension, the template, the
+    static files (favicon, vendored scripts)."""
+    shutil.copy(REPO / "_config.yml", book / "_config.yml")
+    for folder in BOOK_SETUP:
+        shutil.copytree(REPO / folder, book / folder)
+
+
+BOOK_SETUP = ("_ext", "_templates", "_static")
+"""The folders _config.yml needs."""
+
+
 def tiny_book(root: Path, *cell_sources: str) -> Path:
     """A book with the real _config.yml, an intro page and one notebook."""
     book = root / "book"
     (book / "notebooks").mkdir(parents=True)
-    shutil.copy(REPO / "_config.yml", book / "_config.yml")
+    copy_book_setup(book)
     (book / "_toc.yml").write_text(
         "format: jb-book\nroot: intro\nchapters:\n  - file: notebooks/chapter\n")
     (book / "intro.md").write_text("# Tiny book\n\nSee {doc}`notebooks/chapter`.\n")
@@ -51,13 +63,28 @@ def test_cell_that_raises_fails_the_build(tmp_path, build_book):
 def test_clean_book_builds(tmp_path, build_book):
     book = tiny_book(tmp_path, "import sys\nprint('stderr is fine', file=sys.stderr)",
                      "print(6 * 7)")
+    # a folded solution and a folded helper cell, for the labels below
+    nb = json.loads((book / "notebooks" / "chapter.ipynb").read_text())
+    nb["cells"] += [{"cell_type": "code", "metadata": {"tags": tags}, "execution_count": None,
+                     "outputs": [], "source": source}
+                    for tags, source in ((["solution", "hide-cell"], "answer = 42"),
+                                         (["hide-cell"], "helper = 1"))]
+    (book / "notebooks" / "chapter.ipynb").write_text(json.dumps(nb))
     out = tmp_path / "out"
     result = build_book(book, "--path-output", str(out), timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
     page = out / "_build" / "html" / "notebooks" / "chapter.html"
     assert page.is_file()
-    assert "42" in page.read_text()  # executed at build time, output in the page
+    text = page.read_text()
+    assert "42" in text  # executed at build time, output in the page
     assert f"HTML: {out.resolve()}/_build/html/index.html" in result.stdout
+    # _ext/course_book.py: the solution is labelled as one, the helper cell is not
+    assert text.count("Show solution") == 1 and text.count("Show code cell content") == 1
+    # no page carries thebe's script, Font Awesome's script or (without math) MathJax
+    for name in ("chapter.html", "../intro.html"):
+        html = (page.parent / name).read_text()
+        assert "THEBE_JS_URL" not in html and "fontawesome.js" not in html
+        assert "vendor/mathjax" not in html and 'rel="icon" href=' in html
 
 
 def test_warning_fails_the_build(tmp_path, build_book):
@@ -88,6 +115,20 @@ def test_config_keeps_the_safety_settings():
     assert config["launch_buttons"]["thebe"] is False
 
 
+def test_config_leaves_out_thebe_and_the_second_header():
+    """Issue 13. sphinx-thebe put `const THEBE_JS_URL` on every page twice (a page error on
+    every page) although thebe is off; pydata-sphinx-theme 0.17 drew a hidden header whose
+    toggle buttons took the handlers meant for the visible ones (dead menus on phones)."""
+    sphinx = yaml.safe_load((REPO / "_config.yml").read_text())["sphinx"]
+    extensions = sphinx["config"]["extensions"]
+    assert "sphinx_thebe" not in extensions and "course_book" in extensions
+    assert sphinx["local_extensions"] == {"course_book": "_ext"}
+    assert sphinx["config"]["html_theme_options"]["navbar_persistent"] == []
+    assert (REPO / "_ext" / "course_book.py").is_file()
+    layout = (REPO / "_templates" / "layout.html").read_text()
+    assert '"scripts/fontawesome.js" not in line' in layout
+
+
 def test_vendored_scripts_exist():
     config = yaml.safe_load((REPO / "_config.yml").read_text())["sphinx"]["config"]
     scripts = list(config["nb_ipywidgets_js"]) + [config["mathjax_path"]]
@@ -97,6 +138,14 @@ def test_vendored_scripts_exist():
             f"_static/{script} is missing: run `bash scripts/vendor_js.sh`"
         assert not script.endswith(".js"), \
             f"{script}: Jupyter Book would add every _static/**/*.js to every page"
+    # MathJax's loader fetches each component from the file `source` maps it to
+    loader = config["mathjax3_config"]["loader"]
+    for name in loader["load"]:
+        assert name in loader["source"], f"MathJax component {name} has no vendored source"
+    for name, url in loader["source"].items():
+        assert url.startswith("[mathjax]/") and url.endswith(".mjs"), url
+        path = REPO / "_static" / "vendor" / "mathjax" / url.removeprefix("[mathjax]/")
+        assert path.is_file(), f"{name}: {path} is missing: run `bash scripts/vendor_js.sh`"
     bundle = (REPO / "_static" / "vendor" / "html-manager" / "embed-amd.mjs").read_text()
     for module in ("@jupyter-widgets/base", "@jupyter-widgets/controls"):
         assert f'define("{module}"' in bundle, f"embed-amd does not bundle {module}"

@@ -20,7 +20,7 @@ from tests.dist.test_viz_collectives import CAPTURE, _ring_worker
 from tests.unit.test_fp8_tiles import outlier_tokens
 from tests.unit.test_timeline import MS, synthetic
 from tutorial_lib.launch import launch
-from tutorial_lib.viz import draw
+from tutorial_lib.viz import draw, widget
 from tutorial_lib.viz import timeline as tlmod
 from tutorial_lib.viz.collectives import animate_ring_all_reduce
 from tutorial_lib.viz.fp8_tiles import tile_explorer
@@ -251,4 +251,33 @@ def test_the_fp8_tile_explorer_works_in_chromium(fragment_page):
     assert "channel 131" in root.locator(".tl-fp8-hover").inner_text()
     # the second widget on the page did not move
     assert view.page.locator(".tl-fp8-tiles").nth(1).get_attribute("data-token") == "0"
+    view.assert_clean()
+
+
+# --- every widget on a phone ----------------------------------------------------------------
+
+_LABELS = """() => {
+    document.querySelectorAll(".tl-frame").forEach(f => { f.style.display = ""; });
+    const sizes = [];
+    document.querySelectorAll("[data-ready='1'] svg text").forEach(t => {
+        const m = t.getScreenCTM();
+        if (m && t.textContent.trim()) sizes.push(parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b));
+    });
+    return [sizes.length, Math.min(...sizes), document.documentElement.scrollWidth];
+}"""
+
+
+@pytest.mark.parametrize("width", [390, 1440])
+def test_labels_stay_readable_and_the_page_stays_put(fragment_page, width):
+    """widget.css + widget.js (issue 13): a drawing wider than a 390 px phone keeps every
+    label at 9 px or more and scrolls inside its box; the page never scrolls sideways.
+    Before, a 940-unit drawing shrank to the column and its 11-unit labels to ~4 px."""
+    wide = draw.svg(940, 120, [draw.text(20 + 90 * i, 60, f"rank {i}", size=11)
+                               for i in range(10)])
+    view = fragment_page(timeline(synthetic(), title="t").to_html(),
+                         widget.Animation([wide, wide], ["a", "b"], title="wide").to_html(),
+                         tile_explorer(outlier_tokens()).to_html(), width=width)
+    count, smallest, page_width = view.page.evaluate(_LABELS)
+    assert count > 20 and smallest >= 8.95, f"{count} labels, smallest {smallest:.1f} px"
+    assert page_width <= width, f"the page is {page_width} px wide on a {width} px screen"
     view.assert_clean()

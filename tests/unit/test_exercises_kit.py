@@ -128,3 +128,23 @@ def test_as_rank_list(value, ranks):
     ("none", set()), (set(), set()), ([1, 2], None), (3, None)])
 def test_as_group_kinds(value, kinds):
     assert kit.as_group_kinds(value) == (None if kinds is None else frozenset(kinds))
+
+
+def test_an_unfinished_exercise_reads_as_an_invitation_not_an_error():
+    """Issue 13: in the built book every checker runs on the unfilled stub, and its box read
+    "NOT YET ..." in orange monospace, like a failure. The HTML now says whose turn it is,
+    what to do, and keeps the failing cases and the hint; the text form is unchanged."""
+    result = kit.CheckResult("Exercise 9.9: f", [Case("n=2", False, "the stub still raises "
+                                                 "NotImplementedError: fill in its body"),
+                                                 Case("n=3", True)], hint=kit.STUB_HINT)
+    page = result._repr_html_()
+    assert 'data-passed="false"' in page and "Your turn: Exercise 9.9: f" in page
+    assert "1 of 2 cases pass so far" in page and "NotImplementedError" in page
+    assert "<b>Hint:</b> replace the `raise NotImplementedError` line" in page
+    assert "NOT YET" not in page and "#b35900" not in page and "#b42318" not in page
+    assert str(result).startswith("NOT YET Exercise 9.9: f: 1/2 cases pass.")
+
+    done = kit.CheckResult("Exercise 9.9: f", [Case("n=2", True)])._repr_html_()
+    assert 'data-passed="true"' in done and "Passed: Exercise 9.9: f" in done
+    escaped = kit.CheckResult("x", [Case("<a>", False, "b")])._repr_html_()
+    assert "<code>&lt;a&gt;</code>: b" in escaped

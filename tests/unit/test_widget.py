@@ -25,7 +25,7 @@ def test_every_asset_a_widget_names_exists_and_ships_in_the_wheel():
     files = sorted(p.name for p in ASSETS.iterdir())
     for name in files:  # package data: a non-editable install carries every asset
         assert any(fnmatch.fnmatch(f"assets/{name}", g) for g in globs), name
-    named = {n for w in WIDGETS for n in ("widget.js",) + w.styles + w.scripts}
+    named = {n for w in WIDGETS for n in ("widget.js", "widget.css") + w.styles + w.scripts}
     assert named == set(files)  # no asset left unused, none missing
 
 
@@ -78,3 +78,43 @@ def test_save_writes_a_standalone_page(tmp_path):
     path = Box().save(str(tmp_path / "box.html"))
     text = open(path, encoding="utf-8").read()
     assert text.startswith("<!doctype html>") and '<div class="box"' in text
+
+
+def test_every_fragment_starts_with_the_shared_readable_layout():
+    """widget.css comes first in every widget's style: drawings scroll in their box on a
+    phone instead of shrinking their labels (widget.js sets the SVG's min-width)."""
+    page = Box().to_html()
+    uid = re.search(r'id="(tl-widget-[0-9a-f]{12})"', page).group(1)
+    style = page.split("<style>")[1].split("</style>")[0]
+    assert style.startswith(widget.scoped_css(("widget.css",), uid))
+    assert f"#{uid} :has(> svg)" in style and "overflow-x: auto" in style
+    assert "keepTextReadable(root)" in page and "MIN_TEXT_PX = 9;" in page
+
+
+def test_live_or_static_picks_by_where_the_code_runs(monkeypatch):
+    """A live-only widget (ipywidgets calling Python) is built only where a reader's kernel
+    runs; the book build (scripts/build_book.sh sets TUTORIAL_BOOK_BUILD=1) and plain
+    Python get the static stand-in, a callable's result or a sentence in a Note."""
+    import IPython
+
+    class Shell:
+        kernel = object()
+
+    made = []
+    live = lambda: made.append("live") or "LIVE"  # noqa: E731
+    monkeypatch.delenv(widget.BOOK_BUILD_ENV, raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    assert widget.live_or_static(live, lambda: "STATIC") == "STATIC" and made == []
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
+    assert widget.in_live_kernel() and widget.live_or_static(live, "x") == "LIVE"
+
+    monkeypatch.setenv(widget.BOOK_BUILD_ENV, "1")
+    note = widget.live_or_static(live, "Run this chapter in Jupyter for the explorer.")
+    assert isinstance(note, widget.Note) and made == ["live"]
+    assert "Run this chapter in Jupyter" in note._repr_html_() and "<script" not in note._repr_html_()
+
+
+def test_the_book_build_announces_itself_to_the_kernels():
+    script = (REPO / "scripts" / "build_book.sh").read_text()
+    assert f"export {widget.BOOK_BUILD_ENV}=1" in script

@@ -84,11 +84,29 @@ class CheckResult:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        colour = "#1a7f37" if self.passed else "#b35900"
-        body = html.escape(str(self)).replace("\n", "<br>")
-        return (f'<div class="tl-check" data-passed="{str(self.passed).lower()}" '
-                f'style="border-left:4px solid {colour};padding:6px 10px;'
-                f'font-family:monospace;font-size:13px">{body}</div>')
+        """A box that reads as a result when every case passes, and otherwise as an
+        invitation: whose turn it is, what the cases found, the hint, where the solution is.
+        (In the built book the stubs are unfilled, so this is what every checker shows.)"""
+        e = html.escape
+        box = ("border:1px solid {edge};border-left:4px solid {bar};background:{bg};"
+               "border-radius:6px;padding:8px 12px;margin:4px 0;font-size:14px;"
+               "line-height:1.45;overflow-wrap:anywhere")
+        if self.passed:
+            style = box.format(edge="#b7dfc2", bar="#1a7f37", bg="#f2faf4")
+            return (f'<div class="tl-check" data-passed="true" style="{style}">'
+                    f"<b>Passed: {e(self.exercise)}</b>. All {len(self.cases)} cases agree "
+                    "with the reference.</div>")
+        style = box.format(edge="#c8d7ea", bar="#4e79a7", bg="#f3f7fc")
+        passing = sum(c.passed for c in self.cases)
+        failing = "".join(f"<li><code>{e(c.name)}</code>: {e(c.detail)}</li>"
+                          for c in self.cases if not c.passed)
+        hint = f'<div style="margin-top:4px"><b>Hint:</b> {e(self.hint)}</div>' if self.hint else ""
+        return (f'<div class="tl-check" data-passed="false" style="{style}">'
+                f'<div style="font-weight:600">Your turn: {e(self.exercise)}</div>'
+                f"<div>{passing} of {len(self.cases)} cases pass so far. Complete the function "
+                "in the cell above, run it, then run this check again; a worked solution "
+                "follows, folded.</div>"
+                f'<ul style="margin:4px 0 0;padding-left:1.3em">{failing}</ul>{hint}</div>')
 
 
 def run_case(name: str, attempt: Callable[[], object], expected: object,

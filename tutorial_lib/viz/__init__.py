@@ -8,8 +8,10 @@
 * :mod:`.table`: a plain HTML table for chapter cells.
 
 What they share: :mod:`.widget` (the base class :class:`Widget`, every fragment's
-layout, the frame player :class:`Animation`), :mod:`.draw` (colours and SVG
-primitives) and ``assets/`` (the JavaScript and CSS, inlined into each fragment).
+layout, the frame player :class:`Animation`, and :func:`live_or_static`, which builds a
+kernel-only widget where a kernel runs and a static stand-in for the built book),
+:mod:`.draw` (colours and SVG primitives) and ``assets/`` (the JavaScript and CSS,
+inlined into each fragment).
 
 The functions named like their modules (``timeline``, ``table``) are imported from
 the modules themselves, e.g. ``from tutorial_lib.viz.timeline import timeline``:
@@ -20,9 +22,9 @@ from .draw import KIND_COLORS, PALETTE, group_color, kind_color
 from .moe_flow import animate_token_flow, dispatch_matrix
 from .rank_map import RankMap, rank_map, rank_map_explorer
 from .timeline import Timeline, bubble_fraction, busy_fraction, overlap_fraction, overlap_seconds
-from .widget import Animation, Widget
+from .widget import Animation, Note, Widget, in_live_kernel, live_or_static
 
-__all__ = ["Widget", "Animation", "animate_collective", "animate_ring", "animate_ring_all_reduce",
+__all__ = ["Widget", "Animation", "Note", "in_live_kernel", "live_or_static", "animate_collective", "animate_ring", "animate_ring_all_reduce",
            "KIND_COLORS", "PALETTE", "group_color", "kind_color",
            "animate_token_flow", "dispatch_matrix", "RankMap", "rank_map", "rank_map_explorer",
            "Timeline", "bubble_fraction", "busy_fraction", "overlap_fraction", "overlap_seconds"]

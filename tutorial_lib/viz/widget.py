@@ -2,8 +2,9 @@
 
 A fragment is a root ``<div>`` with a per-instance id holding, in this order:
 
-* a ``<style>`` whose rules all start with ``#<id>`` (the CSS assets, with
-  ``$root`` written where the id goes, filled in by :class:`string.Template`);
+* a ``<style>`` whose rules all start with ``#<id>`` (``widget.css``, shared by all,
+  then the widget's CSS assets, with ``$root`` written where the id goes, filled in by
+  :class:`string.Template`);
 * the markup Python drew (readable without JavaScript: the first frame, the
   initial colours);
 * ONE JSON island, ``<script type="application/json">``, holding the data the
@@ -15,18 +16,28 @@ A fragment is a root ``<div>`` with a per-instance id holding, in this order:
 The JavaScript and CSS live in ``tutorial_lib/viz/assets/`` as plain files shipped
 with the package; no build step, no CDN: their text is inlined into every
 fragment, so a page works live in Jupyter and in the static book alike.
+
+Readable on any screen: ``widget.css`` and ``widget.js`` give every SVG a minimum width at
+which its smallest label is 9 px, and let the box around a drawing scroll sideways where
+the column is narrower than that (a phone), so neither the labels shrink nor the page
+scrolls.
 """
 from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import uuid
 from functools import lru_cache
 from importlib import resources
 from string import Template
 
-__all__ = ["Widget", "Animation", "asset", "scoped_css", "ascii_html", "write_page"]
+__all__ = ["Widget", "Animation", "Note", "asset", "scoped_css", "ascii_html", "write_page",
+           "in_live_kernel", "live_or_static", "BOOK_BUILD_ENV"]
+
+BOOK_BUILD_ENV = "TUTORIAL_BOOK_BUILD"
+"""Set (to 1) by ``scripts/build_book.sh`` while it executes the chapters for the static book."""
 
 
 @lru_cache(maxsize=None)
@@ -55,6 +66,53 @@ def write_page(path: str, title: str, fragment: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
     return path
+
+
+def in_live_kernel() -> bool:
+    """True in a Jupyter kernel that a reader drives; False in plain Python, and False while
+    ``scripts/build_book.sh`` executes the chapters for the static book (it sets
+    :data:`BOOK_BUILD_ENV`): no Python answers a widget's controls in the built pages."""
+    if os.environ.get(BOOK_BUILD_ENV, "") not in ("", "0"):
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class Note:
+    """A short boxed sentence in a chapter's output (HTML in a notebook, text elsewhere)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_html_(self) -> str:
+        return ('<div class="tl-note" style="border-left:4px solid #4e79a7;background:#f6f8fa;'
+                'padding:6px 10px;margin:4px 0;font-size:14px;line-height:1.45">'
+                f"{html.escape(self.text)}</div>")
+
+
+def live_or_static(live, static):
+    """``live()`` where a kernel runs behind the page (:func:`in_live_kernel`), else ``static``.
+
+    For controls that call Python (ipywidgets): in the built book they would be dead, and
+    their saved state weighs megabytes.  ``static`` is what the book shows instead: a
+    callable (say, the precomputed widget that works without a kernel), or a sentence,
+    shown as a :class:`Note`::
+
+        live_or_static(lambda: rank_map_explorer(16, 8, tp=2, pp=2, ep=2),
+                       "In Jupyter, an explorer with dropdowns for every size appears here.")
+    """
+    if in_live_kernel():
+        return live()
+    if isinstance(static, str):
+        return Note(static)
+    return static()
 
 
 class Widget:
@@ -89,7 +147,7 @@ class Widget:
         """The fragment: root, scoped style, markup, JSON island, script."""
         uid = self.root_id()
         attributes, markup, data = self.parts(uid)
-        css = scoped_css(self.styles, uid)
+        css = scoped_css(("widget.css",) + self.styles, uid)
         island = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
         code = "".join(asset(name) for name in ("widget.js",) + self.scripts)
         script = (f'(function () {{\n"use strict";\n{code}'

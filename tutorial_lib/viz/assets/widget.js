@@ -15,6 +15,7 @@ function boot(id, start) {
     if (root.getAttribute("data-ready") === "1") { return; }
     root.setAttribute("data-ready", "1");
     start(root, JSON.parse(root.querySelector("script[type='application/json']").textContent));
+    keepTextReadable(root);
   }
   attempt(0);
 }
@@ -25,4 +26,25 @@ function svgElement(svg, name, attrs, text) {
   for (var k in attrs) { node.setAttribute(k, attrs[k]); }
   if (text !== undefined) { node.textContent = text; }
   return node;
+}
+
+// An SVG scales with its box, its labels with it: a picture drawn 940 units wide with
+// 11-unit labels, squeezed into a 350 px phone column, would print them 4 px tall.  So each
+// SVG gets a min-width at which its smallest label is MIN_TEXT_PX; where the column is
+// narrower, the SVG's parent scrolls sideways (widget.css), never the page.
+var MIN_TEXT_PX = 9;
+function keepTextReadable(root) {
+  var svgs = root.querySelectorAll("svg[viewBox]");
+  for (var i = 0; i < svgs.length; i++) {
+    var svg = svgs[i], texts = svg.querySelectorAll("text"), smallest = Infinity;
+    for (var j = 0; j < texts.length; j++) {
+      var size = parseFloat(texts[j].getAttribute("font-size"));
+      if (!(size > 0)) { size = parseFloat(window.getComputedStyle(texts[j]).fontSize); }
+      if (size > 0 && size < smallest) { smallest = size; }
+    }
+    var width = svg.viewBox.baseVal ? svg.viewBox.baseVal.width : 0;
+    if (smallest === Infinity || !(width > 0)) { continue; }
+    svg.style.minWidth = Math.ceil(width * MIN_TEXT_PX / smallest) + "px";
+    svg.setAttribute("data-min-width", svg.style.minWidth);
+  }
 }

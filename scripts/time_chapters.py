@@ -1,0 +1,103 @@
+"""Measure how long each chapter takes to run, and store it as the reference "chapter_times".
+
+    python scripts/time_chapters.py                 # every chapter in _toc.yml, stored
+    python scripts/time_chapters.py 06 08           # only these (by number prefix), merged
+    python scripts/time_chapters.py --dry-run       # print, store nothing
+
+Each chapter is executed top to bottom in a fresh kernel (nbclient, the engine the book
+build uses), from the notebooks folder, as a reader's "Run all" would; the wall-clock
+seconds, kernel start included, go into ``tutorial_lib/reference/chapter_times.json``
+with the machine, the date and the load it ran under (``tutorial_lib.reference.save``).
+Run it on a machine as quiet as you can get: the chapters state these numbers in their
+"How long it takes" line, and tests/unit/test_chapter_times.py checks that they agree.
+The notebook files are only read: their outputs are not written back.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+REFERENCE_NAME = "chapter_times"
+COMMAND = "python scripts/time_chapters.py"
+
+
+def chapters() -> list[Path]:
+    """The chapter notebooks, in book order (_toc.yml)."""
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if str(node.get("file", "")).startswith("notebooks/"):
+                files.append(ROOT / f"{node['file']}.ipynb")
+            for key in ("parts", "chapters", "sections"):
+                for child in node.get(key) or []:
+                    walk(child)
+
+    walk(toc)
+    return files
+
+
+def time_notebook(path: Path, timeout: int = 900) -> float:
+    """Seconds to execute ``path`` in a fresh kernel, from its own folder."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    client.execute()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("only", nargs="*", help="chapter number prefixes, e.g. 06 08")
+    parser.add_argument("--dry-run", action="store_true", help="print the times, store nothing")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from tutorial_lib import reference
+
+    # The kernels import tutorial_lib from this checkout, whatever is installed.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+
+    todo = [p for p in chapters() if not args.only or any(p.name.startswith(o) for o in args.only)]
+    if not todo:
+        parser.error(f"no chapter starts with {args.only}")
+    try:
+        rows = {r["chapter"]: r for r in reference.load(REFERENCE_NAME).rows}
+    except FileNotFoundError:
+        rows = {}
+    load_before = os.getloadavg()[0]
+    for path in todo:
+        load = round(os.getloadavg()[0], 2)
+        seconds = time_notebook(path)
+        rows[path.stem] = {"chapter": path.stem, "seconds": round(seconds, 1),
+                           "date": datetime.date.today().isoformat(), "load": load}
+        print(f"{path.stem:32s} {seconds:7.1f} s", flush=True)
+    if args.dry_run:
+        return 0
+    ordered = [rows[p.stem] for p in chapters() if p.stem in rows]
+    ref = reference.save(REFERENCE_NAME, ordered, command=COMMAND,
+                         notes="Wall-clock seconds to run every cell of each chapter in a "
+                               "fresh kernel (nbclient), kernel start included; each row "
+                               "has the date and the one-minute load it started under.")
+    print(f"stored {len(ordered)} chapters: {ref.caption()} "
+          f"(load {load_before:.1f} before the first chapter)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
