@@ -42,8 +42,9 @@ from .collectives import (OPS, AlphaBeta, Fit, Sample, all_gather_bytes, all_red
                           ring_steps, send_bytes, tree_broadcast_time)
 from .measure import (DEFAULT_SIZES, MEASURABLE_OPS, TimedRounds, measure_collective,
                       rounds_by_size, samples_from_trace)
-from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_rank_all_to_alls,
-                  moe_rank_send_splits, moe_send_counts)
+from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
+                  moe_dedup_rows, moe_rank_all_to_alls, moe_rank_send_splits,
+                  moe_send_counts)
 from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
                          data_parallel_bucket_bytes, gpt_parameter_shapes,
                          step_bytes_by_group, tp_dp_step_collectives,
@@ -60,7 +61,7 @@ __all__ = [
     "DEFAULT_SIZES", "MEASURABLE_OPS", "TimedRounds", "measure_collective", "rounds_by_size",
     "samples_from_trace",
     "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
-    "moe_send_counts",
+    "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls",
     "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
     "zero1_state_bytes_per_rank",
