@@ -71,9 +71,11 @@ class GradDomain:
     """The sum is divided by this group's size: the number of dense replicas that each
     averaged the loss over their own tokens (see :func:`gradient_divisor`)."""
     tensor_parallel_group: str
-    """Parameters marked ``tensor_model_parallel`` are split over it; the others are copies."""
+    """Parameters marked ``tensor_model_parallel`` are split over it; the others are
+    copies."""
     model_parallel_groups: tuple[str, ...]
-    """Groups whose ranks hold *different* pieces of the model: the norm sums over them."""
+    """Groups whose ranks hold *different* pieces of the model: the norm sums over
+    them."""
 
 
 DOMAINS = {
@@ -84,9 +86,9 @@ DOMAINS = {
     # the backward of MoE's all-to-all has already added, on the rank that owns an
     # expert, the gradients of every EP rank's tokens.  After the sum over expert_dp
     # every token of the global batch has contributed once, as after the dense sum, so
-    # the divisor is the same (Megatron: expert_gradient_scaling_factor = 1 / DP).
-    # Averaging over expert_dp instead would scale expert gradients by DP / EDP
-    # = EP * ETP / (TP * CP): 4x at TP 1 x EP 4, but right by accident at TP = EP.
+    # the divisor is the same (Megatron: expert_gradient_scaling_factor = 1 / (DP * CP)).
+    # Averaging over expert_dp instead would scale expert gradients by DP * CP / EDP
+    # = EP * ETP / TP: 4x at TP 1 x EP 4, but right by accident at TP = EP * ETP.
     "expert_dp": GradDomain("expert_dp", "dp_cp", "expert_tp", ("expert_tp", "ep", "pp")),
 }
 

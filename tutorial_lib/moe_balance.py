@@ -2,9 +2,10 @@
 
 Pure torch functions on router outputs, written as the papers publish them:
 
-* DeepSeekMoE (Dai et al., 2024, arXiv:2401.06066), section 3.3: expert- and device-level losses;
+* DeepSeekMoE (Dai et al., 2024, arXiv:2401.06066), section 3.3: expert- and device-level
+  losses (two levels);
 * DeepSeek-V2 (arXiv:2405.04434), section 2.2.3: adds the communication loss (with
-  device-limited routing);
+  device-limited routing): three levels;
 * DeepSeek-V3 (arXiv:2412.19437), section 2.1.2: bias-based balancing without an auxiliary
   loss (Wang et al., 2024, arXiv:2408.15664, which also defines MaxVio) plus a small
   sequence-wise loss;
@@ -22,8 +23,10 @@ limit or a bias).  The sequence-wise loss counts the unbiased top-k (V3's formul
 carry no gradient; the gradient flows through ``probs`` alone.
 
 With perfectly even routing and uniform probabilities every balance loss equals its
-coefficient, so ``loss / coeff == 1`` is "balanced" and larger is worse.  Those values
-assume each token's ``probs`` sum to 1: a sigmoid router's affinities must first be divided
+coefficient, so ``loss / coeff == 1`` is "balanced".  It is not a lower bound: some
+unbalanced routings score below 1 (see :func:`expert_balance_loss`), so the value is no
+score of balance; what balances the router is the gradient.  Those values assume each
+token's ``probs`` sum to 1: a sigmoid router's affinities must first be divided
 by their sum (:func:`normalize_per_token`; :class:`tutorial_lib.moe.MoELayer` does it).
 
 **Tokens split over ranks** (``group``).  Under sequence parallelism (or context
@@ -51,7 +54,8 @@ from . import comm
 
 
 def expert_load(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens sent to each expert: int64 ``[N']``, ``load[i] = #{(t, k): topk_idx[t, k] = i}``."""
+    """Tokens sent to each expert: int64 ``[N']``,
+    ``load[i] = #{(t, k): topk_idx[t, k] = i}``."""
     return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
 
 
@@ -79,8 +83,8 @@ def _check_router_outputs(probs, topk_idx, num_experts, topk=None):
 
 
 def normalize_per_token(scores: torch.Tensor) -> torch.Tensor:
-    """``s'_{i,t} = s_{i,t} / sum_j s_{j,t}``: each token's affinities over all ``N'`` routed
-    experts turned into a distribution (DeepSeek-V3, section 2.1.2).
+    """``s'_{i,t} = s_{i,t} / sum_j s_{j,t}``: each token's affinities over all ``N'``
+    routed experts turned into a distribution (DeepSeek-V3, section 2.1.2).
 
     Softmax probabilities already are one.  Sigmoid affinities are not: at ``s = 0.5``
     everywhere the expert loss would be ``N'/2`` instead of 1.  Megatron-Core 0.20.0
@@ -120,7 +124,8 @@ def _experts_per_device(num_experts: int, num_devices: int) -> int:
 def expert_fractions(probs, topk_idx, num_experts, topk, group=None):
     """f_i = N'/(K' T) * #tokens choosing i (no grad) and P_i = (1/T) sum_t probs[t, i].
 
-    With ``group``, ``T`` and the counts are the group's, and ``P`` sums this rank's tokens.
+    With ``group``, ``T`` and the counts are the group's, and ``P`` sums this rank's
+    tokens.
     """
     T, counts = _group_totals(group, probs.shape[0], expert_load(topk_idx, num_experts))
     f = counts.to(probs.dtype) * num_experts / (topk * T)
@@ -139,20 +144,24 @@ def expert_balance_loss(probs, topk_idx, num_experts, topk, coeff=1.0, group=Non
         P_i = 1/T * sum_t s_{i,t}
 
     1 at perfect balance; at most ``N'/K'``, reached when every token picks the same K'
-    experts and all probability lies on them.  ``group``: tokens split over ranks (see the
-    module docstring).
+    experts and all probability lies on them.  Not a minimum at balance: an unbalanced
+    routing can score below 1 (two tokens, probabilities ``(.4, .3, .3, 0)`` and
+    ``(0, .3, .3, .4)``, top-1: 0.8 with two of four experts idle).  Only the
+    gradient, ``coeff * f_i / T`` per token and expert, does the balancing.  ``group``:
+    tokens split over ranks (see the module docstring).
     """
     _check_router_outputs(probs, topk_idx, num_experts, topk)
     f, P = expert_fractions(probs, topk_idx, num_experts, topk, group)
     return _whole_loss(coeff * (f * P).sum(), group)
 
 
-def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1.0, group=None):
+def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1.0,
+                        group=None):
     """Device-level balance loss (DeepSeekMoE 3.3; DeepSeek-V2 2.2.3)::
 
         L_DevBal = alpha2 * sum_{d=1..D} f'_d P'_d
-        f'_d = 1/|E_d| * sum_{j in E_d} f_j        (the MEAN of f over the device's experts)
-        P'_d = sum_{j in E_d} P_j                  (the SUM of P over the device's experts)
+        f'_d = 1/|E_d| * sum_{j in E_d} f_j   (the MEAN of f over the device's experts)
+        P'_d = sum_{j in E_d} P_j             (the SUM of P over the device's experts)
 
     1 at perfect balance; ``D`` when one device gets every pick and all the probability.
     """
@@ -164,8 +173,8 @@ def device_balance_loss(probs, topk_idx, num_experts, topk, num_devices, coeff=1
     return _whole_loss(coeff * (f_device * P_device).sum(), group)
 
 
-def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_devices, coeff=1.0,
-                               group=None):
+def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_devices,
+                               coeff=1.0, group=None):
     """Communication balance loss (DeepSeek-V2 2.2.3)::
 
         L_CommBal = alpha3 * sum_{d=1..D} f''_d P''_d
@@ -175,16 +184,19 @@ def communication_balance_loss(probs, topk_idx, num_experts, num_devices, max_de
     A token is counted once per device, however many of its experts live there.  With
     device-limited routing each token reaches at most M devices, so balanced traffic is
     ``M T / D`` tokens per device and the loss is 1; one device receiving every token
-    (and all probability) gives ``D / M``.
+    (and all probability) gives ``D / M``.  Tokens reaching fewer than ``M`` devices
+    (two experts on one device) lower it: with uniform probabilities it is the number
+    of (token, device) sends over ``M T``.
     """
     _check_router_outputs(probs, topk_idx, num_experts)
     per_device = _experts_per_device(num_experts, num_devices)
     if not 1 <= max_devices <= num_devices:
-        raise ValueError(f"max_devices (M = {max_devices}) must be between 1 and num_devices "
-                         f"(D = {num_devices})")
+        raise ValueError(f"max_devices (M = {max_devices}) must be between 1 and "
+                         f"num_devices (D = {num_devices})")
     device_of_pick = topk_idx // per_device                        # [T, K']
-    reaches = torch.zeros(probs.shape[0], num_devices, dtype=torch.bool, device=probs.device)
-    reaches.scatter_(1, device_of_pick, True)                      # once per (token, device)
+    reaches = torch.zeros(probs.shape[0], num_devices, dtype=torch.bool,
+                          device=probs.device)
+    reaches.scatter_(1, device_of_pick, True)              # once per (token, device)
     T, received = _group_totals(group, probs.shape[0], reaches.sum(dim=0))
     f = received.to(probs.dtype) * num_devices / (max_devices * T)
     P = (probs.sum(dim=0) / T).view(num_devices, per_device).sum(dim=1)
@@ -227,10 +239,11 @@ def sequence_balance_loss(scores, topk_idx, num_experts, topk, coeff=1.0, group=
                          f"{tuple(scores.shape)}")
     B, S_local, _ = scores.shape
     counts = torch.zeros(B, num_experts, dtype=torch.int64, device=scores.device)
-    counts.scatter_add_(1, topk_idx.reshape(B, -1), torch.ones_like(topk_idx.reshape(B, -1)))
+    picks = topk_idx.reshape(B, -1)
+    counts.scatter_add_(1, picks, torch.ones_like(picks))
     S, counts = _group_totals(group, S_local, counts)  # whole sequences: one all-reduce
     f = counts.to(scores.dtype) * num_experts / (topk * S)          # [B, N'], no grad
-    P = normalize_per_token(scores).sum(dim=1) / S                   # this rank's tokens only
+    P = normalize_per_token(scores).sum(dim=1) / S             # this rank's tokens only
     loss = coeff * (f * P).sum(dim=-1).mean()
     return _whole_loss(loss, group)  # value: the whole loss; gradient: this rank's part
 
@@ -242,26 +255,29 @@ def router_z_loss(logits, coeff=1.0, group=None):
     """Router z-loss (ST-MoE): ``coeff * 1/T * sum_t (logsumexp_i logits[t, i])^2``.
 
     Keeps router logits small so the softmax stays well-conditioned in low precision.
-    ``group``: tokens split over ranks; ``T`` is then the group's (see the module docstring).
+    ``group``: tokens split over ranks; ``T`` is then the group's (see the module
+    docstring).
     """
     T, _ = _group_totals(group, logits.shape[0], logits.new_zeros(0, dtype=torch.int64))
-    return _whole_loss(coeff * torch.logsumexp(logits, dim=-1).square().sum() / T, group)
+    z = torch.logsumexp(logits, dim=-1)
+    return _whole_loss(coeff * z.square().sum() / T, group)
 
 
 # --- DeepSeek-V3: auxiliary-loss-free balancing -------------------------------
 
 
 def global_expert_load(topk_idx, num_experts, group=None):
-    """:func:`expert_load` summed over ``group``: a group kind such as ``"dp"``, or several.
+    """:func:`expert_load` summed over ``group``: a group kind such as ``"dp"``, or
+    several.
 
-    ``None`` means this rank's tokens only (no communication; unlike ``comm``'s default).
-    For the bias update, sum over every rank routing different tokens through this
-    layer, so that every rank applies the same update and the biases stay identical:
-    ``"dp"`` (it includes the expert-parallel ranks) with CP = 1, else ``"dp_cp"``; under
-    sequence parallelism the TP ranks route different tokens too, so pass
-    ``("tp", "dp_cp")`` (two all-reduces over orthogonal groups sum over their product,
-    Megatron's TP x CP x DP group).  :meth:`tutorial_lib.moe.MoELayer.global_load` picks
-    the groups for you.
+    ``None`` means this rank's tokens only (no communication; unlike ``comm``'s
+    default).  For the bias update, sum over every rank routing different tokens
+    through this layer, so that every rank applies the same update and the biases stay
+    identical: ``"dp"`` (it includes the expert-parallel ranks) with CP = 1, else
+    ``"dp_cp"``; under sequence parallelism the TP ranks route different tokens too, so
+    pass ``("tp", "dp_cp")`` (two all-reduces over orthogonal groups sum over their
+    product, Megatron's TP x CP x DP group).
+    :meth:`tutorial_lib.moe.MoELayer.global_load` picks the groups for you.
     """
     load = expert_load(topk_idx, num_experts)
     for kind in ((group,) if isinstance(group, str) else (group or ())):

@@ -229,6 +229,28 @@ def test_the_token_flow_plays_in_chromium(dispatch_run, tmp_path, fragment_page)
     view.assert_clean()
 
 
+@pytest.mark.dist
+def test_the_token_flow_phase_pills_jump_to_their_phase_in_chromium(dispatch_run, fragment_page):
+    """Issue 13: the phase pills above chapter 4's token flow looked like buttons and did
+    nothing.  A click (or Enter) on a pill now moves the player to that phase's first
+    frame, and Next goes on from there."""
+    anim = animate_token_flow(dispatch_run.trace)
+    first = {}
+    for index, frame in enumerate(anim.data):
+        first.setdefault(frame["phase"].split(":")[0], index)
+    view = fragment_page(anim.to_html(), width=1200, height=900)
+    root = view.page.locator(".tl-animation").first
+    root.locator(".tl-frame:visible .tl-moe-step[aria-label='go to combine']").click()
+    assert root.get_attribute("data-frame") == str(first["combine"])
+    assert root.locator(".tl-anim-caption").inner_text().startswith("Combine 1/4")
+    root.locator(".tl-frame:visible .tl-moe-step[aria-label='go to experts']").focus()
+    view.page.keyboard.press("Enter")
+    assert root.get_attribute("data-frame") == str(first["experts"])
+    root.locator(".tl-next").click()
+    assert root.get_attribute("data-frame") == str(first["combine"])
+    view.assert_clean()
+
+
 # --- FP8 tiles ---------------------------------------------------------------------------------
 
 

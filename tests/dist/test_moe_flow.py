@@ -144,17 +144,17 @@ def test_each_dispatch_frame_moves_one_senders_row_with_labels(dispatch_run):
         frame = anim.data[1 + k]
         expected = [(k, j, c) for j, c in enumerate(SPLITS[k]) if c]
         assert frame["moves"] == expected
-        assert frame["labels"] == [f"r{k} \u2192 r{j}: {c} token{'s' if c != 1 else ''}"
+        assert frame["labels"] == [f"r{k} \u2192 r{j}: {c} cop{'ies' if c != 1 else 'y'}"
                                    for _, j, c in expected]
         # senders up to k have sent everything; the receivers hold what arrived so far
         assert frame["at_senders"] == {i: (0 if i <= k else sum(SPLITS[i])) for i in range(N)}
         assert frame["at_receivers"] == {j: sum(SPLITS[i][j] for i in range(k + 1))
                                          for j in range(N)}
-    assert anim.data[1]["labels"] == ["r0 \u2192 r0: 2 tokens", "r0 \u2192 r1: 4 tokens",
-                                      "r0 \u2192 r2: 6 tokens"]
-    assert "r2 \u2192 r0: 1 token," in anim.captions[3]  # singular
+    assert anim.data[1]["labels"] == ["r0 \u2192 r0: 2 copies", "r0 \u2192 r1: 4 copies",
+                                      "r0 \u2192 r2: 6 copies"]
+    assert "r2 \u2192 r0: 1 copy," in anim.captions[3]  # singular
     page = html.unescape(anim.to_html())
-    assert "r0 \u2192 r2: 6 tokens" in page and "r3 \u2192 r0: 4 tokens" in page
+    assert "r0 \u2192 r2: 6 copies" in page and "r3 \u2192 r0: 4 copies" in page
 
 
 def test_combine_frames_are_the_mirror(dispatch_run):
@@ -163,7 +163,7 @@ def test_combine_frames_are_the_mirror(dispatch_run):
         frame = anim.data[N + 2 + k]
         assert frame["moves"] == [(k, i, SPLITS[i][k]) for i in range(N) if SPLITS[i][k]]
     assert anim.data[-2]["labels"] == []  # rank 3 received nothing, so returns nothing
-    assert "nothing (it received no tokens)" in anim.captions[-2]
+    assert "nothing (it received no copies)" in anim.captions[-2]
     assert anim.data[-1]["at_senders"] == {i: sum(SPLITS[i]) for i in range(N)}
 
 
@@ -171,9 +171,9 @@ def test_the_rank_receiving_zero_tokens_is_shown(dispatch_run):
     anim = animate_token_flow(dispatch_run.trace)
     assert anim.data[0]["received"] == {0: 10, 1: 13, 2: 16, 3: 0}
     experts = anim.captions[N + 1]
-    assert experts.startswith("Expert compute") and "rank 3 received 0 tokens" in experts
+    assert experts.startswith("Expert compute") and "rank 3 received 0 copies" in experts
     page = html.unescape(anim.to_html())
-    assert "receives 0 tokens" in page and "r3 receives 0 tokens" in page and ">idle<" in page
+    assert "receives 0 copies" in page and "r3 receives 0 copies" in page and ">idle<" in page
 
 
 def test_per_expert_counts_come_from_the_counts_all_to_all(dispatch_run):

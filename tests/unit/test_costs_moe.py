@@ -60,3 +60,38 @@ def test_one_ranks_splits_are_its_row_of_the_send_matrix():
     assert costs.moe_send_counts(loads) == [costs.moe_rank_send_splits(row, 2) for row in loads]
     with pytest.raises(ValueError, match=r"N = 3, EP = 2"):
         costs.moe_rank_send_splits([1, 1, 1], 2)
+
+
+def test_dedup_rows_count_each_token_once_per_node_then_per_rank():
+    """DeepEP (deepseek-ai/DeepEP dd758ca, tests/legacy/test_internode.py): a token crosses
+    to each node holding one of its experts once (``num_tokens_per_rdma_rank``), to the
+    rank with the sender's local index, and reaches each rank holding one of them once
+    (``is_token_in_rank``).  EP = 4 as 2 nodes of 2 ranks, 8 experts (2 per rank)."""
+    routing = [
+        [[0, 1, 2, 7]],          # rank 0: experts on ranks 0, 0, 1, 3 -> nodes 0, 1
+        [[4, 5, -1, -1]],        # rank 1: two copies dropped; both left on rank 2 (node 1)
+        [],                      # rank 2: no tokens
+        [[6, 7, 0, 4]],          # rank 3: ranks 3, 3, 0, 2 -> nodes 1, 0
+    ]
+    rows = costs.moe_dedup_rows(routing, 8, ranks_per_node=2)
+    # node hop: rank 0's token -> node 0 (rank 0 itself) and node 1 (rank 2);
+    # rank 1's -> node 1 via rank 3; rank 3's -> node 1 (itself) and node 0 (rank 1)
+    assert rows["node"] == [[1, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0], [0, 1, 0, 1]]
+    # rank hop, from where each row landed: rank 0 holds its own token (experts 0, 1, 2
+    # on ranks 0, 0, 1); rank 2 holds rank 0's (expert 7 on rank 3); rank 3 holds rank
+    # 1's (4, 5 on rank 2) and its own (6, 7 on rank 3, 4 on rank 2); rank 1 holds rank
+    # 3's (expert 0 on rank 0)
+    assert rows["rank"] == [[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 2, 1]]
+    one_node = costs.moe_dedup_rows(routing, 8)
+    assert list(one_node) == ["rank"]
+    assert one_node["rank"] == [[1, 1, 0, 1], [0, 0, 1, 0], [0, 0, 0, 0], [1, 0, 1, 1]]
+    # the copy dispatcher would send 4 + 2 + 0 + 4 rows; deduplicated, 3 + 1 + 0 + 3
+    assert [sum(r) for r in one_node["rank"]] == [3, 1, 0, 3]
+    calls = costs.moe_dedup_rank_all_to_alls(one_node, 3, hidden=4, topk=4)
+    forward = [(c.op_name, c.payload, c.bytes) for c in calls if c.phase == "forward"]
+    assert forward == [("dispatch", "counts", 32), ("dispatch", "tokens", 3 * 16),
+                       ("dispatch", "topk_idx", 3 * 32), ("dispatch", "gates", 3 * 16),
+                       ("combine", "tokens", 2 * 16)]  # it received 2 rows (ranks 0, 1)
+    assert costs.moe_dedup_rows([[[1, 0]]], 2) == {}  # one rank: nothing moves
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        costs.moe_dedup_rows(routing, 8, ranks_per_node=3)

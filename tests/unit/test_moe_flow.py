@@ -5,6 +5,7 @@ The same widget over all-to-alls that real gloo ranks recorded: tests/dist/test_
 in chromium: tests/book/test_widgets.py.
 """
 import html
+import re
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_ranks_picks_one_of_several_ep_groups():
     trace = Trace(events)
     assert animate_token_flow(trace).flow.ranks == [0, 1]
     anim = animate_token_flow(trace, ranks=[2, 3])
-    assert anim.flow.ranks == [2, 3] and anim.data[1]["labels"] == ["r2 \u2192 r2: 5 tokens"]
+    assert anim.flow.ranks == [2, 3] and anim.data[1]["labels"] == ["r2 \u2192 r2: 5 copies"]
     with pytest.raises(ValueError, match=r"no all_to_all on ranks \[0, 3\]"):
         dispatch_matrix(trace, ranks=[0, 3])
 
@@ -110,7 +111,7 @@ def test_large_counts_draw_one_square_for_several_copies():
     anim = animate_token_flow(_synthetic((a, _tags("dispatch")), (_transpose(a), _tags("combine"))))
     assert anim.flow.scale == 7  # the busiest box, 620 copies, in at most 96 squares
     assert "one square = 7 copies" in anim.captions[0]
-    assert anim.data[1]["labels"] == ["r0 \u2192 r0: 300 tokens", "r0 \u2192 r1: 120 tokens"]
+    assert anim.data[1]["labels"] == ["r0 \u2192 r0: 300 copies", "r0 \u2192 r1: 120 copies"]
     assert anim.frames[0].count("<rect") < 400
 
 
@@ -124,3 +125,26 @@ def test_per_expert_counts_from_tags_must_add_up():
     bad = [dict(t, tokens_per_expert=[1, 0, 1, 0]) for t in good]
     with pytest.raises(ValueError, match="per-expert counts disagree with the token splits"):
         animate_token_flow(Trace([_event(r, a, 0.0, bad[r]) for r in (0, 1)]))
+
+
+def test_the_phase_pills_are_buttons_to_each_phases_first_frame():
+    """Issue 13: chapter 4's phase pills looked like buttons and did nothing.  Each pill
+    now carries the first frame of its phase, which moe_flow.js jumps to on a click
+    (tests/book/test_widgets.py clicks one in chromium), and the squares are labelled
+    as what they are: copies, one per (token, chosen expert)."""
+    a = [[1, 2, 0], [3, 0, 0], [2, 2, 0]]
+    t = _transpose(a)
+    trace = _synthetic((a, _tags("dispatch")), (t, _tags("combine")),
+                       (a, _tags("combine", "backward")), (t, _tags("dispatch", "backward")))
+    anim = animate_token_flow(trace, include_backward=True)
+    phases = [d["phase"].split(":")[0] for d in anim.data]
+    first = {p: phases.index(p) for p in phases}
+    assert first == {"start": 0, "dispatch": 1, "experts": 4, "combine": 5, "backward": 8,
+                     "totals": 10}
+    for frame in anim.frames:
+        pills = re.findall(r'<g class="tl-moe-step" data-goto="(\d+)"[^>]*aria-label="go to '
+                           r'(\w+)"', frame)
+        assert [(name, int(goto)) for goto, name in pills] == list(first.items())
+    page = anim.to_html()
+    assert "startTokenFlow" in page and 'role="button"' in page
+    assert all(label.endswith(("copies", "copy")) for d in anim.data for label in d["labels"])

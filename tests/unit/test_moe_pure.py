@@ -78,6 +78,40 @@ def test_device_limited_routing_on_random_scores_reaches_at_most_m_devices():
         assert idx[t].tolist() == expected
 
 
+def test_node_limited_routing_ranks_nodes_by_the_sum_of_their_k_over_m_best_affinities():
+    """DeepSeek-V3 (arXiv:2412.19437) section 2.1.2: each token reaches at most M nodes,
+    chosen by the sum of the K_r/M highest affinities of the experts on each node.
+    Megatron-Core 0.20.0 (d98e8a64), megatron/core/transformer/moe/moe_utils.py
+    ``group_limited_topk``: group score = sum of the top ``topk // group_topk`` scores of
+    the group.  DeepSeek-V2 (arXiv:2405.04434) section 2.2.2 keeps the single best
+    affinity per device, so the two rules pick different groups below.  The router used
+    V2's rule for every score function before, so a V3 (sigmoid) router ranked nodes by
+    their best expert."""
+    # 8 experts on 4 nodes (2 each); K = 4, M = 2: V3 sums each node's top K/M = 2.
+    # node sums: n0 .90+.10 = 1.00, n1 .60+.55 = 1.15, n2 .88+.05 = .93, n3 .58+.57 = 1.15
+    # node maxima: n0 .90, n1 .60, n2 .88, n3 .58
+    scores = torch.tensor([[0.90, 0.10, 0.60, 0.55, 0.88, 0.05, 0.58, 0.57]])
+    v2 = moe.select_experts(scores, 4, device_limit=2, num_devices=4, rule="v2")
+    v3 = moe.select_experts(scores, 4, device_limit=2, num_devices=4, rule="v3")
+    assert sorted((v2[0] // 2).unique().tolist()) == [0, 2]      # the best single experts
+    assert sorted((v3[0] // 2).unique().tolist()) == [1, 3]      # the best pairs
+    assert v3.tolist() == [[2, 6, 7, 3]]
+    assert torch.allclose(moe.group_scores(scores, 4, 4, 2, "v3"),
+                          torch.tensor([[1.00, 1.15, 0.93, 1.15]]))
+    # each paper's router picks its own rule: sigmoid (V3) sums, softmax (V2) takes the max
+    logits = torch.logit(scores)
+    v3_router = _identity_router(8, 4, score_function="sigmoid", device_limit=2, num_devices=4)
+    assert v3_router.device_limit_rule == "v3"
+    assert v3_router(logits).topk_idx.tolist() == v3.tolist()
+    v2_router = _identity_router(8, 4, device_limit=2, num_devices=4)
+    assert v2_router.device_limit_rule == "v2"
+    with pytest.raises(ValueError, match="device_limit_rule"):
+        _identity_router(8, 4, device_limit=2, num_devices=4, device_limit_rule="v4")
+    # with K < 2M each node contributes one affinity: the rules agree
+    assert torch.equal(moe.select_experts(scores, 2, device_limit=2, num_devices=4, rule="v3"),
+                       moe.select_experts(scores, 2, device_limit=2, num_devices=4, rule="v2"))
+
+
 def test_device_limit_errors_name_the_numbers():
     with pytest.raises(ValueError, match=r"device_limit \(M = 5\)"):
         moe.select_experts(torch.rand(2, 8), 2, device_limit=5, num_devices=4)
@@ -149,6 +183,48 @@ def test_capacity_matches_a_brute_force_on_random_routings():
         assert torch.equal(keep, _brute_force_keep(topk_idx, gates, N, capacity))
         load = torch.bincount(topk_idx.reshape(-1), minlength=N)
         assert int((~keep).sum()) == int((load - capacity).clamp(min=0).sum())
+
+
+def test_device_level_dropping_keeps_each_devices_best_copies_and_protected_tokens():
+    """DeepSeek-V2 (arXiv:2405.04434) section 2.2.4: device-level token dropping with a
+    capacity factor of 1.0 per device, the lowest-affinity tokens of each device dropped
+    first, and the tokens of about 10% of the sequences never dropped."""
+    # 4 tokens, K = 2, 8 experts on D = 2 devices -> budget ceil(4 * 2 / 2) = 4 per device
+    topk_idx = torch.tensor([[0, 1], [0, 3], [1, 5], [3, 2]])   # device 0 gets 7 copies
+    gates = torch.tensor([[0.5, 0.4], [0.7, 0.2], [0.6, 0.3], [0.8, 0.1]])
+    keep = moe.device_capacity_keep_mask(topk_idx, gates, 8, 2)
+    # device 0's copies by gate: .8 .7 .6 .5 | .4 .2 .1 dropped; device 1's one copy stays
+    assert keep.tolist() == [[True, False], [True, False], [True, True], [True, False]]
+    # per expert (capacity ceil(8/8) = 1 each) expert 0 would keep .7 and drop .5
+    per_expert = moe.capacity_keep_mask(topk_idx, gates, 8, 1.0)
+    assert per_expert[0, 0].item() is False and keep[0, 0].item() is True
+    # token 1 protected: both its copies stay, the budget still drops the lowest others
+    protected = moe.device_capacity_keep_mask(topk_idx, gates, 8, 2,
+                                              never_drop=torch.tensor([False, True, False,
+                                                                       False]))
+    assert protected.tolist() == [[False, False], [True, True], [True, True], [True, False]]
+    # a protected token beyond the budget is kept anyway
+    everyone = moe.device_capacity_keep_mask(topk_idx, gates, 8, 2,
+                                             never_drop=torch.ones(4, dtype=torch.bool))
+    assert everyone.all()
+
+
+def test_deduplicated_dispatch_on_one_rank_is_the_weighted_sum_of_copies():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 2, H, generator=g)
+    outs = []
+    for dedup in (False, True):
+        layer = moe.MoELayer(H, N, K, 4, num_shared_experts=1, capacity_factor=1.0, seed=2,
+                             ep_group=None, tp_group=None, deduplicate=dedup)
+        xs = x.clone().requires_grad_()
+        y, info = layer(xs)
+        (y * x).sum().backward()
+        outs.append((y, xs.grad, layer.router.weight.grad, info))
+    (y0, dx0, gr0, info0), (y1, dx1, gr1, info1) = outs
+    assert info0["num_dropped"] > 0 and info1["rows_per_leg"] == []
+    for a, b in ((y0, y1), (dx0, dx1), (gr0, gr1)):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+    assert torch.equal(info0["tokens_per_expert"], info1["tokens_per_expert"])
 
 
 # --- serial dispatch and the serial layer -----------------------------------------------------

@@ -11,6 +11,11 @@ on this rank included: :mod:`tutorial_lib.comm`'s byte convention).  Which rank 
 how many depends on the routing, so the per-rank predictions start from the routing's
 counts.  Experts lie in contiguous blocks: expert e lives on EP rank e // (N / EP)
 (:mod:`tutorial_lib.moe`).
+
+The deduplicating dispatcher (``AllToAllDispatcher(deduplicate=True)``, DeepEP's scheme)
+moves one row per (token, destination node), then per (token, destination rank):
+:func:`moe_dedup_rows` counts those rows from every rank's routing and
+:func:`moe_dedup_rank_all_to_alls` turns them into each rank's all-to-alls.
 """
 from __future__ import annotations
 
@@ -77,6 +82,8 @@ class MoEAllToAll:
     """Rows sent to each EP rank."""
     output_splits: tuple[int, ...]
     """Rows received from each EP rank."""
+    leg: str = ""
+    """The deduplicating dispatcher's hop (``"node"`` or ``"rank"``); empty for copies."""
 
 
 def moe_rank_all_to_alls(send_counts: Sequence[Sequence[int]], rank: int, hidden: int,
@@ -106,3 +113,85 @@ def moe_rank_all_to_alls(send_counts: Sequence[Sequence[int]], rank: int, hidden
         MoEAllToAll("backward", "combine", "tokens", sent, row, column),
         MoEAllToAll("backward", "dispatch", "tokens", received, column, row),
     ]
+
+
+def _dedup_legs(ep: int, ranks_per_node: int) -> list[str]:
+    if ep == 1:
+        return []
+    return ["node", "rank"] if 1 < ranks_per_node < ep else ["rank"]
+
+
+def moe_dedup_rows(topk_idx_by_rank: Sequence[Sequence[Sequence[int]]], num_experts: int,
+                   ranks_per_node: int | None = None) -> dict[str, list[list[int]]]:
+    """``rows[leg][i][j]``: rows EP rank ``i`` sends to EP rank ``j`` in each hop of the
+    deduplicating dispatcher (``tutorial_lib.moe.AllToAllDispatcher.dispatch_deduplicated``).
+
+    ``topk_idx_by_rank[i]``: rank ``i``'s routing, one list of ``K`` expert ids per token
+    (``-1``: a copy dropped by capacity).  ``ranks_per_node`` consecutive EP ranks form a
+    node (``None``: one node).  Hop ``"node"`` (only when there are several nodes of
+    several ranks): a token goes once to each node holding one of its experts, to the rank
+    there with the sender's local index.  Hop ``"rank"``: each row goes once to each rank
+    holding one of its experts (after a node hop, only ranks of the node it reached).
+    The copy dispatcher would send ``K`` rows per token instead.
+    """
+    ep = len(topk_idx_by_rank)
+    g = ep if ranks_per_node is None else ranks_per_node
+    if ep < 1 or num_experts % ep or g < 1 or ep % g:
+        raise ValueError(f"need N divisible by EP and EP by ranks_per_node; got N = "
+                         f"{num_experts}, EP = {ep}, ranks_per_node = {ranks_per_node}")
+    local = num_experts // ep
+    legs = _dedup_legs(ep, g)
+    rows = {leg: [[0] * ep for _ in range(ep)] for leg in legs}
+    # the rows each rank holds before the rank hop: (holder, expert ids)
+    held = [(i, [e for e in token if e >= 0]) for i in range(ep) for token in topk_idx_by_rank[i]]
+    if "node" in legs:
+        forwarded = []
+        for i, experts in held:
+            for node in sorted({e // local // g for e in experts}):
+                to = node * g + i % g
+                rows["node"][i][to] += 1
+                forwarded.append((to, [e for e in experts if e // local // g == node]))
+        held = forwarded
+    if "rank" in legs:
+        for i, experts in held:
+            for j in sorted({e // local for e in experts}):
+                rows["rank"][i][j] += 1
+    return rows
+
+
+def moe_dedup_rank_all_to_alls(rows: dict[str, list[list[int]]], rank: int, hidden: int,
+                               topk: int, bytes_per_element: int = 4) -> list[MoEAllToAll]:
+    """Every all-to-all EP rank ``rank`` issues in one forward + backward of a layer with
+    the deduplicating dispatcher, from :func:`moe_dedup_rows`.
+
+    Forward, for each hop in order: the row counts (``EP`` int64), the token rows
+    (``h`` elements of ``bytes_per_element``), their expert ids (``K`` int64) and gates
+    (``K`` fp32); then the combine, hops reversed, sends back one partial sum per row
+    it received.  Backward: the combine's reverses (rows as the dispatch sent them), then
+    the token rows' and the gates' reverses; autograd decides the order of the backward
+    messages, so compare them as a collection.
+    """
+    legs = list(rows)
+    if not legs:
+        return []
+    ep = len(rows[legs[0]])
+    if not 0 <= rank < ep:
+        raise ValueError(f"rank ({rank}) must be an EP rank in [0, {ep})")
+    row_bytes, idx_bytes, gate_bytes = hidden * bytes_per_element, topk * 8, topk * 4
+    forward, combine, backward = [], [], []
+    for leg in legs:
+        sent = tuple(int(c) for c in rows[leg][rank])
+        got = tuple(int(rows[leg][i][rank]) for i in range(ep))
+        n_sent, n_got = sum(sent), sum(got)
+        forward += [
+            MoEAllToAll("forward", "dispatch", "counts", ep * 8, (1,) * ep, (1,) * ep, leg),
+            MoEAllToAll("forward", "dispatch", "tokens", n_sent * row_bytes, sent, got, leg),
+            MoEAllToAll("forward", "dispatch", "topk_idx", n_sent * idx_bytes, sent, got, leg),
+            MoEAllToAll("forward", "dispatch", "gates", n_sent * gate_bytes, sent, got, leg)]
+        combine.insert(0, MoEAllToAll("forward", "combine", "tokens", n_got * row_bytes,
+                                      got, sent, leg))
+        backward += [
+            MoEAllToAll("backward", "combine", "tokens", n_sent * row_bytes, sent, got, leg),
+            MoEAllToAll("backward", "dispatch", "tokens", n_got * row_bytes, got, sent, leg),
+            MoEAllToAll("backward", "dispatch", "gates", n_got * gate_bytes, got, sent, leg)]
+    return forward + combine + backward

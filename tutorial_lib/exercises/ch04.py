@@ -35,9 +35,12 @@ from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_numb
 # --- hints (tests look for these exact strings) ---------------------------------------
 
 HINT_SPLITS_TOKENS = (
-    "you counted tokens, not token copies: a token whose K experts include two on the same "
-    "rank sends that rank two rows, one per expert (each expert computes its own output for "
-    "it). Count every (token, k) entry of topk_idx."
+    "you counted tokens, not token copies. This chapter's default dispatcher (like "
+    "Megatron's all-to-all dispatcher) sends one row per (token, k) copy, so a token whose K "
+    "experts include two on the same rank sends that rank two rows. One row per token and "
+    "rank is what the deduplicating dispatcher (deduplicate=True, DeepEP's scheme) sends, "
+    "with the token's expert ids so the receiver can fan it out; this exercise asks for the "
+    "copy dispatcher's splits. Count every (token, k) entry of topk_idx."
 )
 HINT_SPLITS_ROUND_ROBIN = (
     "you placed expert e on rank e % ep_size (round-robin). The library gives each EP rank a "
@@ -245,6 +248,11 @@ GRADIENT_DOMAIN_CASES = {
     "routed_expert_weight_sp": (
         "experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): this EP "
         "rank's 2 of the 8 routed experts.", frozenset({"expert_dp"}), 4),
+    "shared_expert_megatron_sp": (
+        "Megatron-Core's shared_experts.linear_fc1.weight, TP 2 x EP 4 with sequence "
+        "parallelism (DP 4, EDP 2): Megatron splits the shared expert over TP like a dense "
+        "MLP, so this is a column-parallel shard [f/TP, h], fed the whole sequence by the "
+        "sequence-parallel all-gather.", frozenset({"dp"}), 4),
 }
 
 #: The sizes behind each case: (TP, EP, DP, EDP) of the world-8 grid.
@@ -294,8 +302,15 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
             return ("with sequence parallelism each TP rank routes and runs only its own s/TP "
                     "tokens, so its gradient of this replicated weight is a partial sum: add "
                     "the TP ranks' parts (allreduce_sequence_parallel_grads), then the DP sum.")
+        if "tp" in given and case == "shared_expert_megatron_sp":
+            return ("Megatron's shared expert is tensor-parallel: the TP ranks hold different "
+                    "shards (different rows of fc1), and the all-gather in front of it gives "
+                    "each shard the whole sequence, so its gradient is already complete on "
+                    "its rank. A TP sum would add different rows. Only the course's "
+                    "replicated shared expert, run on s/TP tokens per rank, needs the TP sum.")
         if "tp" in given and "tp" not in want:
-            return "no TP sum without sequence parallelism: every TP rank would already hold the same gradient."
+            return ("no TP sum without sequence parallelism: every TP rank would already hold "
+                    "the same gradient.")
         if not given:
             return ("the replicas processed different tokens: without a sum over their group "
                     "each copy steps with its own tokens' gradient and they drift apart.")
@@ -306,7 +321,7 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
     if routed and math.isclose(number, edp) and edp != want_divisor:
         return (f"dividing by the expert-data-parallel size ({edp}), as an all-reduce that averages "
                 f"over the expert-data-parallel group does, makes expert gradients {dp // edp}x too "
-                f"large (DP / EDP = EP / TP). The backward of the combine all-to-all has already "
+                f"large (DP * CP / EDP = EP * ETP / TP, with CP = ETP = 1 here). The backward of the combine all-to-all has already "
                 f"added, on the expert's rank, the gradients of every EP rank's tokens; after the "
                 f"expert_dp sum each token of the global batch has contributed once, as after the "
                 f"dense sum, so divide by the dense DP size, {dp}.")

@@ -33,6 +33,8 @@ each copy is shaded by its expert; without them, only per-rank counts are drawn.
 
 The player is the course's :class:`~tutorial_lib.viz.widget.Animation`:
 precomputed SVG frames and the shared player script, inlined, so it plays in the static book.
+The phase pills above each frame are buttons: a click (or Enter) jumps to the first frame
+of that phase (``moe_flow.js``).
 """
 from __future__ import annotations
 
@@ -258,7 +260,7 @@ def _expert_counts(events, group, call, S, tagged_dispatch: dict[int, TraceEvent
 def _read_flow(trace: Trace, layer, call: int, ranks, include_backward: bool,
                experts_per_rank) -> TokenFlow:
     events = _token_events(trace, layer)
-    tokens = [e for e in events if e.tags.get("payload") != "counts"]
+    tokens = [e for e in events if e.tags.get("payload", "tokens") == "tokens"]
     if not tokens:
         raise ValueError("this trace holds only the counts all-to-all (payload='counts'), "
                          "no token all-to-all")
@@ -484,8 +486,9 @@ def _flow_path(x0, y0, x1, y1, color, width, opacity, arrow=True) -> str:
     return out
 
 
-def _tokens(c: int) -> str:
-    return f"{c} token{'' if c == 1 else 's'}"
+def _copies(c: int) -> str:
+    """``"5 copies"``: a square is a token *copy*, one per (token, chosen expert)."""
+    return f"{c} cop{'y' if c == 1 else 'ies'}"
 
 
 @dataclass
@@ -507,19 +510,24 @@ class _State:
     data: dict = field(default_factory=dict)
 
 
-def _draw(lay: _Layout, st: _State, stepper: list[str]) -> str:
+def _draw(lay: _Layout, st: _State, stepper: dict[str, int]) -> str:
+    """One frame; ``stepper``: each phase's name and the first frame it starts at."""
     flow, n, S = lay.flow, lay.n, lay.flow.dispatch
     ranks = flow.ranks
     body = []
-    # the phase stepper
+    # the phase stepper: each pill jumps to its phase's first frame (moe_flow.js)
     x = 8.0
-    for name in stepper:
+    for name, first in stepper.items():
         active = name.lower() == st.phase.split(":")[0]
         w = len(name) * 6.6 + 20
+        body.append(f'<g class="tl-moe-step" data-goto="{first}" role="button" tabindex="0" '
+                    f'aria-label="go to {name.lower()}" style="cursor:pointer">'
+                    f"<title>Go to {name.lower()} (frame {first + 1})</title>")
         body.append(draw.rect(x, 10, w, 22, INK if active else "#ffffff",
                               INK if active else LINE, 1.0, rx=11))
         body.append(draw.text(x + w / 2, 25, name, size=11.5, fill="#ffffff" if active else MUTED,
                               weight="600" if active else None))
+        body.append("</g>")
         x += w + 8
     # column headings
     hy = TOP - 10
@@ -543,7 +551,7 @@ def _draw(lay: _Layout, st: _State, stepper: list[str]) -> str:
         body.append(draw.text(sx, y + 8 + 12, sends, size=11, anchor="start", fill=MUTED))
         body.append(draw.rect(sx, sy, sw, sh, BOX, "#d0d7de", 1.0, rx=5))
         idle = recv[p] == 0
-        head = f"receives {recv[p]}" if not idle else "receives 0 tokens"
+        head = f"receives {recv[p]}" if not idle else "receives 0 copies"
         body.append(draw.text(lay.dst_x, y + 8 + 12, head, size=11, anchor="start",
                               fill=IDLE if idle else MUTED, weight="600" if idle else None))
         for l in range(lay.Lb):
@@ -587,10 +595,10 @@ def _draw(lay: _Layout, st: _State, stepper: list[str]) -> str:
             body.append(_flow_path(x_dst, y_dst, x_src, y_src, color, width, opacity))
         if labelled:
             if direction == "to_dst":
-                text = f"r{ranks[i]} \u2192 r{ranks[j]}: {_tokens(c)}"
+                text = f"r{ranks[i]} \u2192 r{ranks[j]}: {_copies(c)}"
                 labels.append(_pill(x_dst - 16, y_dst, text, color, "end"))
             else:
-                text = f"r{ranks[j]} \u2192 r{ranks[i]}: {_tokens(c)}"
+                text = f"r{ranks[j]} \u2192 r{ranks[i]}: {_copies(c)}"
                 labels.append(_pill(x_src + 16, y_src, text, color, "start"))
     # squares
     shades = _expert_shades(lay.L) if lay.by_expert else [1.0]
@@ -661,7 +669,7 @@ def _matrix_svg(lay: _Layout, st: _State) -> str:
                          size=10.5, anchor="start", fill=MUTED))
     if any(flow.received[j] == 0 for j in range(n)):
         idle = ", ".join(f"r{ranks[j]}" for j in range(n) if flow.received[j] == 0)
-        says = f"{idle} receive 0 tokens" if "," in idle else f"{idle} receives 0 tokens"
+        says = f"{idle} receive 0 copies" if "," in idle else f"{idle} receives 0 copies"
         out.append(draw.text(mx - 34, my + (n + 1) * c + 56, says, size=10.5, anchor="start",
                              fill=IDLE, weight="600"))
     # the rank in focus: its row (it sends) or its column (it returns what its experts made)
@@ -736,7 +744,7 @@ def _frames(flow: TokenFlow) -> list[_State]:
                 st.fly[i, j] = "to_dst"
         st.flows = [(k, j, "to_dst", True) for j in range(n)]
         moves = [(k, j, S[k][j]) for j in range(n) if S[k][j]]
-        labels = [f"r{ranks[k]} \u2192 r{ranks[j]}: {_tokens(c)}" for _, j, c in moves]
+        labels = [f"r{ranks[k]} \u2192 r{ranks[j]}: {_copies(c)}" for _, j, c in moves]
         zero = [f"r{ranks[j]}" for j in range(n) if S[k][j] == 0]
         text = ", ".join(label + (" (stay local)" if j == k else "")
                          for label, (_, j, _c) in zip(labels, moves)) or "nothing"
@@ -759,7 +767,7 @@ def _frames(flow: TokenFlow) -> list[_State]:
                   + ", ".join(per) + f". Busiest: rank {ranks[busiest]} with {recv[busiest]}"
                   + (f" = {recv[busiest] / mean:.2f} \u00d7 the mean {mean:.1f}" if mean else "")
                   + (f"; rank{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} received "
-                     f"0 tokens, {'their' if len(idle) > 1 else 'its'} experts sit idle" if idle
+                     f"0 copies, {'their' if len(idle) > 1 else 'its'} experts sit idle" if idle
                      else "") + ".")
     states.append(data(st))
     last_src, last_dst = "output", "ghost"
@@ -774,12 +782,12 @@ def _frames(flow: TokenFlow) -> list[_State]:
                     st.fly[i, j] = "to_src"
             st.flows = [(i, k, "to_src", True) for i in range(n)]
             moves = [(k, i, S[i][k]) for i in range(n) if S[i][k]]
-            labels = [f"r{ranks[k]} \u2192 r{ranks[i]}: {_tokens(c)}" for _, i, c in moves]
+            labels = [f"r{ranks[k]} \u2192 r{ranks[i]}: {_copies(c)}" for _, i, c in moves]
             st.caption = (f"Combine {k + 1}/{n}: rank {ranks[k]} returns its experts' outputs to "
                           f"their senders: " + (", ".join(
                               label + (" (stay local)" if i == k else "")
                               for label, (_, i, _c) in zip(labels, moves)) or
-                              "nothing (it received no tokens)")
+                              "nothing (it received no copies)")
                           + ". The mirror all-to-all: the dispatch splits, swapped.")
             states.append(data(st, moves, labels))
     else:
@@ -824,6 +832,8 @@ class TokenFlowAnimation(Animation):
     """
 
     styles = Animation.styles + ("moe_flow.css",)
+    scripts = Animation.scripts + ("moe_flow.js",)
+    start = "startTokenFlow"
 
     def __init__(self, frames, captions, flow: TokenFlow, title: str = "", data=None,
                  note: str = "", interval_ms: int = 1700):
@@ -838,7 +848,7 @@ def animate_token_flow(trace: Trace, layer=None, include_backward: bool = False,
     """Animate the tokens an MoE layer's all-to-alls moved between EP ranks, from the trace.
 
     Frames: the copies on each sender; dispatch, one sender at a time (labels
-    ``"r0 → r2: 5 tokens"``); expert compute at the receivers (per local expert
+    ``"r0 → r2: 5 copies"``); expert compute at the receivers (per local expert
     when the counts are known); combine, one returning rank at a time (when
     recorded); with ``include_backward``, the two backward all-to-alls; and the
     totals.  Beside them, the dispatch matrix (senders x receivers, with sums).
@@ -850,12 +860,9 @@ def animate_token_flow(trace: Trace, layer=None, include_backward: bool = False,
     flow = _read_flow(trace, layer, call, ranks, include_backward, experts_per_rank)
     lay = _Layout(flow)
     states = _frames(flow)
-    stepper = ["Start", "Dispatch", "Experts"]
-    if flow.combine is not None:
-        stepper.append("Combine")
-    if flow.backward is not None:
-        stepper.append("Backward")
-    stepper.append("Totals")
+    stepper = {}  # phase name -> its first frame, in order
+    for index, st in enumerate(states):
+        stepper.setdefault(st.phase.split(":")[0].capitalize(), index)
     frames = [_draw(lay, st, stepper) for st in states]
     n = len(flow.ranks)
     if title is None:
