@@ -3,6 +3,10 @@
 * Solutions say what they are: a code cell tagged ``solution`` (folded away by its
   ``hide-cell`` tag) is labelled "Show solution" / "Hide solution" instead of myst-nb's
   "Show code cell content", which the folded setup and helper cells also carry.
+* Buttons from the repository's address: with ``repository.url`` set in ``_config.yml``,
+  the repository, issue and edit links are turned on (Jupyter Book refuses them in the
+  config itself without a URL); without one, the launch buttons are removed, so no page
+  carries a Binder or Colab link that cannot work.
 * MathJax only where a page has math of its own: Sphinx counts a page as having equations
   when any page in its toctree does, so the root page (the introduction, whose toctree
   holds every chapter) loaded all of MathJax (1.3 MB) for no formula.
@@ -27,6 +31,19 @@ def label_solutions(app, doctree) -> None:
             node["prompt_hide"] = HIDE_SOLUTION
 
 
+REPOSITORY_BUTTONS = ("use_repository_button", "use_issues_button", "use_edit_page_button")
+
+
+def buttons_from_repository(app, config) -> None:
+    """Every link to the repository, or none: decided by ``repository.url`` alone."""
+    options = config.html_theme_options
+    has_url = bool(str(options.get("repository_url") or "").strip())
+    for button in REPOSITORY_BUTTONS:
+        options[button] = has_url
+    if not has_url:
+        options["launch_buttons"] = {}
+
+
 def mathjax_only_with_math(app, pagename, templatename, context, doctree) -> None:
     """Drop MathJax from a page whose own text has no math (runs after sphinx.ext.mathjax)."""
     if app.builder.format != "html" or not app.config.mathjax_path:
@@ -48,6 +65,7 @@ def mathjax_only_with_math(app, pagename, templatename, context, doctree) -> Non
 
 
 def setup(app):
+    app.connect("config-inited", buttons_from_repository)
     app.connect("doctree-read", label_solutions)
     app.connect("html-page-context", mathjax_only_with_math, priority=600)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
