@@ -161,31 +161,86 @@ def test_a_trace_without_ring_events_says_what_it_holds(library_run):
         animate_ring_all_reduce(library_run.trace)
 
 
-# --- library collectives --------------------------------------------------------------------
+# --- library collectives, replayed chunk by chunk --------------------------------------------
+
+#: Frames per op on 4 ranks: the inputs, then one per step (reduce-scatter adds the kept
+#: parts; broadcast's chain takes N-1 + chunks-1 steps, here 4 chunks of one value; the
+#: all-to-all's step 0 is each rank's own block).
+FRAMES = {"all_reduce": 1 + 2 * 3, "reduce_scatter": 1 + 3 + 1, "all_gather": 1 + 3,
+          "broadcast": 1 + 3 + 3, "all_to_all": 1 + 1 + 3}
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
-                                "all_to_all"])
-def test_collective_animation_shows_each_ranks_values_before_and_after(library_run, op):
+@pytest.mark.parametrize("op", sorted(FRAMES))
+def test_collective_animation_moves_the_data_step_by_step(library_run, op):
+    """Frame 0 is what every rank handed in, the last frame what it held afterwards (both as
+    recorded), and every frame in between moves data: the old player had two frames."""
     anim = animate_collective(library_run.trace, op)
-    assert len(anim) == 2
-    assert anim.captions[0].startswith("Before") and anim.captions[1].startswith("After")
+    assert len(anim) == FRAMES[op]
     events = {e.rank: e for e in library_run.trace.filter(op=op)}
     for rank, result in enumerate(library_run.results):
         assert anim.data[0]["values"][rank] == events[rank].values_in
-        assert anim.data[1]["values"][rank] == result[op].flatten().tolist()
+        assert anim.data[-1]["values"][rank] == result[op].flatten().tolist()
+    steps = [d for d in anim.data[1:] if d.get("phase") != "after"]
+    assert steps and all(d["moves"] for d in steps)
     assert 'class="tl-play"' in anim.to_html()
 
 
-def test_all_to_all_animation_shows_the_uneven_split_counts(library_run):
+def _gloo_and_ring_worker(ctx):
+    x = torch.arange(8.0) + 10 * ctx.rank  # whole numbers: every partial sum is exact
+    comm.all_reduce(x.clone())
+    collectives.ring_all_reduce(x)
+    comm.reduce_scatter(torch.empty(2), x.clone())
+    collectives.ring_reduce_scatter(x)
+    comm.all_gather(torch.empty(2 * ctx.world_size), x[:2].clone())
+    collectives.ring_all_gather(x[:2])
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_the_replay_of_a_gloo_call_is_the_ring_the_library_runs(op):
+    """gloo's one call, replayed from its recorded values, step for step equals the trace of
+    tutorial_lib.collectives' ring on the same tensors: the same chunk moves between the
+    same ranks, and every buffer holds the same values after every step."""
+    out = launch(_gloo_and_ring_worker, 4, capture_values=CAPTURE, timeout=60)
+    replay = animate_collective(out.trace, op)
+    ring = animate_ring(out.trace, f"ring_{op}")
+    steps = [d for d in replay.data if d["phase"] != "after"]
+    assert len(steps) == len(ring.data)
+    for mine, real in zip(steps, ring.data):
+        assert sorted(mine["moves"]) == sorted(real["moves"])
+        assert mine["buffers"] == real["buffers"], (mine["phase"], mine["step"])
+    if op == "reduce_scatter":  # then every rank keeps only its own part
+        kept = replay.data[-1]["buffers"]
+        assert all(c == (chunks[r] if j == r else None)
+                   for r, chunks in steps[-1]["buffers"].items()
+                   for j, c in enumerate(kept[r]))
+
+
+def test_broadcast_replay_is_a_chain_from_the_root(library_run):
+    anim = animate_collective(library_run.trace, "broadcast")  # rank 1 broadcasts 4 values
+    chain = [1, 2, 3, 0]
+    root = [10.0, 11.0, 12.0, 13.0]
+    for t, frame in enumerate(anim.data[1:]):
+        # at step t the chunk c crosses hop j = t - c of the chain, from chain[j] to chain[j+1]
+        assert sorted(frame["moves"]) == sorted(
+            (chain[t - c], chain[t - c + 1], c) for c in range(4) if 0 <= t - c < 3)
+        for src, dst, c in frame["moves"]:
+            assert frame["buffers"][dst][c] == [root[c]]
+    assert "binomial tree" in anim.note
+
+
+def test_all_to_all_replay_is_a_pairwise_exchange_with_the_uneven_split_counts(library_run):
     anim = animate_collective(library_run.trace, "all_to_all")
     n = len(INPUT_SPLITS)
+    labels = anim.data[0]["labels"]
     for r in range(n):
         sent = [f"\u2192 r{j}: {k} row{'' if k == 1 else 's'}" for j, k in enumerate(INPUT_SPLITS[r])]
         got = [f"\u2190 r{j}: {INPUT_SPLITS[j][r]} row{'' if INPUT_SPLITS[j][r] == 1 else 's'}"
                for j in range(n)]
-        assert anim.data[0]["labels"][r] == sent
-        assert anim.data[1]["labels"][r] == got
+        assert labels["send"][r] == sent and labels["receive"][r] == got
+    assert anim.data[1]["moves"] == [(r, r, INPUT_SPLITS[r][r]) for r in range(n)]
+    for s in range(1, n):  # step s: every rank sends to the rank s after it
+        assert anim.data[1 + s]["moves"] == [(r, (r + s) % n, INPUT_SPLITS[r][(r + s) % n])
+                                             for r in range(n)]
     page = anim.to_html()
     assert "r3: 3 rows" in page and "r2: 0 rows" in page  # rank 0 sends 3 rows to rank 3, 0 to 2
     assert "[1, 2, 0, 3]" in anim.captions[0]  # rank 0's input splits

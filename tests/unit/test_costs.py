@@ -243,3 +243,43 @@ def test_volume_helpers():
     assert costs.cp_kv_chunk_bytes(b=1, s=16, h_kv=8, d=2) == 2 * 16 * 8 * 2
     assert costs.dp_gradient_bytes(1000) == 4000
     assert costs.pp_activation_bytes(b=1, s=16, h=8, d=4) == 16 * 8 * 4
+
+
+# --- issue 13: what a negative R^2 means ---------------------------------------------------------
+
+
+def test_a_relative_fit_can_have_a_negative_r_squared_and_still_find_the_model():
+    """Pauses as large as the largest honest timing drive R^2 below 0 although alpha and beta
+    are recovered; the median relative miss stays small, and sizes up to 64 MiB (timings
+    far above the pauses) bring R^2 back near 1 (chapter 2's made-up example)."""
+    truth = AlphaBeta(alpha=150e-6, beta=1e-9)
+    paused = {4 * KIB, 16 * KIB, 64 * KIB}
+
+    def fit_up_to(top):
+        sizes = [KIB * 4 ** i for i in range(9) if KIB * 4 ** i <= top]
+        return costs.fit_alpha_beta([
+            Sample("all_reduce", b, 2, truth.time("all_reduce", b, 2) + 3e-3 * (b in paused))
+            for b in sizes])
+
+    small, large = fit_up_to(4 * 2 ** 20), fit_up_to(64 * 2 ** 20)
+    assert small.r_squared < 0 < 0.99 < large.r_squared
+    for fit in (small, large):
+        assert fit.model.alpha == pytest.approx(truth.alpha, rel=0.25)
+        assert fit.model.beta == pytest.approx(truth.beta, rel=0.1)
+    assert small.relative_error < 0.25 and large.relative_error < 0.1
+
+
+def test_relative_error_is_the_median_relative_miss():
+    samples = [Sample("send", 10, 2, t) for t in (1e-4, 1e-4, 2e-4, 4e-4, 1e-4)]
+    fit = costs.fit_alpha_beta(samples)
+    misses = sorted(abs(fit.predict("send", 10, 2) / s.seconds - 1) for s in samples)
+    assert fit.relative_error == pytest.approx(misses[2])
+    assert costs.fit_alpha_beta([Sample("send", 10, 2, 1e-4), Sample("send", 20, 2, 1e-4)]
+                                ).relative_error == pytest.approx(0.0, abs=1e-9)
+
+
+def test_measure_collective_takes_sizes_per_op_and_checks_each_list():
+    with pytest.raises(ValueError, match="for all_gather"):
+        costs.measure_collective(["all_reduce", "all_gather"],
+                                 sizes={"all_reduce": [1024], "all_gather": []})
+    assert costs.ALPHA_BETA_SIZES[-1] == 64 * 2 ** 20 and costs.ALPHA_BETA_RANKS == 2

@@ -33,9 +33,16 @@ def test_every_spelling_of_an_op_is_accepted():
     ("zero_parameters", "all_reduce", "nothing to add"),
     ("moe_dispatch", "all_gather", "N times the traffic"),
     ("tp_row_parallel_output", "all_gather", "concatenates"),
+    # issue 13: the backward all-reduce of a TP block is the column-parallel layer's dX
+    ("tp_column_parallel_input_grad", "reduce_scatter", "whole on every TP rank"),
+    ("tp_column_parallel_input_grad", "all_gather", "must be added"),
     ("pipeline_activations", "broadcast", "only the next stage"),
 ])
 def test_a_wrong_choice_gets_its_reason(situation, wrong, phrase):
+    """The column-parallel case follows NVIDIA/Megatron-LM, Megatron-Core 0.20.0
+    (d98e8a64), megatron/core/tensor_parallel/mappings.py: the backward of
+    ``_CopyToModelParallelRegion``, through which ColumnParallelLinear's input enters,
+    all-reduces the input gradient over the TP group."""
     answers = {**ANSWERS, situation: wrong}
     assert_reason(check_choose_collectives(lambda: answers), situation, phrase)
 

@@ -1,6 +1,7 @@
 """The rank map widget: its embedded data is ProcessGrid's, and its page stays self-contained."""
 from __future__ import annotations
 
+import html
 import json
 import re
 from itertools import product
@@ -11,7 +12,8 @@ from tutorial_lib.config import LAYOUTS, ConfigError
 from tutorial_lib.grid import EXTRA_GROUP_KINDS, GROUP_KINDS, build_grid
 from tutorial_lib.viz import draw
 from tutorial_lib.viz.rank_map import (
-    ALL_KINDS, KNOBS, RankMap, crossing_flags, rank_formula, rank_map,
+    ALL_KINDS, KIND_TRAFFIC, KNOBS, RankMap, crossing_flags, rank_formula, rank_map,
+    traffic_line,
 )
 
 KINDS = GROUP_KINDS + EXTRA_GROUP_KINDS
@@ -201,3 +203,43 @@ def test_kind_colors_cover_every_kind():
     assert draw.group_color(0, 1) == draw.SINGLETON_COLOR
     assert draw.group_color(len(draw.PALETTE), 2) == draw.PALETTE[0]
     assert draw.text_color("#ffffff") != draw.text_color("#000000")
+
+
+# --- what each group carries --------------------------------------------------------
+
+
+def test_every_kind_says_which_collective_it_runs_and_on_how_many_bytes():
+    """Issue 13: each group kind on the map is labelled with its collective and volume.
+
+    Upstream rules (NVIDIA/Megatron-LM, Megatron-Core 0.20.0, d98e8a64): DP reduces
+    gradients once per optimizer step (the schedules' ``no_sync_func`` holds back every
+    microbatch but the last); ``megatron/core/optimizer/optimizer.py``
+    ``MegatronOptimizer.get_grad_stats_parallel_group`` is the model-parallel group (mp)
+    without a distributed optimizer; ``megatron/core/distributed/finalize_model_grads.py``
+    ``_allreduce_word_embedding_grads`` all-reduces over the embedding group;
+    ``megatron/core/transformer/moe/token_dispatcher.py`` ``MoEAlltoAllTokenDispatcher``
+    all-gathers dispatched tokens and reduce-scatters expert outputs over expert TP.
+    """
+    m = rank_map(16, 8, tp=2, pp=2, ep=2, kind="dp")
+    assert set(m.data["kind_traffic"]) == set(ALL_KINDS)
+    page = m.to_html()
+    # the two panels start on dp and ep: their lines are in the static markup
+    for kind in ("dp", "ep"):
+        assert html.escape(traffic_line(kind)) in page
+    assert "DP groups run all-reduce of gradients" in page
+    assert "once per optimizer step" in traffic_line("dp")  # not once per microbatch
+    assert "EP groups run all-to-all" in page
+
+
+def test_the_traffic_labels_agree_with_the_bandwidth_table():
+    """The five kinds of chapter 1's bandwidth table: same collective, frequency, volume."""
+    from tutorial_lib import costs
+
+    rows = {r.parallelism.lower(): r for r in costs.bandwidth_table()}
+    for kind, row in rows.items():
+        collective, when, volume = KIND_TRAFFIC[kind]
+        formula = volume.split(" ")[0]
+        assert row.volume_per_op.startswith(formula + " bytes"), (kind, volume)
+        first = collective.split(" ")[0]
+        assert first in row.collective or (kind == "cp" and "send/recv" in row.collective)
+    assert KIND_TRAFFIC["dp"][1] in rows["dp"].frequency

@@ -9,7 +9,8 @@ module             chapters  what it holds
 =================  ========  ============================================================
 ``collectives``    1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
                              model (``time = steps * alpha + bytes * beta``), its fit
-``measure``        2, 7      timing on this machine: :func:`measure_collective`, and
+``measure``        2, 7      timing on this machine: :func:`measure_collective`
+                             (:func:`measure_alpha_beta`, chapter 2's run), and
                              :func:`rounds_by_size` (a timing run's rounds, median per
                              size), which :mod:`tutorial_lib.p2p_timing` shares
 ``bandwidth``      1         which parallelism uses which collective, how often, on what
@@ -43,7 +44,8 @@ from .collectives import (OPS, AlphaBeta, Fit, Sample, all_gather_bytes, all_red
                           all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
                           fit_alpha_beta, predict_time, reduce_scatter_bytes, ring_bytes_sent,
                           ring_steps, send_bytes, tree_broadcast_time)
-from .measure import (DEFAULT_SIZES, MEASURABLE_OPS, TimedRounds, measure_collective,
+from .measure import (ALPHA_BETA_OPS, ALPHA_BETA_RANKS, ALPHA_BETA_SIZES, DEFAULT_SIZES,
+                      MEASURABLE_OPS, TimedRounds, measure_alpha_beta, measure_collective,
                       rounds_by_size, samples_from_trace)
 from .memory import (RankMemory, available_memory_bytes, format_bytes, layer_parameters,
                      memory_on_this_machine, memory_per_rank)

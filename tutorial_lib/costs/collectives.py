@@ -283,11 +283,17 @@ class Fit:
     """The fitted alpha and beta (both >= 0)."""
     r_squared: float
     """``1 - SS_res / SS_tot`` on the measured seconds: 1 is a perfect fit, 0 no better than
-    their mean (negative is possible: a relative fit may lose to the mean on absolute errors)."""
+    predicting their mean for every sample.  It can be negative: a relative fit gives every
+    size the same say, so when the small sizes pull it away from the largest timing, its
+    error there (in seconds) can exceed the timings' whole spread around their mean, which
+    the largest timing dominates."""
     n_samples: int
     """How many samples the fit used."""
     relative: bool
     """True if each sample was weighted by 1/seconds (relative errors), False for plain least squares."""
+    relative_error: float = math.nan
+    """The median over the samples of ``|predicted / measured - 1|``: the error a relative
+    fit minimises, in the units a reader can judge (0.2 = 20 %)."""
 
     def predict(self, op: str, nbytes: float, n: int) -> float:
         """Predicted seconds for ``op`` with the fitted model."""
@@ -331,7 +337,8 @@ def fit_alpha_beta(samples: Iterable[Sample | tuple], relative: bool = True) -> 
     minimising relative rather than absolute errors: timings from 1 KB to 4 MB
     span three orders of magnitude, and a plain fit would let the largest
     messages decide everything, leaving ``alpha`` to noise.  ``r_squared`` is
-    computed on the unweighted seconds either way.
+    computed on the unweighted seconds either way (so it can fall below 0, see
+    :class:`Fit`); ``relative_error`` is the median relative miss.
     """
     rows = [_as_sample(s) for s in samples]
     if len(rows) < 2:
@@ -352,6 +359,7 @@ def fit_alpha_beta(samples: Iterable[Sample | tuple], relative: bool = True) -> 
     ss_res = float(residual @ residual)
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     r_squared = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    relative_error = float(np.median(np.abs(residual) / y))
     return Fit(model=AlphaBeta(float(alpha), float(beta)), r_squared=r_squared,
-               n_samples=len(rows), relative=relative)
+               n_samples=len(rows), relative=relative, relative_error=relative_error)
 

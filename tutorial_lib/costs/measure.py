@@ -1,7 +1,9 @@
 """Timing on this machine: collectives on gloo ranks, and the rounds of any timing run.
 
-Chapter 2 (collectives) times every collective with :func:`measure_collective` and
-fits the alpha-beta model of :mod:`tutorial_lib.costs.collectives` to the result.
+Chapter 2 (collectives) times every collective with :func:`measure_alpha_beta` (one
+:func:`measure_collective` run, the same as ``bench/bench_alpha_beta.py`` stores as its
+reference) and fits the alpha-beta model of :mod:`tutorial_lib.costs.collectives` to
+the result.
 :func:`rounds_by_size` turns a timing run's trace into rounds and their median per
 size; chapter 7's :mod:`tutorial_lib.p2p_timing` times the pipeline's P2P modes with
 it too.  Importing this module loads no torch: :func:`measure_collective` imports
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .collectives import Sample
 
@@ -73,7 +75,18 @@ MEASURABLE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "b
 """Ops :func:`measure_collective` can time (``send`` times a send from rank 0 to rank 1)."""
 
 DEFAULT_SIZES = tuple(1024 * 4 ** i for i in range(7))
-"""1 KiB, 4 KiB, ..., 4 MiB: wide enough to see both the alpha and the beta regime."""
+"""1 KiB, 4 KiB, ..., 4 MiB: a quick sweep (tests, small machines)."""
+
+ALPHA_BETA_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+"""The collectives chapter 2 fits the alpha-beta model to."""
+
+ALPHA_BETA_SIZES = tuple(1024 * 4 ** i for i in range(9))
+"""1 KiB, 4 KiB, ..., 64 MiB: from well inside the latency-bound regime to well inside the
+bandwidth-bound one (on loopback gloo the two terms meet between 64 KiB and 1 MiB)."""
+
+ALPHA_BETA_RANKS = 2
+"""Ranks of chapter 2's fit: no more than the cores of the smallest machine the course
+runs on, so that no rank waits for a core while its peers time it."""
 
 _ELEMENT = 4  # measurements use float32
 
@@ -111,12 +124,13 @@ def _run_op(op: str, tensors, rank: int) -> None:
             comm.recv(x, src=0)
 
 
-def _measure_worker(ctx, ops: Sequence[str], sizes: Sequence[int], repeats: int,
+def _measure_worker(ctx, ops: Sequence[str], sizes: dict[str, list[int]], repeats: int,
                     warmup: int) -> None:
-    """Runs in every rank: each op on each size, ``warmup + repeats`` times, barrier first."""
+    """Runs in every rank: each op on each of its sizes, ``warmup + repeats`` times,
+    barrier first."""
     import torch.distributed as dist
     for op in ops:
-        for size in sizes:
+        for size in sizes[op]:
             tensors = _make_tensors(op, size, ctx.world_size)
             for iteration in range(warmup + repeats):
                 # Untraced barrier: every timed op starts from (nearly) the same moment,
@@ -144,7 +158,8 @@ def samples_from_trace(trace, n: int) -> list[Sample]:
     return samples
 
 
-def measure_collective(op: str | Sequence[str], sizes: Sequence[int] = DEFAULT_SIZES,
+def measure_collective(op: str | Sequence[str],
+                       sizes: Sequence[int] | Mapping[str, Sequence[int]] = DEFAULT_SIZES,
                        world_size: int = 4, repeats: int = 10, warmup: int = 1,
                        timeout: float = 120.0) -> list[Sample]:
     """Time ``op`` (one name or several) on this machine for each size in ``sizes`` bytes.
@@ -154,7 +169,8 @@ def measure_collective(op: str | Sequence[str], sizes: Sequence[int] = DEFAULT_S
     :mod:`tutorial_lib.comm` wrappers with a barrier before each run; the
     times come from the trace events (see :func:`samples_from_trace`).
     Sizes follow the byte convention, so for ``all_gather`` a size is the
-    shard each rank contributes.  Feed the result to
+    shard each rank contributes.  ``sizes`` is one list for every op, or a
+    mapping from each op to its own list.  Feed the result to
     :func:`tutorial_lib.costs.collectives.fit_alpha_beta`.
     """
     from tutorial_lib.launch import launch
@@ -169,10 +185,33 @@ def measure_collective(op: str | Sequence[str], sizes: Sequence[int] = DEFAULT_S
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                          f"warmup={warmup}")
-    if not sizes or any(int(s) < 1 for s in sizes):
-        raise ValueError(f"sizes must be a non-empty list of byte counts >= 1, got {list(sizes)}")
+    per_op = {name: list(sizes.get(name, ())) if isinstance(sizes, Mapping) else list(sizes)
+              for name in ops}
+    for name, listed in per_op.items():
+        if not listed or any(int(s) < 1 for s in listed):
+            raise ValueError(f"sizes must be a non-empty list of byte counts >= 1 for every "
+                             f"op, got {listed} for {name}")
     result = launch(_measure_worker, world_size,
-                    args=(ops, [int(s) for s in sizes], int(repeats), int(warmup)),
+                    args=(ops, {k: [int(s) for s in v] for k, v in per_op.items()},
+                          int(repeats), int(warmup)),
                     timeout=timeout, print_output=False)
     return samples_from_trace(result.trace, world_size)
+
+
+def measure_alpha_beta(ops: Sequence[str] = ALPHA_BETA_OPS,
+                       sizes: Sequence[int] = ALPHA_BETA_SIZES,
+                       world_size: int = ALPHA_BETA_RANKS, repeats: int = 5, warmup: int = 2,
+                       timeout: float = 300.0) -> list[Sample]:
+    """Chapter 2's timing run, and its stored reference's (``bench/bench_alpha_beta.py``).
+
+    Every op in ``ops`` on tensors of each size in ``sizes`` bytes, in one launch of
+    ``world_size`` ranks.  A size is the tensor ``B`` of the alpha-beta formulas: for
+    ``all_gather`` the gathered *output*, so its shard is ``B / N`` (by the byte
+    convention the samples record the shard).  The median of ``repeats`` timed runs
+    per size, after ``warmup`` untimed ones.
+    """
+    per_op = {op: [max(1, int(s) // world_size) if op == "all_gather" else int(s)
+                   for s in sizes] for op in ops}
+    return measure_collective(tuple(ops), sizes=per_op, world_size=world_size,
+                              repeats=repeats, warmup=warmup, timeout=timeout)
 

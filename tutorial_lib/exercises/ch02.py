@@ -347,6 +347,11 @@ SCENARIOS = {
     "tp_row_parallel_output": (
         "Tensor parallelism: after a row-parallel linear layer each TP rank holds a partial "
         "sum of the layer's output, and every TP rank needs the full sum.", "all_reduce"),
+    "tp_column_parallel_input_grad": (
+        "Tensor parallelism, backward pass: a column-parallel layer's input was the same on "
+        "every TP rank, and each rank computed the gradient with respect to that input from "
+        "its own output columns only, a partial sum; every TP rank needs the full gradient.",
+        "all_reduce"),
     "dp_gradients": (
         "Plain data parallelism: after the backward pass every replica needs the sum of all "
         "replicas' gradients.", "all_reduce"),
@@ -384,6 +389,16 @@ WRONG_CHOICES = {
         "a reduce-scatter leaves each rank only a slice of the sum (that is what sequence "
         "parallelism does, and it then needs an all-gather later); here every rank needs "
         "the full sum.",
+    ("tp_column_parallel_input_grad", "all_gather"):
+        "each rank's partial gradient already has the input's full shape: the parts must be "
+        "added, not placed side by side.",
+    ("tp_column_parallel_input_grad", "reduce_scatter"):
+        "the layer's input was whole on every TP rank, so every rank needs the whole "
+        "gradient. (With sequence parallelism the input is split along the sequence, and "
+        "then a reduce-scatter is exactly right.)",
+    ("tp_column_parallel_input_grad", "send"):
+        "every TP rank holds a part of the sum and every rank needs all of it: that is an "
+        "all-reduce, not a message between two ranks.",
     ("dp_gradients", "reduce_scatter"):
         "without a distributed optimizer every replica updates every parameter, so each "
         "needs the whole summed gradient, not a slice.",

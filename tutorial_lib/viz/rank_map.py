@@ -17,6 +17,9 @@ page.  The JavaScript never does rank arithmetic: Python
 (:mod:`tutorial_lib.grid`, the single source of truth) computes the groups of
 every configuration the knobs can reach, and the page only looks them up.
 
+Each panel also says what the selected kind's groups carry: the collective, how often,
+and the bytes per op (:data:`KIND_TRAFFIC`).
+
 The embedded data (``RankMap.data``, the fragment's JSON island) is shared-table JSON,
 to stay small:
 
@@ -59,6 +62,44 @@ KIND_LABELS = {
     "mp": "MP (TP\u00d7PP)", "embedding": "Embedding",
     "ep": "EP", "expert_tp": "Expert TP", "expert_dp": "Expert DP",
 }
+
+#: What each kind of group carries in a Megatron-style training step: (collective, how
+#: often, bytes one rank hands to one op; ``b*s*h*d bytes``: the formula comes first).  Symbols as in :mod:`tutorial_lib.costs.bandwidth`
+#: (b microbatch, s sequence, h hidden, h_kv key/value width, k experts per token, P
+#: parameters on the rank, V vocabulary, d bytes per element); the five kinds of its
+#: bandwidth table say the same there (tests/unit/test_rank_map.py checks).
+KIND_TRAFFIC = {
+    "tp": ("all-reduce of activations (reduce-scatter + all-gather with sequence "
+           "parallelism)", "2 per layer forward, 2 backward", "b*s*h*d bytes"),
+    "cp": ("K and V chunks passed around a ring (send/recv)",
+           "every attention layer, forward and backward", "2*b*s*h_kv*d bytes per hop"),
+    "dp": ("all-reduce of gradients (reduce-scatter + all-gather with a distributed "
+           "optimizer)", "once per optimizer step", "P*d bytes"),
+    "pp": ("send/recv of activations forward, their gradients backward",
+           "every microbatch at every stage boundary", "b*s*h*d bytes"),
+    "dp_cp": ("the gradient all-reduce of dp, widened over cp when CP > 1",
+              "once per optimizer step", "P*d bytes"),
+    "mp": ("all-reduce of a few numbers: the gradient norm, the inf/NaN flag",
+           "once per optimizer step (without a distributed optimizer)", "a few bytes"),
+    "embedding": ("all-reduce of the tied word-embedding gradient (first and last stage)",
+                  "once per optimizer step", "V*h*d/TP bytes"),
+    "ep": ("all-to-all of token copies: dispatch, then combine",
+           "2 per MoE layer forward, 2 backward", "b*s*h*k*d bytes"),
+    "expert_tp": ("all-gather of the dispatched tokens, reduce-scatter of the expert "
+                  "outputs (when ETP > 1)", "every MoE layer, forward and backward",
+                  "the token rows the dispatch delivered"),
+    "expert_dp": ("all-reduce of the routed experts' gradients", "once per optimizer step",
+                  "P_expert*d bytes"),
+}
+assert sorted(KIND_TRAFFIC) == sorted(ALL_KINDS)
+
+
+def traffic_line(kind: str) -> str:
+    """One line for the map: what a group of ``kind`` runs, how often, on how many bytes."""
+    collective, when, volume = KIND_TRAFFIC[kind]
+    return (f"{KIND_LABELS[kind]} groups run {collective}; {when}; "
+            f"per op: {volume.replace('*', chr(0xb7))}")
+
 
 #: The knobs of the static page, in the order of the nested lookup ``table``.
 KNOBS = ("layout", "tp", "pp", "ep", "cp", "etp")
@@ -226,6 +267,7 @@ def build_data(world_size: int = 16, gpus_per_node: int = 8, tp: int = 2, pp: in
         "kind_labels": KIND_LABELS,
         "kind_colors": {k: draw.kind_color(k) for k in ALL_KINDS},
         "kind_text": {k: draw.text_color(draw.kind_color(k)) for k in ALL_KINDS},
+        "kind_traffic": {k: traffic_line(k) for k in ALL_KINDS},
         "palette": list(draw.PALETTE),
         "palette_text": [draw.text_color(c) for c in draw.PALETTE],
         "singleton_color": draw.SINGLETON_COLOR,
@@ -482,6 +524,8 @@ def _panel_html(data: dict, p: str, side: str, kind: str, start: dict, layout: d
         f'<div class="{p}-panel-title">{html.escape(layout[f"{side}_title"])}</div>'
         f'<div class="{p}-formula">{html.escape(layout[f"{side}_formula"])}</div>'
         f'<div class="{p}-kinds">{"".join(buttons)}</div>'
+        f'<div class="{p}-traffic" style="font-size:12px;margin:0 0 8px;color:#24292f">'
+        f'{html.escape(traffic_line(kind))}</div>'
         f'<div class="{p}-nodes">{"".join(nodes)}</div>'
         f'<div class="{p}-summary">{html.escape(summary)}</div>'
         f'<div class="{p}-chips"></div>'

@@ -74,6 +74,7 @@ function startRankMap(root, data) {
       cell.classList.toggle(cls("dim"), chosen >= 0 && c.group !== chosen);
       cell.classList.toggle(cls("hover"), r === state.hover);
     });
+    one("traffic", panel).textContent = data.kind_traffic[kind];
     one("summary", panel).textContent = summary(kind, groups, crosses);
     renderChips(one("chips", panel), groups, crosses, chosen, colours);
     var line = "";
