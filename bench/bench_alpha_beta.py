@@ -83,7 +83,7 @@ def main() -> None:
             samples=[{"op": s.op, "nbytes": s.nbytes, "n": s.n, "seconds": s.seconds}
                      for s in samples],
             world_size=costs.ALPHA_BETA_RANKS, runs=args.runs, repeats=args.repeats,
-            warmup=args.warmup, load_before_runs=loads)
+            warmup=args.warmup, load=loads[0] if loads else None, load_before_runs=loads)
         print(f"stored {NAME}: {ref.caption()}")
 
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry", action="store_true", help="print the rows, store nothing")
     args = parser.parse_args(argv)
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = reference.load_average()
     rows = [measure(chapter) for chapter in CHAPTERS]
     for row in rows:
         print(row)
@@ -72,9 +72,8 @@ def main(argv=None) -> int:
         ref = reference.save(NAME, rows, command="python bench/bench_moe_chapters.py",
                              notes="seconds: the chapter's clock from its first cell to its "
                                    "last; kernel_seconds: with the kernel's start; "
-                                   "training_seconds: chapter 5's training launch; "
-                                   "load: the load average after the run, load_before: "
-                                   "before it", load_before=load_before)
+                                   "training_seconds: chapter 5's training launch",
+                             load=load_before)
         print(ref.caption())
     return 0
 

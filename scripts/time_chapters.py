@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = {r["chapter"]: r for r in reference.load(REFERENCE_NAME).rows}
     except FileNotFoundError:
         rows = {}
-    load_before = os.getloadavg()[0]
+    load_before = reference.load_average()
     for path in todo:
         load = round(os.getloadavg()[0], 2)
         seconds = time_notebook(path)
@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference.save(REFERENCE_NAME, ordered, command=COMMAND,
                          notes="Wall-clock seconds to run every cell of each chapter in a "
                                "fresh kernel (nbclient), kernel start included; each row "
-                               "has the date and the one-minute load it started under.")
+                               "has the date and the one-minute load it started under.",
+                         load=load_before)
     print(f"stored {len(ordered)} chapters: {ref.caption()} "
-          f"(load {load_before:.1f} before the first chapter)")
+          f"(load {load_before} before the first chapter)")
     return 0
 
 

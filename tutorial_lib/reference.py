@@ -37,7 +37,8 @@ class Reference:
     date: str = ""
     """When it was measured (ISO date)."""
     load: float | None = None
-    """The machine's one-minute load average just before measuring."""
+    """The machine's one-minute load average before measuring (as the measuring script
+    read it), or when the reference was saved if the script did not say."""
     command: str = ""
     """What to run to measure it again."""
     notes: str = ""
@@ -89,14 +90,21 @@ def describe_machine() -> str:
     return f"{os.cpu_count()} cores ({model}){memory}"
 
 
-def save(name: str, rows: list[dict], command: str = "", notes: str = "", **extra) -> Reference:
-    """Store ``rows`` as the reference ``name``, with this machine, today and its load."""
+def load_average() -> float | None:
+    """This machine's one-minute load average (``None`` where the OS has none)."""
     try:
-        load_average = round(os.getloadavg()[0], 2)
+        return round(os.getloadavg()[0], 2)
     except OSError:
-        load_average = None
+        return None
+
+
+def save(name: str, rows: list[dict], command: str = "", notes: str = "",
+         load: float | None = None, **extra) -> Reference:
+    """Store ``rows`` as the reference ``name``, with this machine, today and its load:
+    ``load`` as the script read it before measuring (:func:`load_average`), else now."""
+    load_average_ = load if load is not None else load_average()
     ref = Reference(name=name, rows=list(rows), machine=describe_machine(),
-                    date=datetime.date.today().isoformat(), load=load_average, command=command,
+                    date=datetime.date.today().isoformat(), load=load_average_, command=command,
                     notes=notes, extra=dict(extra))
     REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
     data = {k: v for k, v in ref.__dict__.items() if k != "name"}
