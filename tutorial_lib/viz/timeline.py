@@ -795,9 +795,10 @@ def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None
                                                    f"{'s' if n_compute != 1 else ''}"
                                                    if n_compute else ""))
     note = ("A bar runs from when the op was issued to when it completed; for an asynchronous "
-            "op that is when wait() returned, so its bar is the time it was in flight. Ops "
-            "in flight at the same time stack into extra rows. Hover a bar for details; drag "
-            "across the chart to zoom.")
+            "op that is when wait() returned, so its bar is the time it was in flight, "
+            "including any time spent waiting for the other ranks of its group to issue it "
+            "(the tooltip says how long). Ops in flight at the same time stack into extra "
+            "rows. Hover a bar for details; drag across the chart to zoom.")
     return timeline_from_spans(spans, title=title, ranks=ranks, t_range=t_range, width=width,
                                playable=playable, lanes=lanes, frames=frames, note=note,
                                interval_ms=interval_ms)
