@@ -235,7 +235,9 @@ class Cluster:
             while len(collector.ready) < self.world_size:
                 collector.poll(0.05)
                 if collector.failures or ranks.dead_ranks(collector.ready):
-                    raise collector.first_cause(ranks.processes)
+                    error = collector.first_cause(ranks.processes)
+                    if error is not None:
+                        raise error
                 if time.time() > deadline:
                     raise StartupTimeout(self.start_timeout, ranks.report(collector.ready))
         except BaseException:
@@ -347,8 +349,8 @@ class Cluster:
         while not self._call_done(collector, targets):
             collector.poll(0.02)
             dead = self._ranks.dead_ranks(collector.finished)
-            if dead:
-                error = collector.first_cause(self._ranks.processes)
+            error = collector.first_cause(self._ranks.processes) if dead else None
+            if error is not None:
                 self._fail(f"rank {dead[0]} died")
                 raise _with_note(error, "The cluster was stopped. cluster.restart() starts it again.")
             if deadline is None and collector.started >= set(targets):

@@ -21,6 +21,10 @@ that in four parts, one section each:
 4. **ZeRO-1** (:class:`DistributedOptimizer`): a reduce-scatter instead of the
    all-reduce, so each DP rank updates (and keeps Adam state for) only 1/DP of
    the parameters, then an all-gather of the updated parameters.
+5. **bf16 parameters with an fp32 master copy, unsharded**
+   (:class:`Float16OptimizerWithFloat16Params`): what ZeRO-1 is measured against in a
+   bf16 run, where every rank would otherwise keep the master and both Adam moments
+   of every parameter.
 
 The attribute contract (set by the layers that create parameters, read here):
 
@@ -36,8 +40,10 @@ The attribute contract (set by the layers that create parameters, read here):
     :func:`set_grad_domain`.
 
 Every event is recorded through the tracer: bucket all-reduces carry
-``phase="backward"``, ``bucket=<index>`` and ``overlap`` (started from a hook
-during backward, or afterwards); clipping carries ``phase="clip_grad"``; ZeRO's
+``phase="backward"``, ``bucket=<index>``, ``overlap`` (started from a hook
+during backward, or afterwards) and ``op_name`` (the method that issued it,
+``DataParallel._on_grad_ready`` or ``DataParallel.finish_grad_sync``); clipping
+carries ``phase="clip_grad"`` and ``op_name="reduce_squared_norms"``; ZeRO's
 reduce-scatter and all-gather carry ``phase="optimizer"`` and ``zero=1``.
 """
 from __future__ import annotations
@@ -138,7 +144,8 @@ def counts_in_grad_norm(param: torch.Tensor, domain: str) -> bool:
 # --- 2. bucketed all-reduce, overlapped with backward -------------------------------------
 
 DEFAULT_BUCKET_SIZE_BYTES = 40_000_000
-"""Megatron's default bucket is 40M elements; ours counts bytes so small models get several."""
+"""Megatron-Core 0.20.0's default bucket is max(40M, 1M x DP) *elements* (``--ddp-bucket-size``
+counts elements too); ours counts bytes so that small models get several."""
 
 
 @dataclass(eq=False)
@@ -202,19 +209,29 @@ class DataParallel(nn.Module):
     ``bucket_size_bytes=0, overlap=False`` is the baseline: one all-reduce per
     parameter, all issued after backward.  ``overlap=True`` starts each bucket's
     all-reduce from a gradient hook on the last microbatch.
+
+    ``grad_reduce_in_fp32``: the buckets of low-precision (bf16) parameters are fp32, so
+    the microbatches' gradients add up and are averaged in fp32 (Megatron-Core's
+    ``DistributedDataParallelConfig.grad_reduce_in_fp32``, which Megatron-LM's training
+    script turns on for ``--bf16`` unless ``--grad-reduce-in-bf16``).  Such a gradient
+    cannot be a bf16 parameter's ``.grad``: after the sync it stays in ``param.main_grad``
+    and ``.grad`` is ``None``; :class:`Float16OptimizerWithFloat16Params` reads it there.
     """
 
     def __init__(self, module: nn.Module, group: str = "dp",
-                 bucket_size_bytes: float = DEFAULT_BUCKET_SIZE_BYTES, overlap: bool = True):
+                 bucket_size_bytes: float = DEFAULT_BUCKET_SIZE_BYTES, overlap: bool = True,
+                 grad_reduce_in_fp32: bool = False):
         super().__init__()
         self.module = module
         self.overlap = overlap
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         for index, members in enumerate(build_buckets(params, bucket_size_bytes, group)):
             domain = grad_domain(members[0], group)
-            buffer = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype)
+            dtype = torch.float32 if grad_reduce_in_fp32 else members[0].dtype
+            buffer = torch.zeros(sum(p.numel() for p in members), dtype=dtype)
             bucket = Bucket(index, domain, members, buffer)
             offset = 0
             for p in members:
@@ -243,12 +260,13 @@ class DataParallel(nn.Module):
         """Runs after autograd accumulated ``param.grad``: move it into its bucket."""
         if self._synced:
             raise RuntimeError("backward after finish_grad_sync() without zeroing: call "
-                               "model.zero_grad() (or zero_grad_buffer()) at the start of each step")
+                               "model.zero_grad() (or zero_grad_buffer()) at the start "
+                               "of each step")
         bucket = self._bucket_of[id(param)]
         if bucket.work is not None:
-            raise RuntimeError(f"a gradient arrived for bucket {bucket.index} after its all-reduce "
-                               f"started: with gradient accumulation, run every backward but the "
-                               f"last inside model.no_sync()")
+            raise RuntimeError(f"a gradient arrived for bucket {bucket.index} after its "
+                               f"all-reduce started: with gradient accumulation, run every "
+                               f"backward but the last inside model.no_sync()")
         param.main_grad.add_(param.grad)
         param.grad = None
         if self._sync_enabled and self.overlap:
@@ -262,11 +280,14 @@ class DataParallel(nn.Module):
             bucket = self.buckets[self._next_to_launch]
             if not everything and len(bucket.ready) < len(bucket.params):
                 return
-            # Scale before summing so that low-precision sums of many replicas cannot overflow.
+            # Scale before summing: a low-precision sum of many replicas cannot overflow.
             bucket.grad_buffer.div_(gradient_divisor(bucket.domain))
-            bucket.work = comm.all_reduce(bucket.grad_buffer, group=bucket.domain, async_op=True,
-                                          tags={"phase": "backward", "bucket": bucket.index,
-                                                "overlap": not everything})
+            # op_name: the method that issued it, from a gradient hook or after backward.
+            issuer = "DataParallel." + ("finish_grad_sync" if everything else "_on_grad_ready")
+            tags = {"phase": "backward", "bucket": bucket.index, "overlap": not everything,
+                    "op_name": issuer}
+            bucket.work = comm.all_reduce(bucket.grad_buffer, group=bucket.domain,
+                                          async_op=True, tags=tags)
             self._next_to_launch += 1
 
     def finish_grad_sync(self) -> None:
@@ -275,11 +296,13 @@ class DataParallel(nn.Module):
             for p in bucket.params:  # gradients no hook moved (set by hand)
                 if p.grad is not None and p.grad is not p.main_grad:
                     p.main_grad.add_(p.grad)
+                    p.grad = None
         self._launch_ready_buckets(everything=True)
         for bucket in self.buckets:
             bucket.work.wait()
             for p in bucket.params:
-                p.grad = p.main_grad
+                # An fp32 average of a bf16 parameter stays in main_grad (see the class doc).
+                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
         self._synced = True
 
     def zero_grad_buffer(self) -> None:
@@ -317,6 +340,9 @@ class DataParallel(nn.Module):
 # With ZeRO the gradients are sharded over DP too, so there the DP group is added.
 
 
+_NORM_TAGS = {"op_name": "reduce_squared_norms"}
+
+
 def reduce_squared_norms(squares: dict[str, torch.Tensor],
                           sharded_over_data_parallel: bool = False) -> torch.Tensor:
     """Sum each domain's local squared norm over the groups holding distinct pieces.
@@ -333,24 +359,30 @@ def reduce_squared_norms(squares: dict[str, torch.Tensor],
         if sharded_over_data_parallel:
             groups = (domain.data_parallel_group,) + groups
         for group in groups:
-            if parallel_state.get_size(group) > 1:  # a group of one rank has nothing to add
-                comm.all_reduce(square, group=group)
+            if parallel_state.get_size(group) > 1:  # a group of one rank adds nothing
+                comm.all_reduce(square, group=group, tags=_NORM_TAGS)
         total += square
     if parallel_state.get_size("pp") > 1:
-        comm.all_reduce(total, group="pp")
+        comm.all_reduce(total, group="pp", tags=_NORM_TAGS)
     return total.sqrt()
+
+
+def _grad_norm(params, grads, default_domain: str) -> torch.Tensor:
+    """The global norm of ``grads``, one per parameter of ``params`` (``None``: no gradient)."""
+    squares: dict[str, torch.Tensor] = {}
+    for p, grad in zip(params, grads):
+        domain = grad_domain(p, default_domain)
+        square = squares.setdefault(domain, torch.zeros(1, dtype=torch.float32))
+        if grad is not None and counts_in_grad_norm(p, domain):
+            square += grad.detach().float().square().sum()
+    with get_tracer().tags(phase="clip_grad"):
+        return reduce_squared_norms(squares)
 
 
 def get_grad_norm(params, default_domain: str = "dp") -> torch.Tensor:
     """The global L2 norm of the gradients of the model-parallel model (DP-synced grads)."""
-    squares: dict[str, torch.Tensor] = {}
-    for p in params:
-        domain = grad_domain(p, default_domain)
-        square = squares.setdefault(domain, torch.zeros(1, dtype=torch.float32))
-        if p.grad is not None and counts_in_grad_norm(p, domain):
-            square += p.grad.detach().float().square().sum()
-    with get_tracer().tags(phase="clip_grad"):
-        return reduce_squared_norms(squares)
+    params = list(params)
+    return _grad_norm(params, [p.grad for p in params], default_domain)
 
 
 def clip_grad_norm_(params, max_norm: float, default_domain: str = "dp",
@@ -372,6 +404,20 @@ def clip_grad_norm_(params, max_norm: float, default_domain: str = "dp",
 # --- 4. ZeRO-1: the distributed optimizer --------------------------------------------------
 
 
+def main_grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient an optimizer step uses: ``param.grad``, or the fp32 ``param.main_grad``
+    where a bf16 parameter's gradient was accumulated in fp32 (its ``.grad`` is then None)."""
+    if param.grad is None:
+        return getattr(param, "main_grad", None)
+    return param.grad
+
+
+def _accumulate_in_fp32(param: torch.Tensor) -> None:
+    """Gradient hook: add the microbatch's (bf16) gradient into the fp32 ``main_grad``."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
 class ShardedBuffer:
     """One domain's parameters as one flat vector, cut into DP-many equal shards.
 
@@ -383,6 +429,8 @@ class ShardedBuffer:
 
     def __init__(self, domain: str, params: list):
         self.domain, self.params = domain, params
+        self.param_dtype = params[0].dtype
+        """The parameters' dtype (one per buffer): what the all-gather moves."""
         self.group = DOMAINS[domain].data_parallel_group
         size, rank = parallel_state.get_size(self.group), parallel_state.get_rank_in(self.group)
         self.numel = sum(p.numel() for p in params)
@@ -410,21 +458,27 @@ class ShardedBuffer:
         return flat
 
     def reduce_scatter_grads(self) -> None:
-        """``main_param.grad`` = this rank's slice of the DP-averaged gradient."""
-        flat_grads = self._flatten([p.grad for p in self.params])
+        """``main_param.grad`` = this rank's slice of the DP-averaged gradient (fp32)."""
+        flat_grads = self._flatten([main_grad_of(p) for p in self.params])
         flat_grads.div_(gradient_divisor(self.domain))
         comm.reduce_scatter(self.main_param.grad, flat_grads, group=self.group)
 
     def all_gather_params(self) -> None:
-        """Every rank's updated slice, concatenated, copied back into the parameters."""
-        flat_params = self.gather(self.main_param.detach())
+        """Every rank's updated slice, concatenated, copied back into the parameters.
+
+        The slices travel in the parameters' dtype: bf16 parameters are all-gathered in
+        bf16, each rank rounding its own fp32 slice first (as Megatron-Core all-gathers its
+        bf16 parameter buffer), half the bytes of an fp32 gather, the same values.
+        """
+        flat_params = self.gather(self.main_param.detach(), dtype=self.param_dtype)
         for p, (start, end) in zip(self.params, self.ranges):
             p.copy_(flat_params[start:end].view_as(p))
 
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The padded flat vector whose slice on each rank of the group is that rank's ``shard``."""
-        flat = torch.empty(self.padded_numel, dtype=torch.float32)
-        comm.all_gather(flat, shard.detach().float(), group=self.group)
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The padded flat vector whose slice on each rank of the group is that rank's
+        ``shard``, all-gathered in ``dtype``."""
+        flat = torch.empty(self.padded_numel, dtype=dtype)
+        comm.all_gather(flat, shard.detach().to(dtype), group=self.group)
         return flat
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -444,16 +498,33 @@ class DistributedOptimizer:
     updates its slice with the wrapped optimizer, and all-gathers the parameters.
     Use it on an unwrapped model (no :class:`DataParallel`): gradient accumulation
     is plain autograd accumulation, and the only communication is in ``step()``.
+
+    fp32 parameters: the fp32 slice each rank updates is a copy of its piece of the
+    parameters (Megatron-Core would update that piece in place, without a copy).
+    bf16 parameters: the slice is their fp32 *master* copy, which a bf16 run needs
+    anyway; the gradients add up over the microbatches in an fp32 ``param.main_grad``
+    (a hook moves each ``.grad`` there, as :class:`DataParallel` with
+    ``grad_reduce_in_fp32`` does) and are reduce-scattered in fp32; the updated slices are
+    rounded to bf16 and all-gathered in bf16.  Megatron-Core's ``DistributedOptimizer``
+    (``--use-distributed-optimizer --bf16``) keeps the same three things per rank: the
+    fp32 master and Adam's two moments of its slice.
     """
 
     def __init__(self, params, optimizer_class=torch.optim.Adam, group: str = "dp",
                  max_grad_norm: float | None = None, **optimizer_kwargs):
         params = [p for p in params if p.requires_grad]
-        by_domain: dict[str, list] = {}
+        by_key: dict[tuple[str, str], list] = {}  # one flat buffer per domain and dtype
         for p in params:
-            by_domain.setdefault(grad_domain(p, group), []).append(p)
+            by_key.setdefault((grad_domain(p, group), str(p.dtype)), []).append(p)
         self.params = params
-        self.buffers = [ShardedBuffer(name, by_domain[name]) for name in sorted(by_domain)]
+        self.buffers = [ShardedBuffer(domain, by_key[domain, dtype])
+                        for domain, dtype in sorted(by_key)]
+        # Low-precision parameters accumulate their gradients in fp32 (see the class doc).
+        self._hooks = []
+        for p in params:
+            if p.dtype != torch.float32:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_in_fp32))
         self.optimizer = optimizer_class([b.main_param for b in self.buffers], **optimizer_kwargs)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
@@ -465,21 +536,29 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
+            if p.dtype != torch.float32:
+                p.main_grad.zero_()
 
     @torch.no_grad()
     def step(self) -> None:
-        with get_tracer().tags(phase="optimizer", zero=1):
+        tracer = get_tracer()
+        with tracer.tags(phase="optimizer", zero=1):
             for buffer in self.buffers:
-                buffer.reduce_scatter_grads()
+                with tracer.tags(op_name="ShardedBuffer.reduce_scatter_grads"):
+                    buffer.reduce_scatter_grads()
             if self.max_grad_norm is not None:
                 self.last_grad_norm = self._clip_grad_norm(self.max_grad_norm)
             self.optimizer.step()
             for buffer in self.buffers:
-                buffer.all_gather_params()
+                with tracer.tags(op_name="ShardedBuffer.all_gather_params"):
+                    buffer.all_gather_params()
 
     def _clip_grad_norm(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
         # The gradients are now sharded over DP as well: the DP group joins the sum.
-        squares = {b.domain: (b.main_param.grad.square() * b.norm_mask).sum() for b in self.buffers}
+        squares: dict[str, torch.Tensor] = {}
+        for b in self.buffers:  # a domain may have a buffer per dtype
+            square = (b.main_param.grad.square() * b.norm_mask).sum()
+            squares[b.domain] = squares.get(b.domain, 0) + square
         with get_tracer().tags(phase="clip_grad"):
             norm = reduce_squared_norms(squares, sharded_over_data_parallel=True)
         scale = torch.clamp(max_norm / (norm + eps), max=1.0)
@@ -548,6 +627,10 @@ class DistributedOptimizer:
         out.update(optimizer_state_bytes(self.optimizer))
         return out
 
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of each per-parameter state tensor (Adam: ``exp_avg``, ``exp_avg_sq``)."""
@@ -557,3 +640,71 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
             if torch.is_tensor(value) and key != "step":  # step is one scalar
                 out[key] = out.get(key, 0) + value.numel() * value.element_size()
     return out
+
+
+# --- 5. bf16 parameters, an fp32 master copy, no sharding ---------------------------------
+
+
+class Float16OptimizerWithFloat16Params:
+    """Plain DP with bf16 parameters: the wrapped optimizer updates an fp32 master copy.
+
+    What Megatron-Core runs for ``--bf16`` without ``--use-distributed-optimizer``
+    (its class of the same name).  bf16 keeps 8 bits of mantissa: an update of a weight
+    smaller than 1/256 of it would round away, so the weights are updated in fp32 and
+    each step's result is rounded into the bf16 parameters the model computes with.
+    Every DP rank keeps, for every parameter it holds, the fp32 master (4 bytes) and
+    the wrapped optimizer's state (Adam: 8 bytes): the 12 bytes per parameter that
+    ZeRO-1 (:class:`DistributedOptimizer`) divides by DP.
+
+    ``step()``: each master's gradient is the parameter's, in fp32 (``main_grad`` from
+    :class:`DataParallel` with ``grad_reduce_in_fp32=True``, else ``.grad`` upcast);
+    with ``max_grad_norm`` the masters' gradients are clipped by the global norm, over
+    the same groups as :func:`clip_grad_norm_`; the wrapped optimizer steps the masters;
+    each master, rounded, is copied into its parameter.  No communication beyond the clip.
+    """
+
+    def __init__(self, params, optimizer_class=torch.optim.Adam, group: str = "dp",
+                 max_grad_norm: float | None = None, **optimizer_kwargs):
+        params = [p for p in params if p.requires_grad]
+        full = [p for p in params if p.dtype == torch.float32]
+        if full:
+            raise ValueError(f"Float16OptimizerWithFloat16Params: {len(full)} of {len(params)} "
+                             f"parameters are fp32 already and need no master copy; convert the "
+                             f"model to bf16 (model.bfloat16()) or give the parameters to the "
+                             f"optimizer itself (Megatron-Core's FP32Optimizer)")
+        self.params, self.group = params, group
+        self.main_params = [nn.Parameter(p.detach().float().clone()) for p in params]
+        self.optimizer = optimizer_class(self.main_params, **optimizer_kwargs)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, main in zip(self.params, self.main_params):
+            grad = main_grad_of(p)
+            main.grad = None if grad is None else grad.detach().float().clone()
+        if self.max_grad_norm is not None:
+            grads = [main.grad for main in self.main_params]
+            norm = _grad_norm(self.params, grads, self.group)
+            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(scale)
+            self.last_grad_norm = norm
+        self.optimizer.step()
+        for p, main in zip(self.params, self.main_params):
+            p.copy_(main)  # rounded to the parameter's dtype
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps for the optimizer: the fp32 masters + the wrapped state."""
+        out = {"master_params": sum(main.numel() * 4 for main in self.main_params)}
+        out.update(optimizer_state_bytes(self.optimizer))
+        return out

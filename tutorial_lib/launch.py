@@ -658,13 +658,13 @@ class Collector:
     def last_stderr(self, rank: int, lines: int = 8) -> list[str]:
         return [text for stream, text in self.output[rank] if stream == "stderr"][-lines:]
 
-    def first_cause(self, processes, grace: float = 0.5) -> WorkerError:
+    def first_cause(self, processes, grace: float = 0.5) -> WorkerError | None:
         """The failure that started it all, with the others it caused listed after it.
 
         When one rank fails its peers soon fail too ("Connection reset by peer"):
         wait a moment for every report, then blame a rank that died without an
         exception (with the last lines it wrote to stderr), else the first one whose
-        error is not a lost connection.
+        error is not a lost connection.  ``None`` if, after the wait, nothing failed.
         """
         end = time.time() + grace
         while time.time() < end:
@@ -679,6 +679,8 @@ class Collector:
                     rank, f"process exited with code {p.exitcode} before returning a result",
                     f"(no Python traceback: the process died, e.g. killed by a signal, "
                     f"os._exit, a C++ abort, or out of memory; {said})"))
+        if not self.failures:  # what looked like a death was a result still in its pipe
+            return None
         lost_peer = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
         causes = [f for f in self.failures if not any(t in f.summary for t in lost_peer)]
         first = (causes or self.failures)[0]
@@ -847,7 +849,9 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: di
         while len(collector.finished) < world_size:
             collector.poll(0.05)
             if collector.failures or ranks.dead_ranks(collector.finished):
-                raise collector.first_cause(ranks.processes)
+                error = collector.first_cause(ranks.processes)
+                if error is not None:
+                    raise error
             if not joined and len(collector.ready) == world_size:
                 joined, deadline = True, time.time() + timeout
             if time.time() > deadline:

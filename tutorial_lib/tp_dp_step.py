@@ -33,6 +33,10 @@ Two ways to run the DP part, one per wrapper (see :mod:`tutorial_lib.data_parall
   of 1/D of the gradients, it clips and updates that slice, and an all-gather brings
   every replica the updated parameters.
 
+A bf16 model (``model.bfloat16()``) trains with an fp32 master copy of its weights:
+``DataParallel(model, grad_reduce_in_fp32=True)`` + ``Float16OptimizerWithFloat16Params``
+(every rank keeps all of it), or the bare model + ``DistributedOptimizer`` (1/D each).
+
 Without process groups (a plain Python session) the same ``train_step`` runs the
 serial model: nothing to sync, ``torch.nn.utils.clip_grad_norm_`` for the clip.
 
@@ -50,7 +54,8 @@ import torch
 
 from . import comm, parallel_state
 from .data import split_microbatches
-from .data_parallel import DataParallel, DistributedOptimizer, clip_grad_norm_
+from .data_parallel import (DataParallel, DistributedOptimizer, Float16OptimizerWithFloat16Params,
+                            clip_grad_norm_)
 from .tensor_parallel import allreduce_sequence_parallel_grads
 from .trace import get_tracer
 
@@ -80,6 +85,21 @@ def _check_setup(model, optimizer) -> None:
                          f"DistributedOptimizer (ZeRO-1) on the bare model")
 
 
+def _check_sequence_parallel_grads(module, tp_group) -> None:
+    """Refuse what the sequence-parallel sum cannot read: a gradient held only in an fp32
+    ``main_grad`` (bf16 parameters under ``DataParallel(grad_reduce_in_fp32=True)`` or a
+    bf16 ZeRO-1), which ``allreduce_sequence_parallel_grads`` does not look at."""
+    if parallel_state.group_size(tp_group) == 1:
+        return
+    stuck = [name for name, p in module.named_parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is None
+             and getattr(p, "main_grad", None) is not None and p.main_grad.dtype != p.dtype]
+    if stuck:
+        raise ValueError(f"sequence parallelism with bf16 parameters whose gradients are kept in "
+                         f"fp32 (e.g. {stuck[0]}) is not supported: allreduce_sequence_parallel_grads "
+                         f"reads .grad only; run with sequence_parallel=False, or keep the model fp32")
+
+
 def _clip(params, max_grad_norm: float) -> float:
     if not parallel_state.is_initialized():  # serial: torch's own clip is the reference
         return float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -104,13 +124,15 @@ def train_step(model, optimizer, batch, num_microbatches: int, max_grad_norm: fl
     When it returns, ``param.grad`` still holds what the optimizer used (DataParallel:
     the DP average, clipped; ZeRO-1: this replica's own sum, the average lives in the
     optimizer's shards), so a test can compare it with the serial model's gradient.
+    A bf16 parameter whose gradient is accumulated in fp32 holds it in ``param.main_grad``
+    instead (its ``.grad`` is ``None``), and the clip acts on the optimizer's fp32 copies.
     """
     _check_setup(model, optimizer)
     tracer = get_tracer()
     wrapped = isinstance(model, DataParallel)
     gpt = model.module if wrapped else model
 
-    model.zero_grad()      # DataParallel: zero the bucket buffers, forget last step's launches
+    model.zero_grad()      # DataParallel: zero the buckets, forget last step's launches
     optimizer.zero_grad()
 
     # 1. forward + backward of each microbatch; gradients accumulate in place.
@@ -133,7 +155,7 @@ def train_step(model, optimizer, batch, num_microbatches: int, max_grad_norm: fl
     # 6. logging only: the mean over the replicas (the TP ranks of a replica already agree).
     dp = parallel_state.group_size("dp")
     if log_loss and dp > 1:
-        with tracer.tags(phase="logging"):
+        with tracer.tags(phase="logging", op_name="train_step"):
             comm.all_reduce(replica_loss, group="dp")
         replica_loss /= dp
     return StepResult(loss=float(replica_loss), grad_norm=grad_norm)
@@ -158,16 +180,18 @@ def finish_step(model, optimizer, max_grad_norm: float | None, tp_group: str | N
         with tracer.span("grad_sync"):   # the buckets' all-reduces started in the last backward
             model.finish_grad_sync()
     # sequence parallelism: LayerNorm and row-parallel-bias grads are partial sums over TP
+    _check_sequence_parallel_grads(module, tp_group)
     allreduce_sequence_parallel_grads(module, tp_group)
-    zero1 = isinstance(optimizer, DistributedOptimizer)
+    # ZeRO-1 and the fp32-master optimizer clip inside their step, on their fp32 gradients.
+    clips_in_step = isinstance(optimizer, (DistributedOptimizer, Float16OptimizerWithFloat16Params))
     grad_norm = None
-    if zero1:
+    if clips_in_step:
         optimizer.max_grad_norm = max_grad_norm
     elif max_grad_norm is not None:
         with tracer.span("clip_grad"):
             grad_norm = _clip(module.parameters(), max_grad_norm)
     with tracer.span("optimizer"):
         optimizer.step()
-    if zero1 and max_grad_norm is not None:
+    if clips_in_step and max_grad_norm is not None:
         grad_norm = float(optimizer.last_grad_norm)
     return grad_norm

@@ -46,6 +46,15 @@ And the trace: the collectives of step 1 on every rank equal, op for op and byte
 byte, :func:`tutorial_lib.costs.tp_dp_step_collectives` (per op, group kind, phase tag
 and size), and every TP collective stays inside the rank's TP group, every DP one
 inside its DP group: nothing spans the world.
+
+bf16 with an fp32 master copy (:data:`BF16_VARIANTS`, in the same launches): ZeRO-1
+(``DistributedOptimizer`` on the bf16 model) against plain DP in bf16
+(``DataParallel(grad_reduce_in_fp32=True)`` + ``Float16OptimizerWithFloat16Params``),
+with and without clipping.  They run the same fp32 arithmetic on the same numbers (the
+gradients add up and are averaged in fp32, each master is updated in fp32 and rounded
+to bf16), so the bf16 parameters after 3 steps must be *equal*, bit for bit; what
+differs is where the master and Adam's moments live: all of them on every rank, or
+1/D of them (:func:`test_bf16_zero1_equals_plain_dp_with_an_fp32_master`).
 """
 import dataclasses
 import functools
@@ -59,7 +68,8 @@ import torch
 
 from tutorial_lib import costs, parallel_state
 from tutorial_lib.config import ModelConfig, ParallelConfig
-from tutorial_lib.data_parallel import DataParallel, DistributedOptimizer
+from tutorial_lib.data_parallel import (DataParallel, DistributedOptimizer,
+                                        Float16OptimizerWithFloat16Params)
 from tutorial_lib.launch import launch
 from tutorial_lib.gpt import GPTModel
 from tutorial_lib.data import split_global_batch, synthetic_batch
@@ -102,6 +112,16 @@ VARIANTS = {
     "zero1": Variant(False, True, False),
     "sp_zero1_clip": Variant(True, True, True),
 }
+
+
+# bf16 parameters with an fp32 master copy: plain DP against ZeRO-1 (not against serial).
+BF16_VARIANTS = {
+    "bf16_plain": Variant(False, False, False),
+    "bf16_zero1": Variant(False, True, False),
+    "bf16_plain_clip": Variant(False, False, True),
+    "bf16_zero1_clip": Variant(False, True, True),
+}
+BF16_LOSS_RTOL = 1e-2  # bf16 run vs the fp32 serial one: measured <= 2.7e-4 (loss), 1.9e-3 (norm)
 
 
 def _max_norm(variant):
@@ -187,6 +207,29 @@ def _train_worker(ctx, tp_size):
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         run["partition_dims"] = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False)
                                      else None) for n, p in model.named_parameters()}
+        out["variants"][name] = run
+    for name, variant in BF16_VARIANTS.items():
+        model = GPTModel(CONFIG, seed=MODEL_SEED).bfloat16()
+        if variant.zero1:
+            wrapped = model
+            optimizer = DistributedOptimizer(model.parameters(), torch.optim.Adam, lr=LR, eps=EPS)
+            masters = [b.main_param for b in optimizer.buffers]
+        else:
+            wrapped = DataParallel(model, bucket_size_bytes=BUCKET_BYTES, grad_reduce_in_fp32=True)
+            optimizer = Float16OptimizerWithFloat16Params(model.parameters(), torch.optim.Adam,
+                                                          lr=LR, eps=EPS)
+            masters = optimizer.main_params
+        run = {"losses": [], "norms": []}
+        for step in range(STEPS):
+            batch = split_global_batch(_global_batch(step), dp_rank, dp)
+            with ctx.tracer.tags(variant=name, step=step):
+                result = train_step(wrapped, optimizer, batch, MICROBATCHES,
+                                    max_grad_norm=_max_norm(variant))
+            run["losses"].append(result.loss)
+            run["norms"].append(result.grad_norm)
+        run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        run["masters"] = [m.detach().clone() for m in masters]
+        run["state_bytes"] = optimizer.state_bytes()
         out["variants"][name] = run
     return out
 
@@ -292,6 +335,70 @@ def test_step_collectives_equal_the_prediction(layout, variant):
             buckets = events.filter(group_kind="dp", phase="backward")
             assert any(e.tags["overlap"] for e in buckets)
             assert all(e.tags.get("microbatch", MICROBATCHES - 1) == MICROBATCHES - 1 for e in buckets)
+
+
+# --- bf16 parameters, fp32 master: ZeRO-1 against plain DP ---------------------------------
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no_clip", "clip"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"tp{t}_dp{d}" for t, d in LAYOUTS])
+def test_bf16_zero1_equals_plain_dp_with_an_fp32_master(layout, clip):
+    """ZeRO-1 on bf16 parameters trains exactly as plain DP with an fp32 master, on 1/D of
+    the optimizer state, and moves fp32 gradients and bf16 parameters.
+
+    The rule, from Megatron-Core 0.20.0 (NVIDIA/Megatron-LM d98e8a64):
+    ``megatron/core/optimizer/distrib_optimizer.py``, ``DistributedOptimizer.
+    _build_model_and_main_param_groups``: for a bf16 parameter each rank keeps an fp32
+    copy of its shard only (the main parameter the optimizer steps); ``megatron/core/
+    optimizer/optimizer.py``, ``Float16OptimizerWithFloat16Params``: without the
+    distributed optimizer every rank keeps an fp32 copy of every parameter;
+    ``megatron/training/arguments.py``, ``validate_args``: ``--bf16`` accumulates and
+    reduces gradients in fp32 unless ``--grad-reduce-in-bf16``; ``megatron/core/
+    distributed/param_and_grad_buffer.py``, ``start_param_sync``: the updated parameters
+    are all-gathered from the bf16 parameter buffer.
+    """
+    tp, dp = layout
+    res = _run(layout)
+    plain_name, zero_name = ("bf16_plain_clip", "bf16_zero1_clip") if clip else ("bf16_plain", "bf16_zero1")
+    serial = _serial(clip)
+    for rank, result in enumerate(res.results):
+        plain, zero = result["variants"][plain_name], result["variants"][zero_name]
+        where = f"rank {rank}, {'clip' if clip else 'no clip'}"
+        # The same training: the same bf16 parameters after 3 steps, bit for bit.
+        for name, p in plain["params"].items():
+            assert p.dtype == torch.bfloat16, f"{where}: {name} is {p.dtype}"
+            assert torch.equal(p, zero["params"][name]), f"{where}: {name} differs"
+        assert zero["losses"] == plain["losses"], where
+        assert all(m.dtype == torch.float32 for m in plain["masters"] + zero["masters"])
+        if clip:  # the norm's squares are summed in another order: fp32 rounding only
+            assert zero["norms"] == pytest.approx(plain["norms"], rel=1e-6), where
+            assert plain["norms"] == pytest.approx(serial["norms"], rel=BF16_LOSS_RTOL), where
+        # ... of the same model as the fp32 serial run, to bf16 precision.
+        assert plain["losses"] == pytest.approx(serial["losses"], rel=BF16_LOSS_RTOL), where
+        # Optimizer state: 12 bytes a parameter (fp32 master, exp_avg, exp_avg_sq) on every
+        # rank with plain DP; the same for ceil(N / D) parameters with ZeRO-1.
+        n = sum(p.numel() for p in plain["params"].values())
+        assert plain["state_bytes"] == {"master_params": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n}
+        assert sum(zero["state_bytes"].values()) == costs.zero1_state_bytes_per_rank(n, dp)
+        # The wire: fp32 gradient buckets / reduce-scatter, bf16 parameter all-gather, as
+        # predicted with bf16 elements and fp32 gradient reduction.
+        for name, zero1 in ((plain_name, False), (zero_name, True)):
+            events = res.trace.filter(rank=rank, variant=name, step=0, comm_only=True)
+            rows = costs.tp_dp_step_collectives(
+                CONFIG, tp, dp, micro_batch_size=GLOBAL_BATCH // dp // MICROBATCHES,
+                num_microbatches=MICROBATCHES, zero1=zero1, bucket_size_bytes=BUCKET_BYTES,
+                clip_grad=clip, bytes_per_element=2, grad_reduce_in_fp32=True)
+            expected = Counter()
+            for row in rows:
+                expected[(row.op, row.group_kind, row.phase, row.bytes_each)] += row.count
+            got = Counter((e.op, e.group_kind, e.tags.get("phase"), e.bytes) for e in events)
+            assert got == expected, f"{where} {name}: traced {got - expected}, predicted {expected - got}"
+            dtypes = {(e.op, e.tags["phase"]): e.dtype for e in events if e.group_kind == "dp"}
+            if zero1:
+                assert dtypes[("reduce_scatter", "optimizer")] == "float32"
+                assert dtypes[("all_gather", "optimizer")] == "bfloat16"
+            else:
+                assert dtypes[("all_reduce", "backward")] == "float32"
 
 
 # --- train_step without process groups ----------------------------------------------------

@@ -111,6 +111,27 @@ def test_zero1_replaces_the_buckets_by_a_reduce_scatter_and_an_all_gather():
     assert table[("all_gather", "dp", "optimizer", 5400)] == 1
 
 
+def test_bf16_zero1_gathers_bf16_parameters_and_scatters_fp32_gradients():
+    """A bf16 model with an fp32 master: Megatron-Core 0.20.0 (d98e8a64) reduces the
+    gradients in fp32 (``megatron/training/arguments.py``, ``validate_args``: ``--bf16``
+    turns on ``accumulate_allreduce_grads_in_fp32`` unless ``--grad-reduce-in-bf16``) and
+    all-gathers the parameters in their own dtype (``megatron/core/distributed/
+    param_and_grad_buffer.py``: ``start_param_sync`` gathers ``param_data``, allocated in
+    ``param_dtype``).  4048 parameters over DP = 2: the reduce-scatter takes 4048 fp32
+    gradients (16192 bytes), the all-gather sends a 2024-element bf16 slice (4048 bytes)."""
+    table = _table(_step(zero1=True, bytes_per_element=2))
+    assert table[("reduce_scatter", "dp", "optimizer", 16192)] == 1
+    assert table[("all_gather", "dp", "optimizer", 4048)] == 1
+    # Plain DP in bf16 with fp32 buckets: the buckets hold the same parameters as bf16
+    # buckets of the same byte budget would, at 4 bytes each (4048 floats in all).
+    def buckets(**overrides):
+        return sorted(b for r in _step(bytes_per_element=2, **overrides)
+                      if (r.op, r.group_kind, r.phase) == ("all_reduce", "dp", "backward")
+                      for b in [r.bytes_each] * r.count)
+    assert buckets(grad_reduce_in_fp32=True) == [2 * b for b in buckets()]
+    assert sum(buckets(grad_reduce_in_fp32=True)) == 16192 and sum(buckets()) == 8096
+
+
 def test_one_rank_groups_the_wrappers_still_call_and_the_rest_skip():
     # TP = 1, DP = 1: no TP collective at all; DataParallel still all-reduces its buckets on
     # its one-rank group (as the trace shows), but nothing is logged and the clip is local.

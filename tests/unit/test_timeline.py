@@ -11,9 +11,9 @@ from tutorial_lib.trace import Trace, TraceEvent
 from tutorial_lib.viz import timeline as tlmod
 from tutorial_lib.viz.draw import KIND_COLORS
 from tutorial_lib.viz.timeline import (Span, Timeline, bubble_fraction, busy_fraction,
-                                       event_label, format_bytes, overlap_fraction,
-                                       overlap_seconds, timeline, timeline_from_spans,
-                                       trace_spans)
+                                       collective_instances, event_label, format_bytes,
+                                       overlap_breakdown, overlap_fraction, overlap_seconds,
+                                       timeline, timeline_from_spans, trace_spans)
 
 # Times in units of 1/128 s (7.8125 ms): binary fractions, so shifting by T0 and scaling
 # to ms are exact and every number below can be compared with ==.
@@ -291,3 +291,73 @@ def test_save_writes_a_standalone_page(tmp_path):
     text = open(path, encoding="utf-8").read()
     assert text.startswith("<!doctype html>") and "<title>saved</title>" in text
     assert "tl-timeline" in repr(timeline(synthetic())._repr_html_())
+
+
+# --- waiting for peers is not overlap -----------------------------------------------------------
+
+
+def two_ranks_two_buckets() -> Trace:
+    """DP group (0, 1): rank 1 issues bucket 0 two units before rank 0, rank 0 issues
+    bucket 1 one unit before rank 1.  A TP op on the same ranks pairs up separately."""
+    return Trace([
+        ev(0, "compute", 2, 6, name="backward"),
+        ev(0, "all_reduce", 3, 7, "dp", bucket=0),
+        ev(0, "all_reduce", 4, 8, "dp", bucket=1),
+        ev(0, "all_reduce", 0, 1, "tp"),
+        ev(1, "compute", 0, 5, name="backward"),
+        ev(1, "all_reduce", 1, 7, "dp", bucket=0),
+        ev(1, "all_reduce", 5, 8, "dp", bucket=1),
+        ev(1, "all_reduce", 0, 1, "tp"),
+    ])
+
+
+def test_collective_instances_pair_the_kth_op_of_each_group():
+    t = two_ranks_two_buckets()
+    pairs = collective_instances(t)
+    assert len(pairs) == 6
+    for e in t.filter(comm_only=True):
+        peers = pairs[id(e)]
+        assert [p.rank for p in peers] == [0, 1]
+        assert {p.group_kind for p in peers} == {e.group_kind}
+        assert {p.tags.get("bucket") for p in peers} == {e.tags.get("bucket")}
+    # Without the other rank's events nothing can be paired.
+    assert collective_instances(t.filter(rank=0)) == {}
+
+
+def test_overlap_breakdown_separates_waiting_for_peers_from_overlap():
+    t = two_ranks_two_buckets()
+    # Rank 0: bucket 0 runs [3, 7] (3 units inside backward [2, 6], 1 after); bucket 1
+    # waits [4, 5] for rank 1, then runs [5, 8] (1 unit inside backward, 2 after).
+    assert overlap_breakdown(t, 0, "backward", group_kind="dp") == {
+        "in_flight": 8 * U, "waiting_for_peers": 1 * U, "overlapped": 4 * U, "exposed": 3 * U}
+    # Rank 1: bucket 0 waits [1, 3] for rank 0, runs [3, 7] (2 units inside backward
+    # [0, 5]); bucket 1 runs [5, 8] after backward.
+    assert overlap_breakdown(t, 1, "backward", group_kind="dp") == {
+        "in_flight": 9 * U, "waiting_for_peers": 2 * U, "overlapped": 2 * U, "exposed": 5 * U}
+    # Tags select ops, as Trace.filter does: bucket 1 alone.
+    assert overlap_breakdown(t, 0, "backward", group_kind="dp", bucket=1) == {
+        "in_flight": 4 * U, "waiting_for_peers": 1 * U, "overlapped": 1 * U, "exposed": 2 * U}
+    # overlap_seconds counts rank 1's two units of waiting inside its backward as overlap.
+    assert overlap_seconds(t, 1, "backward", group_kind="dp") == 4 * U
+    for rank in (0, 1):
+        parts = overlap_breakdown(t, rank, "backward", op="all_reduce", group_kind="dp")
+        assert parts["in_flight"] == sum(e.duration for e in t.filter(rank=rank, group_kind="dp"))
+        assert parts["waiting_for_peers"] + parts["overlapped"] + parts["exposed"] \
+            == parts["in_flight"]
+
+
+def test_overlap_breakdown_needs_every_peer_and_a_collective():
+    with pytest.raises(ValueError, match="other ranks of \\[0, 1\\]"):
+        overlap_breakdown(two_ranks_two_buckets().filter(rank=0), 0, "backward")
+    with pytest.raises(ValueError, match="point-to-point"):
+        overlap_breakdown(synthetic(), 1, "backward", op="recv")
+
+
+def test_the_tooltip_counts_overlap_only_after_the_last_peer_issued():
+    tl = timeline(two_ranks_two_buckets())
+    early = bars_of(tl, rank=1, label="all-reduce bucket 0")[0]["tip"]
+    assert early["waiting for peers"] == f"{2 * MS:.3f} ms (until the last rank issued it)"
+    assert early["overlaps compute"] == f"{2 * MS:.3f} ms (33%)"  # [3, 5] of [1, 7]
+    last = bars_of(tl, rank=0, label="all-reduce bucket 0")[0]["tip"]
+    assert last["waiting for peers"].startswith(f"{0:.3f} ms")
+    assert last["overlaps compute"] == f"{3 * MS:.3f} ms (75%)"

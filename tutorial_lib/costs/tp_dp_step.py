@@ -39,7 +39,8 @@ DATA_PARALLEL_BUCKET_SIZE_BYTES = 40_000_000
 
 _NORM_BYTES = 4  # the clip's squared norm and the logged loss are float32 scalars
 _LOSS_BYTES = 4  # the vocab-parallel cross-entropy computes in float32 whatever the logits' dtype
-_ZERO1_BYTES = 4  # ZeRO-1's flat buffers are float32 (the master copy) whatever the model's dtype
+_ZERO1_BYTES = 4  # ZeRO-1 reduce-scatters float32 gradients whatever the model's dtype
+_FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
                            zero1: bool = False,
                            bucket_size_bytes: float = DATA_PARALLEL_BUCKET_SIZE_BYTES,
                            clip_grad: bool = False, log_loss: bool = True,
-                           bytes_per_element: int = 4) -> list[StepCollective]:
+                           bytes_per_element: int = 4,
+                           grad_reduce_in_fp32: bool = False) -> list[StepCollective]:
     """Every collective one rank issues in one ``train_step`` of ``GPTModel``, as rows.
 
     ``tp``, ``dp``: the layout; ``micro_batch_size`` sequences per microbatch,
@@ -140,6 +142,10 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
     ``model_config.sequence_parallel``); ``zero1``: DistributedOptimizer instead of
     DataParallel (whose buckets hold about ``bucket_size_bytes``); ``clip_grad``: a
     ``max_grad_norm`` is given; ``log_loss``: the loss is averaged over DP for the log.
+    ``bytes_per_element``: the model's dtype (4: fp32, 2: bf16), of the activations and
+    the parameters; ``grad_reduce_in_fp32``: DataParallel's buckets are fp32 whatever the
+    parameters' dtype (they are cut by the parameters' bytes all the same).  ZeRO-1
+    reduce-scatters fp32 gradients and all-gathers parameters in their own dtype.
     Every rank issues the same list (the shards are of equal size).
 
     Two things the trace shows that a reader may not expect: DataParallel and ZeRO-1
@@ -210,6 +216,8 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
     numels = [math.prod(shape) for _, shape in shapes]
     if not zero1:
         sizes = data_parallel_bucket_bytes([n * bytes_per_element for n in numels], bucket_size_bytes)
+        if grad_reduce_in_fp32:  # the same buckets, fp32 buffers
+            sizes = [nbytes // bytes_per_element * _FP32_BYTES for nbytes in sizes]
         for nbytes in sorted(set(sizes), reverse=True):
             add("all_reduce", "dp", "backward", sizes.count(nbytes), nbytes,
                 "DataParallel buckets: average the gradients over the replicas")
@@ -223,7 +231,7 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
             add("all_reduce", "dp", "clip_grad", 1, _NORM_BYTES, "global gradient norm: sum over DP slices")
         if clip_grad and tp > 1:
             add("all_reduce", "tp", "clip_grad", 1, _NORM_BYTES, "global gradient norm: sum over TP shards")
-        add("all_gather", "dp", "optimizer", 1, padded // dp * _ZERO1_BYTES,
+        add("all_gather", "dp", "optimizer", 1, padded // dp * bytes_per_element,
             "ZeRO-1: every replica gets every updated slice")
     if log_loss and dp > 1:
         add("all_reduce", "dp", "logging", 1, _NORM_BYTES, "the loss averaged over replicas (logging only)")

@@ -33,7 +33,9 @@ the same code, in its own lane, next to what a run recorded::
 
 Pure helpers turn the same events into numbers a chapter can assert:
 :func:`overlap_seconds` (how much of some ops' time falls inside compute spans of
-one name: proof that bucket all-reduces overlap backward) and
+one name), :func:`overlap_breakdown` (the same time split into waiting for the
+group's last rank to issue the op, overlapped with the rank's own compute, and
+exposed: the honest measure of hidden communication) and
 :func:`busy_fraction` / :func:`bubble_fraction` (how much of the step each rank
 spends working, or idle: the pipeline bubble).
 """
@@ -197,6 +199,7 @@ def trace_spans(trace: Trace, ranks: Iterable[int] | None = None,
         if e.op == "compute":
             computes.setdefault(e.rank, []).append((e.t_start, e.t_end))
     computes = {r: _union(v) for r, v in computes.items()}
+    instances = collective_instances(rel)
     spans = []
     for e in events:
         kind = _kind(e)
@@ -214,8 +217,15 @@ def trace_spans(trace: Trace, ranks: Iterable[int] | None = None,
             info["shape"] = str(tuple(e.shape))
             info["dtype"] = e.dtype or "-"
             info["bytes"] = format_bytes(e.bytes)
+            # With every peer's event at hand, the time before the last peer issued the op
+            # is waiting, not overlap: only the rest can hide behind compute.
+            running_from = e.t_start
+            if id(e) in instances:
+                running_from = min(max(p.t_start for p in instances[id(e)]), e.t_end)
+                info["waiting for peers"] = (f"{(running_from - e.t_start) * 1e3:.3f} ms "
+                                             "(until the last rank issued it)")
             if e.rank in computes and e.duration > 0:
-                inside = _covered(e.t_start, e.t_end, computes[e.rank])
+                inside = _covered(running_from, e.t_end, computes[e.rank])
                 info["overlaps compute"] = (f"{inside * 1e3:.3f} ms "
                                             f"({100 * inside / e.duration:.0f}%)")
         if e.splits:
@@ -251,7 +261,9 @@ def overlap_seconds(trace: Trace, rank: int, compute_name: str, op: str | Iterab
     and ``group_kind``, when given.  Each op counts its own overlap, so two ops in
     flight during the same millisecond of backward count it twice: divide by their
     total duration (:func:`overlap_fraction`) for the share of communication hidden
-    behind compute.  Nested or repeated spans of that name count once.
+    behind compute.  Nested or repeated spans of that name count once.  Time an op spent
+    waiting for the other ranks of its group to issue it counts as overlap here;
+    :func:`overlap_breakdown` separates the two.
     """
     spans = _union((e.t_start, e.t_end) for e in trace
                    if e.rank == rank and e.op == "compute" and e.tags.get("name") == compute_name)
@@ -264,6 +276,73 @@ def overlap_fraction(trace: Trace, rank: int, compute_name: str, op: str | Itera
     """:func:`overlap_seconds` divided by the selected ops' total duration (0 if they took none)."""
     total = sum(e.duration for e in trace if e.rank == rank and _ops_match(e, op, group_kind))
     return overlap_seconds(trace, rank, compute_name, op, group_kind) / total if total > 0 else 0.0
+
+
+# --- whose time is it: waiting for peers, hidden behind compute, exposed -----------------
+
+#: Ops whose every rank must take part before any rank's copy can finish.
+COLLECTIVE_OPS = frozenset({"all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                            "broadcast", "barrier"})
+
+
+def collective_instances(trace: Trace) -> dict[int, list[TraceEvent]]:
+    """Each collective event, by ``id``, with the matching events of its group's other ranks.
+
+    The ranks of a communicator issue its collectives in the same order (that is what
+    makes them pair up at all), so the k-th collective a rank recorded on a group (its
+    kind and ranks) and the k-th its peers recorded on the same group are one operation.  An event whose peers are
+    missing from ``trace`` (a trace filtered to one rank, or a peer that recorded fewer
+    ops) is left out.  Point-to-point ops and compute spans are never in it.
+    """
+    streams: dict[tuple, list[TraceEvent]] = {}
+    for e in sorted(trace, key=lambda e: (e.rank, e.t_start)):
+        if e.op in COLLECTIVE_OPS and e.group_ranks:
+            streams.setdefault((e.rank, e.group_kind, tuple(e.group_ranks)), []).append(e)
+    out: dict[int, list[TraceEvent]] = {}
+    for (rank, kind, group), mine in streams.items():
+        others = [streams.get((r, kind, group), []) for r in group]
+        for k, e in enumerate(mine):
+            if all(len(s) > k for s in others):
+                out[id(e)] = [s[k] for s in others]
+    return out
+
+
+def overlap_breakdown(trace: Trace, rank: int, compute_name: str,
+                      op: str | Iterable[str] | None = None,
+                      group_kind: str | None = None, **tags: Any) -> dict[str, float]:
+    """Split the selected collectives' time on ``rank`` by what it was spent on, in seconds.
+
+    A collective cannot complete on any rank before every rank of its group has issued
+    it, so the time from this rank's issue to the *last* rank's issue is
+    ``waiting_for_peers``: not communication, just being early.  Only after that can the
+    transfer run; of that part, ``overlapped`` falls inside this rank's own compute spans
+    named ``compute_name`` (communication really hidden behind compute), ``exposed`` does
+    not.  ``in_flight`` is the ops' whole duration (issue to ``wait()`` returned), the sum
+    of the three.  :func:`overlap_seconds` counts the waiting as overlap too; this is the
+    honest split.  Needs the events of every rank of each op's group
+    (:func:`collective_instances`); selects like :func:`overlap_seconds`, and ``tags``
+    keeps only the ops carrying those tags (``phase="backward"``: the gradient buckets).
+    """
+    spans = _union((e.t_start, e.t_end) for e in trace
+                   if e.rank == rank and e.op == "compute" and e.tags.get("name") == compute_name)
+    instances = collective_instances(trace)
+    out = {"in_flight": 0.0, "waiting_for_peers": 0.0, "overlapped": 0.0, "exposed": 0.0}
+    for e in trace:
+        if e.rank != rank or not _ops_match(e, op, group_kind):
+            continue
+        if any(e.tags.get(k) != v for k, v in tags.items()):
+            continue
+        if id(e) not in instances:
+            raise ValueError(f"overlap_breakdown: no matching events of the other ranks of "
+                             f"{list(e.group_ranks)} for rank {rank}'s {e.op}; pass the trace of "
+                             f"every rank of the group (point-to-point ops are not supported)")
+        last_issue = min(max(p.t_start for p in instances[id(e)]), e.t_end)
+        running = _covered(last_issue, e.t_end, spans)
+        out["in_flight"] += e.duration
+        out["waiting_for_peers"] += last_issue - e.t_start
+        out["overlapped"] += running
+        out["exposed"] += (e.t_end - last_issue) - running
+    return out
 
 
 _COUNTS = {"compute": lambda e: e.op == "compute", "comm": lambda e: e.op != "compute",
@@ -716,14 +795,16 @@ def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None
                                                    f"{'s' if n_compute != 1 else ''}"
                                                    if n_compute else ""))
     note = ("A bar runs from when the op was issued to when it completed; for an asynchronous "
-            "op that is when wait() returned, so its bar is the time it was in flight. Ops "
-            "in flight at the same time stack into extra rows. Hover a bar for details; drag "
-            "across the chart to zoom.")
+            "op that is when wait() returned, so its bar is the time it was in flight, "
+            "including any time spent waiting for the other ranks of its group to issue it "
+            "(the tooltip says how long). Ops in flight at the same time stack into extra "
+            "rows. Hover a bar for details; drag across the chart to zoom.")
     return timeline_from_spans(spans, title=title, ranks=ranks, t_range=t_range, width=width,
                                playable=playable, lanes=lanes, frames=frames, note=note,
                                interval_ms=interval_ms)
 
 
 __all__ = ["Span", "Timeline", "timeline", "timeline_from_spans", "trace_spans", "event_label",
-           "format_bytes", "overlap_seconds", "overlap_fraction", "busy_fraction",
+           "format_bytes", "overlap_seconds", "overlap_fraction", "overlap_breakdown",
+           "collective_instances", "COLLECTIVE_OPS", "busy_fraction",
            "bubble_fraction", "KIND_NAMES"]
