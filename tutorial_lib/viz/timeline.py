@@ -10,6 +10,13 @@ asynchronous op in flight during a compute span shows as two bars stacked one
 above the other: the gradient buckets' all-reduces visibly overlapping backward.
 Ops that overlap each other (two buckets in flight) stack into extra rows.
 
+A pipeline step is drawn as its schedule with ``timeline(trace, pipeline=True)`` (or, for
+a simulated plan, :func:`plan_spans` and ``timeline_from_spans(..., bubble=True)``):
+forwards blue and backwards orange, each further chunk of an interleaved rank a shade
+darker, a bar too narrow for ``F3.1`` labelled ``3``, each rank's idle time (the bubble)
+hatched, and a send posted before a compute and waited on only at the end of the step
+(the labels' ``isend``) a tick where it was posted instead of a bar across the step.
+
 What a bar means: it runs from the moment the op was issued to the moment it
 completed.  For an asynchronous op (``comm.isend``/``irecv``, a bucket's
 all-reduce) "completed" is when ``wait()`` returned, so the bar is the time the
