@@ -715,6 +715,25 @@ def _schedule_legend(bars: list[dict], color_of) -> list[tuple[str, str, str]]:
     return out
 
 
+def _schedule_note(spans: list[Span]) -> str:
+    """The sentence a schedule's drawing starts its note with: what its colours, its
+    hatching and its ticks mean ("" when it draws none of them)."""
+    parts = []
+    if any(s.kind in SCHEDULE_KINDS for s in spans):
+        chunked = any(s.chunk for s in spans if s.kind in SCHEDULE_KINDS)
+        parts.append("forwards blue, backwards orange"
+                     + (" (each further chunk a darker shade)" if chunked else ""))
+    if any(s.kind == BUBBLE for s in spans):
+        parts.append("each rank's idle time (the bubble) hatched")
+    if any(s.end == s.start and "waited on" in s.info for s in spans):
+        parts.append("a send posted before a compute and waited on at the end of the step "
+                     "is a tick where it was posted")
+    if not parts:
+        return ""
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + ". "
+
+
 def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = None,
                         ranks: Iterable[int] | None = None,
                         t_range: tuple[float, float] | None = None, width: int = 900,
@@ -877,6 +896,7 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
     }
     if note is None:
         note = ("Hover a bar for details; drag across the chart to zoom into a time range.")
+    note = _schedule_note(spans) + note
     return Timeline(data, playable, interval_ms, note)
 
 
@@ -918,10 +938,6 @@ def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None
             "op that is when wait() returned, so its bar is the time it was in flight. Ops "
             "in flight at the same time stack into extra rows. Hover a bar for details; drag "
             "across the chart to zoom.")
-    if pipeline:
-        note = ("Forwards blue, backwards orange (a darker shade per chunk), idle time "
-                "hatched; a send posted before a compute and waited on at the end of the "
-                "step is a tick where it was posted. " + note)
     return timeline_from_spans(spans, title=title, ranks=ranks, t_range=t_range, width=width,
                                playable=playable, lanes=lanes, frames=frames, note=note,
                                interval_ms=interval_ms, bubble=pipeline)
