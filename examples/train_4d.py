@@ -18,9 +18,15 @@ with status 2 and the validator's message (the rule, the value, a fix) before to
 loaded or any worker starts.
 
 Every layout trains the same model on the same data: the per-step losses agree with the
-one-rank run (``--world-size 1``) to fp32 rounding.  ``--json`` prints one JSON object per
-step (``step``, ``loss`` = the language-model loss over the global batch, the balance
-loss and MaxVio under their own keys, ``grad_norm``, timings); otherwise one line per step.
+one-rank run (``--world-size 1``) to fp32 rounding.  A run first prints a banner: the
+layout, the schedule, the P2P mode, the precision recipe and the iterations (and, with
+experts, what ``seq-balance`` and ``MaxVio`` are).  Then one line per step, ``iteration
+3/5  loss ...``; with ``--json`` one JSON object per step instead, numbered the same way
+(``"iteration": 3``; Megatron counts iterations from 1, and the checkpoint saved after
+iteration 3 is ``iter_0000003``), with ``loss`` = the language-model loss over the global
+batch, the balance loss and MaxVio under their own keys, ``grad_norm`` and timings
+(``--help`` lists every key).  Under ``--json`` stdout holds the JSON lines and nothing
+else: the banner and the checkpoint lines go to stderr.
 
 ``--precision-recipe bf16`` or ``deepseek_v3`` (or a recipe file, chapter 8) trains with
 simulated BF16 / FP8 matmuls and BF16 / FP8 MoE communication; the default ``fp32`` changes
@@ -56,8 +62,8 @@ from dataclasses import fields
 # Only torch-free modules until the arguments are valid: a bad value exits with status 2
 # before torch is loaded (tutorial_lib.arguments); tutorial_lib.train_4d comes in main().
 from tutorial_lib import checkpointing
-from tutorial_lib.arguments import (CONFIG_FIELDS, TrainingArgs, args_from_dict, load_config_file,
-                                    validate_args)
+from tutorial_lib.arguments import (CONFIG_FIELDS, LOG_KEYS, TrainingArgs, args_from_dict,
+                                    describe_run, load_config_file, validate_args)
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
 
@@ -78,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE",
                         help="JSON or TOML file with any of the options above (keys spelled like the "
                              "flags, with - or _); flags given on the command line win")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per step")
+    keys = "; ".join(f"{key}: {meaning}" for key, meaning in LOG_KEYS.items())
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per step on stdout, and nothing else there "
+                             "(the banner and checkpoint lines go to stderr). Keys (the text "
+                             f"lines' names in brackets): {keys}".replace("%", "%%"))
     return parser
 
 
@@ -104,7 +114,7 @@ def interrupted(args: TrainingArgs, steps_done: int, argv=None) -> str:
     """One line for Ctrl-C: the step, the last checkpoint and the command that resumes from it."""
     resumed = checkpointing.latest_checkpoint(args.load) if args.load and args.ckpt_step is None else None
     done = max(steps_done, resumed.iteration if resumed else args.ckpt_step or 0)
-    line = f"train_4d.py: interrupted at step {done + 1}/{args.steps} ({done} finished)"
+    line = f"train_4d.py: interrupted in iteration {done + 1}/{args.steps} ({done} finished)"
     latest = checkpointing.latest_checkpoint(args.save)
     if latest is None:
         return line + "; no checkpoint saved (--save DIR --save-interval N keeps one)"
@@ -131,16 +141,21 @@ def main(argv=None) -> int:
     except (ConfigError, OSError, ValueError) as error:
         print(f"train_4d.py: error: {error}", file=sys.stderr)
         return 2
+    if not is_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+        # the banner: on stdout with the progress lines; under --json on stderr, since
+        # stdout then holds the JSON lines only (and they say what each key is in --help)
+        print(describe_run(args, legend=not as_json), file=sys.stderr if as_json else sys.stdout,
+              flush=True)
     try:  # loads torch; Ctrl-C meanwhile: one line, no traceback
         from tutorial_lib.train_4d import format_progress, format_saved, train, train_worker
     except KeyboardInterrupt:
         print(INTERRUPTED_EARLY, file=sys.stderr)
         return 130
 
-    done = [0]  # steps finished, for the message on Ctrl-C (under torchrun)
+    done = [0]  # iterations finished, for the message on Ctrl-C (under torchrun)
 
     def show(record):
-        done[0] = record["step"] + 1
+        done[0] = record["iteration"]
         print(json.dumps(record) if as_json else format_progress(record, args.steps), flush=True)
 
     def saved(iteration, directory):  # to stderr under --json: stdout holds one object per line

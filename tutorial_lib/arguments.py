@@ -31,7 +31,8 @@ from .pipeline_schedules import (P2P_MODES, SCHEDULE_NAMES, check_microbatch_gro
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "TrainingArgs", "validate_args",
-           "resolve_precision_recipe", "check_memory", "load_config_file", "args_from_dict"]
+           "resolve_precision_recipe", "check_memory", "load_config_file", "args_from_dict",
+           "describe_run", "LOG_KEYS"]
 
 
 #: The config dataclasses' fields the 4D run takes, flat in :class:`TrainingArgs`; each is
@@ -66,7 +67,7 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     virtual_pipeline_model_parallel_size: int = 2
     """V: model chunks per rank for ``schedule="interleaved"`` (ignored by the other schedules)."""
     steps: int = 5
-    """Optimizer steps."""
+    """Optimizer steps: the run logs iterations 1 to ``steps`` (Megatron counts from 1)."""
     seed: int = 1234
     """Seeds the weights, the data and the dropout masks (1 to 2**32 - 1, as in Megatron)."""
     lr: float = 3e-3
@@ -160,9 +161,25 @@ def _validate_checkpoint_args(args: TrainingArgs) -> None:
         checkpointing.check_checkpoint_args(found.common, args)
 
 
+def _names_a_file(name: str) -> bool:
+    """Whether a ``precision_recipe`` that is not a recipe name is meant as a file."""
+    return (name.lower().endswith((".json", ".toml")) or os.sep in name
+            or (os.altsep is not None and os.altsep in name))
+
+
 def resolve_precision_recipe(name_or_path: str) -> PrecisionRecipe:
-    """The recipe named by ``precision_recipe``, or a :class:`ConfigError` naming the choices."""
+    """The recipe named by ``precision_recipe``, or a :class:`ConfigError` naming the choices.
+
+    A value that names a file (a ``.json`` / ``.toml`` name, or a path) which does not
+    exist is refused as "file not found", not as an unknown recipe name.
+    """
     choices = f"choose one of {', '.join(RECIPES)} or a .json / .toml recipe file"
+    if name_or_path not in RECIPES and not os.path.exists(name_or_path) \
+            and _names_a_file(name_or_path):
+        raise ConfigError("precision recipe", f"precision_recipe file not found: "
+                          f"{name_or_path!r} ({os.path.abspath(name_or_path)} does not exist); "
+                          f"give the path of a .json / .toml recipe file, or one of "
+                          f"{', '.join(RECIPES)}")
     if name_or_path not in RECIPES and not os.path.isfile(name_or_path):
         raise ConfigError("precision recipe", f"unknown precision_recipe {name_or_path!r}: "
                           f"{choices} (precision.recipe_from_file)")
@@ -171,6 +188,70 @@ def resolve_precision_recipe(name_or_path: str) -> PrecisionRecipe:
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ConfigError("precision recipe", f"the recipe file {name_or_path!r} cannot be used: "
                           f"{error}; {choices}") from None
+
+
+#: What each key of a step's record means (``examples/train_4d.py --json`` prints one
+#: record per line; the text lines abbreviate the keys named in brackets).
+LOG_KEYS = {
+    "iteration": "the optimizer steps done, counted from 1 (Megatron's iteration; the "
+                 "checkpoint saved after it is iter_<iteration>)",
+    "loss": "the language-model loss, the mean over every token of the global batch",
+    "sequence_balance_loss": "[seq-balance] DeepSeek-V3's complementary sequence-wise "
+                             "balance loss (alpha = 1e-4 included), summed over the MoE "
+                             "layers, mean over the microbatches",
+    "max_violation": "[MaxVio] (load of the busiest expert - mean load) / mean load, the "
+                     "step's expert loads over the whole global batch, mean over the MoE "
+                     "layers: 0 is perfect balance, 1 a busiest expert with twice its share",
+    "grad_norm": "[grad-norm] the global gradient norm before clipping",
+    "step_time_s": "wall-clock seconds of the step",
+    "tokens_per_s": "[tok/s] tokens of the global batch per second of the step",
+    "peak_activations": "the most microbatch activations rank 0 held at once",
+}
+
+
+def describe_run(args: TrainingArgs, legend: bool = True) -> str:
+    """The banner a run prints before it starts: layout, schedule, P2P mode, recipe.
+
+    ``TP2 x PP2 x EP1 x DP2 = 8 ranks`` with the experts' grid and Megatron's rank
+    order (``tutorial_lib.grid``), the schedule with its microbatches (and chunks when
+    interleaved), the P2P mode, the precision recipe, and the iterations it will run
+    (from the checkpoint's when it loads one).  ``legend``: with experts, add what the
+    progress lines' ``seq-balance`` and ``MaxVio`` are (:data:`LOG_KEYS`).
+    """
+    from .grid import MEGATRON_ORDER
+
+    parallel, _, _ = args.configs()
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    world = parallel.world_size
+    layout = (f"TP{tp} x PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = {world} "
+              f"rank{'s' * (world > 1)}")
+    if args.num_experts:
+        layout += (f" (experts: ETP{etp} x EP{ep} x EDP{parallel.expert_data_parallel_size}"
+                   f")")
+    layout += f"; Megatron's rank order {MEGATRON_ORDER}"
+    schedule = f"{args.schedule}, M = {args.num_microbatches} microbatches per replica"
+    if args.schedule == "interleaved":
+        schedule += f", V = {args.virtual_pipeline_model_parallel_size} chunks per rank"
+    if pp == 1:
+        schedule += " (one stage: no pipeline)"
+    if args.load:
+        where = f"iteration {args.ckpt_step}" if args.ckpt_step else "the latest iteration"
+        iterations = f"from {where} of {args.load} up to {args.steps}"
+    else:
+        iterations = f"1 to {args.steps}"
+    if args.save:
+        every = f"every {args.save_interval} and " if args.save_interval else ""
+        iterations += f"; saves to {args.save} {every}after the last"
+    rows = [("layout", layout), ("schedule", schedule), ("P2P mode", args.p2p_mode),
+            ("recipe", args.precision_recipe), ("iterations", iterations)]
+    if args.use_distributed_optimizer:
+        rows.append(("optimizer", "Adam, ZeRO-1 (use_distributed_optimizer)"))
+    if legend and args.num_experts:
+        for key in ("sequence_balance_loss", "max_violation"):
+            name, meaning = LOG_KEYS[key][1:].split("] ", 1)
+            rows.append((name, meaning))
+    return "\n".join(f"train_4d: {name:<11} {value}" for name, value in rows)
 
 
 def check_memory(args: TrainingArgs, available: int | None = None,

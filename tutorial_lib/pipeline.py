@@ -18,13 +18,19 @@ actions of one training step; :mod:`tutorial_lib.p2p` moves tensors between neig
     send_grad i c        -> the gradient of the input, to the previous model stage
     send_labels i        -> the first model stage sends i's labels to the last
 
-Consecutive sends and receives of activations and gradients are one communication
-call, named after the Megatron helper it is (``send_forward_recv_backward`` and so
-on), run in the chosen P2P mode: :func:`group_actions` and :func:`helper_name`, two
-pure functions, make that grouping.  GPipe is the exception: each message is its own
-call.  The combined helpers (and the sequential mode's parity rule inside them) are
-made for 1F1B, where rank ``r``'s ``send_forward_recv_backward`` always meets rank
-``r + 1``'s ``send_backward_recv_forward``.  At GPipe's turn from forwards to
+Consecutive sends and receives of activations and gradients become the calls of
+Megatron's P2P helpers (``send_forward_recv_backward`` and so on) that the schedule
+makes, run in the chosen P2P mode: :func:`group_actions` and :func:`helper_name`, two
+pure functions, make that grouping, and :func:`combined_helpers` says which pairs each
+schedule combines.  1F1B calls exactly what Megatron-Core's non-interleaved schedule
+calls: ``recv_forward`` / ``send_forward`` in the warm-up, the two combined helpers in
+the steady state (after its first ``recv_forward``, before its last ``send_backward``),
+``recv_backward`` / ``send_backward`` in the cool-down.  The interleaved schedule may
+also combine a send and a receive of the same direction, as Megatron's does.  GPipe
+is the exception: each message is its own call.  The combined helpers (and the
+sequential mode's parity rule inside them) are made for 1F1B, where rank ``r``'s
+``send_forward_recv_backward`` always meets rank ``r + 1``'s
+``send_backward_recv_forward``.  At GPipe's turn from forwards to
 backwards a rank would combine "send my last activation, receive the first
 gradient" while its neighbour is still receiving activations: with blocking sends
 (sequential mode) the receive-first half waits for a gradient that cannot come yet.
@@ -56,11 +62,14 @@ from . import comm, parallel_state
 from .config import ConfigError
 from .deepseek import Microbatch
 from .p2p import communicate
-from .pipeline_schedules import PAYLOAD, Action, build_schedules, check_schedule_and_mode
+from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
+                                 num_warmup_microbatches)
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
-           "helper_name", "group_actions", "check_schedule_and_mode", "SyntheticStage",
+           "helper_name", "group_actions", "combined_helpers", "schedule_steps",
+           "check_schedule_and_mode",
+           "SyntheticStage",
            "synthetic_microbatches", "synthetic_run_name",
            "measure_synthetic_schedules"]
 
@@ -86,23 +95,80 @@ _HELPERS = {
 # --- which P2P call each run of messages is (pure) ------------------------------------
 
 
-def group_actions(actions: list[Action], combine: bool = True) -> list[list[Action]]:
-    """Split a rank's list into steps: one compute, one label message, or one P2P run.
+#: The helpers that send and receive in one call, by schedule (``None``: any send
+#: followed by a receive).  Megatron-Core 0.20.0's non-interleaved schedule
+#: (``forward_backward_pipelining_without_interleaving``) calls only the two steady-state
+#: ones: its warm-up sends each activation with ``send_forward`` and receives the next
+#: with ``recv_forward``, its cool-down likewise with ``send_backward`` and
+#: ``recv_backward``.  Its interleaved schedule also pairs two messages of one direction
+#: (``send_forward_recv_forward``, ``send_backward_recv_backward``).
+COMBINED_HELPERS = {
+    "gpipe": (),
+    "1f1b": ("send_forward_recv_backward", "send_backward_recv_forward"),
+    "interleaved": None,
+}
 
-    A P2P run is the consecutive sends and receives of activations and gradients
-    between two computes: one call of the Megatron helper :func:`helper_name` names.
-    ``combine=False`` makes every message its own step (what GPipe uses).
+
+def combined_helpers(schedule: str) -> tuple[str, ...] | None:
+    """The helpers that ``schedule`` calls with a send and a receive together
+    (:data:`COMBINED_HELPERS`); ``None``: every pair."""
+    if schedule not in COMBINED_HELPERS:
+        raise ValueError(f"schedule must be one of {', '.join(COMBINED_HELPERS)}, got {schedule!r}")
+    return COMBINED_HELPERS[schedule]
+
+
+def group_actions(actions: list[Action], combine=True,
+                  warmup: int | None = None) -> list[list[Action]]:
+    """Split a rank's list into steps: one compute, one label message, or one P2P call.
+
+    A P2P call is one send and/or one receive of activations or gradients between two
+    computes, the call of the Megatron helper :func:`helper_name` names.  ``combine``:
+    ``True`` (or ``None``) joins any send with the receive after it; a collection of
+    helper names joins only those pairs (``combined_helpers("1f1b")``: the two
+    steady-state helpers); ``False`` (or empty) makes every message its own step (what
+    GPipe uses).  ``warmup``: 1F1B's warm-up forwards on this rank; the activation of a
+    warm-up forward is sent alone (``send_forward``), even when the cool-down's first
+    receive follows at once (a rank whose warm-up takes every microbatch has no steady
+    state).  :func:`schedule_steps` passes both for a schedule.
     """
     def is_p2p(a: Action) -> bool:
         return not a.is_compute and a.kind not in LABEL_KINDS
 
+    if combine is None:
+        combine = True
+    joinable = None if combine is True else set(combine or ())
+
+    def joins(run: list[Action], a: Action) -> bool:
+        if not (is_p2p(a) and is_p2p(run[0])):
+            return False
+        if joinable is None:
+            return True
+        if len(run) != 1 or not (run[0].kind.startswith("send") and a.kind.startswith("recv")):
+            return False
+        if warmup is not None and run[0].kind == "send_activation" and run[0].microbatch < warmup:
+            return False  # the end of the warm-up: send_forward
+        return helper_name(run + [a]) in joinable
+
     steps: list[list[Action]] = []
     for a in actions:
-        if combine and steps and is_p2p(a) and is_p2p(steps[-1][0]):
+        if steps and joins(steps[-1], a):
             steps[-1].append(a)
         else:
             steps.append([a])
     return steps
+
+
+def schedule_steps(schedule: str, pp_size: int, num_microbatches: int, rank: int,
+                   virtual_pipeline_size: int = 1) -> list[list[Action]]:
+    """Pipeline rank ``rank``'s action list of ``schedule``, cut into the steps the
+    executor runs: computes, label messages, and the P2P helper calls Megatron's schedule
+    makes (:func:`group_actions` with :func:`combined_helpers` and, for 1F1B, the rank's
+    warm-up count)."""
+    actions = build_schedules(schedule, pp_size, num_microbatches,
+                              virtual_pipeline_size)[rank]
+    warmup = (num_warmup_microbatches(pp_size, num_microbatches, rank)
+              if schedule == "1f1b" else None)
+    return group_actions(actions, combined_helpers(schedule), warmup=warmup)
 
 
 def helper_name(run: list[Action]) -> str:
@@ -263,14 +329,14 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
         raise ValueError("tensor_shape ([s, b, h] of the activations between stages) "
                          "is needed with PP > 1")
 
-    actions = build_schedules(schedule, pp, len(microbatches), len(chunks))[rank]
+    steps = schedule_steps(schedule, pp, len(microbatches), rank, len(chunks))
     # The interleaved schedule posts each send as soon as its tensor exists and waits
     # for it only at the end (Megatron runs it with overlap_p2p_comm): waiting at once,
     # rank r's send to r + 1 and rank r + 1's send to r (another chunk's tensor) can
     # each wait for a receive the other posts only later.  1F1B and GPipe wait at once.
     executor = PipelineExecutor(chunks, microbatches, rank, pp, p2p_mode, tensor_shape,
                                 dtype, defer_sends=schedule == "interleaved")
-    for step in group_actions(actions, combine=schedule != "gpipe"):
+    for step in steps:
         action = step[0]
         if action.kind == "forward":
             executor.run_forward(action)
@@ -281,7 +347,8 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
         else:  # sends/receives with a neighbour: one Megatron P2P helper
             executor.run_p2p(step)
     comm.wait_all(executor.label_sends + executor.deferred_sends)
-    return StepOutput(executor.losses, executor.peak_activations, actions=len(actions))
+    return StepOutput(executor.losses, executor.peak_activations,
+                      actions=sum(len(step) for step in steps))
 
 
 # --- a stage with a known cost, for measuring schedules -------------------------------

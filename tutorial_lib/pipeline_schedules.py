@@ -620,7 +620,9 @@ def planned_spans(timelines: dict[int, list[TimedAction]], lane: str = "planned"
                   p2p: bool = False) -> list[tuple]:
     """Bars for :func:`tutorial_lib.viz.timeline.timeline_from_spans`: compute, and sends/receives if ``p2p``.
 
-    Each is ``(rank, start, end, label, kind, lane)``; kind ``compute`` or ``pp``.
+    Each is ``(rank, start, end, label, kind, lane)``; kind ``compute`` or ``pp``.  For the
+    schedule's own colours (forwards and backwards apart, a shade per chunk, the bubble
+    marked) use :func:`tutorial_lib.viz.timeline.plan_spans`, as chapter 6 does.
     """
     return [(t.rank, t.start, t.end, t.action.label, "compute" if t.action.is_compute else "pp", lane)
             for ts in timelines.values() for t in ts if p2p or t.action.is_compute]

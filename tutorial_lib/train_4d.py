@@ -27,7 +27,10 @@ and the counts are summed over TP), and the expert bias moves on the *global* lo
 and DP: their means of products are not products of means.)
 
 The logged ``loss`` is the language-model loss alone, the mean over every token of the
-global batch; the balance losses are logged under their own keys.
+global batch; the balance losses are logged under their own keys (:data:`LOG_KEYS` says
+what each key means).  Each record is numbered by ``iteration``, the steps done counted
+from 1 as Megatron logs them: the step that draws batch ``i`` (trace tag ``step=i``) is
+iteration ``i + 1``, and a checkpoint saved after it is ``iter_<i + 1>``.
 
 **Precision.**  ``precision_recipe`` (``fp32``, ``bf16``, ``deepseek_v3`` or a recipe file)
 is applied to every model chunk by :func:`tutorial_lib.precision.apply_recipe`: simulated
@@ -66,8 +69,9 @@ from dataclasses import replace
 import torch
 
 from . import checkpointing, comm, parallel_state, precision
-from .arguments import (CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs, args_from_dict, check_memory,
-                        load_config_file, resolve_precision_recipe, validate_args)
+from .arguments import (CONFIG_FIELDS, LOG_KEYS, RUN_DEFAULTS, TrainingArgs, args_from_dict,
+                        check_memory, describe_run, load_config_file, resolve_precision_recipe,
+                        validate_args)
 from .data import split_global_batch, split_microbatches, synthetic_batch
 from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
@@ -77,8 +81,9 @@ from .tp_dp_step import finish_step
 from .trace import get_tracer
 
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
-           "load_config_file", "check_memory", "build_chunks", "train_worker", "train",
-           "format_progress", "format_saved", "write_progress"]
+           "load_config_file", "check_memory", "describe_run", "LOG_KEYS", "build_chunks",
+           "train_worker", "train", "format_progress", "format_saved",
+           "write_progress"]
 
 # TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
 # torch, so that examples/train_4d.py refuses a bad value before it loads torch; they are
@@ -137,8 +142,9 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
     """Train on this rank; every rank returns the same per-step records.
 
     ``on_step(record)`` is called on every rank after each step (rank 0 prints);
-    ``on_save(iteration, directory)`` after each checkpoint is committed.  With
-    ``args.load`` the records start at the checkpoint's step.
+    ``on_save(iteration, directory)`` after each checkpoint is committed.  Records are
+    numbered by ``iteration`` (from 1); with ``args.load`` they start at the iteration
+    after the checkpoint's.
     """
     parallel, _, _ = args.configs()
     parallel.world_size = ctx.world_size
@@ -185,7 +191,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
                 _sum_over(logged, ["dp"])
             logged /= dp  # the DP replicas' mean (MaxVio and the layer count are equal on all)
         elapsed = time.perf_counter() - started
-        record = {"step": step, "loss": float(logged[0])}
+        record = {"iteration": step + 1, "loss": float(logged[0])}
         if args.num_experts:
             record.update({f"{name}_balance_loss": float(logged[1 + i]) for i, name in enumerate(aux_names)})
             layers = float(logged[-1])
@@ -207,8 +213,9 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
 
 
 def format_progress(record: dict, steps: int) -> str:
-    """One human line per step: ``step 3/10  loss 3.9512  ...``."""
-    parts = [f"step {record['step'] + 1}/{steps}", f"loss {record['loss']:.4f}"]
+    """One human line per step: ``iteration 3/10  loss 3.9512  ...``, numbered like the
+    record's ``iteration`` (what ``--json`` prints)."""
+    parts = [f"iteration {record['iteration']}/{steps}", f"loss {record['loss']:.4f}"]
     if "sequence_balance_loss" in record:
         parts.append(f"seq-balance {record['sequence_balance_loss']:.2e}")
         parts.append(f"MaxVio {record['max_violation']:.3f}")
@@ -270,5 +277,5 @@ def _worker(ctx, args, progress, progress_file=None):
         if printer is not None:
             printer(record)
         if progress_file and ctx.rank == 0:
-            write_progress(progress_file, record["step"] + 1)
+            write_progress(progress_file, record["iteration"])
     return train_worker(ctx, args, on_step, _print_saved_on_rank_0(ctx) if progress else None)

@@ -69,7 +69,8 @@ PP3_DP2 = dict(world_size=6, pipeline_model_parallel_size=3)
 
 
 def losses(result) -> dict[int, float]:
-    by_rank = [{r["step"]: r["loss"] for r in records} for records in result.results]
+    """Step (0-based: the batch it draws, ``iteration - 1``) -> loss."""
+    by_rank = [{r["iteration"] - 1: r["loss"] for r in records} for records in result.results]
     assert all(mine == by_rank[0] for mine in by_rank)  # every rank logs the same losses
     return by_rank[0]
 
@@ -230,7 +231,7 @@ def _train_drawing_from_the_rng(ctx, args):
     seen = {}
 
     def on_step(record):
-        seen[record["step"]] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        seen[record["iteration"] - 1] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
         torch.rand(7)
     train_worker(ctx, args, on_step)
     return seen
@@ -329,7 +330,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
                              capture_output=True, timeout=300, env=_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
-    assert {r["step"]: r["loss"] for r in records} == {s: losses(reference)[s] for s in (2, 3)}
+    assert {r["iteration"] - 1: r["loss"] for r in records} == {s: losses(reference)[s] for s in (2, 3)}
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004", checkpointing.TRACKER_FILENAME]
 
     with pytest.raises(ConfigError, match=r"only interrupted saves \(iter_0000004.tmp\)"):
@@ -359,7 +360,7 @@ def test_ctrl_c_prints_one_line_with_the_step_and_the_command_to_resume(tmp_path
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     line = lines[0]
-    assert line.startswith("train_4d.py: interrupted at step ")
+    assert line.startswith("train_4d.py: interrupted in iteration ")
     latest = checkpointing.latest_checkpoint(str(save))
     assert latest is not None and latest.iteration >= 2
     assert f"last checkpoint: {latest.path} (iteration {latest.iteration})" in line

@@ -23,6 +23,7 @@ because each row's masks are drawn from its index in the global batch.
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -172,7 +173,7 @@ def test_a_dense_model_trains_like_world_size_one_too():
 def test_the_record_holds_the_lm_loss_and_the_balance_terms_under_their_own_keys():
     records = train(layout_args(1, 2, 2, 4)).results[0]
     for step, record in enumerate(records):
-        assert record["step"] == step
+        assert record["iteration"] == step + 1  # Megatron's count, from 1
         assert {"loss", "sequence_balance_loss", "max_violation", "grad_norm", "tokens_per_s"} <= set(record)
         assert 0 < record["sequence_balance_loss"] < 0.01 < record["loss"]  # alpha = 1e-4: tiny
 
@@ -228,17 +229,32 @@ def test_train_4d_help_prints_each_default_once():
 
 
 def test_train_4d_json_and_progress_lines():
+    """Issue 13: the text said "step 1/5" where --json said "step": 0, and a run named
+    neither its layout, schedule, P2P mode nor recipe.  Both now count iterations from 1,
+    as Megatron-LM's training log does (NVIDIA/Megatron-LM, megatron/training/training.py,
+    ``training_log``: "iteration {iteration}/{train_iters}", the counter incremented after
+    each step, Megatron-Core 0.20.0, d98e8a64); the banner goes to stdout, or to stderr
+    under --json so that every line of stdout stays one JSON object."""
     as_json = _run([sys.executable, str(TRAIN_4D), "--world-size", "4", "--pipeline-model-parallel-size",
                     "2", "--expert-model-parallel-size", "2", "--json", *SMALL])
     assert as_json.returncode == 0, as_json.stderr[-3000:]
+    assert all(line.startswith("{") for line in as_json.stdout.splitlines())  # JSON only
     records = _records(as_json.stdout)
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    banner = as_json.stderr
+    assert "layout      TP1 x PP2 x EP2 x DP2 = 4 ranks" in banner
+    assert "P2P mode    batched" in banner and "recipe      fp32" in banner
+    assert "schedule    1f1b" in banner
     serial = _run([sys.executable, str(TRAIN_4D), "--world-size", "1", "--json", *SMALL])
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(records, _records(serial.stdout))) < ATOL
     progress = _run([sys.executable, str(TRAIN_4D), "--world-size", "2", "--pipeline-model-parallel-size",
                      "2", *SMALL])
     assert progress.returncode == 0, progress.stderr[-3000:]
-    assert "step 3/3" in progress.stdout and "loss" in progress.stdout
+    text = progress.stdout
+    assert text.index("train_4d: layout      TP1 x PP2") < text.index("iteration 1/3")
+    assert "MaxVio      (load of the busiest expert" in text  # the legend of the line
+    numbers = [int(n) for n in re.findall(r"iteration (\d+)/3  loss", text)]
+    assert numbers == [r["iteration"] for r in records]  # the same numbers as --json
 
 
 def test_train_4d_reads_a_config_file(tmp_path):
@@ -284,6 +300,6 @@ def test_train_4d_under_torchrun_one_node_and_two_nodes_gives_the_launchers_loss
     two_nodes, silent = _records(outputs[0][0]), _records(outputs[1][0])
     assert silent == []
     for got in (_records(one_node.stdout), two_nodes):
-        assert [r["step"] for r in got] == [0, 1, 2]
+        assert [r["iteration"] for r in got] == [1, 2, 3]
         # torchrun sets OMP_NUM_THREADS=1, the launcher shares the cores: sums may round differently
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, expected)) < ATOL

@@ -75,3 +75,39 @@ def test_an_async_op_visibly_overlaps_backward(real_run):
         assert tr["y"] > bw["y"]
     busy = busy_fraction(trace)
     assert set(busy) == {0, 1} and all(0.0 < v <= 1.0 for v in busy.values())
+
+
+@pytest.fixture(scope="module")
+def pipeline_run():
+    """One 1F1B step of 3 synthetic stages (forward 2 ms, backward 4 ms), real P2P and labels."""
+    from tutorial_lib.pipeline import measure_synthetic_schedules
+    return launch(measure_synthetic_schedules, 3, args=([("1f1b", 3, 1)], 0.002, 0.004, 1),
+                  timeout=60)
+
+
+def test_a_real_pipeline_step_is_drawn_as_its_schedule(pipeline_run):
+    """Issue 13: the labels' isends, posted before each forward and waited on at the end of
+    the step, were bars across the whole step (one row each); forward and backward were one
+    grey and the bubble was not marked."""
+    trace = pipeline_run.trace
+    labels = trace.filter(op="send", p2p_op="send_labels").events
+    assert len(labels) == 3 and {e.rank for e in labels} == {0}
+    plain = timeline(trace, kinds=["compute", "pp"])
+    drawn = [b for b in plain.data["bars"] if b["tip_title"].startswith("send") and
+             "p2p_op=send_labels" in b["tip"].get("tags", "")]
+    assert max(b["row"] for b in drawn) >= 1  # in flight together: stacked rows
+    tl = timeline(trace, kinds=["compute", "pp"], pipeline=True)
+    ticks = [b for b in tl.data["bars"] if "p2p_op=send_labels" in b["tip"].get("tags", "")]
+    rel = trace.relative()
+    posted = sorted(e.t_start * 1000 for e in rel.filter(op="send", p2p_op="send_labels"))
+    assert sorted(b["start"] for b in ticks) == posted
+    assert all(b["end"] == b["start"] and "waited on" in b["tip"] for b in ticks)
+    assert {b["row"] for b in ticks} == {0}  # one row, no longer stacked
+    computes = [b for b in tl.data["bars"] if b["kind"] in ("forward", "backward")]
+    assert sorted(b["label"] for b in computes) == sorted(
+        f"{k}{mb}" for k in "FB" for mb in range(3) for _ in range(3))
+    idle = [b for b in tl.data["bars"] if b["kind"] == "bubble"]
+    assert {b["rank"] for b in idle} == {0, 1, 2}
+    for b in idle:  # idle means no forward or backward of that rank runs
+        assert not any(c["rank"] == b["rank"] and c["start"] < b["end"] - 1e-9
+                       and b["start"] < c["end"] - 1e-9 for c in computes)

@@ -228,7 +228,7 @@ def test_the_interrupted_line_names_the_step_the_checkpoint_and_the_resume_comma
     args = replace(ARGS, save=str(tmp_path), save_interval=2, load=str(tmp_path / "old"))
     line = script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
                                          str(tmp_path / "old"), "--ckpt-step=1"])
-    assert line == ("train_4d.py: interrupted at step 4/6 (3 finished); no checkpoint saved "
+    assert line == ("train_4d.py: interrupted in iteration 4/6 (3 finished); no checkpoint saved "
                     "(--save DIR --save-interval N keeps one)")
     fake_save(tmp_path, 2)
     line = script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",

@@ -116,6 +116,32 @@ def test_bubble_mistakes_are_named():
     other = check_bubble(lambda pp, m, v: 0.5)
     assert not other.passed and other.hint == ch06.HINT_BUBBLE_GENERIC
     assert not check_bubble(lambda pp, m, v: "a lot").passed
+    assert check_bubble(lambda pp, m, v: "a lot").hint == ch06.HINT_BUBBLE_FORMAT
+
+
+def test_either_definition_of_the_bubble_passes_when_stated():
+    """Issue 13: the Megatron paper's bubble is the idle time over the ideal time,
+    (p - 1) / m, and (p - 1) / (v m) interleaved (Narayanan et al., "Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, sections 2.2.1 and
+    2.2.2); the chapter's is the idle fraction of the step, (p - 1) / (v m + p - 1).  The
+    checker refused the paper's even when the student meant it."""
+    assert check_bubble(lambda pp, m, v: ("ideal", (pp - 1) / (v * m)))
+    assert check_bubble(lambda pp, m, v: ("step", (pp - 1) / (v * m + pp - 1)))
+    assert check_bubble(lambda pp, m, v: ["Ideal", (pp - 1) / (v * m)])
+    # a definition stated, the other's value given
+    swapped = check_bubble(lambda pp, m, v: ("ideal", (pp - 1) / (v * m + pp - 1)))
+    assert not swapped.passed and swapped.hint == ch06.HINT_WRONG_DEFINITION
+    assert all(c.passed for c in swapped.cases if c.name.startswith("PP=1,"))  # both are 0
+    swapped = check_bubble(lambda pp, m, v: ("step", (pp - 1) / (v * m)))
+    assert not swapped.passed and swapped.hint == ch06.HINT_WRONG_DEFINITION
+    forgot_v = check_bubble(lambda pp, m, v: ("ideal", (pp - 1) / m))
+    assert not forgot_v.passed and forgot_v.hint == ch06.HINT_FORGOT_V
+    unknown = check_bubble(lambda pp, m, v: ("paper", (pp - 1) / (v * m)))
+    assert not unknown.passed and unknown.hint == ch06.HINT_BUBBLE_FORMAT
+    # the two definitions name the same idle time
+    for pp, m, v in ch06.BUBBLE_CASES:
+        ideal = ch06.BUBBLE_DEFINITIONS["ideal"](pp, m, v)
+        assert abs(ch06.BUBBLE_DEFINITIONS["step"](pp, m, v) - ideal / (1 + ideal)) < 1e-12
 
 
 # --- exercise 6.3: holdings ----------------------------------------------------------------------

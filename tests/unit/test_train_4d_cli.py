@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tutorial_lib import costs
-from tutorial_lib.arguments import args_from_dict, check_memory, validate_args
+from tutorial_lib.arguments import args_from_dict, check_memory, describe_run, validate_args
 from tutorial_lib.config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments,
                                  field_docs)
 from tutorial_lib.deepseek import DeepSeekModel
@@ -66,7 +66,7 @@ def test_the_config_fields_are_the_dataclasses_own_not_copies():
             if name not in RUN_DEFAULTS:
                 assert mine.default == own[name].default
     # the run's own fields are documented in TrainingArgs
-    assert docs["steps"] == "Optimizer steps."
+    assert docs["steps"].startswith("Optimizer steps: the run logs iterations 1 to ``steps``")
     taken = {name for names in CONFIG_FIELDS.values() for name in names}
     assert taken.isdisjoint(f.name for f in fields(TrainingArgs) if "config" not in f.metadata)
 
@@ -321,3 +321,101 @@ def test_check_memory_refuses_with_a_per_rank_breakdown():
     huge = TrainingArgs(world_size=10**6, pipeline_model_parallel_size=10**6, num_layers=10**6)
     with pytest.raises(ConfigError, match=r"(?s)the worker processes alone.*pipeline rank 999999"):
         check_memory(huge, available=2**40)
+
+
+# --- what a run prints (issue 13) -----------------------------------------------------------
+
+
+def test_help_lists_the_choices_of_every_fixed_set(script, monkeypatch):
+    """Issue 13: ``--help`` listed no choices.  argparse shows them as ``{a,b,c}`` beside the
+    flag and refuses any other value (Megatron-LM's ``megatron/training/arguments.py`` gives
+    its fixed sets ``choices=`` the same way, Megatron-Core 0.20.0, d98e8a64)."""
+    monkeypatch.setenv("COLUMNS", "100")
+    text = script.build_parser().format_help()
+    with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
+    assert {f.name for f in with_choices} == {"schedule", "p2p_mode"}
+    for f in with_choices:
+        flag = "--" + f.name.replace("_", "-")
+        assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in text, flag
+    assert "--precision-recipe {fp32,bf16,deepseek_v3,FILE}" in text
+    # --json says what each key of a record is, MaxVio and the balance loss included
+    flat = "".join(text.split())  # argparse wraps lines at spaces and hyphens
+    for key in ("iteration", "loss", "sequence_balance_loss", "max_violation", "grad_norm"):
+        assert f"{key}:" in flat, key
+    assert "[MaxVio](loadofthebusiestexpert-meanload)/meanload" in flat
+    assert "[seq-balance]DeepSeek-V3'scomplementarysequence-wisebalanceloss" in flat
+
+
+def test_the_banner_names_layout_schedule_p2p_mode_and_recipe():
+    args = TrainingArgs(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                        schedule="gpipe", p2p_mode="overlapped", precision_recipe="bf16")
+    lines = describe_run(args).splitlines()
+    assert all(line.startswith("train_4d: ") for line in lines)
+    text = "\n".join(lines)
+    assert ("layout      TP2 x PP2 x EP1 x DP2 = 8 ranks (experts: ETP1 x EP1 x EDP4); "
+            "Megatron's rank order tp-cp-ep-dp-pp") in text
+    assert "schedule    gpipe, M = 4 microbatches per replica" in text
+    assert "P2P mode    overlapped" in text and "recipe      bf16" in text
+    assert "iterations  1 to 5" in text
+    assert "MaxVio" in text and "seq-balance" in text  # a MoE model: the legend
+    dense = describe_run(replace(args, num_experts=0))
+    assert "experts" not in dense and "MaxVio" not in dense
+    assert "MaxVio" not in describe_run(args, legend=False)
+    interleaved = describe_run(replace(args, schedule="interleaved", world_size=4,
+                                       tensor_model_parallel_size=1, save="ck",
+                                       save_interval=2))
+    assert "V = 2 chunks per rank" in interleaved
+    assert "iterations  1 to 5; saves to ck every 2 and after the last" in interleaved
+
+
+def test_progress_lines_number_iterations_like_the_json_records():
+    """Issue 13: "step 1/5" in text, ``"step": 0`` in --json; both now say iteration 1."""
+    from tutorial_lib.train_4d import format_progress
+    record = {"iteration": 1, "loss": 3.5, "sequence_balance_loss": 3e-4, "max_violation": 0.25,
+              "grad_norm": 0.5, "tokens_per_s": 1000.0}
+    assert format_progress(record, 5).startswith("iteration 1/5  loss 3.5000  seq-balance ")
+    assert "MaxVio 0.250" in format_progress(record, 5)
+
+
+class _FakeRun:
+    def __init__(self, records):
+        self.results = [records]
+
+
+def test_json_stdout_holds_json_lines_only_and_the_banner_goes_to_stderr(script, monkeypatch,
+                                                                         capsys):
+    records = [{"iteration": i, "loss": 4.0 - i, "tokens_per_s": 1.0} for i in (1, 2)]
+
+    def fake_train(args, progress=False, progress_file=None, **kwargs):
+        if progress:  # as the workers print them
+            from tutorial_lib.train_4d import format_progress
+            for record in records:
+                print(format_progress(record, args.steps))
+        return _FakeRun(records)
+    monkeypatch.setattr("tutorial_lib.train_4d.train", fake_train)
+    assert script.main(["--steps", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["iteration"] for line in out.splitlines()] == [1, 2]
+    assert err.startswith("train_4d: layout ") and "recipe      fp32" in err
+    assert "MaxVio" not in err  # the keys are explained in --help
+    assert script.main(["--steps", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("train_4d: layout ") and "MaxVio      (load" in out
+    assert out.index("P2P mode") < out.index("iteration 1/2") and err == ""
+
+
+def test_a_missing_recipe_file_says_file_not_found(script, tmp_path, capsys):
+    """Issue 13: ``--precision-recipe my.json`` for a file that is not there said "unknown
+    precision_recipe", as if it were a misspelt name."""
+    missing = tmp_path / "my_recipe.json"
+    with pytest.raises(ConfigError, match="file not found") as error:
+        validate_args(TrainingArgs(precision_recipe=str(missing)))
+    assert str(missing) in str(error.value) and error.value.rule == "precision recipe"
+    for value in ("recipes/v3.toml", str(tmp_path / "sub" / "recipe")):
+        with pytest.raises(ConfigError, match="file not found"):
+            validate_args(TrainingArgs(precision_recipe=value))
+    with pytest.raises(ConfigError, match="unknown precision_recipe 'fp16'"):
+        validate_args(TrainingArgs(precision_recipe="fp16"))  # a name, not a file
+    assert script.main(["--precision-recipe", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "precision_recipe file not found" in err and "train_4d: layout" not in err

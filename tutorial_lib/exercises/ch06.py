@@ -6,8 +6,10 @@
   PP >= 3, where a wrong peer shows), then plays the student's lists of all ranks together
   in :func:`~tutorial_lib.pipeline_schedules.simulate`.  It names the classic mistakes: a
   wrong warm-up count, a wrong peer, a backward before its forward, missing labels.
-* :func:`check_bubble`: the student's ``fn(pp, m, v) -> float`` predicts the bubble; the
-  checker compares it with the closed form and with the simulated schedule.
+* :func:`check_bubble`: the student's ``fn(pp, m, v)`` predicts the bubble, as the idle
+  fraction of the step (a number), or under a stated definition, ``("step", x)`` or
+  ``("ideal", x)`` (idle time over the ideal, bubble-free time: the Megatron paper's); the
+  checker compares it with that definition's closed form and with the simulated schedule.
 * :func:`check_stage_holdings`: the student's ``fn(num_layers, pp, v, rank) -> dict`` says
   which layers a rank holds (all its chunks), whether it holds the embedding and the head,
   and what it does with the labels.
@@ -178,26 +180,64 @@ def check_one_f_one_b(fn: Callable[[int, int, int], list]) -> CheckResult:
 BUBBLE_CASES = [(1, 4, 1), (2, 2, 1), (3, 6, 1), (4, 4, 1), (4, 8, 1), (8, 16, 1), (4, 8, 2),
                 (2, 4, 3), (3, 9, 3)]
 
+#: The two definitions of the bubble in use, as closed forms of (PP, M, V), equal stages and
+#: free messages.  ``step``: the idle fraction of the step, this course's (what
+#: :func:`tutorial_lib.viz.timeline.bubble_fraction` measures).  ``ideal``: the idle time
+#: over the ideal time ``M (t_f + t_b)``, the Megatron paper's "bubble time fraction"
+#: (Narayanan et al., SC 2021, sections 2.2.1 and 2.2.2): ``(PP - 1) / M``, and
+#: ``(PP - 1) / (V M)`` interleaved.  The two name the same idle time:
+#: ``step = ideal / (1 + ideal)``.
+BUBBLE_DEFINITIONS = {
+    "step": lambda pp, m, v: (pp - 1) / (v * m + pp - 1),
+    "ideal": lambda pp, m, v: (pp - 1) / (v * m),
+}
+
 HINT_IDLE_OVER_WORK = (
-    "you divided the idle time by the useful work, (PP - 1) / M: the bubble fraction is idle "
-    "time over the whole step, which is the work plus the idle time: (PP - 1) / (M + PP - 1)."
+    "you divided the idle time by the useful work, (PP - 1) / (V M): that is the Megatron "
+    "paper's bubble time fraction, idle time over the ideal time. If you meant it, say so: "
+    "return (\"ideal\", value). A bare number is read as the fraction of the whole step, "
+    "which is the work plus the idle time: (PP - 1) / (V M + PP - 1)."
+)
+HINT_WRONG_DEFINITION = (
+    "your value is the other definition's. \"step\": idle time over the whole step, "
+    "(PP - 1) / (V M + PP - 1); \"ideal\": idle time over the ideal, bubble-free time, "
+    "(PP - 1) / (V M). They name the same idle time: step = ideal / (1 + ideal)."
 )
 HINT_FORGOT_V = (
     "with V chunks per rank each fill and drain step costs one chunk, 1/V of a stage: the "
-    "bubble is (PP - 1) / (V * M + PP - 1)."
+    "bubble is (PP - 1) / (V * M + PP - 1) of the step ((PP - 1) / (V M) of the ideal time)."
+)
+HINT_BUBBLE_FORMAT = (
+    "return a number (the idle fraction of the step) or a pair (definition, number) with "
+    "definition \"step\" or \"ideal\", e.g. (\"ideal\", 0.75)."
 )
 HINT_BUBBLE_GENERIC = (
     "count in units of one microbatch's forward + backward on one stage: each rank works M of "
     "them and waits PP - 1 (the fill before its first forward and the drain after its last "
-    "backward), so the idle fraction is (PP - 1) / (M + PP - 1); with interleaving the "
-    "wait shrinks to (PP - 1) / V."
+    "backward), so the idle fraction of the step is (PP - 1) / (M + PP - 1); with "
+    "interleaving the wait shrinks to (PP - 1) / V."
 )
 #: The mistakes of exercise 6.2: named only when they explain every wrong prediction.
-BUBBLE_HINTS = Mistakes(HINT_BUBBLE_GENERIC, idle_over_work=HINT_IDLE_OVER_WORK, forgot_v=HINT_FORGOT_V)
+BUBBLE_HINTS = Mistakes(HINT_BUBBLE_GENERIC, any_case={"format"}, format=HINT_BUBBLE_FORMAT,
+                        idle_over_work=HINT_IDLE_OVER_WORK,
+                        wrong_definition=HINT_WRONG_DEFINITION, forgot_v=HINT_FORGOT_V)
+
+
+def stated_bubble(answer) -> tuple[str | None, float | None]:
+    """``(definition, value)`` of a student's answer: a bare number is the fraction of the
+    step; ``("step", x)`` and ``("ideal", x)`` state theirs; anything else ``(None, None)``."""
+    if isinstance(answer, (tuple, list)) and len(answer) == 2 and isinstance(answer[0], str):
+        definition = answer[0].strip().lower()
+        if definition in BUBBLE_DEFINITIONS:
+            return definition, as_number(answer[1])
+        return None, None
+    value = as_number(answer)
+    return ("step", value) if value is not None else (None, None)
 
 
 def check_bubble(fn: Callable[[int, int, int], float]) -> CheckResult:
-    """Compare ``fn(pp, m, v)`` with the closed form and with the simulated schedule."""
+    """Compare ``fn(pp, m, v)`` with the closed form of the definition it states (a bare
+    number: the fraction of the step) and with the simulated schedule."""
     check = Checking("Exercise 6.2: predict the bubble", BUBBLE_HINTS)
     for pp, m, v in BUBBLE_CASES:
         schedule = "interleaved" if v > 1 else "1f1b"
@@ -205,18 +245,36 @@ def check_bubble(fn: Callable[[int, int, int], float]) -> CheckResult:
                                                    Fraction(2, v))))
         formula = expected_bubble(pp, m, v)
         assert abs(simulated - formula) < 1e-12  # the library's own claim, checked here too
+        # the simulated idle time over the simulated work: the paper's definition
+        over_ideal = simulated / (1 - simulated)
+        assert abs(over_ideal - BUBBLE_DEFINITIONS["ideal"](pp, m, v)) < 1e-12
+
+        def judge(got, _want, pp=pp, m=m, v=v):
+            definition, value = stated_bubble(got)
+            return (definition is not None and value is not None
+                    and abs(value - BUBBLE_DEFINITIONS[definition](pp, m, v)) < 1e-9)
+
         case, got = check.run(f"PP={pp}, M={m}, V={v}", lambda: fn(pp, m, v), formula,
-                              compare=lambda g, w: as_number(g) is not None and abs(as_number(g) - w) < 1e-9)
-        if not case.passed and not isinstance(got, Exception):
-            value = as_number(got)
-            case.detail = (f"got {got!r}, expected {formula:.4f} (the simulated {schedule} schedule "
-                           f"idles {simulated:.4f} of the step)")
-            if value is not None and pp > 1 and abs(value - (pp - 1) / (v * m)) < 1e-9:
-                check.shows({"idle_over_work"})
-            elif value is not None and abs(value - (pp - 1) / (m + pp - 1)) < 1e-9:
-                check.shows({"forgot_v"})
-            else:
-                check.shows()
+                              compare=judge)
+        if case.passed or isinstance(got, Exception):
+            continue
+        definition, value = stated_bubble(got)
+        if definition is None or value is None:
+            case.detail = f"got {got!r}: not a number, nor (\"step\" or \"ideal\", number)"
+            check.shows({"format"})
+            continue
+        want = BUBBLE_DEFINITIONS[definition](pp, m, v)
+        case.detail = (f"got {got!r}, expected {want:.4f} as the {definition} definition (the "
+                       f"simulated {schedule} schedule idles {simulated:.4f} of the step, "
+                       f"{over_ideal:.4f} of the ideal time)")
+        other = "ideal" if definition == "step" else "step"
+        if pp > 1 and abs(value - BUBBLE_DEFINITIONS[other](pp, m, v)) < 1e-9:
+            stated = isinstance(got, (tuple, list))
+            check.shows({"wrong_definition" if stated or other == "step" else "idle_over_work"})
+        elif abs(value - BUBBLE_DEFINITIONS[definition](pp, m, 1)) < 1e-9:
+            check.shows({"forgot_v"})
+        else:
+            check.shows()
     return check.verdict()
 
 

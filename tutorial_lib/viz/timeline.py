@@ -10,6 +10,13 @@ asynchronous op in flight during a compute span shows as two bars stacked one
 above the other: the gradient buckets' all-reduces visibly overlapping backward.
 Ops that overlap each other (two buckets in flight) stack into extra rows.
 
+A pipeline step is drawn as its schedule with ``timeline(trace, pipeline=True)`` (or, for
+a simulated plan, :func:`plan_spans` and ``timeline_from_spans(..., bubble=True)``):
+forwards blue and backwards orange, each further chunk of an interleaved rank a shade
+darker, a bar too narrow for ``F3.1`` labelled ``3``, each rank's idle time (the bubble)
+hatched, and a send posted before a compute and waited on only at the end of the step
+(the labels' ``isend``) a tick where it was posted instead of a bar across the step.
+
 What a bar means: it runs from the moment the op was issued to the moment it
 completed.  For an asynchronous op (``comm.isend``/``irecv``, a bucket's
 all-reduce) "completed" is when ``wait()`` returned, so the bar is the time the
@@ -43,7 +50,7 @@ from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from ..trace import Trace, TraceEvent
@@ -108,6 +115,12 @@ class Span:
     """Heading of the tooltip; the label when empty."""
     caption: str = ""
     """How the cursor caption names this span; the label when empty."""
+    chunk: int | None = None
+    """For a pipeline schedule's forward or backward: the model chunk of the rank it
+    belongs to (interleaved 1F1B); chunk ``c > 0`` is drawn ``c`` shades darker."""
+    short_label: str = ""
+    """Drawn instead of ``label`` where the bar is too narrow for it (``"3"`` for
+    ``"F3.1"``: the colour says forward, the shade the chunk)."""
 
     @classmethod
     def coerce(cls, span: "Span | Sequence") -> "Span":
@@ -384,6 +397,135 @@ def bubble_fraction(trace: Trace, ranks: Iterable[int] | None = None, count: str
     return {r: 1.0 - b for r, b in busy_fraction(trace, ranks, count, window).items()}
 
 
+# --- pipeline schedules: forward, backward, chunk, bubble ---------------------------------
+
+#: Colours of a pipeline schedule's bars: forwards blue, backwards orange (each chunk
+#: ``c > 0`` of an interleaved rank :data:`CHUNK_DARKEN` x ``c`` darker), the bubble
+#: (idle time inside the step) hatched in red.  None of them is a group kind's colour.
+SCHEDULE_COLORS = {"forward": "#6a9fd8", "backward": "#e8a04a", "bubble": "#d1495b"}
+
+#: The kinds of a schedule's compute bars (:func:`schedule_span`).
+SCHEDULE_KINDS = ("forward", "backward")
+
+#: The kind of the idle bars :func:`bubble_spans` adds.
+BUBBLE = "bubble"
+
+#: How much darker each further chunk of a rank is drawn.
+CHUNK_DARKEN = 0.3
+
+#: Padding of a short label (:attr:`Span.short_label`): it may fill a narrow bar.
+SHORT_PAD = 3.0
+
+
+def schedule_span(rank: int, start: float, end: float, kind: str, microbatch: int,
+                  chunk: int = 0, lane: str = "") -> Span:
+    """One forward or backward of a pipeline schedule, planned or recorded.
+
+    Labelled like :attr:`tutorial_lib.pipeline_schedules.Action.label` (``F3``, ``B3.1``
+    for chunk 1), the microbatch alone where the bar is narrow; coloured by ``kind``
+    (:data:`SCHEDULE_COLORS`) and shaded by ``chunk``.
+    """
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"a schedule span is one of {SCHEDULE_KINDS}, got {kind!r}")
+    suffix = f".{chunk}" if chunk else ""
+    label = f"{kind[0].upper()}{microbatch}{suffix}"
+    where = f"microbatch {microbatch}, chunk {chunk}"
+    return Span(rank, start, end, label, kind, lane,
+                info={"microbatch": str(microbatch), "chunk": str(chunk)},
+                title=f"{kind} of {where} (rank {rank})",
+                caption=f"{kind} mb{microbatch}" + (f" chunk {chunk}" if chunk else ""),
+                chunk=int(chunk), short_label=str(microbatch))
+
+
+def plan_spans(plan: dict, lane: str = "planned") -> list[Span]:
+    """The forwards and backwards of a simulated schedule
+    (:func:`tutorial_lib.pipeline_schedules.simulate`), as :func:`schedule_span` bars."""
+    return [schedule_span(t.rank, t.start, t.end, t.action.kind, t.action.microbatch,
+                          t.action.chunk, lane)
+            for timed in plan.values() for t in timed if t.action.is_compute]
+
+
+def _posted_and_waited_later(e: TraceEvent, computes: dict[int, list[tuple[float, float]]]) -> bool:
+    """A send in flight across a whole compute span of its rank: posted, then waited on
+    only after the rank computed (the labels' ``isend``, a deferred send)."""
+    return e.op == "send" and any(e.t_start <= a and b <= e.t_end
+                                  for a, b in computes.get(e.rank, []))
+
+
+def pipeline_spans(trace: Trace, ranks: Iterable[int] | None = None,
+                   kinds: Iterable[str] | None = None, split: bool | None = None) -> list[Span]:
+    """The spans of a recorded pipeline step, drawn as a schedule.
+
+    Compute spans named ``forward`` / ``backward`` (tagged ``microbatch`` and ``chunk``,
+    as :mod:`tutorial_lib.pipeline` records them) become :func:`schedule_span` bars; the
+    other events are :func:`trace_spans`'.  A send posted before a compute and waited on
+    after it (the labels' ``isend``, waited at the end of the step) becomes a tick at the
+    moment it was posted, its wait in the tooltip: its bar would cover the whole step.
+    ``ranks``, ``kinds`` and ``split`` select and place them as in :func:`trace_spans`.
+    """
+    spans = trace_spans(trace, ranks=ranks, kinds=kinds, split=split)
+    rel = trace.relative()
+    keep_ranks = None if ranks is None else set(ranks)
+    keep_kinds = None if kinds is None else set(kinds)
+    events = [e for e in rel if (keep_ranks is None or e.rank in keep_ranks)
+              and (keep_kinds is None or _kind(e) in keep_kinds)]
+    if len(events) != len(spans):  # trace_spans draws one span per selected event
+        raise RuntimeError("pipeline_spans: trace_spans no longer draws one span per event")
+    computes: dict[int, list[tuple[float, float]]] = {}
+    for e in rel:
+        if e.op == "compute":
+            computes.setdefault(e.rank, []).append((e.t_start, e.t_end))
+    out = []
+    for e, span in zip(events, spans):
+        name = e.tags.get("name")
+        if e.op == "compute" and name in SCHEDULE_KINDS and "microbatch" in e.tags:
+            out.append(schedule_span(e.rank, e.t_start, e.t_end, name, e.tags["microbatch"],
+                                     e.tags.get("chunk") or 0, span.lane))
+        elif _posted_and_waited_later(e, computes):
+            info = dict(span.info)
+            info["waited on"] = (f"{e.t_end * 1e3:.3f} ms, {e.duration * 1e3:.3f} ms after "
+                                 "it was posted (the rank computed meanwhile)")
+            out.append(replace(span, end=span.start, info=info,
+                               title=span.title + ": posted (isend), waited on later"))
+        else:
+            out.append(span)
+    return out
+
+
+def bubble_spans(spans: Iterable[Span | Sequence], lanes: Iterable[str] | None = None) -> list[Span]:
+    """The idle time of each rank in each lane, as spans of kind :data:`BUBBLE`.
+
+    A lane's step runs from its first compute to its last, over every rank drawn in it
+    (for a simulated schedule: 0 to the makespan); a rank is idle wherever none of its
+    compute spans (kinds ``forward``, ``backward``, ``compute``) runs.  ``lanes``: the
+    lanes to mark (default: every lane with a ``forward`` or ``backward`` span).  Their
+    total per rank is :func:`bubble_fraction`'s idle time when the window is the same.
+    """
+    spans = [Span.coerce(s) for s in spans]
+    computing = [s for s in spans if s.kind in SCHEDULE_KINDS + ("compute",)]
+    if lanes is None:
+        lanes = [lane for lane in dict.fromkeys(s.lane for s in spans if s.kind in SCHEDULE_KINDS)]
+    out = []
+    for lane in lanes:
+        mine = [s for s in computing if s.lane == lane]
+        if not mine:
+            continue
+        w0, w1 = min(s.start for s in mine), max(s.end for s in mine)
+        for rank in dict.fromkeys(s.rank for s in mine):
+            t = w0
+            for a, b in _union((s.start, s.end) for s in mine if s.rank == rank) + [(w1, w1)]:
+                if a > t:
+                    out.append(Span(rank, t, a, "", BUBBLE, lane, info={},
+                                    title=f"idle: the bubble (rank {rank})",
+                                    caption="idle (bubble)"))
+                t = max(t, b)
+    return out
+
+
+def _chunk_color(color: str, chunk: int | None) -> str:
+    return darken(color, min(0.75, CHUNK_DARKEN * chunk)) if chunk else color
+
+
 # --- layout ----------------------------------------------------------------------------
 
 
@@ -471,8 +613,9 @@ class Timeline(Widget):
         classes = "tl-timeline tl-animation" if self.playable else "tl-timeline"
         frame_attrs = f' data-frame="0" data-frames="{n}"' if self.playable else ""
         legend = "".join(
-            f'<span class="tl-legend-item"><span class="tl-swatch" style="background:{color}">'
-            f"</span>{html.escape(text)}</span>" for _, color, text in d["legend"])
+            f'<span class="tl-legend-item"><span class="tl-swatch" style="background:'
+            f'{_hatch_css(color) if kind == BUBBLE else color}">'
+            f"</span>{html.escape(text)}</span>" for kind, color, text in d["legend"])
         controls = ""
         if self.playable:
             controls = (
@@ -498,7 +641,8 @@ class Timeline(Widget):
                   + (f'<div class="tl-anim-note">{html.escape(self.note)}</div>\n' if self.note else ""))
         payload = {
             "d0": d["domain"][0], "d1": d["domain"][1], "x0": d["x0"], "pw": d["plot_width"],
-            "minw": MIN_W, "charw": CHAR_W, "spacing": TICK_SPACING, "unit": d["unit"],
+            "minw": MIN_W, "charw": CHAR_W, "shortpad": SHORT_PAD, "spacing": TICK_SPACING,
+            "unit": d["unit"],
             "top": AXIS_H, "bottom": d["height"],
             "tips": [[b["tip_title"], [[k, v] for k, v in b["tip"].items()]] for b in d["bars"]],
             "times": [f["t"] for f in d["frames"]],
@@ -519,11 +663,12 @@ class Timeline(Widget):
         d0, d1 = d["domain"]
         k = pw / (d1 - d0)
         multi_lane = len(d["lanes"]) > 1 or d["lanes"][0] != ""
+        hatch = _hatch_pattern(uid) if any(b["kind"] == BUBBLE for b in d["bars"]) else ""
         out = [f'<svg class="tl-chart" viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
                f'height="{height:.0f}" font-family="{SANS}" role="img" '
                f'aria-label="{html.escape(d["title"], quote=True)}">',
                f'<defs><clipPath id="{uid}-clip"><rect x="{x0:.1f}" y="0" width="{pw:.1f}" '
-               f'height="{height:.0f}"/></clipPath></defs>']
+               f'height="{height:.0f}"/></clipPath>{hatch}</defs>']
         # Rank bands: labels on the left, a track per row of bars, separators between ranks.
         for i, band in enumerate(d["bands"]):
             if i:
@@ -557,18 +702,23 @@ class Timeline(Widget):
         for i, b in enumerate(d["bars"]):
             ink = text_color(b["color"])
             edge = darken(b["color"], 0.25)
-            label = html.escape(b["label"])
-            shown = "" if b["label_fits"] else ' display="none"'
+            fill = f"url(#{uid}-hatch)" if b["kind"] == BUBBLE else b["color"]
+            inset = 1.5 if b.get("short_fits") else 4
+            label = html.escape(b.get("shown_label", b["label"]) or b["label"])
+            shown = "" if b["label_fits"] or b.get("short_fits") else ' display="none"'
+            short = (f' data-label="{html.escape(b["label"], quote=True)}" '
+                     f'data-short="{html.escape(b["short_label"], quote=True)}"'
+                     if b.get("short_label") else "")
             ghost = (f'<rect class="tl-ghost" x="{b["x"]:.2f}" y="{b["y"]:.1f}" width="{b["w"]:.2f}" '
-                     f'height="{b["h"]:.1f}" rx="2" fill="{b["color"]}" fill-opacity="0.16"/>'
+                     f'height="{b["h"]:.1f}" rx="2" fill="{fill}" fill-opacity="0.16"/>'
                      if self.playable else "")
             out.append(f'<g class="tl-bar" data-i="{i}" data-rank="{b["rank"]}" '
                        f'data-kind="{html.escape(b["kind"], quote=True)}" data-s="{b["start"]!r}" '
-                       f'data-e="{b["end"]!r}">{ghost}'
+                       f'data-e="{b["end"]!r}"{short}>{ghost}'
                        f'<rect class="tl-solid" x="{b["x"]:.2f}" y="{b["y"]:.1f}" width="{b["w"]:.2f}" '
-                       f'height="{b["h"]:.1f}" rx="2" fill="{b["color"]}" stroke="{edge}" '
+                       f'height="{b["h"]:.1f}" rx="2" fill="{fill}" stroke="{edge}" '
                        f'stroke-width="0.6"/>'
-                       f'<text class="tl-label" x="{max(b["x"], x0) + 4:.2f}" '
+                       f'<text class="tl-label" x="{max(b["x"], x0) + inset:.2f}" '
                        f'y="{b["y"] + b["h"] / 2 + 3.7:.1f}" font-size="10.5" fill="{ink}" '
                        f'pointer-events="none"{shown}>{label}</text></g>')
         out.append("</g>")
@@ -582,6 +732,19 @@ class Timeline(Widget):
                    f'stroke="#4e79a7" stroke-width="1" display="none"/>')
         out.append("</svg>")
         return "".join(out)
+
+
+def _hatch_pattern(uid: str) -> str:
+    """The SVG pattern bubble bars are filled with: red stripes on white."""
+    color = SCHEDULE_COLORS[BUBBLE]
+    return (f'<pattern id="{uid}-hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+            f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fdf3f4"/>'
+            f'<rect width="2" height="6" fill="{color}" fill-opacity="0.55"/></pattern>')
+
+
+def _hatch_css(color: str) -> str:
+    """The legend swatch of the bubble: the same stripes in CSS."""
+    return f"repeating-linear-gradient(45deg, {color} 0 2px, #fdf3f4 2px 5px)"
 
 
 def _kind_order(kinds: Iterable[str]) -> list[str]:
@@ -618,6 +781,38 @@ def _doing_caption(doing: dict[int, list[str]]) -> str:
     return " \u00b7 ".join(f"{_rank_list(rs, order)}: {text}" for text, rs in same.items())
 
 
+def _schedule_legend(bars: list[dict], color_of) -> list[tuple[str, str, str]]:
+    """Legend entries for forwards and backwards: one per kind, or per (kind, chunk) when
+    a rank runs several chunks."""
+    drawn = {(b["kind"], b["chunk"] or 0) for b in bars if b["kind"] in SCHEDULE_KINDS}
+    chunked = any(chunk for _, chunk in drawn)
+    out = []
+    for kind in SCHEDULE_KINDS:
+        for chunk in sorted(c for k, c in drawn if k == kind):
+            text = f"{kind}, chunk {chunk}" if chunked else kind
+            out.append((kind, _chunk_color(color_of(kind), chunk), text))
+    return out
+
+
+def _schedule_note(spans: list[Span]) -> str:
+    """The sentence a schedule's drawing starts its note with: what its colours, its
+    hatching and its ticks mean ("" when it draws none of them)."""
+    parts = []
+    if any(s.kind in SCHEDULE_KINDS for s in spans):
+        chunked = any(s.chunk for s in spans if s.kind in SCHEDULE_KINDS)
+        parts.append("forwards blue, backwards orange"
+                     + (" (each further chunk a darker shade)" if chunked else ""))
+    if any(s.kind == BUBBLE for s in spans):
+        parts.append("each rank's idle time (the bubble) hatched")
+    if any(s.end == s.start and "waited on" in s.info for s in spans):
+        parts.append("a send posted before a compute and waited on at the end of the step "
+                     "is a tick where it was posted")
+    if not parts:
+        return ""
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + ". "
+
+
 def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = None,
                         ranks: Iterable[int] | None = None,
                         t_range: tuple[float, float] | None = None, width: int = 900,
@@ -625,7 +820,8 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
                         kinds: Iterable[str] | None = None, frames: int = 40,
                         scale: float = 1000.0, unit: str = "ms",
                         colors: dict[str, str] | None = None, note: str | None = None,
-                        interval_ms: int = 150) -> Timeline:
+                        interval_ms: int = 150,
+                        bubble: bool | Sequence[str] = False) -> Timeline:
     """Draw spans (``Span`` or ``(rank, start, end, label, kind[, lane])``): one band per rank.
 
     ``ranks``: the bands, in order (default: every rank with a span).  ``lanes``:
@@ -635,6 +831,10 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
     (seconds to ``ms`` by default; ``scale=1, unit="step"`` for a schedule in
     slots); ``t_range`` (display units) fixes the range shown.  ``colors``
     overrides the colour of a kind.  ``frames``: cursor positions of the player.
+    ``bubble``: mark each rank's idle time (:func:`bubble_spans`), hatched, in every lane
+    that holds a schedule's forwards and backwards (``True``) or in the lanes named.
+    Spans of kinds ``forward`` / ``backward`` (:func:`schedule_span`) take
+    :data:`SCHEDULE_COLORS`, a shade darker per chunk, with one legend entry per chunk.
     """
     spans = [Span.coerce(s) for s in spans]
     if kinds is not None:
@@ -650,7 +850,9 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
         raise ValueError("timeline: nothing to draw (no spans, or the filters removed them all)")
     if frames < 1:
         raise ValueError(f"timeline: frames must be at least 1, got {frames}")
-    palette = {**KIND_COLORS, **(colors or {})}
+    if bubble:
+        spans = spans + bubble_spans(spans, None if bubble is True else list(bubble))
+    palette = {**KIND_COLORS, **SCHEDULE_COLORS, **(colors or {})}
 
     def color_of(kind: str) -> str:
         return palette.get(kind, kind_color(kind))
@@ -726,11 +928,17 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
         info["end"] = f"{end:.3f} {unit}"
         info["duration"] = f"{end - start:.3f} {unit}"
         label_w = len(s.label) * CHAR_W + 8
+        room = min(xb, x0 + plot_w) - max(xa, x0)
+        fits = bool(s.label) and room >= label_w
+        short_fits = (not fits and bool(s.short_label)
+                      and room >= len(s.short_label) * CHAR_W + SHORT_PAD)
         bars.append({
             "rank": s.rank, "lane": s.lane, "row": row_of[i], "start": start, "end": end,
             "x": xa, "y": lane_top[(s.rank, s.lane)] + row_of[i] * (ROW_H + ROW_GAP),
-            "w": w, "h": ROW_H, "label": s.label, "kind": s.kind, "color": color_of(s.kind),
-            "label_fits": (min(xb, x0 + plot_w) - max(xa, x0)) >= label_w,
+            "w": w, "h": ROW_H, "label": s.label, "kind": s.kind,
+            "color": _chunk_color(color_of(s.kind), s.chunk), "chunk": s.chunk,
+            "short_label": s.short_label, "label_fits": fits, "short_fits": short_fits,
+            "shown_label": s.label if fits else s.short_label if short_fits else "",
             "caption": s.caption or s.label, "tip_title": s.title or s.label, "tip": info,
         })
 
@@ -755,7 +963,10 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
 
     legend = [(kind, color_of(kind),
                kind if kind == "compute" or kind not in KIND_NAMES else f"{kind} \u00b7 {KIND_NAMES[kind]}")
-              for kind in kinds_drawn]
+              for kind in kinds_drawn if kind not in SCHEDULE_KINDS + (BUBBLE,)]
+    legend = _schedule_legend(bars, color_of) + legend
+    if any(b["kind"] == BUBBLE for b in bars):
+        legend.append((BUBBLE, color_of(BUBBLE), "bubble (idle)"))
     data = {
         "title": title or "Timeline", "unit": unit, "scale": scale, "domain": (d0, d1),
         "x0": x0, "plot_width": plot_w, "width": float(width), "height": height,
@@ -764,13 +975,14 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
     }
     if note is None:
         note = ("Hover a bar for details; drag across the chart to zoom into a time range.")
+    note = _schedule_note(spans) + note
     return Timeline(data, playable, interval_ms, note)
 
 
 def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None = None,
              kinds: Iterable[str] | None = None, t_range: tuple[float, float] | None = None,
              width: int = 900, playable: bool = True, *, split: bool | None = None,
-             frames: int = 40, interval_ms: int = 150) -> Timeline:
+             frames: int = 40, interval_ms: int = 150, pipeline: bool = False) -> Timeline:
     """Draw a recorded trace: one band per rank, time in ms since the first event.
 
     ``ranks``: which ranks, in order.  ``kinds``: which kinds of bars to keep;
@@ -778,17 +990,24 @@ def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None
     data-parallel ops next to the compute they overlap.  ``t_range``: ``(start,
     end)`` in ms.  ``split``: compute and comm in separate lanes of a rank's band
     (default: when the trace has both).  ``playable``: add the cursor player.
+    ``pipeline``: draw a pipeline step as a schedule (:func:`pipeline_spans`): forwards
+    and backwards in their colours, shaded by chunk, the bubble hatched, and a send
+    waited on only at the end of the step (the labels' ``isend``) as a tick where it was
+    posted.
     """
     if not len(trace):
         raise ValueError("timeline: the trace is empty (was the launch run with trace=True?)")
     ranks = None if ranks is None else list(ranks)
-    spans = trace_spans(trace, ranks=ranks, kinds=kinds, split=split)
+    if pipeline:
+        spans = pipeline_spans(trace, ranks=ranks, kinds=kinds, split=split)
+    else:
+        spans = trace_spans(trace, ranks=ranks, kinds=kinds, split=split)
     if ranks is None:
         ranks = sorted({s.rank for s in spans})
     has_split = any(s.lane for s in spans)
     lanes = list(TRACE_LANES) if has_split else [""]
     if title is None:
-        n_ops = sum(1 for s in spans if s.kind != "compute")
+        n_ops = sum(1 for s in spans if s.kind not in ("compute",) + SCHEDULE_KINDS)
         n_compute = len(spans) - n_ops
         title = (f"Timeline of ranks {list(ranks)}: {n_ops} communication op"
                  f"{'s' if n_ops != 1 else ''}" + (f", {n_compute} compute span"
@@ -801,10 +1020,12 @@ def timeline(trace: Trace, title: str | None = None, ranks: Iterable[int] | None
             "rows. Hover a bar for details; drag across the chart to zoom.")
     return timeline_from_spans(spans, title=title, ranks=ranks, t_range=t_range, width=width,
                                playable=playable, lanes=lanes, frames=frames, note=note,
-                               interval_ms=interval_ms)
+                               interval_ms=interval_ms, bubble=pipeline)
 
 
 __all__ = ["Span", "Timeline", "timeline", "timeline_from_spans", "trace_spans", "event_label",
            "format_bytes", "overlap_seconds", "overlap_fraction", "overlap_breakdown",
            "collective_instances", "COLLECTIVE_OPS", "busy_fraction",
            "bubble_fraction", "KIND_NAMES"]
+__all__ += ["schedule_span", "plan_spans", "pipeline_spans", "bubble_spans",
+            "SCHEDULE_COLORS", "SCHEDULE_KINDS", "BUBBLE"]

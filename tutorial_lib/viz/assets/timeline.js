@@ -13,9 +13,13 @@ function startTimeline(root, D) {
   var bars = [];
   for (var i = 0; i < nodes.length; i++) {
     var g = nodes[i], label = g.querySelector(".tl-label");
+    // A pipeline bar may carry a short label (its microbatch) for when the full one
+    // ("F3.1") does not fit: data-label holds the full text, data-short the short one.
+    var full = g.getAttribute("data-label") || label.textContent, short = g.getAttribute("data-short") || "";
     bars.push({g: g, s: parseFloat(g.getAttribute("data-s")), e: parseFloat(g.getAttribute("data-e")),
                ghost: g.querySelector(".tl-ghost"), solid: g.querySelector(".tl-solid"),
-               label: label, lw: label.textContent.length * D.charw + 8});
+               label: label, full: full, short: short, lw: full.length * D.charw + 8,
+               sw: short.length * D.charw + D.shortpad});
   }
   var view = [D.d0, D.d1], cursor = null;
   function X(t) { return D.x0 + (t - view[0]) * D.pw / (view[1] - view[0]); }
@@ -51,9 +55,11 @@ function startTimeline(root, D) {
       b.solid.setAttribute("width", ws.toFixed(2));
       b.solid.setAttribute("display", hidden ? "none" : "inline");
       var vis0 = Math.max(xs, left), vis1 = Math.min(xr, right);
-      var fits = !hidden && vis1 - vis0 >= b.lw;
-      b.label.setAttribute("x", (vis0 + 4).toFixed(2));
-      b.label.setAttribute("display", fits ? "inline" : "none");
+      var fits = !hidden && b.full.length > 0 && vis1 - vis0 >= b.lw;
+      var shortFits = !fits && !hidden && b.short.length > 0 && vis1 - vis0 >= b.sw;
+      if (b.short) { b.label.textContent = shortFits ? b.short : b.full; }
+      b.label.setAttribute("x", (vis0 + (shortFits ? 1.5 : 4)).toFixed(2));
+      b.label.setAttribute("display", fits || shortFits ? "inline" : "none");
       var on = cursor !== null && b.s <= cursor && cursor < b.e;
       if (on) { b.g.classList.add("tl-on"); } else { b.g.classList.remove("tl-on"); }
     }
