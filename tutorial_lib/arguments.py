@@ -39,11 +39,11 @@ __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "TrainingArgs", "valid
 #: documented once, on its dataclass, and ``examples/train_4d.py --help`` prints that text.
 CONFIG_FIELDS = {
     ParallelConfig: ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "expert_model_parallel_size"),
+                     "expert_model_parallel_size", "context_parallel_size"),
     TrainConfig: ("global_batch_size", "num_microbatches"),
     ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                   "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",
-                  "dropout"),
+                  "dropout", "cp_comm_type"),
 }
 
 #: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE

@@ -29,7 +29,11 @@ them on purpose):
 9. layers divide over pipeline stages (times the virtual stages of the
    interleaved schedule): :func:`check_pipeline_layers`;
 10. the vocabulary divides over TP ranks (the embedding and LM head are split by rows);
-11. attention heads divide the hidden size (each head gets ``hidden_size / heads`` channels).
+11. attention heads divide the hidden size (each head gets ``hidden_size / heads`` channels);
+12. with context parallelism the sequence splits into ``2 x CP`` equal chunks (the
+    load-balanced split of :mod:`tutorial_lib.context_parallel`);
+13. with ``cp_comm_type="a2a"`` (Ulysses) each TP rank's attention heads divide over the CP
+    ranks.
 
 Before any rule, every field must hold a value of its type (:func:`check_field_types`:
 ``"8"`` is not a world size, ``True`` is not 1), and :func:`validate` must be given the
@@ -53,6 +57,11 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
 #: The layouts a grid can be built in; see :mod:`tutorial_lib.grid`.
 LAYOUTS = ("megatron", "course", "visualizer")
+
+#: How attention exchanges keys and values between context-parallel ranks: the values of
+#: Megatron-Core's ``TransformerConfig.cp_comm_type`` that this course implements
+#: (:mod:`tutorial_lib.context_parallel`; Megatron's fourth, ``a2a+p2p``, is not here).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 class ConfigError(ValueError):
@@ -81,7 +90,8 @@ class ParallelConfig:
     """EP: ranks that split the routed experts of every MoE layer between them."""
 
     context_parallel_size: int = 1
-    """CP: ranks that split the sequence inside attention (defaults to 1 in this course)."""
+    """CP: ranks that split every sequence; attention exchanges keys and values between them,
+    the other layers work on each rank's own tokens (rule 12; :mod:`tutorial_lib.context_parallel`)."""
 
     expert_tensor_parallel_size: int = 1
     """ETP: ranks that split each routed expert's weights.
@@ -156,6 +166,11 @@ class ModelConfig:
 
     first_k_dense_replace: int = 1
     """The first this-many layers keep a dense MLP even when ``num_experts > 0`` (DeepSeek-V3: 3)."""
+
+    cp_comm_type: str = field(default="p2p", metadata={"choices": CP_COMM_TYPES})
+    """How attention exchanges keys and values between CP ranks: ``p2p`` (a ring of K/V
+    blocks), ``all_gather`` (every rank gathers all K/V) or ``a2a`` (Ulysses: heads
+    all-to-all); Megatron's ``--cp-comm-type``.  Ignored at CP = 1."""
 
 
 @dataclass
@@ -472,14 +487,58 @@ def validate(
             f"attends over hidden_size / num_attention_heads channels; use hidden_size "
             f"{_nearest_multiples(h, a)}, or a number of heads that divides {h}",
         )
+    _check_context_parallel(parallel, model)
     moe_layers = model.num_experts > 0 and model.first_k_dense_replace < model.num_layers
-    if moe_layers and tp > 1 and model.seq_length % tp:
+    cp = parallel.context_parallel_size
+    if moe_layers and tp > 1 and (model.seq_length // cp) % tp:
+        mine = (f"each CP rank's {model.seq_length} / {cp} = {model.seq_length // cp} tokens"
+                if cp > 1 else f"seq_length ({model.seq_length})")
         raise ConfigError(
             "rule 6",
-            f"seq_length ({model.seq_length}) must be divisible by tensor_model_parallel_size "
+            f"{mine} must be divisible by tensor_model_parallel_size "
             f"({tp}) in a model with MoE layers: with TP > 1 each MoE layer splits the sequence "
             f"over the TP ranks (Megatron requires sequence parallelism there); try seq_length "
-            f"{_nearest_multiples(model.seq_length, tp)}",
+            f"{_nearest_multiples(model.seq_length, tp * cp)}",
+        )
+
+
+def _check_context_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """The comm type's name (malformed), rule 12 (the 2 x CP chunks) and rule 13 (Ulysses heads).
+
+    Megatron-LM's ``validate_args`` asserts ``seq_length % (2 * context_parallel_size) == 0``
+    when CP > 1 (``megatron/training/arguments.py``, Megatron-Core 0.20.0, d98e8a64), and
+    Transformer Engine's all-to-all attention asserts that the heads it is given divide by
+    the CP size (``AttnFuncWithCPAndQKVOA2A``, TransformerEngine d0067d0d).
+    """
+    cp, tp = parallel.context_parallel_size, parallel.tensor_model_parallel_size
+    if model.cp_comm_type not in CP_COMM_TYPES:
+        extra = (" (Megatron's hierarchical a2a+p2p is not implemented in this course)"
+                 if model.cp_comm_type == "a2a+p2p" else "")
+        raise ConfigError(
+            "malformed",
+            f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got "
+            f"{model.cp_comm_type!r}{extra}; e.g. --cp-comm-type p2p",
+        )
+    if cp == 1:
+        return
+    if model.seq_length % (2 * cp):
+        raise ConfigError(
+            "rule 12",
+            f"seq_length ({model.seq_length}) must be divisible by 2 x context_parallel_size "
+            f"(2 x {cp} = {2 * cp}): the sequence is cut into {2 * cp} equal chunks and CP "
+            f"rank r keeps chunks r and {2 * cp - 1} - r, so that causal attention costs every "
+            f"rank the same (Megatron asserts the same); try seq_length "
+            f"{_nearest_multiples(model.seq_length, 2 * cp)}",
+        )
+    heads = model.num_attention_heads // tp if model.num_attention_heads % tp == 0 else None
+    if model.cp_comm_type == "a2a" and heads is not None and heads % cp:
+        raise ConfigError(
+            "rule 13",
+            f"cp_comm_type 'a2a' (Ulysses) gives each CP rank whole attention heads: the "
+            f"{heads} heads of each TP rank (num_attention_heads {model.num_attention_heads} / "
+            f"TP {tp}) must be divisible by context_parallel_size ({cp}); use "
+            f"{_one_of_divisors(heads)} CP ranks, {_nearest_multiples(heads, cp) if heads >= cp else cp}"
+            f" heads per TP rank, or --cp-comm-type p2p or all_gather, which split no heads",
         )
 
 
@@ -547,8 +606,8 @@ def _field_docs(cls) -> dict[str, str]:
 def config_fields(sources: dict, defaults: dict | None = None) -> type:
     """A dataclass holding, flat, the fields named in ``sources`` (``{config class: names}``).
 
-    Each field keeps the type and the default of the config dataclass it comes from,
-    unless ``defaults`` gives another default, and names that class in
+    Each field keeps the type, the default and the metadata (``choices``) of the config
+    dataclass it comes from, unless ``defaults`` gives another default, and names that class in
     ``metadata["config"]``, so its docstring stays the one documentation
     (:func:`field_docs`).  A dataclass that inherits from the result takes those fields
     as keyword arguments and attributes of its own (``TrainingArgs(num_layers=8)``).
@@ -559,7 +618,8 @@ def config_fields(sources: dict, defaults: dict | None = None) -> type:
         types, known = typing.get_type_hints(cls), {f.name: f for f in fields(cls)}
         for name in names:
             default = defaults.get(name, known[name].default)
-            copied.append((name, types[name], field(default=default, metadata={"config": cls})))
+            metadata = {**known[name].metadata, "config": cls}  # e.g. the field's "choices"
+            copied.append((name, types[name], field(default=default, metadata=metadata)))
     return make_dataclass("ConfigFields", copied)
 
 

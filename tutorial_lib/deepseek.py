@@ -22,6 +22,7 @@ import torch
 
 from . import parallel_state
 from .config import ModelConfig, check_pipeline_layers
+from .context_parallel import chunk_positions
 from .gpt import FIRST_BLOCK, OUTPUT_LAYER, GPTEmbedding
 from .moe import MoELayer
 from .moe_balance import BalanceConfig
@@ -94,20 +95,26 @@ def attach_aux_loss(hidden: torch.Tensor, aux_loss: torch.Tensor, scale: float) 
 
 
 def _dropout_mask(shape, p: float, sample_ids: torch.Tensor, seed: int, step: int, layer: int,
-                  site: int) -> torch.Tensor:
+                  site: int, positions: torch.Tensor | None = None,
+                  seq_length: int | None = None) -> torch.Tensor:
     """``[s, b, h]`` keep-mask scaled by ``1/(1-p)``; column ``j`` drawn from sample ``sample_ids[j]``.
 
     Each row of the global batch gets its own generator, seeded by (model seed, step,
     row, layer, site), so the mask does not depend on which rank, microbatch or stage
     runs the row: every layout drops the same activations.  (Megatron draws masks from
-    a per-rank CUDA RNG state instead; its runs then differ between layouts.)
+    a per-rank CUDA RNG state instead; its runs then differ between layouts.)  Under
+    context parallelism ``positions`` are the ``s`` positions this rank holds: the whole
+    sequence's mask (``seq_length`` rows) is drawn and those rows kept.
     """
     s, b, h = shape
     columns = []
     for row in sample_ids.tolist():
         key = (((seed * 1_000_003 + step) * 1_000_003 + row) * 1009 + layer) * 7 + site
         generator = torch.Generator().manual_seed(key % (2 ** 63))
-        columns.append(torch.rand(s, h, generator=generator) >= p)
+        if positions is None:
+            columns.append(torch.rand(s, h, generator=generator) >= p)
+        else:
+            columns.append(torch.rand(seq_length, h, generator=generator)[positions] >= p)
     return torch.stack(columns, dim=1).float() / (1.0 - p)
 
 
@@ -120,16 +127,22 @@ class DeepSeekBlock(torch.nn.Module):
     sequence-wise loss).  With TP > 1 the attention and dense MLP are tensor-parallel on
     the whole sequence, and the MoE layer splits the sequence over TP itself (see
     :class:`~tutorial_lib.moe.MoELayer`), so the block's input and output are the full
-    ``[s, b, h]`` on every TP rank.
+    ``[s, b, h]`` on every TP rank.  With context parallelism (``cp_group`` of more than
+    one rank) ``s`` is this CP rank's tokens, ``positions`` their places in the sequence:
+    attention exchanges keys and values over the CP group (``config.cp_comm_type``) and
+    every other part of the block works on the local tokens alone.
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 0,
-                 tp_group: str | None = "tp", ep_group: str | None = "ep"):
+                 tp_group: str | None = "tp", ep_group: str | None = "ep",
+                 cp_group: str | None = None, positions: torch.Tensor | None = None):
         super().__init__()
         h, block_seed = config.hidden_size, derive_seed(seed, FIRST_BLOCK + layer_number)
         self.layer_number, self.dropout, self.seed = layer_number, config.dropout, seed
+        self.positions, self.seq_length = positions, config.seq_length
         self.input_layernorm = torch.nn.LayerNorm(h)
-        self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group)
+        self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group,
+                                            cp_group, config.cp_comm_type)
         self.pre_mlp_layernorm = torch.nn.LayerNorm(h)
         self.is_moe = bool(config.num_experts) and layer_number >= config.first_k_dense_replace
         if self.is_moe:
@@ -138,7 +151,7 @@ class DeepSeekBlock(torch.nn.Module):
                 num_shared_experts=config.num_shared_experts, score_function="sigmoid",
                 balance=BalanceConfig.deepseek_v3(),
                 sequence_parallel=parallel_state.group_size(tp_group) > 1, seed=block_seed,
-                ep_group=ep_group, tp_group=tp_group)
+                ep_group=ep_group, tp_group=tp_group, cp_group=cp_group)
         else:
             self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, False, block_seed, tp_group)
 
@@ -148,7 +161,7 @@ class DeepSeekBlock(torch.nn.Module):
         if batch is None:
             raise ValueError("dropout > 0 needs the Microbatch (its sample_ids seed the masks)")
         return x * _dropout_mask(x.shape, self.dropout, batch.sample_ids, self.seed, batch.step,
-                                 self.layer_number, site)
+                                 self.layer_number, site, self.positions, self.seq_length)
 
     def forward(self, x: torch.Tensor, batch: Microbatch | None = None):
         """``[s, b, h]`` -> ``([s, b, h], info)``; ``info`` is the MoE layer's (``{}`` if dense)."""
@@ -168,15 +181,23 @@ class DeepSeekModel(torch.nn.Module):
     layers from ``first_k_dense_replace`` on MoE layers).  ``stage`` / ``num_stages``: which
     model stage this is; the first holds the embedding, the last the final LayerNorm,
     LM head and loss.  ``seed``: every weight derives from it and from its global layer
-    index, so all cuts of the model hold the same numbers.  ``tp_group`` / ``ep_group``:
-    group kinds (``None`` or no process groups: serial).
+    index, so all cuts of the model hold the same numbers.  ``tp_group`` / ``ep_group`` /
+    ``cp_group``: group kinds (``None`` or no process groups: serial).
+
+    **Context parallelism** (a ``cp_group`` of more than one rank): every stage sees this CP
+    rank's tokens only, the load-balanced chunks of
+    :func:`~tutorial_lib.context_parallel.chunk_positions` (``position_ids``): the first
+    stage takes ``input_ids`` already split (Megatron's ``get_batch_on_this_cp_rank``)
+    and adds their positions' embeddings, the last stage returns the mean loss over its
+    tokens (equal counts on every CP rank, so the CP ranks' mean of it is the sequence's).
 
     Module names follow Megatron and keep global layer indices (``layers.5.mlp.router``
     is the same module on every layout), so a precision recipe can name layers.
     """
 
     def __init__(self, config: ModelConfig, stage: int = 0, num_stages: int = 1, seed: int = 0,
-                 tp_group: str | None = "tp", ep_group: str | None = "ep"):
+                 tp_group: str | None = "tp", ep_group: str | None = "ep",
+                 cp_group: str | None = "cp"):
         super().__init__()
         if config.sequence_parallel:
             raise ValueError("DeepSeekModel keeps the whole sequence between layers (its MoE layers "
@@ -188,6 +209,13 @@ class DeepSeekModel(torch.nn.Module):
         divide(config.vocab_size, tp, "vocab_size")
         divide(config.num_attention_heads, tp, "num_attention_heads")
         self.config, self.tp_group, self.ep_group = config, tp_group, ep_group
+        cp = parallel_state.group_size(cp_group)
+        self.cp_group = cp_group if cp > 1 else None
+        self.position_ids = None
+        """This CP rank's positions in the sequence (``None`` without context parallelism)."""
+        if cp > 1:
+            self.position_ids = torch.tensor(chunk_positions(
+                config.seq_length, cp, parallel_state.group_rank(cp_group)))
         self.stage, self.num_stages = stage, num_stages
         self.pre_process, self.post_process = stage == 0, stage == num_stages - 1
         self.aux_loss_scale = 1.0
@@ -196,7 +224,8 @@ class DeepSeekModel(torch.nn.Module):
         if self.pre_process:
             self.embedding = GPTEmbedding(config, seed, tp_group)
         self.layers = torch.nn.ModuleDict(
-            {str(i): DeepSeekBlock(config, i, seed, tp_group, ep_group)
+            {str(i): DeepSeekBlock(config, i, seed, tp_group, ep_group, self.cp_group,
+                                   self.position_ids)
              for i in layer_range(config.num_layers, num_stages, stage)})
         if self.post_process:
             self.final_layernorm = torch.nn.LayerNorm(h)
@@ -231,7 +260,7 @@ class DeepSeekModel(torch.nn.Module):
         if self.pre_process:
             if batch.input_ids is None:
                 raise ValueError("the first stage needs batch.input_ids")
-            hidden = self.embedding(batch.input_ids)             # [s, b, h]
+            hidden = self.embedding(batch.input_ids, self.position_ids)  # [s, b, h]
         elif hidden is None:
             raise ValueError(f"stage {self.stage} needs the previous stage's activation")
         for block in self.layers.values():
@@ -251,7 +280,9 @@ class DeepSeekModel(torch.nn.Module):
         return vocab_parallel_cross_entropy(logits, batch.labels.t(), self.tp_group).mean()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, sample_ids=None, step: int = 0):
-        """The whole model (``num_stages=1``): mean loss of ``[b, s]`` ids and labels."""
+        """The whole model (``num_stages=1``): mean loss of ``[b, s]`` ids and labels (under
+        context parallelism this CP rank's ``[b, s/CP]``, from
+        :func:`~tutorial_lib.context_parallel.split_for_cp_rank`)."""
         if not (self.pre_process and self.post_process):
             raise ValueError("forward() runs the whole model; a pipeline stage uses forward_stage()")
         if sample_ids is None:

@@ -92,9 +92,11 @@ class GPTEmbedding(torch.nn.Module):
         self.position_embeddings = serial_embedding(
             config.seq_length, config.hidden_size, seed=derive_seed(seed, POSITION_EMBEDDING))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids``: the positions of ``input_ids``'s columns (default ``0 .. s-1``);
+        under context parallelism, this rank's chunks of the sequence."""
         ids = input_ids.t()                                    # [s, b]: sequence first
-        positions = torch.arange(ids.shape[0])
+        positions = torch.arange(ids.shape[0]) if position_ids is None else position_ids
         x = self.word_embeddings(ids) + self.position_embeddings(positions).unsqueeze(1)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)  # my [s/T, b, h]

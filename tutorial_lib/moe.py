@@ -699,6 +699,11 @@ class MoELayer(torch.nn.Module):
     balance losses count the whole replica's tokens (summed over the TP group) and return
     the replica's value on every TP rank; each rank's gradient covers its own tokens.
 
+    Context parallelism (``cp_group``, a group of more than one rank): the layer gets this
+    CP rank's tokens of every sequence and routes them like any others (the EP all-to-all
+    carries whatever tokens each rank holds); the balance losses then sum their counts
+    over the CP group as well (over TP and CP when both split the tokens).
+
     TP and EP together (the course's rule 2 forbids it; Megatron does not): after the
     sequence scatter every TP rank holds different tokens, so the EP all-to-all needs
     nothing more.  The dist tests run TP 2 x EP 2 against the serial layer.
@@ -731,8 +736,9 @@ class MoELayer(torch.nn.Module):
                  dispatch_precision: tuple[str, str] | None = None,
                  combine_precision: tuple[str, str] | None = None,
                  device_limit_rule: str | None = None, deduplicate: bool = False,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, cp_group: str | None = None):
         super().__init__()
+        self.cp_group = cp_group  # context parallelism: my CP rank's tokens of each sequence
         ep_size, tp_size = parallel_state.group_size(ep_group), parallel_state.group_size(tp_group)
         if tp_size > 1 and not sequence_parallel:
             raise ConfigError(
@@ -848,11 +854,19 @@ class MoELayer(torch.nn.Module):
         # [s, b] token order -> [b, s] sequences, as the sequence-wise loss expects
         probs = probs.view(s_local, batch, n).transpose(0, 1)
         topk_idx = route.topk_idx.view(s_local, batch, k).transpose(0, 1)
-        split_over_tp = self.sequence_parallel and parallel_state.group_size(self.tp_group) > 1
         return moe_balance.total_aux_loss(
             self.balance, probs, topk_idx, n, k, num_devices=self.num_devices,
-            max_devices=self.device_limit, logits=route.logits,
-            group=self.tp_group if split_over_tp else None)
+            max_devices=self.device_limit, logits=route.logits, group=self._token_groups())
+
+    def _token_groups(self):
+        """The group kinds that split each sequence's tokens: TP under sequence parallelism,
+        CP under context parallelism (both: Megatron's TP x CP group), or ``None``."""
+        kinds = []
+        if self.sequence_parallel and parallel_state.group_size(self.tp_group) > 1:
+            kinds.append(self.tp_group)
+        if parallel_state.group_size(self.cp_group) > 1:
+            kinds.append(self.cp_group)
+        return None if not kinds else kinds[0] if len(kinds) == 1 else tuple(kinds)
 
     @torch.no_grad()
     def global_load(self, topk_idx: torch.Tensor) -> torch.Tensor:

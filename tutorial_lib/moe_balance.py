@@ -32,7 +32,8 @@ by their sum (:func:`normalize_per_token`; :class:`tutorial_lib.moe.MoELayer` do
 **Tokens split over ranks** (``group``).  Under sequence parallelism (or context
 parallelism) the ranks of a group each route part of the same batch.  Every loss and the
 z-loss take ``group``, the group kind that splits the tokens: the counts and ``T`` are
-summed over it (one all-reduce), so ``f`` is the whole batch's, while ``P`` keeps only this
+summed over it (one all-reduce; several orthogonal kinds, such as ``("tp", "cp")``, one
+each), so ``f`` is the whole batch's, while ``P`` keeps only this
 rank's tokens, divided by the whole ``T``.  Each rank then backpropagates the exact gradient
 of the whole loss with respect to its own tokens, and summing the router gradients over the
 group (what sequence parallelism does) gives the serial gradient.  The value returned is the
@@ -94,21 +95,32 @@ def normalize_per_token(scores: torch.Tensor) -> torch.Tensor:
     return scores / scores.sum(dim=-1, keepdim=True)
 
 
+def _kinds(group) -> tuple:
+    """``group`` as a tuple of group kinds: ``None`` -> (), ``"tp"`` -> ("tp",), a tuple as it is.
+
+    Several kinds must be orthogonal (``("tp", "cp")`` under TP and CP together): an
+    all-reduce over each in turn sums over their product, Megatron's TP x CP group."""
+    return (group,) if isinstance(group, str) else tuple(group or ())
+
+
 def _group_totals(group, num_tokens: int, counts: torch.Tensor):
-    """``(num_tokens, counts)`` summed over the ranks of ``group`` in one all-reduce
-    (unchanged when ``group`` is None).  ``counts``: int64, any shape (empty for none)."""
-    if group is None:
+    """``(num_tokens, counts)`` summed over the ranks of ``group`` (one all-reduce per kind;
+    unchanged when ``group`` is None).  ``counts``: int64, any shape (empty for none)."""
+    if not _kinds(group):
         return num_tokens, counts
     packed = torch.cat([counts.reshape(-1), counts.new_tensor([num_tokens])])
-    comm.all_reduce(packed, group=group)
+    for kind in _kinds(group):
+        comm.all_reduce(packed, group=kind)
     return int(packed[-1]), packed[:-1].view(counts.shape)
 
 
 def _whole_loss(part: torch.Tensor, group) -> torch.Tensor:
     """Value: the sum of every rank's ``part`` (the whole loss); gradient: this rank's ``part``."""
-    if group is None:
+    if not _kinds(group):
         return part
-    whole = comm.all_reduce(part.detach().clone(), group=group)
+    whole = part.detach().clone()
+    for kind in _kinds(group):
+        comm.all_reduce(whole, group=kind)
     return whole + (part - part.detach())
 
 

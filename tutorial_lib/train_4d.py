@@ -1,20 +1,23 @@
-"""Train the DeepSeek-style model on any valid 4D grid: TP x PP x EP x DP.
+"""Train the DeepSeek-style model on any valid grid: TP x CP x PP x EP x DP.
 
 ``examples/train_4d.py`` is a command line around this module; chapters and tests call
 it directly.  One step on every rank::
 
     global batch (synthetic, from the seed)  -> my DP replica's rows -> M microbatches
+        (CP > 1: each row cut to my CP rank's chunks)                 context_parallel.split_for_cp_rank
     pipeline schedule (GPipe / 1F1B / interleaved) over my chunks    pipeline.forward_backward_pipelining
         activations and gradients between stages                     P2P in the chosen mode
         labels from the first stage to the last                      isend / recv
-        TP collectives inside each layer, EP all-to-alls in each MoE layer
-    gradients: dense over DP, experts over expert-DP (divided by DP)  DataParallel.finish_grad_sync
+        TP collectives inside each layer, EP all-to-alls in each MoE layer,
+        K/V exchanges over CP in each attention (--cp-comm-type)
+    gradients: dense over DP (x CP), experts over expert-DP (divided by DP x CP)
+                                                                      DataParallel.finish_grad_sync
     router / shared-expert gradients summed over TP (MoE splits the sequence over TP)
     clip by the global norm (reduced over TP, PP, EP)                data_parallel.clip_grad_norm_
     Adam
     expert bias: the step's expert load summed over every rank that routed tokens, then
         each bias moves by gamma towards balance (DeepSeek-V3)       one all-reduce per group
-    log: LM loss and aux losses summed over PP, averaged over DP     one small all-reduce each
+    log: LM loss and aux losses summed over PP, averaged over DP (x CP)  one small all-reduce each
 
 **Layout independence.**  The same arguments give the same model, data and updates on
 every grid, so the per-step losses agree with the one-rank run to fp32 rounding:
@@ -31,6 +34,20 @@ global batch; the balance losses are logged under their own keys (:data:`LOG_KEY
 what each key means).  Each record is numbered by ``iteration``, the steps done counted
 from 1 as Megatron logs them: the step that draws batch ``i`` (trace tag ``step=i``) is
 iteration ``i + 1``, and a checkpoint saved after it is ``iter_<i + 1>``.
+
+**Context parallelism** (``context_parallel_size`` C > 1, ``cp_comm_type``): each row of
+a microbatch is cut into ``2 C`` chunks and CP rank ``r`` keeps chunks ``r`` and
+``2 C - 1 - r`` (ids and labels alike, :func:`tutorial_lib.context_parallel.split_for_cp_rank`),
+so every stage holds ``[s / C, b, h]``.  Each rank's loss is the mean over its own tokens,
+and the dense gradients are summed over the ``dp_cp`` group and divided by its size
+``DP x C``: the mean of the CP ranks' means, which is the sequence's mean because every CP
+rank holds as many tokens (Megatron-Core's ``DistributedDataParallel`` scales by ``1 /
+dp_cp`` size the same way).  The MoE balance losses are whole-sequence values on every CP
+rank whose gradient covers the rank's own tokens; the ``dp_cp`` average would divide their
+sum by C, so their gradient is scaled by ``C / M`` instead of ``1 / M``, as Megatron's
+``forward_step_calc_loss`` sets ``MoEAuxLossAutoScaler``'s scale.  Routed experts see each
+CP rank's tokens through the EP all-to-all, and the expert grid folds CP into expert-DP as
+Megatron's does (:func:`tutorial_lib.grid.megatron_grids`).
 
 **Precision.**  ``precision_recipe`` (``fp32``, ``bf16``, ``deepseek_v3`` or a recipe file)
 is applied to every model chunk by :func:`tutorial_lib.precision.apply_recipe`: simulated
@@ -73,6 +90,7 @@ from .arguments import (CONFIG_FIELDS, LOG_KEYS, RUN_DEFAULTS, TrainingArgs, arg
                         check_memory, describe_run, load_config_file, resolve_precision_recipe,
                         validate_args)
 from .data import split_global_batch, split_microbatches, synthetic_batch
+from .context_parallel import split_for_cp_rank
 from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
 from .moe_balance import max_violation, update_expert_bias
@@ -83,7 +101,7 @@ from .trace import get_tracer
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
            "load_config_file", "check_memory", "describe_run", "LOG_KEYS", "build_chunks",
            "train_worker", "train", "format_progress", "format_saved",
-           "write_progress"]
+           "write_progress", "moe_aux_loss_scale"]
 
 # TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
 # torch, so that examples/train_4d.py refuses a bad value before it loads torch; they are
@@ -111,8 +129,24 @@ def _microbatches(args: TrainingArgs, step: int, first_stage: bool) -> list[Micr
     rows = torch.arange(args.global_batch_size)  # each row's index in the global batch
     mine = split_global_batch((input_ids, labels, rows), parallel_state.get_rank_in("dp"),
                               parallel_state.get_size("dp"))
+    cp = parallel_state.get_size("cp")
+    if cp > 1:  # my CP rank's chunks of every row (Megatron's get_batch_on_this_cp_rank)
+        cp_rank = parallel_state.get_rank_in("cp")
+        mine = tuple(split_for_cp_rank(t, 1, cp, cp_rank) for t in mine[:2]) + mine[2:]
     return [Microbatch(ids if first_stage else None, targets if first_stage else None, sample_ids, step)
             for ids, targets, sample_ids in split_microbatches(mine, args.num_microbatches)]
+
+
+def moe_aux_loss_scale(num_microbatches: int, context_parallel_size: int = 1) -> float:
+    """What each MoE balance loss's gradient is scaled by: ``C / M``.
+
+    ``1 / M`` averages the ``M`` microbatches like the LM loss.  Under context parallelism
+    each CP rank backpropagates its own tokens' part of the whole-sequence balance loss,
+    and the ``dp_cp`` gradient average divides the parts' sum by ``C``: the factor ``C``
+    undoes that (Megatron-Core 0.20.0, d98e8a64, ``schedules.forward_step_calc_loss``: the
+    aux-loss scale is ``loss_scale * cp_group_size / num_microbatches``).
+    """
+    return context_parallel_size / num_microbatches
 
 
 def _sum_over(tensor: torch.Tensor, groups) -> torch.Tensor:
@@ -154,10 +188,14 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
     chunks = build_chunks(args)
     pp_rank = parallel_state.get_rank_in("pp")
     modules = torch.nn.ModuleList(chunks)
+    cp = parallel_state.get_size("cp")
+    dense_group = "dp_cp" if cp > 1 else "dp"  # the dense weights' replicas: DP, times CP
     zero1 = args.use_distributed_optimizer  # ZeRO-1 replaces DataParallel's all-reduce
-    sync = not zero1 and (parallel_state.get_size("dp") > 1 or parallel_state.get_size("expert_dp") > 1)
-    model = DataParallel(modules) if sync else modules
-    optimizer = (DistributedOptimizer(modules.parameters(), torch.optim.Adam, lr=args.lr) if zero1
+    sync = not zero1 and (parallel_state.get_size(dense_group) > 1
+                          or parallel_state.get_size("expert_dp") > 1)
+    model = DataParallel(modules, group=dense_group) if sync else modules
+    optimizer = (DistributedOptimizer(modules.parameters(), torch.optim.Adam, group=dense_group,
+                                      lr=args.lr) if zero1
                  else torch.optim.Adam(modules.parameters(), lr=args.lr))
     first_step = 0
     if args.load:  # imported here: DCP and DTensor cost every worker ~0.6 s to import
@@ -165,7 +203,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
         first_step = load_checkpoint(args.load, chunks, optimizer, args, args.ckpt_step)
     m, dp = args.num_microbatches, parallel_state.get_size("dp")
     rows = args.global_batch_size // dp // m
-    shape = (args.seq_length, rows, args.hidden_size)
+    shape = (args.seq_length // cp, rows, args.hidden_size)
     records = []
     for step in range(first_step, args.steps):
         started = time.perf_counter()
@@ -173,14 +211,15 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
         optimizer.zero_grad()
         for chunk in chunks:
             chunk.reset_step_stats()
-            chunk.aux_loss_scale = 1.0 / m
+            chunk.aux_loss_scale = moe_aux_loss_scale(m, cp)
         with tracer.tags(step=step):
             with model.no_sync() if sync else nullcontext():  # sync once, after the last backward
                 out = forward_backward_pipelining(chunks, _microbatches(args, step, pp_rank == 0),
                                                   args.schedule, args.p2p_mode, shape)
             grad_norm = finish_step(model, optimizer, args.clip_grad if args.clip_grad > 0 else None)
             violations = _update_expert_biases(chunks, args)
-            # the log: LM loss (last stage), aux losses and MaxVio (every stage), over PP then DP
+            # the log: LM loss (last stage), aux losses and MaxVio (every stage), over PP then
+            # DP (x CP: the CP ranks' LM losses are means over their tokens, the rest equal)
             aux_names = ["sequence"]
             local = [sum(out.losses.values()) / m]
             local += [sum(c.aux_loss_sums.get(name, 0.0) for c in chunks) / m for name in aux_names]
@@ -188,8 +227,8 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
             logged = torch.tensor(local, dtype=torch.float64)
             with tracer.tags(phase="logging"):
                 _sum_over(logged, ["pp"])
-                _sum_over(logged, ["dp"])
-            logged /= dp  # the DP replicas' mean (MaxVio and the layer count are equal on all)
+                _sum_over(logged, [dense_group])
+            logged /= dp * cp  # the replicas' mean (MaxVio and the layer count are equal on all)
         elapsed = time.perf_counter() - started
         record = {"iteration": step + 1, "loss": float(logged[0])}
         if args.num_experts:

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from . import parallel_state
+from .context_parallel import context_parallel_attention
 from .tensor_parallel import (
     SP_LINEAR,
     derive_seed,
@@ -72,11 +73,20 @@ QKV, PROJ, FC1, FC2 = 0, 1, 2, 3
 
 
 class SelfAttention(torch.nn.Module):
-    """Causal self-attention; each TP rank owns ``num_attention_heads / T`` whole heads."""
+    """Causal self-attention; each TP rank owns ``num_attention_heads / T`` whole heads.
+
+    ``cp_group`` / ``cp_comm_type``: with context parallelism (a ``cp`` group of more than
+    one rank) the input holds this CP rank's tokens only (the load-balanced chunks of
+    :mod:`tutorial_lib.context_parallel`), and the attention core exchanges keys and
+    values over the group in the given way (``p2p``, ``all_gather`` or ``a2a``); the
+    projections are token-wise and need nothing.  ``cp_group=None`` (the default): serial.
+    """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, sequence_parallel: bool = False,
-                 seed: int = 0, tp_group: str | None = "tp"):
+                 seed: int = 0, tp_group: str | None = "tp", cp_group: str | None = None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
         tp = parallel_state.group_size(tp_group)
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.heads_per_rank = divide(num_attention_heads, tp, "num_attention_heads")
@@ -92,7 +102,10 @@ class SelfAttention(torch.nn.Module):
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
         q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)  # each [b, heads_per_rank, s, head_dim]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if parallel_state.group_size(self.cp_group) > 1:  # my tokens; K/V from the CP ranks
+            y = context_parallel_attention(q, k, v, self.cp_comm_type, True, self.cp_group)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(y)  # partial sums over heads, reduced across TP
 

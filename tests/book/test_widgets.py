@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.dist.test_context_parallel import _attention_worker
 from tests.dist.test_moe_flow import N, _dispatch_worker
 from tests.dist.test_timeline import _overlap_worker
 from tests.dist.test_viz_collectives import CAPTURE, _ring_worker
@@ -23,6 +24,7 @@ from tutorial_lib.launch import launch
 from tutorial_lib.viz import draw, widget
 from tutorial_lib.viz import timeline as tlmod
 from tutorial_lib.viz.collectives import animate_ring_all_reduce
+from tutorial_lib.viz.context_parallel import animate_ring_attention
 from tutorial_lib.viz.fp8_tiles import tile_explorer
 from tutorial_lib.viz.moe_flow import animate_token_flow
 from tutorial_lib.viz.rank_map import rank_map
@@ -302,4 +304,28 @@ def test_labels_stay_readable_and_the_page_stays_put(fragment_page, width):
     count, smallest, page_width = view.page.evaluate(_LABELS)
     assert count > 20 and smallest >= 8.95, f"{count} labels, smallest {smallest:.1f} px"
     assert page_width <= width, f"the page is {page_width} px wide on a {width} px screen"
+    view.assert_clean()
+
+
+# --- context parallelism: the ring of K/V blocks (issue 18) ------------------------------------
+
+
+@pytest.mark.dist
+def test_the_ring_attention_player_plays_in_chromium(fragment_page):
+    """The dist tests' ring at CP 4: Play advances one player only; Next shows the next
+    step, whose caption and K/V labels are Python's."""
+    run = launch(_attention_worker, 4, timeout=120)
+    anim = animate_ring_attention(run.trace.filter(case="p2p-causal-balanced"))
+    view = fragment_page(anim.to_html(), anim.to_html(), width=1000, height=900)
+    first, second = play_the_first_of_two(view)
+    second.locator(".tl-next").click()
+    assert second.get_attribute("data-frame") == "1"
+    visible = second.locator(".tl-frame:visible")
+    assert visible.count() == 1
+    assert second.locator(".tl-anim-caption").inner_text() == anim.captions[1]
+    text = visible.inner_text()
+    for p, owner in anim.data[1]["holds"].items():
+        assert f"K/V of CP {owner}" in text
+    second.locator(".tl-slider").fill(str(len(anim) - 1))
+    assert "every rank's block" in second.locator(".tl-frame:visible").inner_text()
     view.assert_clean()

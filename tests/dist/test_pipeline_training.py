@@ -79,7 +79,8 @@ _REFERENCES: dict = {}
 def world_one_losses(args: TrainingArgs) -> list[float]:
     """The world-size-1 run of the same model and batch (cached per model and batch)."""
     key = replace(args, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                  expert_model_parallel_size=1, schedule="1f1b", p2p_mode="batched")
+                  expert_model_parallel_size=1, context_parallel_size=1, cp_comm_type="p2p",
+                  schedule="1f1b", p2p_mode="batched")
     if astuple(key) not in _REFERENCES:
         _REFERENCES[astuple(key)] = [r["loss"] for r in train(key).results[0]]
     return _REFERENCES[astuple(key)]
@@ -163,6 +164,36 @@ def test_dropout_is_the_same_on_every_layout(pp, world):
     assert max(abs(a - b) for a, b in zip(got, expected)) < ATOL, (got, expected)
     no_dropout = world_one_losses(replace(args, dropout=0.0))
     assert min(abs(a - b) for a, b in zip(got, no_dropout)) > 1e-3, "dropout must change the losses"
+
+
+#: (TP, PP, EP, CP, world, cp_comm_type): CP 2 alone in each mode, with TP 2, with PP 2 and 3,
+#: with EP 2 (the EP group is the CP group: Megatron's expert grid folds CP into EP / EDP),
+#: with EP 2 and DP 2 (dp_cp of 4 ranks), and CP 4.
+CP_LAYOUTS = [(1, 1, 1, 2, 2, "p2p"), (1, 1, 1, 2, 2, "all_gather"), (1, 1, 1, 2, 2, "a2a"),
+              (2, 1, 1, 2, 4, "p2p"), (1, 2, 1, 2, 4, "a2a"), (1, 3, 1, 2, 6, "all_gather"),
+              (1, 1, 2, 2, 2, "p2p"), (1, 1, 2, 2, 4, "a2a"), (1, 1, 1, 4, 4, "p2p")]
+
+
+@pytest.mark.parametrize("tp,pp,ep,cp,world,mode", CP_LAYOUTS,
+                         ids=[f"tp{t}-pp{p}-ep{e}-cp{c}-w{w}-{m}" for t, p, e, c, w, m in CP_LAYOUTS])
+def test_context_parallel_trains_like_world_size_one(tp, pp, ep, cp, world, mode):
+    """Issue 18: ``--context-parallel-size C --cp-comm-type mode`` gives the world-size-1
+    losses (``ATOL``).  Each CP rank holds chunks r and 2C-1-r of every row (Megatron-Core
+    0.20.0, d98e8a64, ``megatron/core/utils.py`` ``get_batch_on_this_cp_rank``), its loss is
+    the mean over its tokens and the dense gradients are averaged over ``dp_cp``
+    (``distributed_data_parallel.py``: ``gradient_scaling_factor = 1 / dp_cp size``)."""
+    args = layout_args(tp, pp, ep, world, context_parallel_size=cp, cp_comm_type=mode)
+    validate_args(args)
+    assert args.configs()[0].data_parallel_size == world // (tp * pp * cp)
+    assert_same_losses(args)
+
+
+def test_context_parallel_with_the_distributed_optimizer_trains_like_world_size_one():
+    """ZeRO-1 under CP shards the dense gradients over ``dp_cp`` (DP 2 x CP 2 here), as
+    Megatron-Core's distributed optimizer uses the data-parallel group with context
+    parallelism (0.20.0, d98e8a64, ``distributed_data_parallel.py``: ``dp_cp_group``)."""
+    assert_same_losses(layout_args(1, 1, 2, 4, context_parallel_size=2,
+                                   use_distributed_optimizer=True))
 
 
 def test_a_dense_model_trains_like_world_size_one_too():

@@ -31,7 +31,8 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 moe_router_topk=2, first_k_dense_replace=1, num_shared_experts=1, dropout=0.0,
                 steps=5, seed=1234, lr=3e-3, clip_grad=1.0, schedule="1f1b", p2p_mode="batched",
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
-                ckpt_step=None, use_distributed_optimizer=False)
+                ckpt_step=None, use_distributed_optimizer=False,
+                context_parallel_size=1, cp_comm_type="p2p")  # issue 18: CP, off by default
 
 
 @pytest.fixture(scope="module")

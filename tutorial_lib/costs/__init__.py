@@ -22,12 +22,15 @@ module             chapters  what it holds
                              activations), checked before ``train_4d`` starts workers
 =================  ========  ============================================================
 
+And ``context_parallel`` (chapter 9): context-parallel attention's messages and bytes per
+rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all).
+
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
 (it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules`); ``collectives``,
-``measure``, ``tp_dp_step`` and ``moe`` import numpy (``measure`` through
-``collectives``) and none of them imports torch when it is loaded, so ``import
-tutorial_lib.costs`` loads no torch.  Two functions reach torch through other modules
-of the library when they are called: :func:`tp_dp_step_collectives` with ``tp > 1``
+``measure``, ``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``measure`` and
+``context_parallel`` through ``collectives``) and none of them imports torch when it is
+loaded, so ``import tutorial_lib.costs`` loads no torch.  Two functions reach torch through
+other modules of the library when they are called: :func:`tp_dp_step_collectives` with ``tp > 1``
 reads each block's collectives from :func:`tutorial_lib.transformer.block_collectives`
 (which imports torch), and :func:`measure_collective` imports torch,
 :mod:`tutorial_lib.comm` and :mod:`tutorial_lib.launch`, and starts processes.  Every
@@ -40,6 +43,8 @@ len(e.group_ranks))`` works directly on a trace event ``e``.
 from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, cp_kv_chunk_bytes,
                         dp_gradient_bytes, ep_all_to_all_bytes, link_bandwidths,
                         pp_activation_bytes, tp_all_reduce_bytes, transfer_seconds)
+from .context_parallel import (CP_MODES, cp_attention_messages, cp_bytes_sent,
+                               cp_kv_block_bytes)
 from .collectives import (OPS, AlphaBeta, Fit, Sample, all_gather_bytes, all_reduce_bytes,
                           all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
                           fit_alpha_beta, predict_time, reduce_scatter_bytes, ring_bytes_sent,
@@ -61,6 +66,7 @@ __all__ = [
     "LinkSpec", "ParallelismTraffic", "bandwidth_table", "cp_kv_chunk_bytes",
     "dp_gradient_bytes", "ep_all_to_all_bytes", "link_bandwidths", "pp_activation_bytes",
     "tp_all_reduce_bytes", "transfer_seconds",
+    "CP_MODES", "cp_attention_messages", "cp_bytes_sent", "cp_kv_block_bytes",
     "OPS", "AlphaBeta", "Fit", "Sample", "all_gather_bytes", "all_reduce_bytes",
     "all_to_all_bytes", "broadcast_bytes", "bus_bandwidth", "cost_coefficients",
     "fit_alpha_beta", "predict_time", "reduce_scatter_bytes", "ring_bytes_sent", "ring_steps",

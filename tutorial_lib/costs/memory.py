@@ -13,7 +13,7 @@ the course's runs; each rank holds
 * **activations**: what autograd keeps for backward in one layer for one microbatch, times
   the layers of a chunk, times the chunk-microbatches the schedule holds at its peak
   (:func:`tutorial_lib.pipeline_schedules.expected_peak_activations`), plus the last
-  stage's logits.  Per layer, in values: LayerNorm inputs and outputs, the TP shard of
+  stage's logits; with context parallelism on this CP rank's ``s / CP`` tokens.  Per layer, in values: LayerNorm inputs and outputs, the TP shard of
   qkv and of the attention output, the attention probabilities ``heads/TP x s x s`` per
   sequence (the CPU attention keeps them), the dense MLP's two ``ffn/TP`` tensors, and for
   an MoE layer the routed copies (``K`` per token on its ``s/TP`` tokens) with their
@@ -117,13 +117,14 @@ def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1) -> int:
     return count
 
 
-def _layer_activation_values(model, layer: int, rows: int, tp: int) -> int:
-    """Values autograd keeps for backward in ``layer`` for one microbatch of ``rows`` sequences."""
+def _layer_activation_values(model, layer: int, rows: int, tp: int, cp: int = 1) -> int:
+    """Values autograd keeps for backward in ``layer`` for one microbatch of ``rows`` sequences
+    (``cp``: context-parallel ranks; each holds ``s / cp`` of every sequence's tokens)."""
     h, s, b = model.hidden_size, model.seq_length, rows
-    tokens = s * b
+    tokens = s // cp * b
     values = 4 * tokens * h                              # two LayerNorms' inputs and outputs
     values += tokens * (3 * h + h) // tp                 # qkv and the attention output (my heads)
-    values += 2 * b * (model.num_attention_heads // tp) * s * s  # attention probabilities
+    values += 2 * b * (model.num_attention_heads // tp) * (s // cp) * s  # attention probabilities
     if _is_moe(model, layer):
         f, k = model.moe_ffn_hidden_size or h, model.moe_router_topk
         mine = tokens // tp                              # the MoE layer splits the sequence over TP
@@ -153,6 +154,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     (default: every pipeline rank).  Constant time per rank, whatever the number of layers.
     """
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
+    cp = parallel.context_parallel_size  # activations: each CP rank holds s / CP tokens
     pp, v = parallel.pipeline_model_parallel_size, virtual_pipeline_size
     dp, edp = parallel.data_parallel_size, parallel.expert_data_parallel_size
     m = train.num_microbatches
@@ -162,9 +164,9 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     first_moe = max(model.first_k_dense_replace, 0)  # a layer index from which layers are MoE
     # layer 0 is dense unless every layer is MoE (then no dense layer uses these two)
     dense_params = layer_parameters(model, 0, tp, ep)
-    dense_acts = _layer_activation_values(model, 0, rows, tp)
+    dense_acts = _layer_activation_values(model, 0, rows, tp, cp)
     moe_params = layer_parameters(model, first_moe, tp, ep)
-    moe_acts = _layer_activation_values(model, first_moe, rows, tp)
+    moe_acts = _layer_activation_values(model, first_moe, rows, tp, cp)
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
         params = activations = 0
@@ -176,10 +178,10 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
             chunk = dense * dense_acts + moe * moe_acts
             if stage == 0:
                 params += vocab * h // tp + s * h                    # word and position tables
-                chunk += s * rows * h
+                chunk += s // cp * rows * h
             if stage == pp * v - 1:
                 params += 2 * h + vocab * h // tp                    # final LayerNorm, LM head
-                chunk += 3 * s * rows * vocab // tp                  # logits, softmax, gradient
+                chunk += 3 * s // cp * rows * vocab // tp            # logits, softmax, gradient
             activations = max(activations, chunk)
         in_flight = expected_peak_activations(schedule, pp, m, rank, v)
         weights = BYTES_PER_VALUE * params

@@ -5,6 +5,7 @@
 * :mod:`.timeline`: per-rank timelines of compute spans and communication;
 * :mod:`.moe_flow`: tokens moving between expert-parallel ranks, from recorded splits;
 * :mod:`.fp8_tiles`: one FP8 tile's values, scale and error;
+* :mod:`.context_parallel`: the ring of context-parallel attention, step by step, from its trace;
 * :mod:`.table`: a plain HTML table for chapter cells.
 
 What they share: :mod:`.widget` (the base class :class:`Widget`, every fragment's
