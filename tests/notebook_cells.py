@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tutorial_lib import comm, moe_balance, p2p
 from tutorial_lib.deepseek import layer_range
-from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08
+from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09
 from tutorial_lib.pipeline_schedules import Action
 from tutorial_lib.viz.table import table
 
@@ -109,6 +109,11 @@ CHAPTERS = [
         Exercise("payload_bytes", ch08.check_payload_bytes),
         Exercise("keep_ends_in_bf16", ch08.check_keep_ends_in_bf16),
     ), {"torch": torch, "dataclasses": dataclasses}, min_cases=4),
+    Chapter("09_context_parallel.ipynb", (
+        Exercise("merge", ch09.check_merge_partials),
+        Exercise("held", ch09.check_held_chunks),
+        Exercise("ring_pass_bytes", ch09.check_ring_pass_bytes),
+    ), {"torch": torch}, min_cases=4),
 ]
 
 
