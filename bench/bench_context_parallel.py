@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per mode")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
+    load_before = reference.load_average()  # stored with the references: the load we started under
     warm_up()
 
     ring_rounds = []
@@ -74,11 +75,11 @@ def main() -> None:
 
     if not args.no_save:
         command = f"{COMMAND} --rounds {args.rounds} --repeats {args.repeats}"
-        reference.save("ch09_ring_work", ring, command=command,
+        reference.save("ch09_ring_work", ring, command=command, load=load_before,
                        notes="measure_ring_work(cp_size=4, seq_length=2048): the median of "
                              f"{args.rounds} rounds by total time", shape=RING)
         reference.save("ch09_cp_modes", [{"mode": m, "seconds": modes[m]} for m in cp.CP_COMM_TYPES],
-                       command=command, notes=f"measure_cp_modes, {args.repeats} timed calls per "
+                       command=command, load=load_before, notes=f"measure_cp_modes, {args.repeats} timed calls per "
                        f"mode; the median of {args.rounds} rounds by total time", shape=MODES)
         print("saved: tutorial_lib/reference/ch09_ring_work.json, ch09_cp_modes.json")
 
