@@ -224,7 +224,9 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     world = parallel.world_size
-    layout = (f"TP{tp} x PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = {world} "
+    cp = parallel.context_parallel_size
+    cp_part = f"CP{cp} ({args.cp_comm_type}) x " if cp > 1 else ""  # shown when it splits
+    layout = (f"TP{tp} x {cp_part}PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = {world} "
               f"rank{'s' * (world > 1)}")
     if args.num_experts:
         layout += (f" (experts: ETP{etp} x EP{ep} x EDP{parallel.expert_data_parallel_size}"

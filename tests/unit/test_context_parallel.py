@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tutorial_lib import context_parallel as cp
 from tutorial_lib import costs
-from tutorial_lib.arguments import validate_args
+from tutorial_lib.arguments import describe_run, validate_args
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from tutorial_lib.train_4d import TrainingArgs
 
@@ -202,6 +202,7 @@ def test_train_4d_takes_megatrons_cp_flags():
     assert (parallel.context_parallel_size, model.cp_comm_type) == (2, "a2a")
     assert parallel.data_parallel_size == 2
     validate_args(args)
+    assert "TP1 x CP2 (a2a) x PP1 x EP1 x DP2 = 4 ranks" in describe_run(args)  # the banner
     with pytest.raises(ConfigError) as error:
         validate_args(replace(args, seq_length=18))
     assert error.value.rule == "rule 12"
