@@ -334,7 +334,7 @@ def test_help_lists_the_choices_of_every_fixed_set(script, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     text = script.build_parser().format_help()
     with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
-    assert {f.name for f in with_choices} == {"schedule", "p2p_mode"}
+    assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type"}
     for f in with_choices:
         flag = "--" + f.name.replace("_", "-")
         assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in text, flag
