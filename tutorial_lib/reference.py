@@ -89,10 +89,16 @@ def describe_machine() -> str:
     return f"{os.cpu_count()} cores ({model}){memory}"
 
 
-def save(name: str, rows: list[dict], command: str = "", notes: str = "", **extra) -> Reference:
-    """Store ``rows`` as the reference ``name``, with this machine, today and its load."""
+def save(name: str, rows: list[dict], command: str = "", notes: str = "",
+         load: float | None = None, **extra) -> Reference:
+    """Store ``rows`` as the reference ``name``, with this machine, today and its load.
+
+    ``load``: the one-minute load average taken just before measuring
+    (``os.getloadavg()[0]``); by default the load now, which after a run counts the
+    run's own processes.
+    """
     try:
-        load_average = round(os.getloadavg()[0], 2)
+        load_average = round(os.getloadavg()[0] if load is None else load, 2)
     except OSError:
         load_average = None
     ref = Reference(name=name, rows=list(rows), machine=describe_machine(),
