@@ -5,8 +5,12 @@
     python examples/train_4d.py --world-size 4 --pipeline-model-parallel-size 4 --schedule gpipe --json
     torchrun --standalone --nproc-per-node 4 examples/train_4d.py --pipeline-model-parallel-size 2
 
-Without torchrun it starts ``--world-size`` workers itself (gloo on CPU, NCCL when every
-rank has a GPU).  Under torchrun (one node, or ``--nnodes`` nodes) torchrun's world is
+Without torchrun it starts ``--world-size`` workers itself: ``--device auto`` (the
+default) runs them on the GPUs over NCCL when every rank has its own GPU (rank r on
+``cuda:r``), else on the CPU over gloo, saying why when there are GPUs but too few;
+``--device cuda`` insists on the GPUs and exits with status 2 before starting anything
+when there are too few; ``--device cpu`` stays on gloo.  Under torchrun ``LOCAL_RANK``
+picks each process's GPU.  Under torchrun (one node, or ``--nnodes`` nodes) torchrun's world is
 used and ``--world-size`` is ignored.  Flags carry Megatron's names and are built from the
 fields of the config dataclasses (``tutorial_lib.config.add_arguments``): ``--help`` prints
 each field's docstring and its default.  ``--config FILE``
@@ -62,8 +66,9 @@ from dataclasses import fields
 # Only torch-free modules until the arguments are valid: a bad value exits with status 2
 # before torch is loaded (tutorial_lib.arguments); tutorial_lib.train_4d comes in main().
 from tutorial_lib import checkpointing
-from tutorial_lib.arguments import (CONFIG_FIELDS, LOG_KEYS, TrainingArgs, args_from_dict,
-                                    describe_run, load_config_file, validate_args)
+from tutorial_lib.arguments import (CONFIG_FIELDS, DEVICES, LOG_KEYS, TrainingArgs,
+                                    args_from_dict, describe_run, load_config_file,
+                                    validate_args)
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
 
@@ -165,7 +170,11 @@ def main(argv=None) -> int:
         rank = int(os.environ["RANK"])
         try:
             run_under_torchrun(train_worker, args=(args, show if rank == 0 else None,
-                                                   saved if rank == 0 else None), trace=False)
+                                                   saved if rank == 0 else None), trace=False,
+                               backend=DEVICES[args.device])
+        except ConfigError as error:  # --device cuda without a GPU per local rank
+            print(f"train_4d.py: error: {error}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             if rank == 0:
                 print(interrupted(args, done[0], argv), file=sys.stderr)
@@ -176,6 +185,9 @@ def main(argv=None) -> int:
         try:
             # Progress lines come from rank 0 as it trains; JSON is printed once all are done.
             result = train(args, progress=not as_json, progress_file=progress_file)
+        except ConfigError as error:  # --device cuda with fewer GPUs than ranks: nothing started
+            print(f"train_4d.py: error: {error}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:  # Ctrl-C: the launcher has ended the workers
             print(interrupted(args, _steps_done(progress_file), argv), file=sys.stderr)
             return 130

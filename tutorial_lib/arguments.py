@@ -9,10 +9,12 @@ rule, the value and a fix, before it loads torch or starts a worker (Megatron's
 :mod:`tutorial_lib.train_4d` re-exports every name here.
 
 What :func:`validate_args` checks, in order: every field's type, the schedule and P2P
-mode, the run's own numbers (``steps``, ``seed``, ``lr``, ``clip_grad``, ``timeout``),
+mode, the device's name, the run's own numbers (``steps``, ``seed``, ``lr``, ``clip_grad``, ``timeout``),
 the layout and model rules of :func:`tutorial_lib.config.validate`, the interleaved
 schedule's rules, the precision recipe (a name, or a file that is read and checked), and
 last whether the run fits in this machine's memory (:mod:`tutorial_lib.costs.memory`).
+Whether ``--device cuda`` finds a GPU for every rank needs torch, so it is checked when the
+run starts, before any worker does (:func:`tutorial_lib.launch.choose_backend`).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from .pipeline_schedules import (P2P_MODES, SCHEDULE_NAMES, check_microbatch_gro
                                  check_schedule_and_mode)
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 
-__all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "TrainingArgs", "validate_args",
+__all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "DEVICES", "TrainingArgs", "validate_args",
            "resolve_precision_recipe", "check_memory", "load_config_file", "args_from_dict",
            "describe_run", "LOG_KEYS"]
 
@@ -49,6 +51,10 @@ CONFIG_FIELDS = {
 #: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE
 #: model (4 routed experts) and a batch of 16 sequences in 4 microbatches.
 RUN_DEFAULTS = {"world_size": 1, "num_experts": 4, "global_batch_size": 16, "num_microbatches": 4}
+
+#: Where a run's tensors live, and the backend each means (``auto``: the launcher decides,
+#: :func:`tutorial_lib.launch.choose_backend`).
+DEVICES = {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}
 
 #: The seeds a run takes: Megatron-Core refuses a seed <= 0 and seeds numpy with it, whose
 #: seeds end at 2**32 - 1 (``megatron/training/initialize.py``, ``_set_random_seed``).
@@ -98,6 +104,10 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard Adam's state over the data-parallel ranks of each gradient domain (dense
     weights over ``dp``, routed experts over ``expert_dp``); the same losses as plain Adam."""
+    device: str = field(default="auto", metadata={"choices": tuple(DEVICES)})
+    """Where every rank computes: ``cuda`` (one GPU per rank, NCCL: rank r on ``cuda:r``, or
+    under torchrun ``cuda:LOCAL_RANK``), ``cpu`` (gloo), or ``auto``: cuda when every rank on
+    this machine has its own GPU, else cpu (saying why when there are GPUs)."""
 
     def configs(self) -> tuple[ParallelConfig, ModelConfig, TrainConfig]:
         """The three dataclasses the validator and the model take."""
@@ -121,6 +131,9 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
                                        f"({type(args).__name__}); build one: TrainingArgs(world_size=4)")
     check_field_types(args)
     check_schedule_and_mode(args.schedule, args.p2p_mode)
+    if args.device not in DEVICES:
+        raise ConfigError("malformed", f"device must be one of {', '.join(DEVICES)}, got "
+                                       f"{args.device!r}; e.g. --device cuda")
     if args.steps < 1:
         raise ConfigError("malformed", f"steps must be a whole number >= 1, got {args.steps}")
     low, high = SEED_RANGE
@@ -245,8 +258,10 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     if args.save:
         every = f"every {args.save_interval} and " if args.save_interval else ""
         iterations += f"; saves to {args.save} {every}after the last"
+    device = {"cpu": "cpu (gloo)", "cuda": "cuda (NCCL, one GPU per rank)",
+              "auto": "auto (cuda when every rank here has its own GPU, else cpu)"}[args.device]
     rows = [("layout", layout), ("schedule", schedule), ("P2P mode", args.p2p_mode),
-            ("recipe", args.precision_recipe), ("iterations", iterations)]
+            ("recipe", args.precision_recipe), ("device", device), ("iterations", iterations)]
     if args.use_distributed_optimizer:
         rows.append(("optimizer", "Adam, ZeRO-1 (use_distributed_optimizer)"))
     if legend and args.num_experts:

@@ -107,6 +107,7 @@ def _cluster_worker(rank, world_size, backend, init_method, result_conn, stdout_
             break
         _, what, trace, capture_values = request
         tracer = set_tracer(Tracer(rank, enabled=trace, capture_values=capture_values))
+        tracer.use_device(ctx.device)
         _send(result_conn, ("started", rank))  # the call's timeout clock starts with all of these
         try:
             in_call[0] = True
@@ -116,7 +117,7 @@ def _cluster_worker(rank, world_size, backend, init_method, result_conn, stdout_
                 fn, args, kwargs = what
                 result = fn(ctx, *args, **kwargs)
             in_call[0] = False
-            message = ("ok", rank, pickled_result(rank, result), [e.to_dict() for e in tracer.events])
+            message = ("ok", rank, pickled_result(rank, result), tracer.event_dicts())
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: report and wait
             in_call[0] = False
             message = ("error", rank, _safe_summary(exc), traceback.format_exc())

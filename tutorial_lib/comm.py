@@ -14,9 +14,18 @@ all-reduce and broadcast: the tensor; reduce-scatter: the full input;
 all-gather: this rank's shard (the input); all-to-all: the rows this rank sends;
 send/recv: the tensor sent or received.
 
-gloo refuses float8 tensors in every collective except send/recv, so all-gather,
-all-to-all and broadcast move them as ``uint8`` views (bit-exact); reductions of
-float8 are refused with an explanation, because summing bytes is meaningless.
+**float8 on the wire.**  gloo refuses float8 tensors in every collective except
+send/recv, so all-gather, all-to-all and broadcast move them as ``uint8`` views: the same
+bytes, bit-exact, under another dtype name.  The view is kept on NCCL too, where it is just
+as correct (these ops only copy bytes, never add them) and needs no NCCL float8 support
+(only recent NCCL releases have float8 types, for reductions on Hopper).  Reductions of
+float8 are refused with an explanation on both backends: summing raw bytes is meaningless,
+so float8 values are dequantized before anything adds them (chapter 8's combine does).
+
+**Devices.**  Every op runs on the device of the tensors it is given: on a GPU rank
+(``ctx.device`` is ``cuda:N``) those go over NCCL, CPU tensors over gloo (the launcher's
+process group has both).  Ops on a GPU tensor are timed with CUDA events, not the host
+clock (an NCCL op returns before it has run): see :mod:`tutorial_lib.trace`.
 """
 from __future__ import annotations
 
@@ -57,7 +66,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as gloo can move it: float8 viewed as uint8, everything else unchanged."""
+    """The tensor as gloo can move it: float8 viewed as uint8, everything else unchanged
+    (the same view on NCCL: byte-for-byte copies need no float8 type)."""
     return t.view(torch.uint8) if t.dtype in _FLOAT8 else t
 
 
@@ -76,6 +86,7 @@ def _values(t: torch.Tensor):
 
 def _begin(op, tensor, kind, ranks, peer=None, nbytes=None, **extra) -> TraceEvent:
     return get_tracer().begin(op, group_kind=kind, group_ranks=ranks, peer=peer,
+                              on_gpu=tensor.is_cuda,
                               shape=tuple(tensor.shape), dtype=_dtype_name(tensor),
                               bytes=_nbytes(tensor) if nbytes is None else nbytes,
                               values_in=_values(tensor), **extra)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from . import comm, parallel_state
 from .config import CP_COMM_TYPES, ConfigError
+from .devices import cpu_generator, synchronize
 from .trace import get_tracer
 
 __all__ = ["CP_COMM_TYPES", "num_chunks", "held_chunks", "chunk_positions",
@@ -124,7 +125,8 @@ def gather_from_cp_ranks(pieces: list[torch.Tensor], dim: int,
     seq_length = sum(p.shape[dim] for p in pieces)
     out = torch.empty_like(torch.cat(pieces, dim=dim))
     for rank, piece in enumerate(pieces):
-        index = torch.tensor(chunk_positions(seq_length, cp_size, rank, load_balanced))
+        index = torch.tensor(chunk_positions(seq_length, cp_size, rank, load_balanced),
+                             device=piece.device)
         out.index_copy_(dim, index, piece)
     return out
 
@@ -279,7 +281,8 @@ class RingAttention(torch.autograd.Function):
         n, scale = len(mine), 1.0 / math.sqrt(q.shape[-1])
         q_chunks = _chunks(q, n)
         outs = [torch.zeros_like(chunk) for chunk in q_chunks]
-        lses = [torch.full(chunk.shape[:-1], float("-inf")) for chunk in q_chunks]
+        lses = [torch.full(chunk.shape[:-1], float("-inf"), device=chunk.device)
+                for chunk in q_chunks]
         kv = torch.stack([k, v]).contiguous()  # one message a step: [2, b, h, s_l, d]
         with tracer.tags(cp_comm_type="p2p", phase="forward"):
             for step in range(size):
@@ -368,10 +371,12 @@ def ring_attention(q, k, v, causal: bool = True, group: str = "cp",
 # --- 4. all_gather -------------------------------------------------------------------
 
 
-def _all_positions(seq_length: int, cp_size: int, load_balanced: bool) -> torch.Tensor:
+def _all_positions(seq_length: int, cp_size: int, load_balanced: bool,
+                   device) -> torch.Tensor:
     """Every CP rank's positions, rank after rank: where each gathered row sits."""
     return torch.tensor([p for r in range(cp_size) for p in
-                         chunk_positions(seq_length, cp_size, r, load_balanced)])
+                         chunk_positions(seq_length, cp_size, r, load_balanced)],
+                        device=device)
 
 
 def all_gather_attention(q, k, v, causal: bool = True, group: str = "cp",
@@ -391,8 +396,8 @@ def all_gather_attention(q, k, v, causal: bool = True, group: str = "cp",
     k_all, v_all = gathered.permute(1, 2, 3, 0, 4).unbind(0)  # [b, h, s, d], rank order
     mask = None
     if causal:  # True where the query may see the key
-        keys = _all_positions(s, size, load_balanced)
-        queries = torch.tensor(chunk_positions(s, size, rank, load_balanced))
+        keys = _all_positions(s, size, load_balanced, q.device)
+        queries = torch.tensor(chunk_positions(s, size, rank, load_balanced), device=q.device)
         mask = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [s_local, s]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
@@ -426,7 +431,7 @@ def ulysses_attention(q, k, v, causal: bool = True, group: str = "cp",
     qkv = torch.stack([q, k, v]).view(3, b, size, h // size, s_local, d)
     # rows [j s_local, (j+1) s_local) go to rank j: head group j of my tokens
     rows = qkv.permute(2, 4, 0, 1, 3, 5).reshape(size * s_local, 3, b, h // size, d)
-    positions = _all_positions(s_local * size, size, load_balanced)
+    positions = _all_positions(s_local * size, size, load_balanced, q.device)
     with get_tracer().tags(cp_comm_type="a2a"):
         rows = all_to_all(rows, group, splits, splits, op_name="ulysses_qkv")
         in_order = rows.index_select(0, torch.argsort(positions))  # row p: position p
@@ -475,9 +480,10 @@ def _modes_worker(ctx, cp_size, batch, heads, seq_length, head_dim, repeats, cau
     parallel_state.initialize_model_parallel(
         ParallelConfig(ctx.world_size, context_parallel_size=cp_size))
     rank, group = parallel_state.get_rank_in("cp"), parallel_state.get_group("cp")
-    g = torch.Generator().manual_seed(9)
+    g = cpu_generator(9)  # drawn on the CPU, the same on every device, then moved
     shape = (batch, heads, seq_length, head_dim)
-    q, k, v, dy = (torch.randn(*shape, generator=g) for _ in range(4))
+    q, k, v, dy = (torch.randn(*shape, generator=g, device="cpu").to(ctx.device)
+                   for _ in range(4))
     serial = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def mine(t):
@@ -493,6 +499,7 @@ def _modes_worker(ctx, cp_size, batch, heads, seq_length, head_dim, repeats, cau
             with ctx.tracer.tags(mode=mode, repeat=repeat):
                 out = context_parallel_attention(*leaves, mode, causal, "cp")
                 (out * mine(dy)).sum().backward()
+            synchronize(ctx.device)  # on a GPU: its work done, not just queued
             elapsed = time.perf_counter() - started
             if repeat:
                 seconds[mode].append(elapsed)
@@ -532,9 +539,9 @@ def _ring_work_worker(ctx, batch, heads, seq_length, head_dim):
     parallel_state.initialize_model_parallel(
         ParallelConfig(size, context_parallel_size=size))
     rank = parallel_state.get_rank_in("cp")
-    g = torch.Generator().manual_seed(0)
+    g = cpu_generator(0)  # drawn on the CPU, the same on every device, then moved
     shape = (batch, heads, seq_length, head_dim)
-    q, k, v = (torch.randn(*shape, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(*shape, generator=g, device="cpu").to(ctx.device) for _ in range(3))
     serial = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     errors = {}
     for split in ("naive", "balanced", "naive", "balanced"):  # the first two warm up

@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import torch
 
+from .devices import cpu_generator, resolve_device
+
 __all__ = ["synthetic_batch", "split_global_batch", "split_microbatches"]
 
 
 def synthetic_batch(seed: int, step: int, global_batch_size: int, seq_length: int,
-                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    vocab_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable global batch: ``(input_ids, labels)``, each ``[global_batch_size, seq_length]``.
 
     Each sequence counts through the vocabulary from a random start with a random
     stride of 1, 2 or 3: ``x_t = (start + stride * t) mod vocab_size``.  The label of
     each token is the next one, so a model that reads the previous token (to learn the
     stride) can predict every label but the first.  It depends only on ``(seed, step)``,
-    never on the layout: every TP and DP size trains on the very same numbers.
+    never on the layout: every TP and DP size trains on the very same numbers.  Drawn on
+    the CPU (every device gets the same numbers), returned on ``device`` (``None``:
+    torch's default device).
     """
-    generator = torch.Generator().manual_seed(1_000_003 * seed + step)
-    start = torch.randint(0, vocab_size, (global_batch_size, 1), generator=generator)
-    stride = torch.randint(1, 4, (global_batch_size, 1), generator=generator)
-    tokens = (start + stride * torch.arange(seq_length + 1)) % vocab_size
+    generator = cpu_generator(1_000_003 * seed + step)
+    start = torch.randint(0, vocab_size, (global_batch_size, 1), generator=generator, device="cpu")
+    stride = torch.randint(1, 4, (global_batch_size, 1), generator=generator, device="cpu")
+    tokens = (start + stride * torch.arange(seq_length + 1, device="cpu")) % vocab_size
+    tokens = tokens.to(resolve_device(device))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 

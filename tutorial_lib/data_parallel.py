@@ -231,7 +231,8 @@ class DataParallel(nn.Module):
         for index, members in enumerate(build_buckets(params, bucket_size_bytes, group)):
             domain = grad_domain(members[0], group)
             dtype = torch.float32 if grad_reduce_in_fp32 else members[0].dtype
-            buffer = torch.zeros(sum(p.numel() for p in members), dtype=dtype)
+            buffer = torch.zeros(sum(p.numel() for p in members), dtype=dtype,
+                                 device=members[0].device)
             bucket = Bucket(index, domain, members, buffer)
             offset = 0
             for p in members:
@@ -350,9 +351,12 @@ def reduce_squared_norms(squares: dict[str, torch.Tensor],
     The pipeline sum comes last, once, over the total: stages can hold different
     domains (a dense first stage has no experts), so a per-domain all-reduce over PP
     would be issued by some stages and not others, and the collectives would pair up
-    wrongly.  Every other group of a domain lies inside one stage.
+    wrongly.  Every other group of a domain lies inside one stage.  The sums live on the
+    squares' device (each rank's parameters are on its ``ctx.device``: every rank uses the
+    same backend for these all-reduces).
     """
-    total = torch.zeros(1, dtype=torch.float32)
+    device = next((s.device for s in squares.values() if torch.is_tensor(s)), torch.device("cpu"))
+    total = torch.zeros(1, dtype=torch.float32, device=device)
     for name in sorted(squares):  # the same order on every rank of the stage
         domain, square = DOMAINS[name], squares[name].reshape(1).float()
         groups = tuple(g for g in domain.model_parallel_groups if g != "pp")
@@ -372,7 +376,7 @@ def _grad_norm(params, grads, default_domain: str) -> torch.Tensor:
     squares: dict[str, torch.Tensor] = {}
     for p, grad in zip(params, grads):
         domain = grad_domain(p, default_domain)
-        square = squares.setdefault(domain, torch.zeros(1, dtype=torch.float32))
+        square = squares.setdefault(domain, torch.zeros(1, dtype=torch.float32, device=p.device))
         if grad is not None and counts_in_grad_norm(p, domain):
             square += grad.detach().float().square().sum()
     with get_tracer().tags(phase="clip_grad"):
@@ -451,7 +455,7 @@ class ShardedBuffer:
         """1 where this rank adds the element to the gradient norm, 0 for TP copies off rank 0."""
 
     def _flatten(self, tensors) -> torch.Tensor:
-        flat = torch.zeros(self.padded_numel, dtype=torch.float32)
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.params[0].device)
         for t, (start, end) in zip(tensors, self.ranges):
             if t is not None:
                 flat[start:end] = t.reshape(-1)
@@ -477,7 +481,7 @@ class ShardedBuffer:
     def gather(self, shard: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The padded flat vector whose slice on each rank of the group is that rank's
         ``shard``, all-gathered in ``dtype``."""
-        flat = torch.empty(self.padded_numel, dtype=dtype)
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=shard.device)
         comm.all_gather(flat, shard.detach().to(dtype), group=self.group)
         return flat
 
@@ -613,8 +617,9 @@ class DistributedOptimizer:
                 if torch.is_tensor(values[0]) and values[0].shape == buffer.params[0].shape:
                     inner[name] = buffer.my_slice(values)
                 else:
-                    if any(not torch.equal(torch.as_tensor(v), torch.as_tensor(values[0]))
-                           for v in values):
+                    def on_cpu(value):
+                        return torch.as_tensor(value, device="cpu")
+                    if any(not torch.equal(on_cpu(v), on_cpu(values[0])) for v in values):
                         raise ValueError(f"the parameters of the {buffer.domain!r} buffer carry "
                                          f"different {name!r} values; one flat buffer takes one")
                     inner[name] = values[0].clone() if torch.is_tensor(values[0]) else values[0]

@@ -23,6 +23,7 @@ import torch
 from . import parallel_state
 from .config import ModelConfig, check_pipeline_layers
 from .context_parallel import chunk_positions
+from .devices import cpu_generator, module_device, resolve_device
 from .gpt import FIRST_BLOCK, OUTPUT_LAYER, GPTEmbedding
 from .moe import MoELayer
 from .moe_balance import BalanceConfig
@@ -96,7 +97,7 @@ def attach_aux_loss(hidden: torch.Tensor, aux_loss: torch.Tensor, scale: float) 
 
 def _dropout_mask(shape, p: float, sample_ids: torch.Tensor, seed: int, step: int, layer: int,
                   site: int, positions: torch.Tensor | None = None,
-                  seq_length: int | None = None) -> torch.Tensor:
+                  seq_length: int | None = None, device=None) -> torch.Tensor:
     """``[s, b, h]`` keep-mask scaled by ``1/(1-p)``; column ``j`` drawn from sample ``sample_ids[j]``.
 
     Each row of the global batch gets its own generator, seeded by (model seed, step,
@@ -104,18 +105,21 @@ def _dropout_mask(shape, p: float, sample_ids: torch.Tensor, seed: int, step: in
     runs the row: every layout drops the same activations.  (Megatron draws masks from
     a per-rank CUDA RNG state instead; its runs then differ between layouts.)  Under
     context parallelism ``positions`` are the ``s`` positions this rank holds: the whole
-    sequence's mask (``seq_length`` rows) is drawn and those rows kept.
+    sequence's mask (``seq_length`` rows) is drawn and those rows kept.  The masks are drawn
+    on the CPU (every device gets the same ones) and returned on ``device``.
     """
     s, b, h = shape
     columns = []
+    rows = positions.tolist() if positions is not None else None
     for row in sample_ids.tolist():
         key = (((seed * 1_000_003 + step) * 1_000_003 + row) * 1009 + layer) * 7 + site
-        generator = torch.Generator().manual_seed(key % (2 ** 63))
+        generator = cpu_generator(key % (2 ** 63))
         if positions is None:
-            columns.append(torch.rand(s, h, generator=generator) >= p)
+            columns.append(torch.rand(s, h, generator=generator, device="cpu") >= p)
         else:
-            columns.append(torch.rand(seq_length, h, generator=generator)[positions] >= p)
-    return torch.stack(columns, dim=1).float() / (1.0 - p)
+            columns.append(torch.rand(seq_length, h, generator=generator, device="cpu")[rows] >= p)
+    mask = torch.stack(columns, dim=1).float() / (1.0 - p)
+    return mask.to(resolve_device(device))
 
 
 class DeepSeekBlock(torch.nn.Module):
@@ -130,20 +134,23 @@ class DeepSeekBlock(torch.nn.Module):
     ``[s, b, h]`` on every TP rank.  With context parallelism (``cp_group`` of more than
     one rank) ``s`` is this CP rank's tokens, ``positions`` their places in the sequence:
     attention exchanges keys and values over the CP group (``config.cp_comm_type``) and
-    every other part of the block works on the local tokens alone.
+    every other part of the block works on the local tokens alone.  ``device``: where the
+    weights live (``None``: torch's default device).
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 0,
                  tp_group: str | None = "tp", ep_group: str | None = "ep",
-                 cp_group: str | None = None, positions: torch.Tensor | None = None):
+                 cp_group: str | None = None, positions: torch.Tensor | None = None,
+                 device=None):
         super().__init__()
         h, block_seed = config.hidden_size, derive_seed(seed, FIRST_BLOCK + layer_number)
         self.layer_number, self.dropout, self.seed = layer_number, config.dropout, seed
         self.positions, self.seq_length = positions, config.seq_length
-        self.input_layernorm = torch.nn.LayerNorm(h)
+        device = resolve_device(device)
+        self.input_layernorm = torch.nn.LayerNorm(h, device=device)
         self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group,
-                                            cp_group, config.cp_comm_type)
-        self.pre_mlp_layernorm = torch.nn.LayerNorm(h)
+                                            cp_group, config.cp_comm_type, device=device)
+        self.pre_mlp_layernorm = torch.nn.LayerNorm(h, device=device)
         self.is_moe = bool(config.num_experts) and layer_number >= config.first_k_dense_replace
         if self.is_moe:
             self.mlp = MoELayer(
@@ -151,9 +158,10 @@ class DeepSeekBlock(torch.nn.Module):
                 num_shared_experts=config.num_shared_experts, score_function="sigmoid",
                 balance=BalanceConfig.deepseek_v3(),
                 sequence_parallel=parallel_state.group_size(tp_group) > 1, seed=block_seed,
-                ep_group=ep_group, tp_group=tp_group, cp_group=cp_group)
+                ep_group=ep_group, tp_group=tp_group, cp_group=cp_group, device=device)
         else:
-            self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, False, block_seed, tp_group)
+            self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, False, block_seed, tp_group,
+                           device=device)
 
     def _drop(self, x: torch.Tensor, batch: Microbatch | None, site: int) -> torch.Tensor:
         if not self.training or self.dropout == 0.0:
@@ -161,7 +169,8 @@ class DeepSeekBlock(torch.nn.Module):
         if batch is None:
             raise ValueError("dropout > 0 needs the Microbatch (its sample_ids seed the masks)")
         return x * _dropout_mask(x.shape, self.dropout, batch.sample_ids, self.seed, batch.step,
-                                 self.layer_number, site, self.positions, self.seq_length)
+                                 self.layer_number, site, self.positions, self.seq_length,
+                                 device=x.device)
 
     def forward(self, x: torch.Tensor, batch: Microbatch | None = None):
         """``[s, b, h]`` -> ``([s, b, h], info)``; ``info`` is the MoE layer's (``{}`` if dense)."""
@@ -193,11 +202,14 @@ class DeepSeekModel(torch.nn.Module):
 
     Module names follow Megatron and keep global layer indices (``layers.5.mlp.router``
     is the same module on every layout), so a precision recipe can name layers.
+
+    ``device``: where the stage's weights and its per-step statistics live (``ctx.device``
+    in a worker; ``None``: torch's default device); the microbatches must be there too.
     """
 
     def __init__(self, config: ModelConfig, stage: int = 0, num_stages: int = 1, seed: int = 0,
                  tp_group: str | None = "tp", ep_group: str | None = "ep",
-                 cp_group: str | None = "cp"):
+                 cp_group: str | None = "cp", device=None):
         super().__init__()
         if config.sequence_parallel:
             raise ValueError("DeepSeekModel keeps the whole sequence between layers (its MoE layers "
@@ -209,29 +221,30 @@ class DeepSeekModel(torch.nn.Module):
         divide(config.vocab_size, tp, "vocab_size")
         divide(config.num_attention_heads, tp, "num_attention_heads")
         self.config, self.tp_group, self.ep_group = config, tp_group, ep_group
+        device = resolve_device(device)
         cp = parallel_state.group_size(cp_group)
         self.cp_group = cp_group if cp > 1 else None
         self.position_ids = None
         """This CP rank's positions in the sequence (``None`` without context parallelism)."""
         if cp > 1:
             self.position_ids = torch.tensor(chunk_positions(
-                config.seq_length, cp, parallel_state.group_rank(cp_group)))
+                config.seq_length, cp, parallel_state.group_rank(cp_group)), device=device)
         self.stage, self.num_stages = stage, num_stages
         self.pre_process, self.post_process = stage == 0, stage == num_stages - 1
         self.aux_loss_scale = 1.0
         """What each aux loss's gradient is scaled by: ``1/M`` with ``M`` microbatches."""
         h = config.hidden_size
         if self.pre_process:
-            self.embedding = GPTEmbedding(config, seed, tp_group)
+            self.embedding = GPTEmbedding(config, seed, tp_group, device)
         self.layers = torch.nn.ModuleDict(
             {str(i): DeepSeekBlock(config, i, seed, tp_group, ep_group, self.cp_group,
-                                   self.position_ids)
+                                   self.position_ids, device)
              for i in layer_range(config.num_layers, num_stages, stage)})
         if self.post_process:
-            self.final_layernorm = torch.nn.LayerNorm(h)
+            self.final_layernorm = torch.nn.LayerNorm(h, device=device)
             self.output_layer = ColumnParallelLinear(
                 h, config.vocab_size, bias=False, gather_output=False,
-                seed=derive_seed(seed, OUTPUT_LAYER), tp_group=tp_group)
+                seed=derive_seed(seed, OUTPUT_LAYER), tp_group=tp_group, device=device)
         self.reset_step_stats()
 
     # --- per-step statistics the trainer reads ---------------------------------------
@@ -243,7 +256,8 @@ class DeepSeekModel(torch.nn.Module):
     def reset_step_stats(self) -> None:
         """Forget the aux-loss sums and expert loads of the last step."""
         self.aux_loss_sums: dict[str, float] = {}
-        self.expert_loads = {i: torch.zeros(self.config.num_experts, dtype=torch.int64)
+        self.expert_loads = {i: torch.zeros(self.config.num_experts, dtype=torch.int64,
+                                            device=module_device(self))
                              for i in self.moe_layers()}
 
     # --- the stage -----------------------------------------------------------------
@@ -286,5 +300,5 @@ class DeepSeekModel(torch.nn.Module):
         if not (self.pre_process and self.post_process):
             raise ValueError("forward() runs the whole model; a pipeline stage uses forward_stage()")
         if sample_ids is None:
-            sample_ids = torch.arange(input_ids.shape[0])
+            sample_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.forward_stage(None, Microbatch(input_ids, labels, sample_ids, step))

@@ -89,13 +89,15 @@ def model_tensors(chunks) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _meshes() -> dict[str, DeviceMesh]:
-    """A one-dimensional mesh per group a tensor can be split over, made from the live group."""
+def _meshes(device_type: str) -> dict[str, DeviceMesh]:
+    """A one-dimensional mesh per group a tensor can be split over, made from the live group,
+    of the tensors' device type (``cpu``, or ``cuda`` under NCCL)."""
     meshes = {}
     for kind in ("tp", "ep"):
         ranks = parallel_state.get_group_ranks(kind)
-        meshes[kind] = DeviceMesh.from_group(parallel_state.get_group(kind), "cpu",
-                                             mesh=torch.tensor(ranks), mesh_dim_names=(kind,))
+        meshes[kind] = DeviceMesh.from_group(parallel_state.get_group(kind), device_type,
+                                             mesh=torch.tensor(ranks, device="cpu"),
+                                             mesh_dim_names=(kind,))
     return meshes
 
 
@@ -130,9 +132,10 @@ def _optimizer_state(optimizer, params: dict[str, torch.Tensor]) -> dict[str, di
 
 
 def _empty_state(param: torch.Tensor) -> dict:
-    """Adam's state before its first step (also what a load fills in)."""
+    """Adam's state before its first step (also what a load fills in); the step count on the
+    CPU, where ``torch.optim.Adam`` keeps it."""
     return {"exp_avg": torch.zeros_like(param.detach()), "exp_avg_sq": torch.zeros_like(param.detach()),
-            "step": torch.zeros((), dtype=torch.float32)}
+            "step": torch.zeros((), dtype=torch.float32, device="cpu")}
 
 
 def _rng_key() -> str:
@@ -141,7 +144,7 @@ def _rng_key() -> str:
 
 def _state_dict(tensors: dict, moments: dict, rng_state: torch.Tensor | None) -> dict:
     """The flat dict handed to DCP: each tensor as a DTensor (split) or plain (whole), by key."""
-    meshes = _meshes()
+    meshes = _meshes(next(iter(tensors.values())).device.type)
     state: dict = {}
     for name, tensor in tensors.items():
         state[f"model.{name}"] = _describe(tensor.detach(), _sharding(tensor), meshes)

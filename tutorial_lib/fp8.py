@@ -40,6 +40,7 @@ import math
 import torch
 
 from . import comm, parallel_state
+from .devices import cpu_generator, synchronize
 from .recipes import (DEEPSEEK_V3_COMBINE, DEEPSEEK_V3_DISPATCH, PRECISIONS, check_precision,
                       check_precision_pair)
 from .trace import get_tracer
@@ -48,7 +49,8 @@ __all__ = [
     "E4M3", "E4M3_MAX", "E4M3_MIN_NORMAL", "TILE", "AMAX_FLOOR", "PRECISIONS",
     "DEEPSEEK_V3_DISPATCH", "DEEPSEEK_V3_COMBINE", "FP8_DISPATCH", "FP8_COMBINE",
     "num_tiles", "tile_scales", "quantize_1x128", "dequantize_1x128", "fake_quantize_1x128",
-    "quantize_per_tensor", "dequantize_per_tensor", "fake_quantize_blocks", "round_to_bf16",
+    "quantize_per_tensor", "dequantize_per_tensor", "quantize_blocks", "fake_quantize_blocks",
+    "round_to_bf16", "blockwise_fp8_linear", "scaled_mm_available",
     "pack_rows", "unpack_rows", "row_bytes", "wire_bytes_per_row", "all_to_all",
     "check_precision", "check_precision_pair", "has_pow2_scales", "encode", "decode",
     "scale_from_amax", "encoded_all_to_all", "PrecisionAllToAll", "time_all_to_all",
@@ -177,8 +179,10 @@ def dequantize_per_tensor(q: torch.Tensor, scale: torch.Tensor,
     return (q.float() * scale.float()).to(dtype)
 
 
-def fake_quantize_blocks(w: torch.Tensor, block: int = TILE, pow2: bool = False) -> torch.Tensor:
-    """Quantize-dequantize a weight ``[..., out, in]`` in ``block x block`` blocks (V3's weights).
+def quantize_blocks(w: torch.Tensor, block: int = TILE,
+                    pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``[..., out, in]`` in ``block x block`` blocks (V3's weights):
+    ``(q [..., out, in] float8_e4m3fn, scales [..., ceil(out/block), ceil(in/block)] fp32)``.
 
     Edge blocks may be smaller; leading dimensions (stacked experts) are blocked separately.
     """
@@ -187,9 +191,69 @@ def fake_quantize_blocks(w: torch.Tensor, block: int = TILE, pow2: bool = False)
     padded = torch.nn.functional.pad(w.float(), (0, bc * block - cols, 0, br * block - rows))
     blocks = padded.reshape(*lead, br, block, bc, block)
     scales = scale_from_amax(blocks.abs().amax(dim=(-3, -1), keepdim=True), pow2)
-    q = _to_e4m3(blocks / scales)
-    out = (q.float() * scales).reshape(*lead, br * block, bc * block)[..., :rows, :cols]
-    return out.to(w.dtype)
+    q = _to_e4m3(blocks / scales).reshape(*lead, br * block, bc * block)[..., :rows, :cols]
+    return q, scales.reshape(*lead, br, bc)
+
+
+def fake_quantize_blocks(w: torch.Tensor, block: int = TILE, pow2: bool = False) -> torch.Tensor:
+    """Quantize-dequantize a weight ``[..., out, in]`` in ``block x block`` blocks (V3's weights)."""
+    q, scales = quantize_blocks(w, block, pow2)
+    rows, cols = w.shape[-2:]
+    per_element = scales.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return (q.float() * per_element[..., :rows, :cols]).to(w.dtype)
+
+
+def scaled_mm_available(device) -> bool:
+    """Whether ``torch._scaled_mm`` can run FP8 GEMMs on ``device``: a CUDA GPU of compute
+    capability 8.9 or newer (Ada, Hopper and later) and a torch that has the function."""
+    device = torch.device(device)
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x.view(torch.uint8), pad).view(x.dtype)
+
+
+def _scaled_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two float8 matrices on the tensor cores, fp32 out, unit scales
+    (``torch._scaled_mm`` wants ``a`` row-major, ``b`` column-major, sizes multiples of 16)."""
+    rows, cols = a.shape[0], b.shape[1]
+    a = _pad_to(_pad_to(a, 0, 16), 1, 16).contiguous()
+    b = _pad_to(_pad_to(b.t(), 0, 16), 1, 16).contiguous().t()
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    return torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                            out_dtype=torch.float32)[:rows, :cols]
+
+
+def blockwise_fp8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                         pow2: bool = False, matmul=None) -> torch.Tensor:
+    """``x w^T (+ bias)`` with real FP8 GEMMs at DeepSeek-V3's granularity, in ``x``'s dtype.
+
+    ``x [..., K]`` in 1x128 tiles, ``w [N, K]`` in 128x128 blocks (as the simulation quantizes
+    them); for each 128-wide slice of ``K`` one FP8 GEMM (``matmul``, default
+    ``torch._scaled_mm``, fp32 out) whose result is scaled by the slice's activation and
+    weight scales in fp32 and added up: V3's fine-grained scaling, its scales applied
+    outside the tensor cores after every 128 products.  Forward only (no autograd).
+    ``matmul(a, b)``: any float8 ``[M, k] @ [k, N]`` to fp32, e.g. a CPU stand-in for tests.
+    """
+    matmul = matmul or _scaled_mm_fp32
+    lead, k_total = x.shape[:-1], x.shape[-1]
+    xq, xs = quantize_1x128(x.reshape(-1, k_total), pow2=pow2, pad=True)  # [M, K], [M, K/128]
+    wq, ws = quantize_blocks(w, TILE, pow2)                                 # [N, K], [N/128, K/128]
+    out = torch.zeros(xq.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    for kb in range(xs.shape[-1]):
+        cols = slice(kb * TILE, min(k_total, (kb + 1) * TILE))
+        part = matmul(xq[:, cols].contiguous(), wq[:, cols].contiguous().t())
+        w_scale = ws[:, kb].repeat_interleave(TILE)[:w.shape[0]]
+        out += part * xs[:, kb:kb + 1] * w_scale.unsqueeze(0)
+    if bias is not None:
+        out += bias.float()
+    return out.reshape(*lead, w.shape[0]).to(x.dtype)
 
 
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -338,8 +402,8 @@ def _timing_worker(ctx, hiddens, rows_per_rank, repeats):
     splits = [rows_per_rank // ctx.world_size] * ctx.world_size
     medians = {}
     for hidden in hiddens:
-        g = torch.Generator().manual_seed(ctx.rank)
-        x = torch.randn(rows_per_rank, hidden, generator=g).bfloat16()
+        g = cpu_generator(ctx.rank)  # drawn on the CPU, then moved to this rank's device
+        x = torch.randn(rows_per_rank, hidden, generator=g, device="cpu").bfloat16().to(ctx.device)
         for warmup in (True, False):
             for precision in ("bf16", "fp8"):
                 times = []
@@ -348,6 +412,7 @@ def _timing_worker(ctx, hiddens, rows_per_rank, repeats):
                     start = time.perf_counter()
                     with get_tracer().tags(hidden=hidden, timed=precision, warmup=warmup):
                         all_to_all(x, "ep", splits, splits, "timed", precision=(precision,) * 2)
+                    synchronize(ctx.device)  # on a GPU: the trip done, not just queued
                     times.append(time.perf_counter() - start)
                 medians[hidden, precision] = statistics.median(times)
     return medians

@@ -59,6 +59,7 @@ import torch
 
 from . import parallel_state
 from .config import ModelConfig
+from .devices import resolve_device
 from .tensor_parallel import (
     derive_seed,
     ColumnParallelLinear,
@@ -83,20 +84,24 @@ class GPTEmbedding(torch.nn.Module):
     ``position_embeddings`` is replicated: every rank holds all ``seq_length`` rows.
     """
 
-    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: str | None = "tp"):
+    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: str | None = "tp",
+                 device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, config.sequence_parallel
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, seed=derive_seed(seed, WORD_EMBEDDING),
-            sequence_parallel=False, tp_group=tp_group)  # all-reduce; the split comes after the add
+            sequence_parallel=False, tp_group=tp_group,  # all-reduce; the split comes after the add
+            device=device)
         self.position_embeddings = serial_embedding(
-            config.seq_length, config.hidden_size, seed=derive_seed(seed, POSITION_EMBEDDING))
+            config.seq_length, config.hidden_size, seed=derive_seed(seed, POSITION_EMBEDDING),
+            device=device)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``position_ids``: the positions of ``input_ids``'s columns (default ``0 .. s-1``);
         under context parallelism, this rank's chunks of the sequence."""
         ids = input_ids.t()                                    # [s, b]: sequence first
-        positions = torch.arange(ids.shape[0]) if position_ids is None else position_ids
+        positions = (torch.arange(ids.shape[0], device=ids.device) if position_ids is None
+                     else position_ids)
         x = self.word_embeddings(ids) + self.position_embeddings(positions).unsqueeze(1)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)  # my [s/T, b, h]
@@ -110,10 +115,12 @@ class GPTModel(torch.nn.Module):
     ``num_attention_heads``, ``num_layers``, ``seq_length``, ``vocab_size``,
     ``sequence_parallel``; dense, no dropout).  ``seed``: every weight derives from it.
     ``tp_group``: the group kind the layers split over (``"tp"``); ``None``, or no
-    process groups at all, builds the serial model.
+    process groups at all, builds the serial model.  ``device``: where the weights live
+    (``ctx.device`` in a worker; ``None``: torch's default device); its inputs must be there too.
     """
 
-    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: str | None = "tp"):
+    def __init__(self, config: ModelConfig, seed: int = 0, tp_group: str | None = "tp",
+                 device=None):
         super().__init__()
         if config.num_experts:
             raise ValueError(f"GPTModel is dense, but num_experts = {config.num_experts}; "
@@ -129,17 +136,19 @@ class GPTModel(torch.nn.Module):
         self.config, self.tp_group = config, tp_group
         sp, h = config.sequence_parallel, config.hidden_size
 
-        self.embedding = GPTEmbedding(config, seed, tp_group)
+        device = resolve_device(device)
+        self.embedding = GPTEmbedding(config, seed, tp_group, device)
         self.layers = torch.nn.ModuleList(
             TransformerBlock(h, config.num_attention_heads, sequence_parallel=sp,
-                             seed=derive_seed(seed, FIRST_BLOCK + layer), tp_group=tp_group)
+                             seed=derive_seed(seed, FIRST_BLOCK + layer), tp_group=tp_group,
+                             device=device)
             for layer in range(config.num_layers))
-        self.final_layernorm = torch.nn.LayerNorm(h)
+        self.final_layernorm = torch.nn.LayerNorm(h, device=device)
         for param in self.final_layernorm.parameters():
             param.sequence_parallel = sp  # sees only my s/T tokens under SP: partial gradients
         self.output_layer = ColumnParallelLinear(
             h, config.vocab_size, bias=False, gather_output=False, sequence_parallel=sp,
-            seed=derive_seed(seed, OUTPUT_LAYER), tp_group=tp_group)
+            seed=derive_seed(seed, OUTPUT_LAYER), tp_group=tp_group, device=device)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the ``[b, s]`` tokens; ``labels[i, t]`` follows ``input_ids[i, t]``.

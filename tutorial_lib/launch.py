@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import faulthandler
 import fcntl
+import io
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -167,26 +168,76 @@ class StartupTimeout(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-# --- choosing a backend -----------------------------------------------------------
+# --- choosing a backend and a device ----------------------------------------------
 
 
 def process_group_backend(backend: str) -> str:
     """What ``init_process_group`` gets: with NCCL, gloo stays registered for CPU tensors.
 
     ``"cpu:gloo,cuda:nccl"`` makes every collective pick its backend by the tensor's
-    device: tensors on ``ctx.device`` (a GPU) go over NCCL, and the chapters' model code,
-    which keeps its tensors on the CPU so that it runs anywhere, goes over gloo instead
-    of failing with "no backend for device cpu".
+    device: tensors on ``ctx.device`` (a GPU) go over NCCL; a CPU tensor (a count a
+    reader's cell makes on the CPU, say) goes over gloo instead of failing with
+    "no backend for device cpu".
     """
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def choose_backend(backend: str, local_ranks: int, gpus: int) -> tuple[str, str | None]:
+    """The backend a launch uses, and a note to print (or ``None``); pure, no torch.
+
+    ``local_ranks``: the ranks this machine runs; ``gpus``: the GPUs it has.  NCCL needs
+    one GPU per rank (rank ``r`` uses ``cuda:r``).  ``"auto"`` picks NCCL when every
+    local rank gets its own GPU, and gloo on the CPU otherwise, with a note when there
+    are GPUs but too few.  ``"nccl"`` where it cannot run is a :class:`ConfigError`,
+    raised before any worker starts.
+    """
+    from .config import ConfigError
+    if backend not in ("gloo", "nccl", "auto"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
+    if backend == "gloo":
+        return "gloo", None
+    enough = gpus >= local_ranks
+    if backend == "nccl" and not enough:
+        have = "no GPU" if gpus == 0 else f"only {gpus} GPU{'s' * (gpus > 1)}"
+        raise ConfigError("backend", f"backend='nccl' needs one GPU per rank: {local_ranks} "
+                                     f"rank{'s' * (local_ranks > 1)} on this machine, which has "
+                                     f"{have} that torch can use; run at most {gpus} ranks, or "
+                                     f"pass backend='gloo' (or 'auto') to run on the CPU")
+    if enough and gpus > 0:
+        return "nccl", None
+    if backend == "auto" and gpus > 0:
+        return "gloo", (f"launch: {local_ranks} ranks but {gpus} GPU{'s' * (gpus > 1)} on this "
+                        f"machine, and NCCL needs one GPU per rank: running on the CPU over "
+                        f"gloo (at most {gpus} ranks would run on the GPUs)")
+    return "gloo", None
+
+
+def gpu_count() -> int:
+    """GPUs torch can use on this machine (0 without CUDA)."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def default_backend(world_size: int) -> str:
     """``nccl`` when every rank can have its own GPU, else ``gloo``."""
-    import torch
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+    return choose_backend("auto", world_size, gpu_count())[0]
+
+
+_NOTES_SAID: set[str] = set()
+
+
+def _say_once(note: str | None) -> None:
+    """Print ``note`` to stderr the first time this process meets it."""
+    if note and note not in _NOTES_SAID:
+        _NOTES_SAID.add(note)
+        print(note, file=sys.stderr, flush=True)
+
+
+STRICT_DEVICE_VARIABLE = "TUTORIAL_LIB_DEFAULT_DEVICE"
+"""Set in the launcher's environment (e.g. ``meta``), every worker makes it torch's default
+device after joining the process group: a tensor created without an explicit device then
+lands there, and with ``meta`` the run fails at its first use.  How the course checks that
+nothing it runs relies on torch's default device (``tests/dist/test_device.py``)."""
 
 
 def in_notebook() -> bool:
@@ -286,14 +337,19 @@ def enter_worker(rank: int, stdout_conn, stderr_conn, alive, run_dir: str) -> No
 
 def join_world(rank: int, world_size: int, backend: str, init_method: str,
                options: dict) -> WorkerContext:
-    """Join the process group (with torch's collective check when asked); the context."""
+    """Join the process group (with torch's collective check when asked); the context.
+
+    With NCCL rank ``r`` takes ``cuda:r`` (the launcher checked that each rank has its
+    own GPU before starting any).  The tracer learns the device, so that traced ops on
+    it are timed with CUDA events (:class:`~tutorial_lib.trace.Tracer`).
+    """
     import torch
     import torch.distributed as dist
     torch.set_num_threads(options["threads"])
     device = "cpu"
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = f"cuda:{torch.cuda.current_device()}"
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
     if options["check_collectives"]:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level(dist.DebugLevel.DETAIL)
@@ -303,14 +359,60 @@ def join_world(rank: int, world_size: int, backend: str, init_method: str,
     if options["check_collectives"]:
         from . import parallel_state
         parallel_state.make_world_p2p_group()  # P2P on WORLD then leaves the check alone
+    enter_device(device, options.get("default_device"))
     return WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
                          local_rank=rank)
 
 
+def enter_device(device: str, default_device: str | None = None) -> None:
+    """Tell this process's tracer where its tensors live (CUDA: time ops with CUDA events);
+    with ``default_device`` (:data:`STRICT_DEVICE_VARIABLE`) make that torch's default."""
+    from .trace import get_tracer
+    get_tracer().use_device(device)
+    if default_device:
+        import torch
+        torch.set_default_device(default_device)
+
+
+def _result_to_cpu(obj):
+    """A tensor on a GPU as a CPU tensor for the trip back (same values, gradient flag
+    kept); anything else unchanged."""
+    import torch
+    cpu = obj.detach().to("cpu")
+    if isinstance(obj, torch.nn.Parameter):
+        return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
+    return cpu.requires_grad_(obj.requires_grad)
+
+
+def _same(value):
+    return value
+
+
+class _CPUResultPickler(cloudpickle.Pickler):
+    """cloudpickle, with every tensor on an accelerator sent as a CPU copy: a notebook on a
+    GPU machine gets results it can compare with its own CPU tensors (and a kernel without
+    CUDA could not rebuild a CUDA tensor at all)."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) \
+                and obj.device.type not in ("cpu", "meta"):
+            return _same, (_result_to_cpu(obj),)
+        return super().reducer_override(obj)
+
+
+def dumps_to_cpu(obj) -> bytes:
+    """``obj`` pickled with :class:`_CPUResultPickler`."""
+    buffer = io.BytesIO()
+    _CPUResultPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
 def pickled_result(rank: int, result) -> bytes:
-    """``result`` pickled to travel back, or a TypeError that says what to return instead."""
+    """``result`` pickled to travel back (tensors on a GPU as CPU copies), or a TypeError
+    that says what to return instead."""
     try:
-        return cloudpickle.dumps(result)
+        return dumps_to_cpu(result)
     except Exception as exc:  # noqa: BLE001
         raise TypeError(f"rank {rank}'s return value (a {type(result).__name__}) cannot be "
                         f"pickled to send it back: {_safe_summary(exc)}; return plain data "
@@ -341,7 +443,7 @@ def _worker_main(rank, world_size, backend, init_method, payload, result_conn, s
             # Leave together: a rank that exits while a peer still reads from it
             # would break that peer's last op ("Connection reset by peer").
             dist.barrier()
-        message = ("ok", rank, pickled_result(rank, result), [e.to_dict() for e in tracer.events])
+        message = ("ok", rank, pickled_result(rank, result), tracer.event_dicts())
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
         message = ("error", rank, _safe_summary(exc), traceback.format_exc())
     flush_output()
@@ -807,15 +909,19 @@ def worker_options(world_size: int, timeout: float, trace: bool = True, capture_
             # one thread per rank, as torchrun sets OMP_NUM_THREADS=1: the course's tensors are
             # small, and a second thread that waits on a busy machine costs more than it gives
             "threads": threads or 1,
-            "check_collectives": bool(check_collectives)}
+            "check_collectives": bool(check_collectives),
+            # read here, in the launcher: a forked worker has the forkserver's environment
+            "default_device": os.environ.get(STRICT_DEVICE_VARIABLE) or None}
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    if backend == "auto":
-        backend = default_backend(world_size)
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or 'auto', got {backend!r}")
-    return backend
+    """The backend of a launch of ``world_size`` ranks on this machine
+    (:func:`choose_backend`); says once when GPUs are there but too few."""
+    if backend == "gloo":
+        return "gloo"
+    chosen, note = choose_backend(backend, world_size, gpu_count())
+    _say_once(note)
+    return chosen
 
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
@@ -824,7 +930,11 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: di
            start_timeout: float = 180.0, check_collectives: bool | None = None) -> LaunchResult:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return every result.
 
-    ``backend``: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when each rank gets a GPU).
+    ``backend``: ``"gloo"``, ``"nccl"`` or ``"auto"`` (NCCL when each rank gets a GPU: rank
+    ``r`` uses ``cuda:r``, its ``ctx.device``; with more ranks than GPUs, gloo on the CPU, and
+    a note says so once).  ``"nccl"`` on a machine with fewer GPUs than ranks raises
+    :class:`~tutorial_lib.config.ConfigError` before any worker starts.  Tensors on a GPU in
+    the results come back as CPU tensors.
     ``timeout``: seconds, counted from the moment every rank has joined the process group,
     before the launch is declared deadlocked and killed; ``start_timeout`` bounds the
     start-up before that.  ``trace``: record every traced op; ``capture_values``: also
@@ -904,26 +1014,45 @@ def is_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+def torchrun_backend(backend: str = "auto") -> tuple[str, str]:
+    """``(backend, device)`` of this torchrun process: ``LOCAL_RANK`` picks the GPU.
+
+    ``"auto"``: NCCL when every local rank (``LOCAL_WORLD_SIZE``) has its own GPU, else
+    gloo on the CPU (local rank 0 says why, when there are GPUs); ``"nccl"`` without a GPU
+    for each local rank is a :class:`~tutorial_lib.config.ConfigError`, raised before the
+    process group is joined.
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    chosen, note = choose_backend(backend, local_ranks, gpu_count())
+    if local_rank == 0:
+        _say_once(note)
+    return chosen, (f"cuda:{local_rank}" if chosen == "nccl" else "cpu")
+
+
 def run_under_torchrun(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                        backend: str = "auto", trace: bool = True, capture_values: int = 0):
-    """Run ``fn(ctx, ...)`` in this torchrun process; returns ``(result, tracer events)``."""
-    import torch
+    """Run ``fn(ctx, ...)`` in this torchrun process; returns ``(result, tracer events)``.
+
+    ``backend``: as :func:`torchrun_backend` decides (``ctx.device`` is ``cuda:LOCAL_RANK``
+    under NCCL).
+    """
     import torch.distributed as dist
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = "cpu"
+    backend, device = torchrun_backend(backend)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = f"cuda:{local_rank}"
+        import torch
+        torch.cuda.set_device(device)
     tracer = set_tracer(Tracer(rank, enabled=trace, capture_values=capture_values))
     dist.init_process_group(process_group_backend(backend), init_method="env://", rank=rank,
                             world_size=world_size)
     try:
+        enter_device(device, os.environ.get(STRICT_DEVICE_VARIABLE) or None)
         ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,
                             local_rank=local_rank)
         result = fn(ctx, *args, **(kwargs or {}))
+        events = tracer.resolved_events()
     finally:
         dist.destroy_process_group()
-    return result, list(tracer.events)
+    return result, events

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from . import comm, fp8, moe_balance, parallel_state
 from .config import ConfigError
 from .data_parallel import set_grad_domain
+from .devices import cpu_generator, resolve_device
 from .tensor_parallel import (
     derive_seed,
     divide,
@@ -209,11 +210,11 @@ class Router(torch.nn.Module):
                  score_function: str = "softmax", routed_scaling_factor: float = 1.0,
                  normalize_topk: bool | None = None, device_limit: int | None = None,
                  num_devices: int = 1, use_expert_bias: bool = False, seed: int = 0,
-                 device_limit_rule: str | None = None):
+                 device_limit_rule: str | None = None, device=None):
         super().__init__()
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk ({topk}) must be between 1 and num_experts ({num_experts})")
-        compute_scores(torch.zeros(1, 1), score_function)  # reject an unknown name now
+        compute_scores(torch.zeros(1, 1, device="cpu"), score_function)  # reject an unknown name now
         divide(num_experts, num_devices, "num_experts", by="num_devices")
         self.num_experts, self.topk, self.score_function = num_experts, topk, score_function
         self.routed_scaling_factor = routed_scaling_factor
@@ -226,9 +227,11 @@ class Router(torch.nn.Module):
             raise ValueError(f"device_limit_rule must be one of {LIMIT_RULES}, got "
                              f"{device_limit_rule!r}")
         self.device_limit_rule = device_limit_rule
+        device = resolve_device(device)
         weight, _ = init_linear_master(hidden_size, num_experts, bias=False, seed=seed)
-        self.weight = torch.nn.Parameter(weight)
-        bias = torch.zeros(num_experts, dtype=torch.float32) if use_expert_bias else None
+        self.weight = torch.nn.Parameter(weight.to(device))
+        bias = (torch.zeros(num_experts, dtype=torch.float32, device=device) if use_expert_bias
+                else None)
         self.register_buffer("expert_bias", bias)  # None: no bias, plain top-k
 
     def forward(self, tokens: torch.Tensor) -> RouterOutput:
@@ -254,14 +257,15 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 def init_experts_master(num_experts: int, hidden_size: int, ffn_hidden_size: int, seed: int = 0):
     """All ``N`` experts' ``(gate [N, f, h], up [N, f, h], down [N, h, f])`` from one seed.
 
-    ``nn.Linear``'s U(-1/sqrt(in), 1/sqrt(in)), drawn gate, up, down from one generator:
-    every EP size slices the same numbers.
+    ``nn.Linear``'s U(-1/sqrt(in), 1/sqrt(in)), drawn gate, up, down from one CPU generator,
+    on the CPU: every EP size and every device slices the same numbers.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = cpu_generator(seed)
     bound_in, bound_ffn = 1.0 / math.sqrt(hidden_size), 1.0 / math.sqrt(ffn_hidden_size)
     shapes = [((num_experts, ffn_hidden_size, hidden_size), bound_in)] * 2
     shapes.append(((num_experts, hidden_size, ffn_hidden_size), bound_ffn))
-    return tuple(torch.empty(shape).uniform_(-b, b, generator=generator) for shape, b in shapes)
+    return tuple(torch.empty(shape, device="cpu").uniform_(-b, b, generator=generator)
+                 for shape, b in shapes)
 
 
 class RoutedExperts(torch.nn.Module):
@@ -273,7 +277,7 @@ class RoutedExperts(torch.nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 ep_size: int = 1, ep_rank: int = 0, seed: int = 0):
+                 ep_size: int = 1, ep_rank: int = 0, seed: int = 0, device=None):
         super().__init__()
         self.num_local_experts = divide(num_experts, ep_size, "num_experts",
                                         by="expert_model_parallel_size")
@@ -281,7 +285,7 @@ class RoutedExperts(torch.nn.Module):
         mine = slice(self.first_expert, self.first_expert + self.num_local_experts)
         masters = init_experts_master(num_experts, hidden_size, ffn_hidden_size, seed)
         for name, full in zip(("weight_gate", "weight_up", "weight_down"), masters):
-            param = torch.nn.Parameter(full[mine].clone())
+            param = torch.nn.Parameter(full[mine].to(resolve_device(device), copy=True))
             setattr(self, name, set_grad_domain(param, "expert_dp"))
 
     def forward(self, rows: torch.Tensor,
@@ -305,13 +309,15 @@ class SharedExperts(torch.nn.Module):
     is the same; the memory per rank and the gradient domain differ.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, seed: int = 0):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, seed: int = 0, device=None):
         super().__init__()
+        device = resolve_device(device)
         gate, _ = init_linear_master(hidden_size, ffn_hidden_size, bias=False, seed=3 * seed)
         up, _ = init_linear_master(hidden_size, ffn_hidden_size, bias=False, seed=3 * seed + 1)
         down, _ = init_linear_master(ffn_hidden_size, hidden_size, bias=False, seed=3 * seed + 2)
-        self.weight_gate, self.weight_up = torch.nn.Parameter(gate), torch.nn.Parameter(up)
-        self.weight_down = torch.nn.Parameter(down)
+        self.weight_gate = torch.nn.Parameter(gate.to(device))
+        self.weight_up = torch.nn.Parameter(up.to(device))
+        self.weight_down = torch.nn.Parameter(down.to(device))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return swiglu(tokens, self.weight_gate, self.weight_up, self.weight_down)
@@ -335,8 +341,8 @@ def _keep_best(bucket: torch.Tensor, priority: torch.Tensor, num_buckets: int,
     order = by_priority[torch.argsort(bucket[by_priority], stable=True)]
     counts = torch.bincount(bucket, minlength=num_buckets)
     first_of_bucket = torch.cumsum(counts, 0) - counts
-    place = torch.arange(bucket.numel()) - first_of_bucket[bucket[order]]
-    keep = torch.zeros(bucket.numel(), dtype=torch.bool)
+    place = torch.arange(bucket.numel(), device=bucket.device) - first_of_bucket[bucket[order]]
+    keep = torch.zeros(bucket.numel(), dtype=torch.bool, device=bucket.device)
     keep[order] = place < capacity
     return keep
 
@@ -372,7 +378,7 @@ def device_capacity_keep_mask(topk_idx: torch.Tensor, gates: torch.Tensor,
     capacity = capacity_per_expert(tokens, topk, num_devices, capacity_factor)
     device = topk_idx.reshape(-1) // per_device
     priority = gates.detach().reshape(-1).double()
-    protected = torch.zeros(tokens * topk, dtype=torch.bool)
+    protected = torch.zeros(tokens * topk, dtype=torch.bool, device=topk_idx.device)
     if never_drop is not None:
         protected = never_drop.reshape(-1, 1).expand(tokens, topk).reshape(-1)
         priority = priority + protected.double() * (1 + priority.abs().sum())  # first
@@ -541,7 +547,7 @@ class AllToAllDispatcher:
         """
         num_tokens, topk = topk_idx.shape
         ep, local = self.ep_size, self.num_local_experts
-        positions = torch.arange(num_tokens * topk)
+        positions = torch.arange(num_tokens * topk, device=topk_idx.device)
         if keep is not None:
             positions = positions[keep.reshape(-1)]
         experts = topk_idx.reshape(-1)[positions]
@@ -557,8 +563,8 @@ class AllToAllDispatcher:
         received = self.move_rows(rows, output_splits, input_splits, "dispatch",
                                    self.dispatch_precision)
         # 5. rows arrive grouped by source rank, then local expert: regroup by local expert
-        local_expert_of_row = torch.arange(local).repeat(ep).repeat_interleave(
-            received_counts.reshape(-1))
+        local_expert_of_row = torch.arange(local, device=received_counts.device).repeat(
+            ep).repeat_interleave(received_counts.reshape(-1))
         local_order = torch.argsort(local_expert_of_row, stable=True)
         state = DispatchState(num_tokens, topk, send_positions, input_splits, output_splits,
                               local_order, tokens_per_expert, received_counts)
@@ -569,7 +575,8 @@ class AllToAllDispatcher:
         ones zero)."""
         # 5'. un-sort: row local_order[i] of the received block was expert input i
         inverse = torch.empty_like(state.local_order)
-        inverse[state.local_order] = torch.arange(state.local_order.numel())
+        inverse[state.local_order] = torch.arange(state.local_order.numel(),
+                                                  device=inverse.device)
         by_source = expert_output[inverse]
         # 4'. the all-to-all back, splits swapped
         returned = self.move_rows(by_source, state.input_splits, state.output_splits,
@@ -602,7 +609,8 @@ class AllToAllDispatcher:
             to = rank
             if "node" in self.leg_names:
                 valid = valid & (rank // per_node == me // per_node)
-        target = torch.zeros(experts.shape[0], self.ep_size + 1, dtype=torch.bool)
+        target = torch.zeros(experts.shape[0], self.ep_size + 1, dtype=torch.bool,
+                             device=experts.device)
         target.scatter_(1, torch.where(valid, to, self.ep_size), True)  # last: nowhere
         return target[:, :-1]
 
@@ -720,6 +728,7 @@ class MoELayer(torch.nn.Module):
     ``dispatch_precision`` / ``combine_precision``: how the token rows travel, each a
     ``(forward, backward)`` pair (see :class:`AllToAllDispatcher`; ``None``, the default, moves
     them in their own dtype).  Gates and the weighted sum stay fp32 whatever they are.
+    ``device``: where the weights live (``None``: torch's default device).
 
     Parameter seeds: :func:`~tutorial_lib.tensor_parallel.derive_seed` of ``seed`` and
     ``ROUTER``, ``ROUTED_EXPERTS``, ``SHARED_EXPERTS`` (10, 11, 12: after a block's sublayers).
@@ -736,7 +745,8 @@ class MoELayer(torch.nn.Module):
                  dispatch_precision: tuple[str, str] | None = None,
                  combine_precision: tuple[str, str] | None = None,
                  device_limit_rule: str | None = None, deduplicate: bool = False,
-                 ranks_per_node: int | None = None, cp_group: str | None = None):
+                 ranks_per_node: int | None = None, cp_group: str | None = None,
+                 device=None):
         super().__init__()
         self.cp_group = cp_group  # context parallelism: my CP rank's tokens of each sequence
         ep_size, tp_size = parallel_state.group_size(ep_group), parallel_state.group_size(tp_group)
@@ -755,16 +765,18 @@ class MoELayer(torch.nn.Module):
         use_bias = balance is not None and balance.use_bias_balancing
         self.router = Router(hidden_size, num_experts, topk, score_function, routed_scaling_factor,
                              normalize_topk, device_limit, self.num_devices, use_bias,
-                             seed=derive_seed(seed, ROUTER), device_limit_rule=device_limit_rule)
+                             seed=derive_seed(seed, ROUTER), device_limit_rule=device_limit_rule,
+                             device=device)
         self.dispatcher = AllToAllDispatcher(num_experts, ep_group, dispatch_precision,
                                              combine_precision, deduplicate, ranks_per_node)
         self.experts = RoutedExperts(num_experts, hidden_size, ffn_hidden_size, ep_size,
                                      parallel_state.group_rank(ep_group),
-                                     seed=derive_seed(seed, ROUTED_EXPERTS))
+                                     seed=derive_seed(seed, ROUTED_EXPERTS), device=device)
         self.shared_experts = None
         if num_shared_experts:
             self.shared_experts = SharedExperts(hidden_size, num_shared_experts * ffn_hidden_size,
-                                                seed=derive_seed(seed, SHARED_EXPERTS))
+                                                seed=derive_seed(seed, SHARED_EXPERTS),
+                                                device=device)
         replicated = [self.router.weight] + list(self.shared_experts.parameters() if
                                                   self.shared_experts else [])
         for param in replicated:

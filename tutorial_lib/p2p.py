@@ -71,6 +71,7 @@ import subprocess
 import torch
 
 from . import comm, parallel_state
+from .devices import resolve_device
 from .pipeline_schedules import P2P_MODES
 from .trace import get_tracer
 
@@ -118,7 +119,7 @@ def _check_mode(mode: str) -> None:
 def communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = None,
                  recv: tuple[tuple, torch.dtype, int] | None = None,
                  send_tag: int = 0, recv_tag: int = 0,
-                 unwaited_sends: list | None = None) -> torch.Tensor | None:
+                 unwaited_sends: list | None = None, device=None) -> torch.Tensor | None:
     """Send ``send = (tensor, peer)`` and/or receive ``recv = (shape, dtype, peer)``.
 
     Returns the received tensor (or ``None`` when nothing is received).  The tags
@@ -126,13 +127,17 @@ def communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = No
     :mod:`tutorial_lib.pipeline` gives activations and gradients their own).
     ``unwaited_sends``: a list to append the send's handle to instead of waiting on it
     (Megatron's ``overlap_p2p_comm``: the sender moves on, and waits later); not
-    possible in sequential mode, whose send blocks by definition.
+    possible in sequential mode, whose send blocks by definition.  ``device``: where the
+    receive buffer is made (``None``: the sent tensor's device, else torch's default).
     """
     _check_mode(mode)
     if unwaited_sends is not None and mode == "sequential":
         raise ValueError("sequential mode blocks in every send; unwaited sends need the "
                          "overlapped or batched mode")
-    received = torch.empty(recv[0], dtype=recv[1]) if recv is not None else None
+    if device is None and send is not None:
+        device = send[0].device
+    received = (torch.empty(recv[0], dtype=recv[1], device=resolve_device(device))
+                if recv is not None else None)
     with get_tracer().tags(p2p_mode=mode, p2p_op=name):
         if mode == "sequential":
             send_first = parallel_state.get_rank_in("pp") % 2 == 0  # parity breaks the cycle
@@ -173,12 +178,13 @@ def send_forward(tensor: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
 
 
 def recv_forward(shape, dtype: torch.dtype = torch.float32,
-                 mode: str = DEFAULT_MODE) -> torch.Tensor | None:
-    """Receive this stage's input activation from the previous stage (``None`` on the first)."""
+                 mode: str = DEFAULT_MODE, device=None) -> torch.Tensor | None:
+    """Receive this stage's input activation from the previous stage (``None`` on the first),
+    into a buffer on ``device`` (``None``: torch's default device)."""
     peer = prev_rank()
     if peer is None:
         return None
-    return communicate("recv_forward", mode, recv=(tuple(shape), dtype, peer))
+    return communicate("recv_forward", mode, recv=(tuple(shape), dtype, peer), device=device)
 
 
 def send_backward(grad: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
@@ -190,12 +196,13 @@ def send_backward(grad: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
 
 
 def recv_backward(shape, dtype: torch.dtype = torch.float32,
-                  mode: str = DEFAULT_MODE) -> torch.Tensor | None:
-    """Receive the gradient of this stage's output from the next stage (``None`` on the last)."""
+                  mode: str = DEFAULT_MODE, device=None) -> torch.Tensor | None:
+    """Receive the gradient of this stage's output from the next stage (``None`` on the last),
+    into a buffer on ``device`` (``None``: torch's default device)."""
     peer = next_rank()
     if peer is None:
         return None
-    return communicate("recv_backward", mode, recv=(tuple(shape), dtype, peer))
+    return communicate("recv_backward", mode, recv=(tuple(shape), dtype, peer), device=device)
 
 
 def send_forward_recv_backward(tensor: torch.Tensor, shape, dtype: torch.dtype = torch.float32,

@@ -30,6 +30,7 @@ import torch
 
 from . import p2p, parallel_state
 from .costs import rounds_by_size
+from .devices import resolve_device
 
 #: Message sizes (bytes of one activation, float32) from a few bytes to 4 MiB.
 DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2)
@@ -38,16 +39,18 @@ ACTIVATION, GRADIENT = 100.0, 200.0
 """Stage ``s`` sends activations filled with ``100 + s`` and gradients with ``200 + s``."""
 
 
-def steady_state_round(mode: str, numel: int, wrong_recv_backward_peer: bool = False) -> dict:
+def steady_state_round(mode: str, numel: int, wrong_recv_backward_peer: bool = False,
+                       device=None) -> dict:
     """One steady-state round on this stage in ``mode``: both exchanges, ordered by parity.
 
     Sends ``numel`` float32 values each way.  Returns ``{"grad": g, "act": a}``: the
     first value of the gradient received from the next stage and of the activation
     received from the previous one (``None`` where the stage has no such neighbour).
+    ``device``: where the tensors live (``ctx.device``; ``None``: torch's default device).
     """
     stage = parallel_state.get_rank_in("pp")
-    activation = torch.full((numel,), ACTIVATION + stage)
-    gradient = torch.full((numel,), GRADIENT + stage)
+    activation = torch.full((numel,), ACTIVATION + stage, device=resolve_device(device))
+    gradient = torch.full((numel,), GRADIENT + stage, device=resolve_device(device))
 
     def forward_exchange():
         return p2p.send_forward_recv_backward(activation, (numel,), mode=mode,
@@ -96,7 +99,7 @@ def _timing_worker(ctx, modes: Sequence[str], sizes: Sequence[int], repeats: int
                 dist.barrier()  # untraced: every round starts from (nearly) the same moment
                 with ctx.tracer.tags(measured_mode=mode, size=size, iteration=iteration,
                                      warmup=iteration < warmup):
-                    got = steady_state_round(mode, numel)
+                    got = steady_state_round(mode, numel, device=ctx.device)
                 if got != expected:
                     wrong.append(f"{mode}, {size} B, iteration {iteration}: got {got}, "
                                  f"expected {expected}")

@@ -61,6 +61,7 @@ import torch
 from . import comm, parallel_state
 from .config import ConfigError
 from .deepseek import Microbatch
+from .devices import module_device, resolve_device
 from .p2p import communicate
 from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
                                  num_warmup_microbatches)
@@ -209,8 +210,9 @@ class PipelineExecutor:
 
     def __init__(self, chunks: list, microbatches: list[Microbatch], rank: int, pp: int,
                  p2p_mode: str, tensor_shape: tuple | None, dtype: torch.dtype,
-                 defer_sends: bool):
+                 defer_sends: bool, device=None):
         self.chunks, self.microbatches = chunks, microbatches
+        self.device = module_device(chunks[0]) if device is None else torch.device(device)
         self.rank, self.pp = rank, pp
         self.p2p_mode, self.tensor_shape, self.dtype = p2p_mode, tensor_shape, dtype
         self.pp_ranks = parallel_state.get_group_ranks("pp") if pp > 1 else [0]
@@ -278,7 +280,7 @@ class PipelineExecutor:
         with self.tracer.tags(microbatch=first.microbatch, chunk=first.chunk):
             received = communicate(name, self.p2p_mode, send=send, recv=recv,
                                     send_tag=send_tag, recv_tag=recv_tag,
-                                    unwaited_sends=unwaited)
+                                    unwaited_sends=unwaited, device=self.device)
         if self.defer_sends and send is not None:
             self.keep_alive.append(send[0])
         # a receive is always the run's last message
@@ -297,7 +299,8 @@ class PipelineExecutor:
                                                    group="pp", tag=TAGS["labels"]))
             else:
                 rows = self.microbatches[action.microbatch].sample_ids.shape[0]
-                buffer = torch.empty((rows, self.tensor_shape[0]), dtype=torch.int64)
+                buffer = torch.empty((rows, self.tensor_shape[0]), dtype=torch.int64,
+                                     device=self.device)
                 self.labels[action.microbatch] = comm.recv(buffer, peer, group="pp",
                                                            tag=TAGS["labels"])
 
@@ -305,7 +308,7 @@ class PipelineExecutor:
 def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 schedule: str = "1f1b", p2p_mode: str = "batched",
                                 tensor_shape: tuple | None = None,
-                                dtype: torch.dtype = torch.float32) -> StepOutput:
+                                dtype: torch.dtype = torch.float32, device=None) -> StepOutput:
     """Run one step's forwards and backwards on this pipeline rank; every rank calls it.
 
     ``chunks``: this rank's model chunks (a ``DeepSeekModel`` of one model stage each):
@@ -314,7 +317,8 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     ``microbatches``: the ``M`` microbatches in order (``input_ids`` and ``labels`` on
     the first model stage, ``None`` elsewhere; ``sample_ids`` and ``step`` everywhere).
     ``tensor_shape``: the activation ``[s, b, h]`` that crosses model stage boundaries.
-    Gradients accumulate in the parameters (each loss is divided by ``M``).
+    ``device``: where received activations, gradients and labels land (``None``: the first
+    chunk's device).  Gradients accumulate in the parameters (each loss is divided by ``M``).
     """
     check_schedule_and_mode(schedule, p2p_mode)
     pp = parallel_state.group_size("pp")
@@ -335,7 +339,7 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     # rank r's send to r + 1 and rank r + 1's send to r (another chunk's tensor) can
     # each wait for a receive the other posts only later.  1F1B and GPipe wait at once.
     executor = PipelineExecutor(chunks, microbatches, rank, pp, p2p_mode, tensor_shape,
-                                dtype, defer_sends=schedule == "interleaved")
+                                dtype, defer_sends=schedule == "interleaved", device=device)
     for step in steps:
         action = step[0]
         if action.kind == "forward":
@@ -383,12 +387,12 @@ class SyntheticStage(torch.nn.Module):
     """
 
     def __init__(self, stage: int, num_stages: int, tensor_shape: tuple,
-                 forward_seconds: float = 0.01, backward_seconds: float = 0.02):
+                 forward_seconds: float = 0.01, backward_seconds: float = 0.02, device=None):
         super().__init__()
         self.stage, self.num_stages = stage, num_stages
         self.tensor_shape = tuple(tensor_shape)
         self.forward_seconds, self.backward_seconds = forward_seconds, backward_seconds
-        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.weight = torch.nn.Parameter(torch.ones((), device=resolve_device(device)))
 
     def forward_stage(self, hidden: torch.Tensor | None,
                       batch: Microbatch) -> torch.Tensor:
@@ -401,14 +405,16 @@ class SyntheticStage(torch.nn.Module):
 
 
 def synthetic_microbatches(num_microbatches: int, first_stage: bool, rows: int = 2,
-                           seq_length: int = 4) -> list[Microbatch]:
+                           seq_length: int = 4, device=None) -> list[Microbatch]:
     """``M`` microbatches of zeros for :class:`SyntheticStage` (ids and labels on the
-    first stage only)."""
+    first stage only), on ``device`` (``None``: torch's default device)."""
+    device = resolve_device(device)
     out = []
     for i in range(num_microbatches):
-        tokens = (torch.zeros(rows, seq_length, dtype=torch.int64) if first_stage
-                  else None)
-        out.append(Microbatch(tokens, tokens, torch.arange(i * rows, (i + 1) * rows)))
+        tokens = (torch.zeros(rows, seq_length, dtype=torch.int64, device=device)
+                  if first_stage else None)
+        out.append(Microbatch(tokens, tokens,
+                              torch.arange(i * rows, (i + 1) * rows, device=device)))
     return out
 
 
@@ -446,9 +452,9 @@ def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float =
 
     def step(schedule, m, v):
         chunks = [SyntheticStage(c * pp + rank, pp * v, shape, forward_seconds / v,
-                                 backward_seconds / v) for c in range(v)]
+                                 backward_seconds / v, device=ctx.device) for c in range(v)]
         mode = p2p_mode or ("overlapped" if schedule == "interleaved" else "batched")
-        microbatches = synthetic_microbatches(m, rank == 0, shape[1], shape[0])
+        microbatches = synthetic_microbatches(m, rank == 0, shape[1], shape[0], ctx.device)
         return forward_backward_pipelining(chunks, microbatches, schedule, mode, shape)
 
     tracer = get_tracer()

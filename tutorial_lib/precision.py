@@ -12,6 +12,16 @@ decides, and ``default`` covers the rest.  :func:`apply_recipe` walks a model an
   DeepSeek-V3; BF16: rounding to bfloat16), and the gradient of its output likewise in the
   backward pass (1x128 tiles).  Gradients pass the rounding straight through.  The numbers
   are FP8's; the speed is not.
+
+  **Real FP8 GEMMs (optional, off by default, untested).**  ``apply_recipe(...,
+  fp8_gemm="scaled_mm")`` runs the *forward* matmul of every FP8 module on the GPU's FP8
+  tensor cores with ``torch._scaled_mm`` (:func:`tutorial_lib.fp8.blockwise_fp8_linear`:
+  one FP8 GEMM per 128-wide slice of the inner dimension, the tile and block scales applied
+  in fp32 after each, as DeepSeek-V3 does); the backward pass stays simulated.  It needs
+  ``torch._scaled_mm`` on a GPU of compute capability 8.9 or newer (Ada, Hopper and later)
+  and is refused anywhere else.  The forward values then differ from the simulation's by
+  the tensor cores' own accumulation.  No GPU was available to this project: this path
+  has never run; the simulation is what the course and its tests use.
 * sets each :class:`~tutorial_lib.moe.MoELayer`'s dispatch and combine precisions from the
   precision of the name ``<layer>.dispatcher``: an FP8 precision gives the recipe's
   ``dispatch`` and ``combine`` pairs, ``bf16`` sends everything in BF16, ``fp32`` leaves the
@@ -32,6 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import fp8
+from .devices import module_device
 from .moe import MoELayer, RoutedExperts, Router, SharedExperts
 from .recipes import (DEEPSEEK_V3_FP8_CARD, RECIPES, PrecisionRecipe, get_recipe,
                       recipe_card_rows, recipe_from_dict, recipe_from_file, resolve_recipe)
@@ -39,7 +50,7 @@ from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["PrecisionRecipe", "LINEAR_LIKE", "RECIPES", "get_recipe", "resolve_recipe",
            "recipe_from_dict", "recipe_from_file", "apply_recipe", "remove_recipe", "PlanEntry",
-           "DEEPSEEK_V3_FP8_CARD", "recipe_card_rows"]
+           "DEEPSEEK_V3_FP8_CARD", "recipe_card_rows", "FP8_GEMMS"]
 
 LINEAR_LIKE = (ColumnParallelLinear, RowParallelLinear, RoutedExperts, SharedExperts, Router,
                torch.nn.Linear)
@@ -90,13 +101,24 @@ class _RoundGradient(torch.autograd.Function):
         return ctx.rounding(grad), None
 
 
-class SimulatedMatmul(TorchFunctionMode):
-    """While active, every ``F.linear`` runs on rounded inputs and weights (see module doc)."""
+FP8_GEMMS = ("simulated", "scaled_mm")
+"""How an FP8 module's forward matmul runs: ``simulated`` (the default, any device) or
+``scaled_mm`` (real FP8 GEMMs with ``torch._scaled_mm``; see the module docstring)."""
 
-    def __init__(self, precision: str, quantize_gradients: bool = True):
+
+class SimulatedMatmul(TorchFunctionMode):
+    """While active, every ``F.linear`` runs on rounded inputs and weights (see module doc).
+
+    ``fp8_gemm="scaled_mm"`` (FP8 precisions only): the forward value comes from real FP8
+    GEMMs (:func:`tutorial_lib.fp8.blockwise_fp8_linear`), the backward from the simulation.
+    """
+
+    def __init__(self, precision: str, quantize_gradients: bool = True,
+                 fp8_gemm: str = "simulated"):
         super().__init__()
         self.precision, self.quantize_gradients = precision, quantize_gradients
         self.activation, self.weight = _activation_rounding(precision), _weight_rounding(precision)
+        self.real_fp8 = fp8_gemm == "scaled_mm" and precision != "bf16"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -105,13 +127,20 @@ class SimulatedMatmul(TorchFunctionMode):
         x, w, *rest = args
         y = func(_StraightThrough.apply(x, self.activation),
                  _StraightThrough.apply(w, self.weight), *rest, **kwargs)
+        if self.real_fp8:
+            with torch.no_grad():  # the value from the tensor cores, the gradient simulated
+                bias = rest[0] if rest else kwargs.get("bias")
+                real = fp8.blockwise_fp8_linear(x.detach(), w.detach(), bias,
+                                                pow2=fp8.has_pow2_scales(self.precision))
+            y = y + (real - y).detach()
         if self.quantize_gradients and y.requires_grad:
             y = _RoundGradient.apply(y, self.activation)
         return y
 
 
 def _enter(module, args):
-    mode = SimulatedMatmul(module.matmul_precision, module.quantize_gradients)
+    mode = SimulatedMatmul(module.matmul_precision, module.quantize_gradients,
+                           getattr(module, "fp8_gemm", "simulated"))
     mode.__enter__()
     module._simulated_matmul_modes.append(mode)
 
@@ -133,24 +162,39 @@ class PlanEntry(NamedTuple):
     """The pattern that decided, or ``default``."""
 
 
+def _check_scaled_mm(name: str, module: torch.nn.Module) -> None:
+    device = module_device(module)
+    if not fp8.scaled_mm_available(device):
+        raise ValueError(f"fp8_gemm='scaled_mm' runs FP8 GEMMs with torch._scaled_mm, which "
+                         f"needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{name or 'the model'} is on {device}; keep the default "
+                         f"fp8_gemm='simulated'")
+
+
 def remove_recipe(model: torch.nn.Module) -> None:
     """Undo :func:`apply_recipe`: plain matmuls, MoE rows in their own dtype."""
     for module in model.modules():
         for handle in getattr(module, "_precision_hooks", []):
             handle.remove()
         module._precision_hooks = []
-        if hasattr(module, "matmul_precision"):
-            del module.matmul_precision
+        for attribute in ("matmul_precision", "fp8_gemm"):
+            if hasattr(module, attribute):
+                delattr(module, attribute)
         if isinstance(module, MoELayer):
             module.dispatcher.dispatch_precision = module.dispatcher.combine_precision = None
 
 
-def apply_recipe(model: torch.nn.Module, recipe: PrecisionRecipe | str) -> list[PlanEntry]:
+def apply_recipe(model: torch.nn.Module, recipe: PrecisionRecipe | str,
+                 fp8_gemm: str = "simulated") -> list[PlanEntry]:
     """Apply ``recipe`` (or a recipe name / file) to every module of ``model``; returns the plan.
 
     Linear-like modules whose precision is not ``fp32`` get a forward pre-hook and a forward
     hook that simulate their precision; MoE layers get their dispatcher's precisions.
+    ``fp8_gemm``: ``"simulated"`` (the default) or ``"scaled_mm"``, real FP8 forward GEMMs
+    (see the module docstring; a ``ValueError`` where ``torch._scaled_mm`` cannot run).
     """
+    if fp8_gemm not in FP8_GEMMS:
+        raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {fp8_gemm!r}")
     recipe = resolve_recipe(recipe)
     remove_recipe(model)
     plan = []
@@ -164,8 +208,11 @@ def apply_recipe(model: torch.nn.Module, recipe: PrecisionRecipe | str) -> list[
             precision = recipe.precision_of(name)
             plan.append(PlanEntry(name, type(module).__name__, precision, rule_name(name)))
             if precision != "fp32":
+                if fp8_gemm == "scaled_mm" and precision != "bf16":
+                    _check_scaled_mm(name, module)
                 module.matmul_precision = precision
                 module.quantize_gradients = recipe.quantize_gradients
+                module.fp8_gemm = fp8_gemm
                 module._simulated_matmul_modes = []
                 module._precision_hooks = [
                     module.register_forward_pre_hook(_enter),

@@ -33,7 +33,8 @@ Read it top to bottom, like the chapter:
    ``torch.Generator().manual_seed(seed)`` exactly as its serial counterpart
    (:func:`serial_linear`, :func:`serial_embedding`) would, then keeps its slice
    (Megatron's ``_initialize_affine_weight_cpu``): every shard *is* the matching slice
-   of the serial layer.
+   of the serial layer.  The master is drawn on the CPU and the slice copied to the
+   layer's ``device`` (:mod:`tutorial_lib.devices`), so a GPU holds the same numbers.
 4. **Sequence-parallel gradients**: :func:`allreduce_sequence_parallel_grads`, and
    :func:`saved_activation_bytes`, which measures what a layer keeps for backward.
 
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, parallel_state
+from .devices import cpu_generator, resolve_device
 from .trace import get_tracer
 
 __all__ = [
@@ -379,26 +381,32 @@ def init_linear_master(input_size: int, output_size: int, bias: bool = True, see
     """The full ``[output_size, input_size]`` weight (and bias) a serial layer would get.
 
     ``torch.nn.Linear``'s distribution, U(-1/sqrt(in), 1/sqrt(in)), drawn from one seeded
-    generator (weight first, then bias), so every TP size slices the same numbers.
+    CPU generator (weight first, then bias), on the CPU, so every TP size and every
+    device slices the same numbers.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = cpu_generator(seed)
     bound = 1.0 / math.sqrt(input_size)
-    weight = torch.empty(output_size, input_size).uniform_(-bound, bound, generator=generator)
-    bias_ = torch.empty(output_size).uniform_(-bound, bound, generator=generator) if bias else None
+    weight = torch.empty(output_size, input_size, device="cpu").uniform_(
+        -bound, bound, generator=generator)
+    bias_ = (torch.empty(output_size, device="cpu").uniform_(-bound, bound, generator=generator)
+             if bias else None)
     return weight, bias_
 
 
 def init_embedding_master(num_embeddings: int, embedding_dim: int, seed: int = 0) -> torch.Tensor:
-    """The full ``[num_embeddings, embedding_dim]`` table, N(0, 1) like ``torch.nn.Embedding``."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.empty(num_embeddings, embedding_dim).normal_(0.0, 1.0, generator=generator)
+    """The full ``[num_embeddings, embedding_dim]`` table, N(0, 1) like ``torch.nn.Embedding``
+    (on the CPU, from a seeded CPU generator)."""
+    generator = cpu_generator(seed)
+    return torch.empty(num_embeddings, embedding_dim, device="cpu").normal_(
+        0.0, 1.0, generator=generator)
 
 
 def serial_linear(input_size: int, output_size: int, bias: bool = True,
-                  seed: int = 0) -> torch.nn.Linear:
-    """The plain ``nn.Linear`` whose slices the parallel linears hold (the TP=1 reference)."""
+                  seed: int = 0, device=None) -> torch.nn.Linear:
+    """The plain ``nn.Linear`` whose slices the parallel linears hold (the TP=1 reference),
+    on ``device`` (``None``: torch's default)."""
     weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
-    layer = torch.nn.Linear(input_size, output_size, bias=bias)
+    layer = torch.nn.Linear(input_size, output_size, bias=bias, device=resolve_device(device))
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias:
@@ -406,19 +414,23 @@ def serial_linear(input_size: int, output_size: int, bias: bool = True,
     return layer
 
 
-def serial_embedding(num_embeddings: int, embedding_dim: int, seed: int = 0) -> torch.nn.Embedding:
-    """The plain ``nn.Embedding`` whose vocabulary ranges the parallel embedding holds."""
-    layer = torch.nn.Embedding(num_embeddings, embedding_dim)
+def serial_embedding(num_embeddings: int, embedding_dim: int, seed: int = 0,
+                     device=None) -> torch.nn.Embedding:
+    """The plain ``nn.Embedding`` whose vocabulary ranges the parallel embedding holds, on
+    ``device`` (``None``: torch's default)."""
+    layer = torch.nn.Embedding(num_embeddings, embedding_dim, device=resolve_device(device))
     with torch.no_grad():
         layer.weight.copy_(init_embedding_master(num_embeddings, embedding_dim, seed))
     return layer
 
 
-def _shard_parameter(full: torch.Tensor, dim: int | None, group) -> torch.nn.Parameter:
-    """My slice of ``full`` along ``dim`` (``None``: replicated), flagged like Megatron's."""
+def _shard_parameter(full: torch.Tensor, dim: int | None, group,
+                     device=None) -> torch.nn.Parameter:
+    """My slice of ``full`` along ``dim`` (``None``: replicated), copied to ``device``,
+    flagged like Megatron's."""
     size, rank = parallel_state.group_size(group), parallel_state.group_rank(group)
     data = full if dim is None else full.chunk(size, dim=dim)[rank]
-    param = torch.nn.Parameter(data.clone())
+    param = torch.nn.Parameter(data.to(resolve_device(device), copy=True))
     param.tensor_model_parallel = dim is not None
     param.partition_dim = dim
     return param
@@ -437,11 +449,12 @@ class ColumnParallelLinear(torch.nn.Module):
     ``[s/T, b, in]`` shard for backward and all-gathers it again there for dW (backward:
     all-gather the input, reduce-scatter dX), as Megatron-Core does.
     The output stays split ``[..., output_size / T]`` unless ``gather_output``.
+    ``device``: where the shards live (``None``: torch's default device).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, seed: int = 0,
-                 tp_group: str | None = "tp"):
+                 tp_group: str | None = "tp", device=None):
         super().__init__()
         self.tp_group = tp_group
         self.input_size, self.output_size = input_size, output_size
@@ -449,8 +462,8 @@ class ColumnParallelLinear(torch.nn.Module):
                                                 "output_size")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
-        self.weight = _shard_parameter(weight, 0, tp_group)
-        self.bias = _shard_parameter(bias_, 0, tp_group) if bias else None
+        self.weight = _shard_parameter(weight, 0, tp_group, device)
+        self.bias = _shard_parameter(bias_, 0, tp_group, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -468,11 +481,12 @@ class RowParallelLinear(torch.nn.Module):
     (all-reduce) or, with ``sequence_parallel``,
     :func:`reduce_scatter_to_sequence_parallel_region` (to ``[s/T, b, out]``).  The
     bias is replicated and added *after* the reduction (else it would be added T times).
+    ``device``: where the shards live (``None``: torch's default device).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, seed: int = 0,
-                 tp_group: str | None = "tp"):
+                 tp_group: str | None = "tp", device=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel=True needs "
@@ -483,8 +497,8 @@ class RowParallelLinear(torch.nn.Module):
         self.input_size_per_partition = divide(input_size, parallel_state.group_size(tp_group), "input_size")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         weight, bias_ = init_linear_master(input_size, output_size, bias, seed)
-        self.weight = _shard_parameter(weight, 1, tp_group)
-        self.bias = _shard_parameter(bias_, None, tp_group) if bias else None
+        self.weight = _shard_parameter(weight, 1, tp_group, device)
+        self.bias = _shard_parameter(bias_, None, tp_group, device) if bias else None
         if self.bias is not None:
             # With sequence parallelism each rank adds the bias to its own tokens only,
             # so its gradient is a partial sum (see allreduce_sequence_parallel_grads).
@@ -511,7 +525,7 @@ class VocabParallelEmbedding(torch.nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, seed: int = 0,
-                 sequence_parallel: bool = False, tp_group: str | None = "tp"):
+                 sequence_parallel: bool = False, tp_group: str | None = "tp", device=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -519,7 +533,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_start_index = parallel_state.group_rank(tp_group) * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
         table = init_embedding_master(num_embeddings, embedding_dim, seed)
-        self.weight = _shard_parameter(table, 0, tp_group)
+        self.weight = _shard_parameter(table, 0, tp_group, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)

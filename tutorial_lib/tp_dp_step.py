@@ -56,6 +56,7 @@ from . import comm, parallel_state
 from .data import split_microbatches
 from .data_parallel import (DataParallel, DistributedOptimizer, Float16OptimizerWithFloat16Params,
                             clip_grad_norm_)
+from .devices import module_device
 from .tensor_parallel import allreduce_sequence_parallel_grads
 from .trace import get_tracer
 
@@ -137,7 +138,7 @@ def train_step(model, optimizer, batch, num_microbatches: int, max_grad_norm: fl
 
     # 1. forward + backward of each microbatch; gradients accumulate in place.
     microbatches = split_microbatches(batch, num_microbatches)
-    replica_loss = torch.zeros(())
+    replica_loss = torch.zeros((), device=module_device(gpt))
     for i, (input_ids, labels) in enumerate(microbatches):
         last = i == num_microbatches - 1
         # Only the last backward communicates: earlier ones just add into the buckets.

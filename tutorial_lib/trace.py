@@ -9,6 +9,19 @@ shows is a cartoon.
 
 Times are wall-clock seconds (``time.time()``), shared by all processes on one
 machine; :meth:`Trace.relative` shifts them so the first event starts at 0.
+
+**On a GPU** the host clock would lie: an NCCL collective returns to Python as soon as it
+is queued on the GPU, long before it runs, and so does every kernel of a compute span.
+So a rank whose tensors live on ``cuda:N`` (:meth:`Tracer.use_device`; the launcher calls
+it) times every op on a CUDA tensor, and every :meth:`Tracer.span`, with two CUDA events
+recorded on the current stream: one before the op is queued, one after (for an async op,
+after ``wait()``, which makes the stream wait for it).  The start event fires when the
+GPU has finished the work queued before the op, the end event when the op is done and
+the stream may go on: the interval is what the op occupied the GPU's timeline, waiting
+for its peers included.  The events are converted to wall-clock seconds when the rank's
+events are collected (:meth:`Tracer.resolved_events`, one ``synchronize``), from one
+anchor event recorded on an idle GPU at :meth:`Tracer.use_device`; such events say
+``clock="cuda"``.  CPU tensors keep the host clock (``clock="host"``).
 """
 from __future__ import annotations
 
@@ -51,6 +64,9 @@ class TraceEvent:
     """Tensor values after the op (likewise)."""
     splits: dict[str, list[int]] | None = None
     """For all-to-all: ``{"input": [...], "output": [...]}`` row counts per peer."""
+    clock: str = "host"
+    """What timed it: ``host`` (``time.time()`` around the call) or ``cuda`` (CUDA events on
+    the rank's stream, converted to wall-clock seconds; see the module docstring)."""
 
     @property
     def duration(self) -> float:
@@ -58,6 +74,35 @@ class TraceEvent:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class CudaClock:
+    """Wall-clock seconds of CUDA events on one device, from one anchor.
+
+    The anchor is an event recorded right after a ``synchronize`` (the stream is idle, so
+    it fires at once) together with ``time.time()``; an event's time is the anchor's plus
+    the GPU time elapsed between the two.  Events are read only after a ``synchronize``.
+    """
+
+    def __init__(self, device: str):
+        import torch
+        self.torch, self.device = torch, torch.device(device)
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            self.anchor = self.mark()
+            self.anchor_seconds = time.time()
+
+    def mark(self):
+        """An event recorded now on the current stream."""
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+    def seconds(self, event) -> float:
+        return self.anchor_seconds + self.anchor.elapsed_time(event) / 1e3
 
 
 class Tracer:
@@ -74,6 +119,15 @@ class Tracer:
         """The op this rank is blocked in right now, if any (read by the deadlock report)."""
         self.finished = False
         """Set by the launcher once the rank's function has returned."""
+        self.cuda_clock: CudaClock | None = None
+        """Set by :meth:`use_device` for a rank on a GPU: ops on CUDA tensors and compute
+        spans are then timed with CUDA events."""
+        self._marks: dict[int, list] = {}  # id(event) -> [start mark, end mark]
+
+    def use_device(self, device: str) -> None:
+        """This rank's tensors live on ``device``; on ``cuda:N``, time with CUDA events."""
+        if str(device).startswith("cuda") and self.enabled:
+            self.cuda_clock = CudaClock(device)
 
     @contextmanager
     def tags(self, **tags: Any) -> Iterator[None]:
@@ -91,25 +145,40 @@ class Tracer:
     def wants_values(self, numel: int) -> bool:
         return self.enabled and 0 < numel <= self.capture_values
 
-    def begin(self, op: str, blocking: bool = True, **fields: Any) -> TraceEvent:
+    def begin(self, op: str, blocking: bool = True, on_gpu: bool = False,
+              **fields: Any) -> TraceEvent:
         """Start an event; call :meth:`end` when the op completes.
 
         A blocking op becomes :attr:`pending` until it ends; an asynchronous one
-        only while something waits on it (:meth:`waiting`).
+        only while something waits on it (:meth:`waiting`).  ``on_gpu``: the op's tensor is
+        on this rank's GPU: time it with CUDA events (see the module docstring).
         """
         tags = {**self._tags, **fields.pop("tags", {})}
         event = TraceEvent(rank=self.rank, op=op, t_start=time.time(), tags=tags, **fields)
+        if on_gpu:
+            self._start_mark(event)
         if blocking:
             self._set_pending(event)
         return event
 
     def end(self, event: TraceEvent) -> TraceEvent:
         event.t_end = time.time()
+        self._end_mark(event)
         if self.pending is event:
             self._set_pending(None)
         if self.enabled:
             self.events.append(event)
         return event
+
+    def _start_mark(self, event: TraceEvent) -> None:
+        if self.enabled and self.cuda_clock is not None:
+            event.clock = "cuda"
+            self._marks[id(event)] = [self.cuda_clock.mark(), None]
+
+    def _end_mark(self, event: TraceEvent) -> None:
+        marks = self._marks.get(id(event))
+        if marks is not None:
+            marks[1] = self.cuda_clock.mark()
 
     @contextmanager
     def waiting(self, event: TraceEvent) -> Iterator[None]:
@@ -127,18 +196,42 @@ class Tracer:
 
     @contextmanager
     def span(self, name: str, **tags: Any) -> Iterator[TraceEvent]:
-        """Record a ``compute`` span around local work: ``with tracer.span("forward", microbatch=0):``."""
+        """Record a ``compute`` span around local work: ``with tracer.span("forward", microbatch=0):``.
+
+        On a GPU rank (:meth:`use_device`) the span is the GPU time of the work queued
+        inside it, from CUDA events, not the host time it took to queue it.
+        """
         event = TraceEvent(rank=self.rank, op="compute", t_start=time.time(),
                            tags={**self._tags, **tags, "name": name})
+        self._start_mark(event)
         try:
             yield event
         finally:
             event.t_end = time.time()
+            self._end_mark(event)
             if self.enabled:
                 self.events.append(event)
 
+    def resolved_events(self) -> list[TraceEvent]:
+        """The events, with the CUDA-timed ones' ``t_start`` / ``t_end`` read from their
+        events (one ``synchronize`` first, when there are any)."""
+        if self._marks:
+            self.cuda_clock.synchronize()
+            for event in self.events:
+                marks = self._marks.pop(id(event), None)
+                if marks is not None and marks[1] is not None:
+                    event.t_start = self.cuda_clock.seconds(marks[0])
+                    event.t_end = self.cuda_clock.seconds(marks[1])
+            self._marks.clear()
+        return list(self.events)
+
+    def event_dicts(self) -> list[dict]:
+        """:meth:`resolved_events` as plain dicts, to send back to the launcher."""
+        return [e.to_dict() for e in self.resolved_events()]
+
     def clear(self) -> None:
         self.events.clear()
+        self._marks.clear()
 
 
 _TRACER = Tracer(enabled=False)

@@ -86,13 +86,14 @@ from dataclasses import replace
 import torch
 
 from . import checkpointing, comm, parallel_state, precision
-from .arguments import (CONFIG_FIELDS, LOG_KEYS, RUN_DEFAULTS, TrainingArgs, args_from_dict,
+from .arguments import (CONFIG_FIELDS, DEVICES, LOG_KEYS, RUN_DEFAULTS, TrainingArgs, args_from_dict,
                         check_memory, describe_run, load_config_file, resolve_precision_recipe,
                         validate_args)
 from .data import split_global_batch, split_microbatches, synthetic_batch
 from .context_parallel import split_for_cp_rank
 from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
+from .devices import synchronize
 from .moe_balance import max_violation, update_expert_bias
 from .pipeline import forward_backward_pipelining
 from .tp_dp_step import finish_step
@@ -108,12 +109,13 @@ __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "ar
 # imported above and belong to this module's API as well.
 
 
-def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
-    """This rank's model chunks: chunk ``c`` is model stage ``c * PP + pp_rank``."""
+def build_chunks(args: TrainingArgs, device=None) -> list[DeepSeekModel]:
+    """This rank's model chunks on ``device``: chunk ``c`` is model stage ``c * PP + pp_rank``."""
     _, model, _ = args.configs()
     pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
     rank = parallel_state.group_rank("pp")
-    chunks = [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed)
+    chunks = [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed,
+                            device=device)
               for c in range(v)]
     if args.precision_recipe != "fp32":  # fp32: the model exactly as built
         recipe = resolve_precision_recipe(args.precision_recipe)
@@ -122,11 +124,12 @@ def build_chunks(args: TrainingArgs) -> list[DeepSeekModel]:
     return chunks
 
 
-def _microbatches(args: TrainingArgs, step: int, first_stage: bool) -> list[Microbatch]:
-    """My replica's microbatches of this step; ids and labels only on the first stage."""
+def _microbatches(args: TrainingArgs, step: int, first_stage: bool, device) -> list[Microbatch]:
+    """My replica's microbatches of this step on ``device``; ids and labels only on the first
+    stage."""
     input_ids, labels = synthetic_batch(args.seed, step, args.global_batch_size, args.seq_length,
-                                        args.vocab_size)
-    rows = torch.arange(args.global_batch_size)  # each row's index in the global batch
+                                        args.vocab_size, device=device)
+    rows = torch.arange(args.global_batch_size, device=device)  # each row's global index
     mine = split_global_batch((input_ids, labels, rows), parallel_state.get_rank_in("dp"),
                               parallel_state.get_size("dp"))
     cp = parallel_state.get_size("cp")
@@ -178,14 +181,15 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
     ``on_step(record)`` is called on every rank after each step (rank 0 prints);
     ``on_save(iteration, directory)`` after each checkpoint is committed.  Records are
     numbered by ``iteration`` (from 1); with ``args.load`` they start at the iteration
-    after the checkpoint's.
+    after the checkpoint's.  Every tensor lives on ``ctx.device`` (a GPU under NCCL).
     """
     parallel, _, _ = args.configs()
     parallel.world_size = ctx.world_size
     parallel_state.initialize_model_parallel(parallel)
     tracer = get_tracer()
     torch.manual_seed(args.seed)
-    chunks = build_chunks(args)
+    device = ctx.device
+    chunks = build_chunks(args, device)
     pp_rank = parallel_state.get_rank_in("pp")
     modules = torch.nn.ModuleList(chunks)
     cp = parallel_state.get_size("cp")
@@ -214,8 +218,9 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
             chunk.aux_loss_scale = moe_aux_loss_scale(m, cp)
         with tracer.tags(step=step):
             with model.no_sync() if sync else nullcontext():  # sync once, after the last backward
-                out = forward_backward_pipelining(chunks, _microbatches(args, step, pp_rank == 0),
-                                                  args.schedule, args.p2p_mode, shape)
+                out = forward_backward_pipelining(
+                    chunks, _microbatches(args, step, pp_rank == 0, device), args.schedule,
+                    args.p2p_mode, shape, device=device)
             grad_norm = finish_step(model, optimizer, args.clip_grad if args.clip_grad > 0 else None)
             violations = _update_expert_biases(chunks, args)
             # the log: LM loss (last stage), aux losses and MaxVio (every stage), over PP then
@@ -224,11 +229,12 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
             local = [sum(out.losses.values()) / m]
             local += [sum(c.aux_loss_sums.get(name, 0.0) for c in chunks) / m for name in aux_names]
             local += [sum(violations), len(violations)]
-            logged = torch.tensor(local, dtype=torch.float64)
+            logged = torch.tensor(local, dtype=torch.float64, device=device)
             with tracer.tags(phase="logging"):
                 _sum_over(logged, ["pp"])
                 _sum_over(logged, [dense_group])
             logged /= dp * cp  # the replicas' mean (MaxVio and the layer count are equal on all)
+        synchronize(device)  # on a GPU: the step's work done, not just queued
         elapsed = time.perf_counter() - started
         record = {"iteration": step + 1, "loss": float(logged[0])}
         if args.num_experts:
@@ -295,7 +301,8 @@ def train(args: TrainingArgs, progress: bool = False, trace: bool = False,
     """Validate, launch ``args.world_size`` gloo/NCCL workers, train; returns the ``LaunchResult``.
 
     ``result.results[0]`` is the list of per-step records.  Raises :class:`ConfigError`
-    before starting anything when the grid or the batch breaks a rule.  ``progress_file``:
+    before starting anything when the grid or the batch breaks a rule, or when
+    ``args.device`` is ``cuda`` and this machine has fewer GPUs than ranks.  ``progress_file``:
     rank 0 writes the number of finished steps there after each step (what
     ``examples/train_4d.py`` reports when interrupted).
     """
@@ -305,6 +312,7 @@ def train(args: TrainingArgs, progress: bool = False, trace: bool = False,
     args = replace(args, **{name: os.path.abspath(getattr(args, name)) for name in ("save", "load")
                             if getattr(args, name)})
     launch_kwargs.setdefault("timeout", args.timeout)
+    launch_kwargs.setdefault("backend", DEVICES[args.device])
     return launch(_worker, args.world_size, args=(args, progress, progress_file), trace=trace,
                   print_output=progress, **launch_kwargs)
 

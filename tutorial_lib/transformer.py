@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from . import parallel_state
 from .context_parallel import context_parallel_attention
+from .devices import resolve_device
 from .tensor_parallel import (
     SP_LINEAR,
     derive_seed,
@@ -80,11 +81,12 @@ class SelfAttention(torch.nn.Module):
     :mod:`tutorial_lib.context_parallel`), and the attention core exchanges keys and
     values over the group in the given way (``p2p``, ``all_gather`` or ``a2a``); the
     projections are token-wise and need nothing.  ``cp_group=None`` (the default): serial.
+    ``device``: where the weights live (``None``: torch's default device).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, sequence_parallel: bool = False,
                  seed: int = 0, tp_group: str | None = "tp", cp_group: str | None = None,
-                 cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p", device=None):
         super().__init__()
         self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
         tp = parallel_state.group_size(tp_group)
@@ -92,10 +94,12 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_rank = divide(num_attention_heads, tp, "num_attention_heads")
         self.linear_qkv = ColumnParallelLinear(hidden_size, 3 * hidden_size,
                                                sequence_parallel=sequence_parallel,
-                                               seed=derive_seed(seed, QKV), tp_group=tp_group)
+                                               seed=derive_seed(seed, QKV), tp_group=tp_group,
+                                               device=device)
         self.linear_proj = RowParallelLinear(hidden_size, hidden_size, input_is_parallel=True,
                                              sequence_parallel=sequence_parallel,
-                                             seed=derive_seed(seed, PROJ), tp_group=tp_group)
+                                             seed=derive_seed(seed, PROJ), tp_group=tp_group,
+                                             device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]; s is the full sequence
@@ -114,14 +118,16 @@ class MLP(torch.nn.Module):
     """``fc2(gelu(fc1(x)))``: fc1 split by output (column), fc2 by input (row); GELU stays local."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, sequence_parallel: bool = False,
-                 seed: int = 0, tp_group: str | None = "tp"):
+                 seed: int = 0, tp_group: str | None = "tp", device=None):
         super().__init__()
         self.linear_fc1 = ColumnParallelLinear(hidden_size, ffn_hidden_size,
                                                sequence_parallel=sequence_parallel,
-                                               seed=derive_seed(seed, FC1), tp_group=tp_group)
+                                               seed=derive_seed(seed, FC1), tp_group=tp_group,
+                                               device=device)
         self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True,
                                             sequence_parallel=sequence_parallel,
-                                            seed=derive_seed(seed, FC2), tp_group=tp_group)
+                                            seed=derive_seed(seed, FC2), tp_group=tp_group,
+                                            device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
@@ -134,19 +140,22 @@ class TransformerBlock(torch.nn.Module):
     sequence; call :func:`allreduce_sequence_parallel_grads` after backward.
     ``tp_group=None`` builds the serial block (also what you get when no groups exist).
     No dropout: with TP, ranks would draw different masks for one tensor (rule 7).
+    ``device``: where the weights live (``None``: torch's default device).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int | None = None,
                  sequence_parallel: bool = False, seed: int = 0, tp_group: str | None = "tp",
-                 layernorm_epsilon: float = 1e-5):
+                 layernorm_epsilon: float = 1e-5, device=None):
         super().__init__()
         ffn_hidden_size = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.sequence_parallel = sequence_parallel
-        self.input_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
+        device = resolve_device(device)
+        self.input_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon, device=device)
         self.self_attention = SelfAttention(hidden_size, num_attention_heads, sequence_parallel,
-                                            seed, tp_group)
-        self.pre_mlp_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        self.mlp = MLP(hidden_size, ffn_hidden_size, sequence_parallel, seed, tp_group)
+                                            seed, tp_group, device=device)
+        self.pre_mlp_layernorm = torch.nn.LayerNorm(hidden_size, eps=layernorm_epsilon,
+                                                    device=device)
+        self.mlp = MLP(hidden_size, ffn_hidden_size, sequence_parallel, seed, tp_group, device)
         for layernorm in (self.input_layernorm, self.pre_mlp_layernorm):
             for param in layernorm.parameters():
                 param.sequence_parallel = sequence_parallel  # partial grads under SP: see module doc

@@ -32,7 +32,8 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 steps=5, seed=1234, lr=3e-3, clip_grad=1.0, schedule="1f1b", p2p_mode="batched",
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
-                context_parallel_size=1, cp_comm_type="p2p")  # issue 18: CP, off by default
+                context_parallel_size=1, cp_comm_type="p2p",  # issue 18: CP, off by default
+                device="auto")  # issue 16: the GPUs when every rank has one
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +335,8 @@ def test_help_lists_the_choices_of_every_fixed_set(script, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     text = script.build_parser().format_help()
     with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
-    assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type"}
+    assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type",
+                                              "device"}  # issue 16: --device
     for f in with_choices:
         flag = "--" + f.name.replace("_", "-")
         assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in text, flag

@@ -45,13 +45,15 @@ from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, cp_kv_chu
                         pp_activation_bytes, tp_all_reduce_bytes, transfer_seconds)
 from .context_parallel import (CP_MODES, cp_attention_messages, cp_bytes_sent,
                                cp_kv_block_bytes)
-from .collectives import (OPS, AlphaBeta, Fit, Sample, all_gather_bytes, all_reduce_bytes,
+from .collectives import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
+                          algorithm_bandwidth, all_gather_bytes, all_reduce_bytes,
                           all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
-                          fit_alpha_beta, predict_time, reduce_scatter_bytes, ring_bytes_sent,
-                          ring_steps, send_bytes, tree_broadcast_time)
+                          fit_alpha_beta, nccl_tests_size, predict_time, reduce_scatter_bytes,
+                          ring_bytes_sent, ring_steps, send_bytes, tree_broadcast_time)
 from .measure import (ALPHA_BETA_OPS, ALPHA_BETA_RANKS, ALPHA_BETA_SIZES, DEFAULT_SIZES,
-                      MEASURABLE_OPS, TimedRounds, measure_alpha_beta, measure_collective,
-                      rounds_by_size, samples_from_trace)
+                      MEASURABLE_OPS, MEASURE_DEVICES, TimedRounds, bandwidth_rows,
+                      measure_alpha_beta, measure_collective, rounds_by_size,
+                      samples_from_trace)
 from .memory import (RankMemory, available_memory_bytes, format_bytes, layer_parameters,
                      memory_on_this_machine, memory_per_rank)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
@@ -67,12 +69,13 @@ __all__ = [
     "dp_gradient_bytes", "ep_all_to_all_bytes", "link_bandwidths", "pp_activation_bytes",
     "tp_all_reduce_bytes", "transfer_seconds",
     "CP_MODES", "cp_attention_messages", "cp_bytes_sent", "cp_kv_block_bytes",
-    "OPS", "AlphaBeta", "Fit", "Sample", "all_gather_bytes", "all_reduce_bytes",
+    "BUS_BANDWIDTH_FACTORS", "OPS", "AlphaBeta", "Fit", "Sample", "algorithm_bandwidth",
+    "all_gather_bytes", "all_reduce_bytes", "nccl_tests_size",
     "all_to_all_bytes", "broadcast_bytes", "bus_bandwidth", "cost_coefficients",
     "fit_alpha_beta", "predict_time", "reduce_scatter_bytes", "ring_bytes_sent", "ring_steps",
     "send_bytes", "tree_broadcast_time",
-    "DEFAULT_SIZES", "MEASURABLE_OPS", "TimedRounds", "measure_collective", "rounds_by_size",
-    "samples_from_trace",
+    "DEFAULT_SIZES", "MEASURABLE_OPS", "MEASURE_DEVICES", "TimedRounds", "bandwidth_rows",
+    "measure_collective", "rounds_by_size", "samples_from_trace",
     "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
     "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls",
     "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",

@@ -246,16 +246,53 @@ def tree_broadcast_time(nbytes: float, n: int, model: AlphaBeta) -> float:
     return math.ceil(math.log2(n)) * (model.alpha + nbytes * model.beta)
 
 
-def bus_bandwidth(op: str, nbytes: float, n: int, seconds: float) -> float:
-    """Bytes per second each rank pushed through its link: ``ring_bytes_sent / seconds``.
+# nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md, commit 03a204a1) reports two
+# bandwidths per size: the algorithm bandwidth, algbw = S / t, with S the size of the whole
+# operation (for all-gather and reduce-scatter the N-shard array, for all-to-all every row
+# a rank sends), and the bus bandwidth, busbw = algbw times a factor per collective that
+# makes it independent of N: what one rank's link carried per second in the best
+# algorithm, to compare with the link's rated bandwidth.
 
-    This is nccl-tests' "bus bandwidth": unlike ``B / seconds`` it does not
-    depend on the op or the group size, so it compares directly with a link's
-    rated bandwidth.  (For a ``recv`` it counts the bytes received.)
-    """
+BUS_BANDWIDTH_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+"""busbw / algbw per op as nccl-tests defines them (``doc/PERFORMANCE.md``): ``2(N-1)/N``
+for all-reduce, ``(N-1)/N`` for reduce-scatter, all-gather and all-to-all, 1 for broadcast
+and point-to-point."""
+
+
+def nccl_tests_size(op: str, nbytes: float, n: int) -> float:
+    """nccl-tests' size ``S`` of an op this library records as ``nbytes`` (its byte
+    convention): the same, except for all-gather, where the library records one rank's
+    shard and nccl-tests the gathered array, ``N`` shards."""
+    _check(op, nbytes, n)
+    return float(nbytes) * n if op == "all_gather" else float(nbytes)
+
+
+def algorithm_bandwidth(op: str, nbytes: float, n: int, seconds: float) -> float:
+    """nccl-tests' ``algbw = S / t`` in bytes per second (:func:`nccl_tests_size`)."""
     if seconds <= 0:
         raise ValueError(f"seconds must be > 0 to compute a bandwidth, got {seconds!r}")
-    return cost_coefficients(op, nbytes, n)[1] / seconds
+    return nccl_tests_size(op, nbytes, n) / seconds
+
+
+def bus_bandwidth(op: str, nbytes: float, n: int, seconds: float) -> float:
+    """nccl-tests' bus bandwidth in bytes per second: ``algbw`` times the op's factor
+    (:data:`BUS_BANDWIDTH_FACTORS`).
+
+    Unlike ``algbw`` it does not depend on the op or the group size, so it compares
+    directly with a link's rated bandwidth (the course's bandwidth table, or what
+    nccl-tests' ``*_perf`` binaries print on the same machine).  For every op it equals
+    the bytes each rank sends in the ring algorithm over the time,
+    ``ring_bytes_sent / seconds`` (for a ``recv``: the bytes received).
+    """
+    return algorithm_bandwidth(op, nbytes, n, seconds) * BUS_BANDWIDTH_FACTORS[op](n)
 
 
 # --- 3. fitting alpha and beta -----------------------------------------------------------

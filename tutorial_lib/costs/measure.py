@@ -1,4 +1,5 @@
-"""Timing on this machine: collectives on gloo ranks, and the rounds of any timing run.
+"""Timing on this machine: collectives on gloo ranks (or NCCL on GPUs), and the rounds of
+any timing run.
 
 Chapter 2 (collectives) times every collective with :func:`measure_alpha_beta` (one
 :func:`measure_collective` run, the same as ``bench/bench_alpha_beta.py`` stores as its
@@ -9,6 +10,15 @@ size; chapter 7's :mod:`tutorial_lib.p2p_timing` times the pipeline's P2P modes 
 it too.  Importing this module loads no torch: :func:`measure_collective` imports
 torch, :mod:`tutorial_lib.comm` and :mod:`tutorial_lib.launch` when it runs, and
 starts processes.
+
+**On GPUs** (``device="cuda"``: one GPU per rank, NCCL) the same run times NCCL, and
+:func:`bandwidth_rows` reports each size the way nccl-tests' ``*_perf`` binaries do
+(size, time, ``algbw``, ``busbw``: :func:`~tutorial_lib.costs.collectives.bus_bandwidth`),
+so the numbers compare with nccl-tests on the same machine and with the course's
+bandwidth table.  The times then come from CUDA events (an NCCL call returns before the
+collective has run; :mod:`tutorial_lib.trace`), each rank's events placed on the shared
+host clock through one anchor per rank (a few microseconds of uncertainty, which only the
+smallest sizes notice).  Untested here: no GPU was available to this project.
 """
 from __future__ import annotations
 
@@ -16,7 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .collectives import Sample
+from .collectives import Sample, algorithm_bandwidth, bus_bandwidth, nccl_tests_size
 
 
 # --- the rounds of a timing run ----------------------------------------------------------
@@ -88,20 +98,28 @@ ALPHA_BETA_RANKS = 2
 """Ranks of chapter 2's fit: no more than the cores of the smallest machine the course
 runs on, so that no rank waits for a core while its peers time it."""
 
+MEASURE_DEVICES = {"cpu": "gloo", "cuda": "nccl"}
+"""Where :func:`measure_collective` runs, and over which backend: ``cpu`` (gloo) or ``cuda``
+(NCCL, one GPU per rank)."""
+
 _ELEMENT = 4  # measurements use float32
 
 
-def _make_tensors(op: str, nbytes: int, n: int):
-    """Zero float32 tensors whose size follows the byte convention for ``op`` (rounded to fit ``n``)."""
+def _make_tensors(op: str, nbytes: int, n: int, device="cpu"):
+    """Zero float32 tensors on ``device`` whose size follows the byte convention for ``op``
+    (rounded to fit ``n``)."""
     import torch
     numel = max(1, int(nbytes) // _ELEMENT)
+
+    def zeros(count):
+        return torch.zeros(count, device=device)
     if op in ("reduce_scatter", "all_to_all"):
         numel = max(n, numel - numel % n)  # the input must split into n equal slices
         out_numel = numel // n if op == "reduce_scatter" else numel
-        return torch.zeros(numel), torch.zeros(out_numel)
+        return zeros(numel), zeros(out_numel)
     if op == "all_gather":
-        return torch.zeros(numel), torch.zeros(numel * n)
-    return torch.zeros(numel), None  # zeros: repeated in-place sums never overflow
+        return zeros(numel), zeros(numel * n)
+    return zeros(numel), None  # zeros: repeated in-place sums never overflow
 
 
 def _run_op(op: str, tensors, rank: int) -> None:
@@ -131,7 +149,7 @@ def _measure_worker(ctx, ops: Sequence[str], sizes: dict[str, list[int]], repeat
     import torch.distributed as dist
     for op in ops:
         for size in sizes[op]:
-            tensors = _make_tensors(op, size, ctx.world_size)
+            tensors = _make_tensors(op, size, ctx.world_size, ctx.device)
             for iteration in range(warmup + repeats):
                 # Untraced barrier: every timed op starts from (nearly) the same moment,
                 # and the trace shows only the ops being measured.
@@ -161,10 +179,12 @@ def samples_from_trace(trace, n: int) -> list[Sample]:
 def measure_collective(op: str | Sequence[str],
                        sizes: Sequence[int] | Mapping[str, Sequence[int]] = DEFAULT_SIZES,
                        world_size: int = 4, repeats: int = 10, warmup: int = 1,
-                       timeout: float = 120.0) -> list[Sample]:
+                       timeout: float = 120.0, device: str = "cpu") -> list[Sample]:
     """Time ``op`` (one name or several) on this machine for each size in ``sizes`` bytes.
 
-    Starts ``world_size`` gloo ranks with :func:`tutorial_lib.launch.launch`.
+    Starts ``world_size`` ranks with :func:`tutorial_lib.launch.launch`: gloo ranks on the
+    CPU, or with ``device="cuda"`` NCCL ranks, one GPU each (refused before anything starts
+    when the machine has fewer GPUs than ranks).
     Each rank runs every size ``warmup + repeats`` times through the traced
     :mod:`tutorial_lib.comm` wrappers with a barrier before each run; the
     times come from the trace events (see :func:`samples_from_trace`).
@@ -185,6 +205,8 @@ def measure_collective(op: str | Sequence[str],
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                          f"warmup={warmup}")
+    if device not in MEASURE_DEVICES:
+        raise ValueError(f"device must be one of {', '.join(MEASURE_DEVICES)}, got {device!r}")
     per_op = {name: list(sizes.get(name, ())) if isinstance(sizes, Mapping) else list(sizes)
               for name in ops}
     for name, listed in per_op.items():
@@ -194,24 +216,39 @@ def measure_collective(op: str | Sequence[str],
     result = launch(_measure_worker, world_size,
                     args=(ops, {k: [int(s) for s in v] for k, v in per_op.items()},
                           int(repeats), int(warmup)),
-                    timeout=timeout, print_output=False)
+                    timeout=timeout, print_output=False, backend=MEASURE_DEVICES[device])
     return samples_from_trace(result.trace, world_size)
 
 
 def measure_alpha_beta(ops: Sequence[str] = ALPHA_BETA_OPS,
                        sizes: Sequence[int] = ALPHA_BETA_SIZES,
                        world_size: int = ALPHA_BETA_RANKS, repeats: int = 5, warmup: int = 2,
-                       timeout: float = 300.0) -> list[Sample]:
+                       timeout: float = 300.0, device: str = "cpu") -> list[Sample]:
     """Chapter 2's timing run, and its stored reference's (``bench/bench_alpha_beta.py``).
 
     Every op in ``ops`` on tensors of each size in ``sizes`` bytes, in one launch of
     ``world_size`` ranks.  A size is the tensor ``B`` of the alpha-beta formulas: for
     ``all_gather`` the gathered *output*, so its shard is ``B / N`` (by the byte
     convention the samples record the shard).  The median of ``repeats`` timed runs
-    per size, after ``warmup`` untimed ones.
+    per size, after ``warmup`` untimed ones.  ``device="cuda"``: on NCCL, one GPU per rank
+    (see the module docstring).
     """
     per_op = {op: [max(1, int(s) // world_size) if op == "all_gather" else int(s)
                    for s in sizes] for op in ops}
     return measure_collective(tuple(ops), sizes=per_op, world_size=world_size,
-                              repeats=repeats, warmup=warmup, timeout=timeout)
+                              repeats=repeats, warmup=warmup, timeout=timeout, device=device)
+
+
+def bandwidth_rows(samples: Sequence[Sample]) -> list[dict]:
+    """One row per sample as nccl-tests prints it: ``op``, ``ranks``, ``size_bytes`` (its
+    ``S``: :func:`~tutorial_lib.costs.collectives.nccl_tests_size`), ``time_us``,
+    ``algbw_gb_per_s`` and ``busbw_gb_per_s`` (GB = 1e9 bytes, as nccl-tests counts)."""
+    rows = []
+    for s in samples:
+        rows.append({"op": s.op, "ranks": s.n,
+                     "size_bytes": int(nccl_tests_size(s.op, s.nbytes, s.n)),
+                     "time_us": 1e6 * s.seconds,
+                     "algbw_gb_per_s": algorithm_bandwidth(s.op, s.nbytes, s.n, s.seconds) / 1e9,
+                     "busbw_gb_per_s": bus_bandwidth(s.op, s.nbytes, s.n, s.seconds) / 1e9})
+    return rows
 
