@@ -13,6 +13,7 @@ from dataclasses import astuple, dataclass, field, fields, replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tutorial_lib import costs
 from tutorial_lib.arguments import args_from_dict, check_memory, describe_run, validate_args
@@ -466,3 +467,14 @@ def test_a_missing_recipe_file_says_file_not_found(script, tmp_path, capsys):
     assert script.main(["--precision-recipe", str(missing)]) == 2
     err = capsys.readouterr().err
     assert "precision_recipe file not found" in err and "train_4d: layout" not in err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
+def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(script, capsys):
+    """Issue 16: ``--device cuda`` where the ranks cannot each have a GPU is refused with
+    the rule and a fix, exit status 2, and no process started (this directory's conftest
+    fails any test that starts one)."""
+    assert script.main(["--world-size", "2", "--pipeline-model-parallel-size", "2",
+                        "--steps", "1", "--device", "cuda"]) == 2
+    error = capsys.readouterr().err
+    assert "one GPU per rank" in error and "train_4d.py: error:" in error
