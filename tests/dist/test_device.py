@@ -208,10 +208,10 @@ def strict_runs():
         # the launcher's switch: every worker of this launch starts with meta as default
         patch.setenv(launch_module.STRICT_DEVICE_VARIABLE, "meta")
         runs[2] = launch(run_strict_and_plain, 2, args=(jobs[2], None), timeout=120,
-                         trace=False).results
+                         trace=False, backend="gloo").results
     for world in (4, 8):
         runs[world] = launch(run_strict_and_plain, world, args=(jobs[world],),
-                             timeout=180, trace=False).results
+                             timeout=180, trace=False, backend="gloo").results
     return jobs, runs
 
 
@@ -237,6 +237,7 @@ def test_every_chapter_function_and_train_4d_step_keeps_its_tensors_on_ctx_devic
 
 
 def test_the_strict_runs_cover_every_chapter_and_three_train_4d_layouts(strict_runs):
+    """Chapters 1 to 9 each have at least one job, and train_4d its three layouts."""
     jobs, _ = strict_runs
     labels = [label for world in jobs.values() for label, *_ in world]
     assert {label[:2] for label in labels} >= {f"0{k}" for k in range(1, 10)}
