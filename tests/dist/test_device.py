@@ -2,8 +2,9 @@
 
 Every chapter's worker functions (read from the notebooks themselves,
 :mod:`tests.dist.notebook_code`, with smaller sizes where a chapter's are large), the
-library's timing workers the chapters start, and a ``train_4d`` step on TP2 x PP2 x DP2,
-PP2 x EP2 x DP2 and a dense DP 8 run twice in the same gloo worker: once as usual, once
+library's timing workers the chapters start, and ``train_4d`` steps (TP2 x PP2 x DP2,
+PP2 x EP2 x DP2 and a dense DP 8; CP2 x TP2 x DP2 under the ``deepseek_v3`` FP8 recipe;
+ZeRO-1 with a DCP save and a resume) run twice in the same gloo worker: once as usual, once
 with torch's default device set to ``meta`` while the code is still told
 ``device="cpu"``.  A tensor made without an explicit device (``torch.zeros(n)``) lands
 on ``meta`` in the second run, and that run fails (a meta tensor has no values: ``.item()``,
@@ -16,7 +17,7 @@ The 2-rank launch turns ``meta`` on with the launcher's own switch
 (``TUTORIAL_LIB_DEFAULT_DEVICE``, :data:`tutorial_lib.launch.STRICT_DEVICE_VARIABLE`), so
 the switch is tested too; the others set it in the worker.  Not run here: the chapters'
 deadlock demonstrations (they only hang), their exercises (the reader's code, checked on
-the CPU) and the cells that run the train_4d command line (the step below is its worker).
+the CPU) and the cells that run the train_4d command line (the steps below run its worker).
 """
 import sys
 from pathlib import Path
@@ -85,8 +86,10 @@ def run_strict_and_plain(ctx, jobs, strict="meta"):
         try:
             _check(torch.empty(1).device.type == strict, "the strict default is not set")
             out[label] = (plain, _run(ctx, fn, args, keep))
-        except Exception as error:  # noqa: BLE001 - reported by label; peers fail alike
-            out[label] = f"{type(error).__name__}: {error}"
+        except BaseException as error:  # noqa: BLE001 - DCP raises a BaseException
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            out[label] = f"{type(error).__name__}: {error}"[:2000]
         finally:
             torch.set_default_device("cpu")
         dist.barrier()
@@ -120,6 +123,34 @@ def _chapters() -> dict[str, dict]:
             for key, path in sorted(names.items())}
 
 
+def _save_then_resume(ctx, args, root):
+    """Chapter 6's checkpoint cells in one job: train and save (DCP), then load the
+    checkpoint and train one step more; a directory per default device."""
+    import os
+    from dataclasses import replace
+
+    import torch.distributed.checkpoint as dcp
+    where = os.path.join(root, torch.get_default_device().type)
+    # torch's own DCP planner makes tensors on the default device (as it may: on a GPU
+    # run the default is the CPU), so dcp.save / dcp.load run with the CPU as default;
+    # the library's code around them, state dicts and DTensors included, stays strict
+    calls = dcp.save, dcp.load
+    dcp.save, dcp.load = (_with_cpu_default(call) for call in calls)
+    try:
+        first = train_worker(ctx, replace(args, save=where))
+        resumed = train_worker(ctx, replace(args, load=where, steps=args.steps + 1))
+    finally:
+        dcp.save, dcp.load = calls
+    return _train_records(first) + _train_records(resumed)
+
+
+def _with_cpu_default(call):
+    def on_the_cpu(*args, **kwargs):
+        with torch.device("cpu"):
+            return call(*args, **kwargs)
+    return on_the_cpu
+
+
 TRAIN_LAYOUTS = {
     "train_4d TP2 x PP2 x DP2": dict(tensor_model_parallel_size=2,
                                      pipeline_model_parallel_size=2),
@@ -127,14 +158,23 @@ TRAIN_LAYOUTS = {
                                      expert_model_parallel_size=2),
     "train_4d dense DP8": dict(num_experts=0),
 }
+TRAIN_EXTRAS = {  # what chapters 6, 8 and 9 add to a run
+    "train_4d CP2 x TP2 x DP2, deepseek_v3 recipe": dict(
+        context_parallel_size=2, tensor_model_parallel_size=2,
+        precision_recipe="deepseek_v3"),
+    "train_4d PP2 x EP2 x DP2, ZeRO-1, save then resume": dict(
+        pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+        use_distributed_optimizer=True),
+}
 TRAIN_BASE = dict(world_size=8, steps=1, num_layers=4, global_batch_size=16,
                   num_microbatches=2, seq_length=8, hidden_size=16,
                   num_attention_heads=4, vocab_size=32, num_experts=4,
                   moe_router_topk=2)
 
 
-def jobs_by_world(ch) -> dict[int, list]:
-    """``{world size: [(label, fn, args, keep)]}``: every chapter's launched functions."""
+def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
+    """``{world size: [(label, fn, args, keep)]}``: every chapter's launched functions
+    (``checkpoints``: a directory for the save-then-resume run, left out without one)."""
     from tutorial_lib import context_parallel, fp8, p2p_timing, pipeline
     from tutorial_lib.costs import measure
 
@@ -196,13 +236,20 @@ def jobs_by_world(ch) -> dict[int, list]:
         args = TrainingArgs(**{**TRAIN_BASE, **layout})
         validate_args(args)  # what train() checks before it launches
         eight.append((label, train_worker, (args,), _train_records))
+    for label, extra in TRAIN_EXTRAS.items():
+        args = TrainingArgs(**{**TRAIN_BASE, **extra})
+        validate_args(args)
+        if "save" not in label:
+            eight.append((label, train_worker, (args,), _train_records))
+        elif checkpoints is not None:
+            eight.append((label, _save_then_resume, (args, checkpoints), None))
     return {2: two, 4: four, 8: eight}
 
 
 @pytest.fixture(scope="module")
-def strict_runs():
+def strict_runs(tmp_path_factory):
     """One launch per world size (2, 4, 8 ranks), each running all of its jobs twice."""
-    jobs = jobs_by_world(_chapters())
+    jobs = jobs_by_world(_chapters(), str(tmp_path_factory.mktemp("checkpoints")))
     runs = {}
     with pytest.MonkeyPatch.context() as patch:
         # the launcher's switch: every worker of this launch starts with meta as default
@@ -241,4 +288,5 @@ def test_the_strict_runs_cover_every_chapter_and_three_train_4d_layouts(strict_r
     jobs, _ = strict_runs
     labels = [label for world in jobs.values() for label, *_ in world]
     assert {label[:2] for label in labels} >= {f"0{k}" for k in range(1, 10)}
-    assert [label for label in labels if label.startswith("train_4d")] == list(TRAIN_LAYOUTS)
+    assert [label for label in labels if label.startswith("train_4d")] == [
+        *TRAIN_LAYOUTS, *TRAIN_EXTRAS]
