@@ -40,7 +40,8 @@ def chapter_namespace(path, module_name: str) -> dict:
     namespace = {"__name__": module_name}
     notebook = nbformat.read(str(path), as_version=4)
     for cell in notebook.cells:
-        if cell.cell_type != "code" or "install-course" in cell.metadata.get("tags", []):
+        if (cell.cell_type != "code" or "install-course" in cell.metadata.get("tags", [])
+                or cell.source.lstrip().startswith("%%")):  # a cell magic: not Python
             continue
         source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line
                            for line in cell.source.splitlines())
