@@ -182,7 +182,8 @@ def test_each_wrong_domain_gets_its_reason(case, answer, reason):
 
 
 @pytest.mark.parametrize("case,answer,first,then", [
-    ("routed_expert_weight", ({"dp"}, 8), "Which ranks hold a copy", "only on its expert_dp group"),
+    ("routed_expert_weight", ({"dp"}, 8), "Which ranks hold a copy",
+     "only on the ranks with the same EP rank"),
     ("router_weight", ({"dp"}, 1), "is not the gradient of the mean loss",
      "divide by the number of dense data-parallel replicas"),
 ])

@@ -84,6 +84,27 @@ def test_no_floor_fails_only_on_the_zero_and_tiny_cases():
     assert failed == {"4 tokens x 256, token 2 all zeros", "2 tokens x 128, tiny values (amax 1e-6)"}
 
 
+def q_no_clamp(x):
+    tiles = _tiles(x)
+    scale = tiles.abs().amax(-1).clamp(min=1e-4) / 448
+    return (tiles / scale[..., None]).to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def test_a_quantizer_without_the_clamp_is_caught_by_a_tile_that_rounds_above_448():
+    """Issue 14: without the clamp a quantizer passed (this CPU build's cast saturates). The
+    checker casts as the non-saturating builds do, and one case's tile divides to just above
+    448 in float32."""
+    v = torch.tensor(ch08.ROUNDS_ABOVE_448)
+    assert (v / (v / 448)).item() > 448
+    assert torch.tensor(500.0).to(torch.float8_e4m3fn).float().item() == 448  # saturates here
+    result = check_quantize_1x128(q_no_clamp)
+    assert not result.passed and result.hint == ch08.HINT_Q_NO_CLAMP, str(result)
+    assert "2 tokens x 256, a tile whose amax divides to just above 448" in {
+        c.name for c in result.cases if not c.passed}
+    with ch08.NonSaturatingCast():
+        assert torch.tensor([500.0, 1.0]).to(torch.float8_e4m3fn).float().isnan().tolist() == [True, False]
+
+
 def test_a_quantizer_that_raises_is_a_case_not_a_crash():
     result = check_quantize_1x128(lambda x: 1 / 0)
     assert not result.passed and all("ZeroDivisionError" in c.detail for c in result.cases)
@@ -135,16 +156,45 @@ def test_bf16_at_four_bytes_fails_only_the_bf16_cases():
 
 
 def _with_rules(rules_of):
-    return lambda base, n: dataclasses.replace(base, rules=rules_of(n) + list(base.rules))
+    """The student's rules after the base's non-FP8 rules (router, norms) and before the rest."""
+    def recipe(base, n):
+        kept = [rule for rule in base.rules if not rule[1].startswith("fp8")]
+        return dataclasses.replace(base, rules=kept + rules_of(n) + list(base.rules))
+    return recipe
 
 
-def test_rules_after_the_base_rules_also_pass():
-    """The base recipe's rules never match a linear, so appending works too (and is accepted)."""
-    ends = _with_rules(lambda n: [])
-    assert not check_keep_ends_in_bf16(ends)
+def test_the_ends_in_bf16_after_the_non_fp8_rules_pass():
+    assert not check_keep_ends_in_bf16(_with_rules(lambda n: []))
+    assert check_keep_ends_in_bf16(_with_rules(lambda n: [("layers.0.*", "bf16"),
+                                                          (f"layers.{n - 1}.*", "bf16")]))
+
+
+def test_first_match_wins_rules_after_an_fp8_rule_never_decide():
+    """Issue 14: first-match-wins was never tested. Under deepseek_v3 no rule names a linear,
+    so rules appended after the base's would pass; the last case's base names the experts'
+    FP8 in a rule, and end rules placed after it lose there (and only there)."""
     appended = lambda base, n: dataclasses.replace(  # noqa: E731
         base, rules=list(base.rules) + [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")])
-    assert check_keep_ends_in_bf16(appended)
+    result = check_keep_ends_in_bf16(appended)
+    assert [c.name for c in result.cases if not c.passed] == [ch08.ENDS_CASES[-1][0]]
+    assert result.hint == ch08.HINT_ENDS_SHADOWED
+    assert ch08.EXPLICIT_EXPERTS_RULE in ch08.ends_base(ch08.ENDS_CASES[-1][0]).rules
+
+
+def test_demoting_the_fp32_router_of_an_end_layer_is_rejected():
+    """Issue 14: the checker accepted a recipe that put the end layers' router (fp32 in
+    deepseek_v3) in BF16, e.g. ('layers.N-1.*', 'bf16') placed before ('*.router', 'fp32')."""
+    ends_first = lambda base, n: dataclasses.replace(  # noqa: E731
+        base, rules=[("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")] + list(base.rules))
+    result = check_keep_ends_in_bf16(ends_first)
+    assert not any(c.passed for c in result.cases) and result.hint == ch08.HINT_ENDS_DEMOTED
+    right = _with_rules(lambda n: [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")])
+    router_only = lambda base, n: dataclasses.replace(  # noqa: E731
+        base, rules=[(f"layers.{n - 1}.mlp.router", "bf16")] + right(base, n).rules)
+    result = check_keep_ends_in_bf16(router_only)
+    assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
+    assert all(c.detail.startswith("1 module(s) wrong") and "mlp.router -> bf16" in c.detail
+               for c in result.cases if not c.passed)
 
 
 def _mutating(base, n):

@@ -3,16 +3,24 @@
 * :func:`check_quantize_1x128`: the student's ``fn(x)`` returns ``(q, scales)`` for
   ``x [T, H]``: E4M3 values and one scale per token per 128 channels.  Compared with
   :func:`tutorial_lib.fp8.quantize_1x128` after dequantization (one E4M3 step of slack, so
-  ``x * (448 / amax)`` and ``x / (amax / 448)`` both pass).  Per-tensor or per-token scales,
-  the scale turned upside down, no amax floor and rounding
-  to integers instead of E4M3 each get a hint; scales of the wrong shape (tiles along the
-  tokens, say) get the format hint.
+  ``x * (448 / amax)`` and ``x / (amax / 448)`` both pass).  The student's code runs with
+  the casts to ``float8_e4m3fn`` made non-saturating (:class:`NonSaturatingCast`: a value
+  beyond +-448 becomes NaN, as the cast does on some builds and devices; this CPU build
+  saturates), and one case has a tile whose largest value divides to just above 448 in
+  float32, so a quantizer without the clamp fails.  Per-tensor or per-token scales, the
+  scale turned upside down, no amax floor, no clamp and rounding to integers instead of
+  E4M3 each get a hint; scales of the wrong shape (tiles along the tokens, say) get the
+  format hint.
 * :func:`check_payload_bytes`: bytes of one rank's dispatch all-to-all for ``T`` tokens,
   top-``K``, hidden ``H``, in each precision (the trace's convention: every copy, the
   rank's own included), against :func:`tutorial_lib.fp8.wire_bytes_per_row`.
 * :func:`check_keep_ends_in_bf16`: the student's ``fn(base, num_layers)`` returns a recipe
-  that keeps the first and the last layer in BF16 (matmuls and the MoE communication) and
-  changes nothing else; checked on the module names of models of 2 to 61 layers.
+  in which every module of the first and the last layer that ``base`` runs in FP8 runs in
+  BF16 (matmuls and the MoE communication) and nothing else changes: the fp32 router and
+  norms of the end layers stay fp32.  Checked on the module names of models of 2 to 61
+  layers, under ``deepseek_v3`` and under a variant whose rules name the experts' FP8
+  explicitly, where the first matching rule decides: end rules placed after it lose, end
+  rules placed before the router's rule demote the router.
 
 Student code never makes a checker raise: exceptions and stubs become failed cases.
 """
@@ -46,6 +54,12 @@ HINT_Q_INVERTED = (
 HINT_Q_NO_FLOOR = (
     "a token of zeros gave a zero scale, and 0 / 0 = NaN. Clamp amax to at least "
     "fp8.AMAX_FLOOR (1e-4) before dividing by 448."
+)
+HINT_Q_NO_CLAMP = (
+    "a tile's largest value divided by its scale came out just above 448 in float32 "
+    "(x / (amax / 448) rounds), and you cast it without clamping: the cast to "
+    "float8_e4m3fn saturates on this CPU build but gives NaN on others (this checker casts "
+    "as those do). Clamp to +-448 before the cast."
 )
 HINT_Q_INTEGERS = (
     "your q values are whole numbers: round by casting to torch.float8_e4m3fn (3 mantissa "
@@ -100,6 +114,17 @@ HINT_ENDS_LAST = (
     "layers.{num_layers - 1}."
 )
 HINT_ENDS_FIRST = "layer 0 is still FP8: keep the first layer (layers.0.*) in BF16 too."
+HINT_ENDS_DEMOTED = (
+    "you lowered a module of an end layer that the base recipe keeps above FP8 (the router "
+    "or a layernorm, fp32): a rule such as ('layers.0.*', 'bf16') placed before the base "
+    "rules wins over ('*.router', 'fp32'), because the first matching rule decides. Only "
+    "the FP8 modules of the end layers change: keep the base's non-FP8 rules ahead of yours."
+)
+HINT_ENDS_SHADOWED = (
+    "your BF16 rules for the end layers never decide: an earlier rule of the recipe matches "
+    "the same modules first (the first matching rule wins). Put your rules before the base "
+    "rules that name FP8 modules."
+)
 HINT_ENDS_MOE = (
     "the MoE parts of an end layer are still FP8: its experts, shared experts and dispatcher "
     "(the name layers.<i>.mlp.dispatcher decides the dispatch and combine precision). A rule "
@@ -110,8 +135,9 @@ HINT_ENDS_TOO_MUCH = (
     "everything but the two end layers must stay exactly as in the base recipe."
 )
 HINT_ENDS_GENERIC = (
-    "put ('layers.0.*', 'bf16') and (f'layers.{num_layers - 1}.*', 'bf16') before the base "
-    "recipe's rules: the first matching rule wins."
+    "rules are tried in order and the first match wins: keep the base's rules that are not "
+    "FP8 first, then ('layers.0.*', 'bf16') and (f'layers.{num_layers - 1}.*', 'bf16'), then "
+    "the rest of the base's rules."
 )
 
 #: The mistakes of exercise 8.1, in order of preference: a wrong format, an inverted scale
@@ -119,6 +145,7 @@ HINT_ENDS_GENERIC = (
 QUANTIZE_HINTS = Mistakes(
     HINT_Q_GENERIC, any_case={"format", "inverted", "integers"}, format=HINT_Q_FORMAT,
     inverted=HINT_Q_INVERTED, integers=HINT_Q_INTEGERS, no_floor=HINT_Q_NO_FLOOR,
+    no_clamp=HINT_Q_NO_CLAMP,
     per_tensor=HINT_Q_PER_TENSOR, per_token=HINT_Q_PER_TOKEN)
 #: The mistakes of exercise 8.2, in order of preference (their counts: ``_payload_mistakes``).
 PAYLOAD_HINTS = Mistakes(
@@ -129,17 +156,24 @@ PAYLOAD_HINTS = Mistakes(
     element=HINT_BYTES_ELEMENT)
 #: The mistakes of exercise 8.3, in order of preference (found by ``_ends_problems``).
 ENDS_HINTS = Mistakes(
-    HINT_ENDS_GENERIC, any_case={"format"}, format=HINT_ENDS_FORMAT, mutated=HINT_ENDS_MUTATED,
+    HINT_ENDS_GENERIC, any_case={"format", "demoted"}, format=HINT_ENDS_FORMAT,
+    mutated=HINT_ENDS_MUTATED, demoted=HINT_ENDS_DEMOTED, shadowed=HINT_ENDS_SHADOWED,
     too_much=HINT_ENDS_TOO_MUCH, last=HINT_ENDS_LAST, first=HINT_ENDS_FIRST, moe=HINT_ENDS_MOE)
 
 
 # --- exercise 8.1: 1x128 quantization ------------------------------------------------------
 
 
+#: A float32 value v for which v / (v / 448) is 448.00003 in float32 arithmetic.
+ROUNDS_ABOVE_448 = 7.682218074798584
+
+
 def quantize_cases():
     """(name, x) for every case the checker tries."""
     import torch
     g = torch.Generator().manual_seed(8)
+    above = torch.rand(2, 256, generator=g) * 2 - 1
+    above[1, 130] = ROUNDS_ABOVE_448
     outlier = torch.randn(3, 384, generator=g)
     outlier[:, 200] = 1e3
     zeros = torch.randn(4, 256, generator=g)
@@ -151,6 +185,7 @@ def quantize_cases():
         ("2 tokens x 128, tiny values (amax 1e-6)", torch.randn(2, 128, generator=g) * 1e-6),
         ("256 tokens x 128, N(0, 25)", torch.randn(256, 128, generator=g) * 5),
         ("1 token x 1024, bf16", torch.randn(1, 1024, generator=g).bfloat16()),
+        ("2 tokens x 256, a tile whose amax divides to just above 448", above),
     ]
 
 
@@ -171,7 +206,41 @@ def _quantize_mistakes(x):
     with torch.no_grad():
         out["no_floor"] = ((tiles / (amax / 448)[..., None]).clamp(-448, 448).to(fp8.E4M3).view(t, h),
                            amax / 448)
+        scale = amax.clamp(min=fp8.AMAX_FLOOR) / 448
+        with NonSaturatingCast():
+            out["no_clamp"] = ((tiles / scale[..., None]).to(fp8.E4M3).view(t, h), scale)
     return out
+
+
+def _non_saturating_e4m3(func, args, out):
+    """``out`` with NaN wherever a float source cast to E4M3 was beyond +-448."""
+    import torch
+    from .. import fp8
+    if not (isinstance(out, torch.Tensor) and out.dtype == fp8.E4M3 and args):
+        return out
+    source = args[0]
+    if not (isinstance(source, torch.Tensor) and source.dtype != fp8.E4M3
+            and source.is_floating_point() and source.shape == out.shape):
+        return out
+    beyond = source.detach().float().abs() > fp8.E4M3_MAX
+    if not bool(beyond.any()):
+        return out
+    return torch.where(beyond, torch.full_like(out, float("nan"), dtype=torch.float32),
+                       out.float()).to(fp8.E4M3)
+
+
+def _cast_mode_base():
+    from torch.overrides import TorchFunctionMode
+    return TorchFunctionMode
+
+
+class NonSaturatingCast(_cast_mode_base()):
+    """A torch function mode under which a cast to ``float8_e4m3fn`` gives NaN for a value
+    beyond +-448 (as casts do on some builds and devices) instead of saturating to 448 (as
+    this CPU build does), so a quantizer that forgot to clamp shows it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _non_saturating_e4m3(func, args, func(*args, **(kwargs or {})))
 
 
 def _dequantize(answer, shape):
@@ -205,6 +274,25 @@ def _quantize_matches(answer, x, mistake_answer) -> bool:
     return bool(torch.equal(torch.nan_to_num(got, 1e30), torch.nan_to_num(mine, 1e30)))
 
 
+def _what_is_off(q, x_hat, want, scales, s_ref) -> str:
+    """What is wrong with a quantization, said without the reference's scales or values."""
+    import torch
+    said = []
+    if not bool(torch.isfinite(q).all()) or not bool(torch.isfinite(scales).all()):
+        said.append(f"{int((~torch.isfinite(q)).sum())} q value(s) and "
+                    f"{int((~torch.isfinite(scales)).sum())} scale(s) are NaN or infinite")
+    elif float(q.abs().max()) > 448:
+        said.append(f"q reaches {float(q.abs().max()):g}, beyond E4M3's 448")
+    wrong_scales = int((~torch.isclose(scales, s_ref, rtol=1e-5)).sum())
+    if wrong_scales:
+        said.append(f"{wrong_scales} of {scales.numel()} scales are not amax / 448 of their tile")
+    if not said:
+        worst = (torch.nan_to_num(x_hat, 1e30) - want).abs().max().item()
+        said.append(f"the scales are right but q * scale misses x by up to {worst:.3g}, more "
+                    "than one E4M3 step")
+    return "; ".join(said)
+
+
 def check_quantize_1x128(fn) -> CheckResult:
     """Run ``fn(x)`` on every case of :func:`quantize_cases`; see the module docstring."""
     import torch
@@ -213,7 +301,8 @@ def check_quantize_1x128(fn) -> CheckResult:
     for name, x in quantize_cases():
         q_ref, s_ref = fp8.quantize_1x128(x)
         want = fp8.dequantize_1x128(q_ref, s_ref)
-        case, got = check.attempt(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
+        with NonSaturatingCast():
+            case, got = check.attempt(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
         if isinstance(got, BaseException):
             check.add(case)
             continue
@@ -232,10 +321,7 @@ def check_quantize_1x128(fn) -> CheckResult:
         q_float = got[0].float()
         if torch.equal(q_float, q_float.round()) and not torch.equal(q_ref.float(), q_ref.float().round()):
             shown.add("integers")
-        worst = (torch.nan_to_num(x_hat, 1e30) - want).abs().max().item()
-        check.add(Case(name, False, f"dequantized q * scale is off by up to {worst:.3g} "
-                                    f"(scales {scales.flatten()[:3].tolist()}..., "
-                                    f"expected {s_ref.flatten()[:3].tolist()}...)"))
+        check.add(Case(name, False, _what_is_off(got[0].float(), x_hat, want, scales, s_ref)))
         check.shows(shown)
     return check.verdict()
 
@@ -308,12 +394,48 @@ def deepseek_module_names(num_layers: int, first_moe_layer: int = 3) -> list[str
 
 
 ENDS_CASES = [("2 layers, layer 1 MoE", 2, 1), ("4 layers, 1 dense", 4, 1),
-              ("12 layers, 3 dense", 12, 3), ("61 layers (DeepSeek-V3: 3 dense, 58 MoE)", 61, 3)]
+              ("12 layers, 3 dense", 12, 3), ("61 layers (DeepSeek-V3: 3 dense, 58 MoE)", 61, 3),
+              ("6 layers, 1 dense, experts named FP8 by a rule", 6, 1)]
+"""(name, layers, first MoE layer); the last case's base names its experts' FP8 in a rule
+(:func:`ends_base`), so only rules placed before it decide them."""
+
+EXPLICIT_EXPERTS_RULE = ("*.mlp.experts", "fp8")
+"""The rule the last case's base recipe adds after ``deepseek_v3``'s own."""
+
+
+def ends_base(case_name: str):
+    """The base recipe a case of 8.3 hands to the student: ``deepseek_v3``, or for the last
+    case ``deepseek_v3`` with :data:`EXPLICIT_EXPERTS_RULE` added (what it resolves to is
+    unchanged: the default was FP8 already)."""
+    import dataclasses
+    from ..precision import get_recipe
+    base = get_recipe("deepseek_v3")
+    if case_name != ENDS_CASES[-1][0]:
+        return base
+    return dataclasses.replace(base, name="deepseek_v3_explicit_experts",
+                               rules=list(base.rules) + [EXPLICIT_EXPERTS_RULE])
 
 
 def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "layers" else None
+
+
+def _wanted(base, name: str, num_layers: int) -> str:
+    """The precision the exercise asks for: BF16 for an FP8 module of an end layer, else the
+    base's."""
+    precision = base.precision_of(name)
+    ends = _layer_of(name) in (0, num_layers - 1)
+    return "bf16" if ends and precision.startswith("fp8") else precision
+
+
+def _shadowed(recipe, name: str) -> bool:
+    """Whether a later rule of ``recipe`` would give ``name`` BF16, but an earlier one wins."""
+    import fnmatch
+    first = recipe.matching_rule(name)
+    return first is not None and any(
+        precision == "bf16" and fnmatch.fnmatchcase(name, pattern)
+        for pattern, precision in recipe.rules[first + 1:])
 
 
 def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
@@ -323,8 +445,13 @@ def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
         layer, want_base = _layer_of(name), base.precision_of(name)
         got = recipe.precision_of(name)
         if layer in (0, num_layers - 1):
-            ok = got == "bf16" if want_base.startswith("fp8") else got in ("bf16", "fp32")
-            if not ok:
+            if got == _wanted(base, name, num_layers):
+                continue
+            if not want_base.startswith("fp8"):
+                problems.add("demoted")
+            elif _shadowed(recipe, name):
+                problems.add("shadowed")
+            else:
                 moe_part = ".mlp." in name and "linear_fc" not in name
                 problems.add("moe" if moe_part else "first" if layer == 0 else "last")
         elif got != want_base:
@@ -336,10 +463,10 @@ def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
 
 def check_keep_ends_in_bf16(fn) -> CheckResult:
     """``fn(base, num_layers)`` -> a recipe; see the module docstring."""
-    from ..precision import PrecisionRecipe, get_recipe
+    from ..precision import PrecisionRecipe
     check = Checking("Exercise 8.3: a recipe that keeps the first and last layers in BF16", ENDS_HINTS)
     for name, num_layers, first_moe in ENDS_CASES:
-        base = get_recipe("deepseek_v3")
+        base = ends_base(name)
         pristine = copy.deepcopy(base)
         case, got = check.attempt(name, lambda: fn(base, num_layers), None, compare=lambda a, b: False)
         if isinstance(got, BaseException):
@@ -356,9 +483,7 @@ def check_keep_ends_in_bf16(fn) -> CheckResult:
             check.add(Case(name, True))
             continue
         wrong = [n for n in deepseek_module_names(num_layers, first_moe)
-                 if (_layer_of(n) in (0, num_layers - 1) and pristine.precision_of(n).startswith("fp8")
-                     and got.precision_of(n) != "bf16")
-                 or (_layer_of(n) not in (0, num_layers - 1) and got.precision_of(n) != pristine.precision_of(n))]
+                 if got.precision_of(n) != _wanted(pristine, n, num_layers)]
         shown = ", ".join(f"{n} -> {got.precision_of(n)}" for n in wrong[:3])
         check.add(Case(name, False, f"{len(wrong)} module(s) wrong, e.g. {shown}"
                        if wrong else "the recipe's default or communication changed"
@@ -369,4 +494,4 @@ def check_keep_ends_in_bf16(fn) -> CheckResult:
 
 __all__ = ["check_quantize_1x128", "check_payload_bytes", "check_keep_ends_in_bf16",
            "quantize_cases", "payload_cases", "reference_payload_bytes", "deepseek_module_names",
-           "ENDS_CASES"]
+           "ends_base", "ENDS_CASES", "EXPLICIT_EXPERTS_RULE", "NonSaturatingCast"]
