@@ -19,6 +19,7 @@ printed; :func:`assert_keeps_its_key` runs one answer through the checker and fa
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import itertools
 import math
@@ -550,6 +551,8 @@ KEYS = [
     AnswerKey("8.3", ch08.check_keep_ends_in_bf16, {
         "empty": lambda base, n: None,
         "unchanged": lambda base, n: base,
+        "ends_first": lambda base, n: dataclasses.replace(
+            base, rules=[("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")] + list(base.rules)),
     }, lambda *a: set(), ch08.ENDS_HINTS),
     AnswerKey("9.1", ch09.check_merge_partials, {
         "empty": lambda *a: None,

@@ -102,7 +102,8 @@ def test_a_quantizer_without_the_clamp_is_caught_by_a_tile_that_rounds_above_448
     assert "2 tokens x 256, a tile whose amax divides to just above 448" in {
         c.name for c in result.cases if not c.passed}
     with ch08.NonSaturatingCast():
-        assert torch.tensor([500.0, 1.0]).to(torch.float8_e4m3fn).float().isnan().tolist() == [True, False]
+        cast = torch.tensor([500.0, 1.0]).to(torch.float8_e4m3fn).float()
+    assert cast.isnan().tolist() == [True, False]
 
 
 def test_a_quantizer_that_raises_is_a_case_not_a_crash():
@@ -152,64 +153,96 @@ def test_bf16_at_four_bytes_fails_only_the_bf16_cases():
     assert result.hint == ch08.HINT_BYTES_ELEMENT
 
 
-# --- 8.3 -------------------------------------------------------------------------------------
+# --- 8.3 ---------------------------------------------------------------------------------------
 
 
-def _with_rules(rules_of):
-    """The student's rules after the base's non-FP8 rules (router, norms) and before the rest."""
-    def recipe(base, n):
-        kept = [rule for rule in base.rules if not rule[1].startswith("fp8")]
-        return dataclasses.replace(base, rules=kept + rules_of(n) + list(base.rules))
-    return recipe
+def _after_base(rules_of):
+    """The student's rules appended after the base recipe's rules."""
+    return lambda base, n: dataclasses.replace(base, rules=list(base.rules) + rules_of(n))
 
 
-def test_the_ends_in_bf16_after_the_non_fp8_rules_pass():
-    assert not check_keep_ends_in_bf16(_with_rules(lambda n: []))
-    assert check_keep_ends_in_bf16(_with_rules(lambda n: [("layers.0.*", "bf16"),
-                                                          (f"layers.{n - 1}.*", "bf16")]))
+def _before_base(rules_of):
+    """The student's rules put before the base recipe's rules (they win every match)."""
+    return lambda base, n: dataclasses.replace(base, rules=rules_of(n) + list(base.rules))
 
 
-def test_first_match_wins_rules_after_an_fp8_rule_never_decide():
-    """Issue 14: first-match-wins was never tested. Under deepseek_v3 no rule names a linear,
-    so rules appended after the base's would pass; the last case's base names the experts'
-    FP8 in a rule, and end rules placed after it lose there (and only there)."""
-    appended = lambda base, n: dataclasses.replace(  # noqa: E731
-        base, rules=list(base.rules) + [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")])
-    result = check_keep_ends_in_bf16(appended)
-    assert [c.name for c in result.cases if not c.passed] == [ch08.ENDS_CASES[-1][0]]
-    assert result.hint == ch08.HINT_ENDS_SHADOWED
-    assert ch08.EXPLICIT_EXPERTS_RULE in ch08.ends_base(ch08.ENDS_CASES[-1][0]).rules
+def _ends(n):
+    return [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")]
 
 
-def test_demoting_the_fp32_router_of_an_end_layer_is_rejected():
-    """Issue 14: the checker accepted a recipe that put the end layers' router (fp32 in
-    deepseek_v3) in BF16, e.g. ('layers.N-1.*', 'bf16') placed before ('*.router', 'fp32')."""
-    ends_first = lambda base, n: dataclasses.replace(  # noqa: E731
-        base, rules=[("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")] + list(base.rules))
-    result = check_keep_ends_in_bf16(ends_first)
-    assert not any(c.passed for c in result.cases) and result.hint == ch08.HINT_ENDS_DEMOTED
-    right = _with_rules(lambda n: [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")])
-    router_only = lambda base, n: dataclasses.replace(  # noqa: E731
-        base, rules=[(f"layers.{n - 1}.mlp.router", "bf16")] + right(base, n).rules)
-    result = check_keep_ends_in_bf16(router_only)
+def _fp8_modules_of_the_ends(n):
+    """Only the modules deepseek_v3 runs in FP8, named one by one: safe before the base."""
+    return [(f"layers.{i}.{part}", "bf16") for i in (0, n - 1)
+            for part in ("self_attention.linear_*", "mlp.linear_fc*", "mlp.experts",
+                         "mlp.shared_experts", "mlp.dispatcher")]
+
+
+def test_the_ends_after_the_base_rules_pass_and_keep_the_router_and_norms_fp32():
+    """First match wins: appended after the base's rules, ``layers.0.*`` only gets what the
+    base leaves to its fp8 default, so the router and the layernorms stay fp32.
+
+    The rule being taught is DeepSeek-V3's: the report (arXiv:2412.19437v2, section 3.3.1)
+    keeps the MoE gating modules and the normalization operators in their original
+    precision while the linears run in FP8; the library's ``deepseek_v3`` recipe keeps them
+    in fp32 (``*.router``, ``*layernorm``), and a recipe that moves the ends to BF16 must
+    not move those down to BF16.
+    """
+    assert not check_keep_ends_in_bf16(_after_base(lambda n: []))  # nothing changed: fails
+    assert check_keep_ends_in_bf16(_after_base(_ends))
+    assert check_keep_ends_in_bf16(_before_base(_fp8_modules_of_the_ends))
+    recipe = _after_base(_ends)(fp8_recipe(), 61)
+    for layer in (0, 60):
+        assert recipe.precision_of(f"layers.{layer}.mlp.experts") == "bf16"
+        assert recipe.precision_of(f"layers.{layer}.input_layernorm") == "fp32"
+    assert recipe.precision_of("layers.60.mlp.router") == "fp32"
+    assert recipe.communication_of("layers.60.mlp") == (("bf16", "bf16"), ("bf16", "bf16"))
+
+
+def test_end_rules_before_the_base_rules_demote_the_router_and_norms_and_fail():
+    """The chapter's old solution: ``layers.<i>.*`` first, so it wins over ``*.router`` and
+    ``*layernorm`` and turns them bf16.  The checker used to accept that; it must name it."""
+    result = check_keep_ends_in_bf16(_before_base(_ends))
     assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
-    assert all(c.detail.startswith("1 module(s) wrong") and "mlp.router -> bf16" in c.detail
-               for c in result.cases if not c.passed)
+    assert all(not c.passed for c in result.cases)
+    assert "layers.0.input_layernorm -> bf16" in result.cases[0].detail
+    assert "wanted" not in result.cases[0].detail  # issue 14: the student's value, not the key
+    last = result.cases[-1]  # 61 layers: layer 60 is MoE, its router was demoted
+    assert "61 layers" in last.name and not last.passed
+    recipe = _before_base(_ends)(fp8_recipe(), 61)
+    assert recipe.precision_of("layers.60.mlp.router") == "bf16"  # what the hint explains
+
+
+def test_only_the_last_router_in_bf16_fails_on_every_model():
+    """Right everywhere but one module: the last layer's router in bf16 instead of fp32."""
+    def one_router_down(base, n):
+        return dataclasses.replace(base, rules=[(f"layers.{n - 1}.mlp.router", "bf16")]
+                                   + list(base.rules) + _ends(n))
+    result = check_keep_ends_in_bf16(one_router_down)
+    assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
+    assert [c.passed for c in result.cases] == [False] * len(ch08.ENDS_CASES)
+    assert all("1 module(s) wrong" in c.detail and ".mlp.router -> bf16" in c.detail
+               for c in result.cases)
+
+
+def fp8_recipe():
+    from tutorial_lib.precision import get_recipe
+    return get_recipe("deepseek_v3")
 
 
 def _mutating(base, n):
-    base.rules[:0] = [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")]
+    base.rules[len(base.rules):] = _ends(n)
     return base
 
 
 @pytest.mark.parametrize("wrong,hint", [
-    (_with_rules(lambda n: [("layers.0.*", "bf16"), (f"layers.{n}.*", "bf16")]), ch08.HINT_ENDS_LAST),
-    (_with_rules(lambda n: [(f"layers.{n - 1}.*", "bf16")]), ch08.HINT_ENDS_FIRST),
-    (_with_rules(lambda n: [("layers.0.*", "bf16"), (f"layers.{n - 1}.self_attention.*", "bf16"),
+    (_after_base(lambda n: [("layers.0.*", "bf16"), (f"layers.{n}.*", "bf16")]), ch08.HINT_ENDS_LAST),
+    (_after_base(lambda n: [(f"layers.{n - 1}.*", "bf16")]), ch08.HINT_ENDS_FIRST),
+    (_after_base(lambda n: [("layers.0.*", "bf16"), (f"layers.{n - 1}.self_attention.*", "bf16"),
                             (f"layers.{n - 1}.mlp.linear_fc*", "bf16")]), ch08.HINT_ENDS_MOE),
-    (_with_rules(lambda n: [("layers.0.*", "bf16"), ("layers.60.*", "bf16")]), ch08.HINT_ENDS_LAST),
+    (_after_base(lambda n: [("layers.0.*", "bf16"), ("layers.60.*", "bf16")]), ch08.HINT_ENDS_LAST),
     (lambda base, n: dataclasses.replace(base, default="bf16"), ch08.HINT_ENDS_TOO_MUCH),
-    (_with_rules(lambda n: [("layers.*", "bf16")]), ch08.HINT_ENDS_TOO_MUCH),
+    (_after_base(lambda n: [("layers.*", "bf16")]), ch08.HINT_ENDS_TOO_MUCH),
+    (_before_base(_ends), ch08.HINT_ENDS_DEMOTED),
     (_mutating, ch08.HINT_ENDS_MUTATED),
     (lambda base, n: [("layers.0.*", "bf16")], ch08.HINT_ENDS_FORMAT),
 ])
@@ -222,4 +255,5 @@ def test_the_cases_include_deepseek_v3_depth_and_names_like_the_model():
     assert any(n == 61 for _, n, _ in ch08.ENDS_CASES)
     names = ch08.deepseek_module_names(4, 1)
     assert "layers.3.mlp.dispatcher" in names and "layers.0.mlp.linear_fc1" in names
+    assert "layers.0.input_layernorm" in names and "layers.3.mlp.router" in names
     assert names[0] == "embedding.word_embeddings" and names[-1] == "output_layer"
