@@ -202,7 +202,7 @@ def test_a_comparison_that_cannot_read_the_answer_fails_the_case_instead_of_rais
     assert not case.passed
 
 
-def test_under_nbgrader_a_check_that_did_not_pass_raises(monkeypatch):
+def test_under_nbgrader_a_check_that_did_not_pass_raises(monkeypatch, capsys):
     """Issue 14: nbgrader runs the notebook with NBGRADER_EXECUTION set; a check cell must
     then fail (an autograded test cell scores only when it does not raise), while in the
     book and in a plain notebook it only shows its verdict."""
@@ -217,7 +217,8 @@ def test_under_nbgrader_a_check_that_did_not_pass_raises(monkeypatch):
     assert isinstance(raised.value, AssertionError) and not raised.value.result.passed
     passing = Checking("Exercise 0.7: demo")
     passing.run("case", lambda: 2, 2)
-    assert passing.verdict().passed  # a passing check never raises
+    assert passing.verdict() is None  # never raises; printed: nbgrader reads a value as points
+    assert "PASS Exercise 0.7" in capsys.readouterr().out
     with pytest.raises(kit.ExerciseNotPassed):
         kit.check_answers("Exercise 0.8: demo", lambda: None, ["a"], lambda n, a: None, "FORMAT")
 

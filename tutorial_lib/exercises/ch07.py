@@ -393,6 +393,8 @@ def check_send_first(fn: Callable, timeout: float = 6.0) -> CheckResult:
             break
         check.shows()
     result = check.verdict()
+    if result is None:  # passed, under nbgrader (kit.finish)
+        return None
     passed_small = [c.name for c in result.cases if c.passed]
     if not result.passed and passed_small and not check.stub:
         result.hint += (f" ({', '.join(passed_small)} passed: with fewer stages there are fewer links, "

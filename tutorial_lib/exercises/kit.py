@@ -26,8 +26,9 @@ A checker never raises because the student's code did, and it never prints the
 reference's answer to a case the student has not solved: a failing case says what is
 wrong with the student's answer and why, not what the answer should have been.  Under
 nbgrader's autograder and validator (``NBGRADER_EXECUTION`` set) a checker that did not
-pass raises :class:`ExerciseNotPassed`, so the check cell fails and scores no points; in
-the book and in a plain notebook it only shows its verdict.
+pass raises :class:`ExerciseNotPassed`, so the check cell fails and scores no points, and
+one that passed prints its verdict (:func:`finish`); in the book and in a plain notebook it
+only shows its verdict.
 """
 from __future__ import annotations
 
@@ -444,12 +445,19 @@ class Checking:
         return finish(self.result)
 
 
-def finish(result: CheckResult) -> CheckResult:
-    """Count ``result`` for the staged hints (:func:`remember`) and hand it back, or, under
-    nbgrader, raise it if it did not pass (:class:`ExerciseNotPassed`)."""
+def finish(result: CheckResult) -> CheckResult | None:
+    """Count ``result`` for the staged hints (:func:`remember`) and hand it back.
+
+    Under nbgrader (:func:`grading`) a result that did not pass is raised
+    (:class:`ExerciseNotPassed`: the test cell fails, no points), and one that passed is
+    printed and not returned: nbgrader reads a test cell's value as a partial grade, and a
+    verdict is not a number."""
     remember(result)
-    if grading() and not result.passed:
-        raise ExerciseNotPassed(result)
+    if grading():
+        if not result.passed:
+            raise ExerciseNotPassed(result)
+        print(result)
+        return None
     return result
 
 
