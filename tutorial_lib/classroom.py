@@ -62,7 +62,11 @@ in about a minute on 2 cores)."""
 
 CSV_COLUMNS = ("student", "notebook", "exercise", "passed", "points", "hint")
 
-_HEADING = re.compile(r"Exercise\s+(\d+\.\d+)")
+WORKDIR_PREFIX = "tutorial-grade-"
+"""The grader runs each kernel in a fresh temporary folder whose name starts with this (so
+every process a submission starts can be told apart; the tests look for leftovers by it)."""
+
+_HEADING = re.compile(r"^#+\s.*?Exercise\s+(\d+\.\d+)", re.M)
 
 
 # --- the exercises of a chapter -------------------------------------------------------------
@@ -412,7 +416,7 @@ def _run_submission(nb, exercises, time_limit: float):
     verdicts: dict[str, tuple[bool, str]] = {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBGRADER")}
     deadline = time.monotonic() + time_limit
-    with tempfile.TemporaryDirectory(prefix="grade-") as workdir:
+    with tempfile.TemporaryDirectory(prefix=WORKDIR_PREFIX) as workdir:
         client = NotebookClient(run, timeout=max(1, int(time_limit)), kernel_name="python3",
                                 allow_errors=True, shutdown_kernel="immediate",
                                 resources={"metadata": {"path": workdir}})
