@@ -157,3 +157,19 @@ def test_the_csv_has_the_issues_columns(tmp_path):
         read_back = list(csv.DictReader(f))
     assert list(read_back[0]) == ["student", "notebook", "exercise", "passed", "points", "hint"]
     assert read_back[1]["hint"] == "a hint, with a comma" and read_back[0]["passed"] == "True"
+
+
+def test_the_handout_command_writes_every_chapter(tmp_path, capsys):
+    assert classroom.main(["handout", "--out", str(tmp_path / "handout")]) == 0
+    written = sorted(p.name for p in (tmp_path / "handout").glob("*.ipynb"))
+    assert written == [p.name for p in CHAPTERS]
+    assert capsys.readouterr().out.count(".ipynb") == 9
+    assert classroom.main(["handout", "--out", str(tmp_path / "lab"), "--exercises-only", "08"]) == 0
+    sheet = read(tmp_path / "lab" / CHAPTERS[7].name)
+    assert len(classroom.chapter_exercises(sheet)) == 3 and "_solution" not in str(sheet.cells)
+
+
+def test_the_grade_command_refuses_a_folder_without_chapters(tmp_path):
+    with pytest.raises(SystemExit):
+        classroom.main(["grade", str(tmp_path), "--csv", str(tmp_path / "g.csv"),
+                        "--notebooks", str(tmp_path)])

@@ -25,3 +25,18 @@ def test_no_reason_for_a_wrong_choice_names_the_right_one(whys):
     leaks = [(case, given, named) for case, given, why, answer in whys()
              if (named := why_names_the_answer(why, answer))]
     assert not leaks, leaks[:5]
+
+
+def test_every_exercise_of_every_chapter_has_an_answer_key():
+    """The leak test covers every exercise: one key per exercise the chapters hold (read from
+    their cell tags, so a new exercise without a key fails here), each with at least two
+    wrong answers to try."""
+    import nbformat
+
+    from tutorial_lib import classroom
+
+    from ..answer_keys import KEYS
+    numbers = [ex.number for path in classroom.chapters()
+               for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
+    assert [key.exercise for key in KEYS] == numbers
+    assert all(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]
