@@ -380,15 +380,17 @@ def grade_notebook(path: Path, student: str, notebooks: Path = NOTEBOOKS,
 
 
 def _graded_cells(nb, exercises: list[ExerciseCells], nonce: str):
-    """The submission's cells to run, check cells replaced by :func:`report` calls; and the
-    exercises whose check cell is gone."""
+    """The submission's cells to run, check cells (tagged, or exactly ``check_f(f)`` in a
+    notebook that lost its tags) replaced by :func:`report` calls; the exercises whose check
+    cell is gone; and which cell defines each exercise's function."""
     import nbformat
     waiting = list(exercises)
     cells, stub_of = [], {}
     for cell in nb.cells:
         if cell.cell_type != "code" or TAG_SOLUTION in _tags(cell):
             continue
-        if TAG_CHECK in _tags(cell) and waiting:
+        untagged_check = any(cell.source.strip() == e.check_source for e in waiting)
+        if (TAG_CHECK in _tags(cell) or untagged_check) and waiting:
             ex = next((e for e in waiting if e.checker in cell.source), waiting[0])
             waiting.remove(ex)
             code = (f"import tutorial_lib.classroom as _classroom\n"
