@@ -186,6 +186,13 @@ def assert_hint(result, hint: str) -> None:
     assert hint in str(result)
 
 
+def assert_staged_hint(check, wrong, nudge: str, specific: str) -> None:
+    """``check(wrong)`` fails with ``nudge`` the first time and with ``specific`` when the
+    same cases fail again (the kit's staged hints, counted per process)."""
+    assert_hint(check(wrong), nudge)
+    assert_hint(check(wrong), specific)
+
+
 def assert_reason(result, situation: str, reason: str) -> None:
     """Only ``situation`` failed, and the hint names it and gives ``reason``."""
     assert not result.passed

@@ -62,6 +62,11 @@ HINT_MERGE_EMPTY = (
     "lse_b) is lse_b and torch.exp(-inf - lse_b) is 0. A formula that subtracts lse_a from "
     "itself, or divides by e^lse_a, turns that case into NaN."
 )
+HINT_MERGE_NUDGE = (
+    "each part is a softmax average over its own keys, normalised by its own sum e^lse. "
+    "Over all the keys, what share of the softmax mass does each part hold, and what is the "
+    "log of the whole sum? Compute it without ever forming e^lse."
+)
 HINT_MERGE_GENERIC = (
     "lse = torch.logaddexp(lse_a, lse_b); out = out_a * torch.exp(lse_a - lse)[..., None] + "
     "out_b * torch.exp(lse_b - lse)[..., None]."
@@ -71,7 +76,7 @@ HINT_MERGE_GENERIC = (
 #: formula when it explains every failing case; an overflow or a NaN for an empty part as
 #: soon as one case shows it (a right formula written unstably).
 MERGE_HINTS = Mistakes(
-    HINT_MERGE_GENERIC, any_case={"format", "overflow", "empty"}, format=HINT_MERGE_FORMAT,
+    (HINT_MERGE_NUDGE, HINT_MERGE_GENERIC), any_case={"format", "overflow", "empty"}, format=HINT_MERGE_FORMAT,
     average=HINT_MERGE_AVERAGE, sum=HINT_MERGE_SUM, max=HINT_MERGE_MAX,
     unnormalised=HINT_MERGE_UNNORMALISED, lse=HINT_MERGE_LSE, overflow=HINT_MERGE_OVERFLOW,
     empty=HINT_MERGE_EMPTY)
@@ -186,9 +191,13 @@ HINT_HELD_MIRROR_CP = (
     "CP - 1 - r mirrors chunk r inside the first CP chunks only: the sequence has 2 x CP "
     "chunks, and the mirror of r is 2 x CP - 1 - r."
 )
+HINT_HELD_NUDGE = (
+    "under a causal mask a late chunk costs more than an early one. With 2 x CP chunks and "
+    "two per rank, which pairs of chunks cost the same in total?"
+)
 HINT_HELD_GENERIC = "rank r of CP holds chunks r and 2 * CP - 1 - r of 2 * CP."
 
-HELD_HINTS = Mistakes(HINT_HELD_GENERIC, any_case={"format"}, format=HINT_HELD_FORMAT,
+HELD_HINTS = Mistakes((HINT_HELD_NUDGE, HINT_HELD_GENERIC), any_case={"format"}, format=HINT_HELD_FORMAT,
                       naive=HINT_HELD_NAIVE, striped=HINT_HELD_STRIPED,
                       off_by_one=HINT_HELD_OFF_BY_ONE, mirror_cp=HINT_HELD_MIRROR_CP)
 
@@ -210,6 +219,12 @@ def check_held_chunks(fn: Callable[[int, int], object]) -> CheckResult:
     for r, size in HELD_CASES:
         want = list(held_chunks(r, size))
         case, got = check.run(f"rank {r} of CP {size}", lambda: fn(r, size), want, compare=same)
+        numbers = None if isinstance(got, BaseException) else as_whole_numbers(got)
+        if not case.passed and numbers is not None:
+            bad = [c for c in numbers if not 0 <= c < 2 * size]
+            case.detail = (f"got {got!r}: chunk {bad[0]} is not one of the 2 x CP chunks" if bad
+                           else f"got {got!r}: {len(numbers)} chunks, each rank holds two"
+                           if len(numbers) != 2 else f"got {got!r}: not the balanced pair")
 
         def explain(numbers, r=r, size=size):
             return {m for m, v in _held_mistakes(r, size).items() if sorted(numbers) == v}
@@ -238,9 +253,13 @@ HINT_RING_BACKWARD = (
     "that is forward and backward. The forward ring alone sends CP - 1 K/V blocks; the "
     "backward sends the blocks around again plus CP dK/dV accumulators."
 )
+HINT_RING_NUDGE = (
+    "how many times does a rank pass a block on in the forward ring, and what does one "
+    "block hold (whose tokens, which tensors)?"
+)
 HINT_RING_GENERIC = "bytes = (CP - 1) * 2 * batch * heads * (seq_length / CP) * head_dim * bytes_per_element."
 
-RING_HINTS = Mistakes(HINT_RING_GENERIC, any_case={"format"}, format=HINT_RING_FORMAT,
+RING_HINTS = Mistakes((HINT_RING_NUDGE, HINT_RING_GENERIC), any_case={"format"}, format=HINT_RING_FORMAT,
                       backward=HINT_RING_BACKWARD, steps=HINT_RING_STEPS, k_only=HINT_RING_K_ONLY,
                       whole_sequence=HINT_RING_WHOLE_SEQUENCE, bits=HINT_RING_BITS)
 
@@ -267,6 +286,8 @@ def check_ring_pass_bytes(fn: Callable) -> CheckResult:
         name = f"b={b}, h={h}, s={s}, d={d}, CP={size}, {e} B/element"
         case, got = check.run(name, lambda: fn(b, h, s, d, size, e), want,
                               compare=lambda g, w: is_close(g, w, rel_tol=1e-12, abs_tol=1e-9))
+        if not case.passed and not isinstance(got, BaseException) and as_number(got) is not None:
+            case.detail = f"got {as_number(got):g} bytes; the forward ring sends another count"
 
         def explain(number, args=(b, h, s, d, size, e), want=want):
             return {m for m, v in _ring_mistakes(*args).items()
