@@ -3,6 +3,13 @@
     python bench/bench_fp8.py                  # ~1-2 min on 2 cores (9 configurations)
     python bench/bench_fp8.py --quick          # ~15 s: 2 configurations
     python bench/bench_fp8.py --tokens 1024 --hidden 7168 --rounds 5
+    python bench/bench_fp8.py --save-reference # chapter 8's measurement, 3 times: its reference
+
+``--save-reference`` runs chapter 8's own measurement, ``fp8.time_all_to_all()`` (2,048
+bf16 rows per rank, H 1024 and 4096, BF16 against FP8 end to end), three times, and
+stores the median of each number as the stored reference ``ch08_fp8_all_to_all``
+(``tutorial_lib/reference/``, with this machine, the date and its load) that the chapter
+shows beside the reader's run.  Run it on a machine as quiet as you can make it.
 
 4 EP ranks (``ParallelConfig(4, expert_model_parallel_size=4)``), one launch, one torch
 thread per rank.  Each rank holds ``T`` bf16 token rows ``[T, H]`` and sends ``T/4`` of them
@@ -91,6 +98,31 @@ def _bench(ctx, configs, rounds: int, iters: int, seed: int) -> dict:
     return out
 
 
+def save_reference(runs: int = 3) -> None:
+    """Chapter 8's timing, ``runs`` times; the median of each number becomes the reference."""
+    from tutorial_lib import fp8, reference
+    from tutorial_lib.launch import warm_up
+    warm_up()
+    load_start = os.getloadavg()[0]
+    measured = [fp8.time_all_to_all() for _ in range(runs)]
+    rows = []
+    for i, first in enumerate(measured[0]):
+        row = dict(first)
+        for key in ("bf16_ms", "fp8_ms"):
+            row[key] = round(statistics.median(m[i][key] for m in measured), 3)
+        rows.append(row)
+    notes = (f"fp8.time_all_to_all(): 4 EP ranks (gloo, 1 torch thread each), 2048 bf16 rows "
+             f"per rank; median of {runs} runs, each the slowest rank's median of 5 trips; "
+             f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+             f"Python {platform.python_version()}, torch {__import__('torch').__version__}")
+    ref = reference.save("ch08_fp8_all_to_all", rows, load=load_start,
+                         command="python bench/bench_fp8.py --save-reference", notes=notes)
+    print_table(["H", "BF16 bytes", "FP8 bytes", "BF16 ms", "FP8 ms", "FP8 / BF16 time"],
+                [[r["hidden"], r["bf16_bytes"], r["fp8_bytes"], r["bf16_ms"], r["fp8_ms"],
+                  r["fp8_ms"] / r["bf16_ms"]] for r in rows], digits=3, title=ref.caption())
+    print(f"\nsaved {reference.REFERENCE_DIR / 'ch08_fp8_all_to_all.json'}: {notes}")
+
+
 def main() -> None:
     from tutorial_lib import fp8
     from tutorial_lib.launch import launch, warm_up
@@ -103,7 +135,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3, help="timed trips per turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="T 1024, H 1024 and 7168, 2 rounds of 2")
+    parser.add_argument("--save-reference", action="store_true",
+                        help="run chapter 8's measurement 3 times and store its reference")
     args = parser.parse_args()
+    if args.save_reference:
+        save_reference()
+        return
     if args.quick:
         args.tokens, args.hidden, args.rounds, args.iters = [1024], [1024, 7168], 2, 2
     for h in args.hidden:

@@ -28,7 +28,8 @@ Two tables:
    scheduling and bubbles cost on top of the same arithmetic, not speedups.  One
    torch thread per rank (the launcher's default for 8 ranks on 2 cores), tracing off.
 2. **The pipeline bubble, measured vs the formula.**  ``forward_backward_pipelining``
-   (the real executor, batched P2P, labels sent from the first stage to the last;
+   (the real executor, batched P2P, overlapped for the interleaved schedule as
+   Megatron runs it, labels sent from the first stage to the last;
    run by ``pipeline.measure_synthetic_schedules``, the harness chapter 6 uses)
    on ``SyntheticStage`` stages that *sleep* a known time instead of computing: a
    rank's stage costs ``--forward-ms`` forward and ``--backward-ms`` backward (with
@@ -174,7 +175,7 @@ def table_bubble(args) -> None:
         for config in configs:  # every configuration once per round: load hits all alike
             schedule, pp, m, v = config
             result = launch(measure_synthetic_schedules, pp,
-                            args=([(schedule, m, v)], f, b, args.bubble_steps, "batched"),
+                            args=([(schedule, m, v)], f, b, args.bubble_steps, None),
                             threads=1, print_output=False, timeout=600)
             for step in range(1, args.bubble_steps):  # step 0 is warm-up
                 per_rank = bubble_fraction(result.trace.filter(repeat=step), count="compute",
@@ -211,7 +212,7 @@ def table_bubble(args) -> None:
                  "ideal ms", "peak act. / rank", "expected peak"], rows, digits=3,
                 title=f"2. Pipeline bubble with SyntheticStage (a rank's stage: forward "
                       f"{args.forward_ms:g} ms, backward {args.backward_ms:g} ms; each of V "
-                      f"chunks 1/V of that), real executor, batched P2P; "
+                      f"chunks 1/V of that), real executor, batched P2P (interleaved: overlapped); "
                       f"bubble = compute-idle share of the step window, mean of the ranks, "
                       f"{label}; step ms: slowest rank; load average "
                       f"{os.getloadavg()[0]:.1f} at the end")

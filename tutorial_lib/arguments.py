@@ -26,7 +26,7 @@ from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, chec
                      check_number, check_pipeline_layers, config_fields, validate)
 from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
-from .pipeline_schedules import (P2P_MODES, SCHEDULE_NAMES, check_microbatch_groups,
+from .pipeline_schedules import (SCHEDULE_NAMES, TRAINING_P2P_MODES, check_microbatch_groups,
                                  check_schedule_and_mode)
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 
@@ -76,8 +76,10 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     """Clip the global gradient norm to this (0: no clipping)."""
     schedule: str = field(default="1f1b", metadata={"choices": SCHEDULE_NAMES})
     """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved``."""
-    p2p_mode: str = field(default="batched", metadata={"choices": P2P_MODES})
-    """P2P mode: ``sequential``, ``overlapped`` or ``batched`` (Megatron's default)."""
+    p2p_mode: str = field(default="batched", metadata={"choices": TRAINING_P2P_MODES})
+    """P2P mode, one of Megatron's two: ``batched`` (its default, ``batch_p2p_comm``) or
+    ``overlapped`` (``batch_p2p_comm=False``; Megatron-LM's default with interleaving). The
+    interleaved schedule takes ``batched`` only with PP >= 3."""
     precision_recipe: str = field(default="fp32",
                                   metadata={"metavar": "{%s,FILE}" % ",".join(RECIPES)})
     """Precision recipe: ``fp32`` (nothing changes), ``bf16``, ``deepseek_v3``, or a path to a
@@ -120,7 +122,7 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
         raise ConfigError("malformed", f"validate_args takes a TrainingArgs, got {args!r} "
                                        f"({type(args).__name__}); build one: TrainingArgs(world_size=4)")
     check_field_types(args)
-    check_schedule_and_mode(args.schedule, args.p2p_mode)
+    check_schedule_and_mode(args.schedule, args.p2p_mode, args.pipeline_model_parallel_size)
     if args.steps < 1:
         raise ConfigError("malformed", f"steps must be a whole number >= 1, got {args.steps}")
     low, high = SEED_RANGE

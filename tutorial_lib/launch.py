@@ -804,7 +804,9 @@ def worker_options(world_size: int, timeout: float, trace: bool = True, capture_
     if check_collectives is None:
         check_collectives = in_notebook()
     return {"timeout": float(timeout), "trace": trace, "capture_values": int(capture_values),
-            "threads": threads or max(1, (os.cpu_count() or 1) // world_size),
+            # one thread per rank, as torchrun sets OMP_NUM_THREADS=1: the course's tensors are
+            # small, and a second thread that waits on a busy machine costs more than it gives
+            "threads": threads or 1,
             "check_collectives": bool(check_collectives)}
 
 
@@ -827,7 +829,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: di
     before the launch is declared deadlocked and killed; ``start_timeout`` bounds the
     start-up before that.  ``trace``: record every traced op; ``capture_values``: also
     record the values of tensors with at most this many elements (for animations).
-    ``threads``: torch threads per worker (default: the cores shared among ranks).
+    ``threads``: torch threads per worker (default 1, as torchrun's ``OMP_NUM_THREADS``).
     ``check_collectives``: compare every collective's op, shapes and dtypes across ranks
     before it runs (torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``); default: on inside a
     notebook, off elsewhere (it costs an extra exchange per collective).

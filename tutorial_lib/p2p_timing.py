@@ -1,4 +1,5 @@
-"""Timing the three pipeline P2P modes on this machine: one steady-state round at a time.
+"""Timing the three pipeline P2P modes on this machine: one steady-state round at a
+time.
 
 In the steady state of 1F1B every stage, once per microbatch, calls
 ``send_forward_recv_backward`` (activation out to the next stage, its gradient back
@@ -14,9 +15,9 @@ exchange at once and in the second phase (1, 2), (3, 4), ...: no link waits for
 another, and every link is used once per round in both directions.
 
 :func:`measure_p2p_modes` launches ``pp`` gloo ranks and times that round for every
-mode and message size, the modes taking turns at every repetition so that they are
-measured side by side under the same load.  Each round's time comes from the trace:
-from the moment the last rank started its round to the moment the last rank
+mode and message size, the sizes and the modes taking turns at every repetition so that
+they are measured side by side under the same load.  Each round's time comes from the
+trace: from the moment the last rank started its round to the moment the last rank
 finished it (:func:`tutorial_lib.costs.rounds_by_size`, which times chapter 2's
 collectives too).
 """
@@ -31,15 +32,20 @@ import torch
 from . import p2p, parallel_state
 from .costs import rounds_by_size
 
-#: Message sizes (bytes of one activation, float32) from a few bytes to 4 MiB.
-DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2)
+#: Message sizes (bytes of one activation, float32) from a few bytes to 16 MiB: from the
+#: latency-bound end to far into the bandwidth-bound one on a CPU (crossover ~0.1-1
+#: MiB).
+DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2,
+                 16 * 1024 ** 2)
 
 ACTIVATION, GRADIENT = 100.0, 200.0
-"""Stage ``s`` sends activations filled with ``100 + s`` and gradients with ``200 + s``."""
+"""Stage ``s`` sends activations filled with ``100 + s``, gradients with ``200 + s``."""
 
 
-def steady_state_round(mode: str, numel: int, wrong_recv_backward_peer: bool = False) -> dict:
-    """One steady-state round on this stage in ``mode``: both exchanges, ordered by parity.
+def steady_state_round(mode: str, numel: int,
+                       wrong_recv_backward_peer: bool = False) -> dict:
+    """One steady-state round on this stage in ``mode``: both exchanges, ordered by
+    parity.
 
     Sends ``numel`` float32 values each way.  Returns ``{"grad": g, "act": a}``: the
     first value of the gradient received from the next stage and of the activation
@@ -50,8 +56,9 @@ def steady_state_round(mode: str, numel: int, wrong_recv_backward_peer: bool = F
     gradient = torch.full((numel,), GRADIENT + stage)
 
     def forward_exchange():
-        return p2p.send_forward_recv_backward(activation, (numel,), mode=mode,
-                                              wrong_recv_backward_peer=wrong_recv_backward_peer)
+        return p2p.send_forward_recv_backward(
+            activation, (numel,), mode=mode,
+            wrong_recv_backward_peer=wrong_recv_backward_peer)
 
     def backward_exchange():
         return p2p.send_backward_recv_forward(gradient, (numel,), mode=mode)
@@ -72,7 +79,8 @@ def expected_round(stage: int, pp: int) -> dict:
 
 
 def init_pipeline(ctx) -> int:
-    """Build the groups with every rank a pipeline stage (``PP = world size``); return the stage."""
+    """Build the groups with every rank a pipeline stage (``PP = world size``); return
+    the stage."""
     from .config import ParallelConfig
     parallel_state.initialize_model_parallel(
         ParallelConfig(ctx.world_size, pipeline_model_parallel_size=ctx.world_size))
@@ -81,19 +89,23 @@ def init_pipeline(ctx) -> int:
 
 def _timing_worker(ctx, modes: Sequence[str], sizes: Sequence[int], repeats: int,
                    warmup: int) -> list[str]:
-    """In every rank: each size, ``warmup + repeats`` times, every mode in turn, barrier first."""
+    """In every rank: ``warmup + repeats`` passes over every size, every mode in turn,
+    a barrier before each round.
+
+    The sizes and the modes take turns inside each pass, so that what disturbs the
+    machine for a while (the other ranks still starting up, another program) hits every
+    size and every mode alike instead of the first size measured."""
     import torch.distributed as dist
     stage = init_pipeline(ctx)
     expected = expected_round(stage, ctx.world_size)
     wrong = []
-    for size in sizes:
-        numel = max(1, size // 4)
-        for iteration in range(warmup + repeats):
-            # The modes take turns, starting with a different one each time: none of them
-            # is always the first after the barrier.
+    for iteration in range(warmup + repeats):
+        for size in sizes:
+            numel = max(1, size // 4)
+            # each pass starts with another mode: none is always first after a barrier
             for k in range(len(modes)):
                 mode = modes[(iteration + k) % len(modes)]
-                dist.barrier()  # untraced: every round starts from (nearly) the same moment
+                dist.barrier()  # untraced: every round starts at (nearly) one moment
                 with ctx.tracer.tags(measured_mode=mode, size=size, iteration=iteration,
                                      warmup=iteration < warmup):
                     got = steady_state_round(mode, numel)
@@ -120,7 +132,8 @@ class ModeTiming:
     messages: int
     """Sends in one round, all stages together: ``2 (PP - 1)``."""
     quartiles: tuple[float, float] = (0.0, 0.0)
-    """25th and 75th percentiles of the round times: how much the repetitions scattered."""
+    """25th and 75th percentiles of the round times: how much the repetitions
+    scattered."""
 
 
 def timings_from_trace(trace, pp: int) -> list[ModeTiming]:
@@ -140,20 +153,23 @@ def timings_from_trace(trace, pp: int) -> list[ModeTiming]:
             sends = [e for e in events if e.op == "send"]
             sent.add((sum(e.bytes for e in sends), len(sends)))
         if len(sent) != 1:
-            raise RuntimeError(f"{mode} at {size} B sent different bytes in different rounds: "
-                               f"{sorted(sent)}")
+            raise RuntimeError(f"{mode} at {size} B sent different bytes in different "
+                               f"rounds: {sorted(sent)}")
         (nbytes_sent, messages), = sent
         times = timed.seconds
-        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+        q1, _, q3 = (statistics.quantiles(times, n=4) if len(times) > 1
+                     else (times[0],) * 3)
         out.append(ModeTiming(mode, max(4, size - size % 4), pp, timed.median_seconds,
                               nbytes_sent, messages, (q1, q3)))
     return out
 
 
 def measure_p2p_modes(sizes: Sequence[int] = DEFAULT_SIZES, pp: int = 4,
-                      modes: Sequence[str] = p2p.MODES, repeats: int = 10, warmup: int = 2,
+                      modes: Sequence[str] = p2p.MODES, repeats: int = 10,
+                      warmup: int = 2,
                       timeout: float = 120.0):
-    """Time one steady-state round in each mode for each message size, on ``pp`` gloo ranks.
+    """Time one steady-state round in each mode for each message size, on ``pp`` gloo
+    ranks.
 
     Returns ``(timings, run)``: a list of :class:`ModeTiming` (sorted by size, then
     mode) and the :class:`~tutorial_lib.launch.LaunchResult` whose trace they came
@@ -163,20 +179,25 @@ def measure_p2p_modes(sizes: Sequence[int] = DEFAULT_SIZES, pp: int = 4,
     for mode in modes:
         p2p._check_mode(mode)
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
-        raise ValueError(f"pp must be a whole number >= 2 (a pipeline needs two stages to "
-                         f"talk), got {pp!r}")
+        raise ValueError(f"pp must be a whole number >= 2 (a pipeline needs two stages "
+                         f"to talk), got {pp!r}")
     if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
+                         f"warmup={warmup}")
     if not sizes or any(int(s) < 1 for s in sizes):
-        raise ValueError(f"sizes must be a non-empty list of byte counts >= 1, got {list(sizes)}")
-    run = launch(_timing_worker, pp, args=(tuple(modes), [int(s) for s in sizes], int(repeats),
-                                           int(warmup)), timeout=timeout, print_output=False)
+        raise ValueError(f"sizes must be a non-empty list of byte counts >= 1, got "
+                         f"{list(sizes)}")
+    sizes = [int(s) for s in sizes]
+    run = launch(_timing_worker, pp,
+                 args=(tuple(modes), sizes, int(repeats), int(warmup)),
+                 timeout=timeout, print_output=False)
     wrong = [line for rank_lines in run.results for line in rank_lines]
     assert not wrong, "rounds received wrong values:\n" + "\n".join(wrong[:5])
     return timings_from_trace(run.trace, pp), run
 
 
-def ratios_to(timings: Sequence[ModeTiming], reference: str = "batched") -> dict[tuple, float]:
+def ratios_to(timings: Sequence[ModeTiming],
+              reference: str = "batched") -> dict[tuple, float]:
     """``{(mode, nbytes, pp): seconds / seconds of reference}`` for every timing."""
     ref = {(t.nbytes, t.pp): t.seconds for t in timings if t.mode == reference}
     return {(t.mode, t.nbytes, t.pp): t.seconds / ref[(t.nbytes, t.pp)]

@@ -27,13 +27,13 @@ calls: ``recv_forward`` / ``send_forward`` in the warm-up, the two combined help
 the steady state (after its first ``recv_forward``, before its last ``send_backward``),
 ``recv_backward`` / ``send_backward`` in the cool-down.  The interleaved schedule may
 also combine a send and a receive of the same direction, as Megatron's does.  GPipe
-is the exception: each message is its own call.  The combined helpers (and the
-sequential mode's parity rule inside them) are made for 1F1B, where rank ``r``'s
-``send_forward_recv_backward`` always meets rank ``r + 1``'s
-``send_backward_recv_forward``.  At GPipe's turn from forwards to
-backwards a rank would combine "send my last activation, receive the first
-gradient" while its neighbour is still receiving activations: with blocking sends
-(sequential mode) the receive-first half waits for a gradient that cannot come yet.
+is the exception: each message is its own call.  The combined helpers are made for
+1F1B, where rank ``r``'s ``send_forward_recv_backward`` always meets rank ``r + 1``'s
+``send_backward_recv_forward``.  At GPipe's turn from forwards to backwards a rank
+would combine "send my last activation, receive the first gradient" while its
+neighbour is still receiving activations, one call waiting on a gradient that cannot
+come yet.  The executor runs Megatron's two P2P modes, batched and overlapped
+(:func:`~tutorial_lib.pipeline_schedules.check_schedule_and_mode`).
 Labels are different: the first model stage sends a microbatch's labels *before* its
 forward, and the last model stage receives them only after that microbatch's
 activation has crossed the whole pipeline.  A blocking send would wait for that
@@ -316,8 +316,8 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     ``tensor_shape``: the activation ``[s, b, h]`` that crosses model stage boundaries.
     Gradients accumulate in the parameters (each loss is divided by ``M``).
     """
-    check_schedule_and_mode(schedule, p2p_mode)
     pp = parallel_state.group_size("pp")
+    check_schedule_and_mode(schedule, p2p_mode, pp)
     rank = parallel_state.get_rank_in("pp") if pp > 1 else 0
     if schedule != "interleaved" and len(chunks) != 1:
         raise ValueError(f"{schedule!r} runs one chunk per rank, got {len(chunks)}; "

@@ -78,6 +78,11 @@ P2P_MODES = ("sequential", "overlapped", "batched")
 """How :mod:`tutorial_lib.p2p` issues a step's sends and receives (``p2p.MODES``); named here,
 without torch, so that a run's arguments can be checked before torch is loaded."""
 
+TRAINING_P2P_MODES = ("batched", "overlapped")
+"""The modes a training run takes: Megatron's two (``batch_p2p_comm`` on or off).
+``sequential`` (blocking send, then blocking receive) is chapter 7's teaching construct:
+Megatron has no such mode."""
+
 
 @dataclass(frozen=True)
 class Action:
@@ -154,23 +159,49 @@ def _check(pp_size: int, num_microbatches: int, rank: int, virtual_pipeline_size
                           f"got virtual_pipeline_size {virtual_pipeline_size}; leave it None")
 
 
-def check_schedule_and_mode(schedule: str, p2p_mode: str) -> None:
-    """Refuse unknown names, and interleaved + sequential, the pair that cannot run."""
+def check_schedule_and_mode(schedule: str, p2p_mode: str, pp_size: int | None = None) -> None:
+    """Refuse unknown names and every (schedule, P2P mode) pair Megatron does not run.
+
+    What Megatron-Core 0.20.0 allows, and so what a run here accepts:
+
+    * ``sequential`` with any schedule: refused.  Megatron's P2P layer has two paths,
+      ``_batched_p2p_ops`` and ``_p2p_ops``, and both post every send and receive of
+      a call before waiting for any; nothing sends, blocks, then receives.
+    * ``1f1b`` with ``batched`` (Megatron-LM's only choice without interleaving: its
+      argument check turns ``overlap_p2p_comm`` off, and ``batch_p2p_comm = not
+      overlap_p2p_comm``) or ``overlapped`` (Megatron-Core's ``batch_p2p_comm=False``:
+      the unbatched ``_p2p_ops``, every helper waiting before it returns).
+    * ``interleaved`` with ``overlapped`` (Megatron-LM's default with interleaving) at
+      any ``PP >= 2``, or with ``batched`` (``--no-overlap-p2p-communication``) only at
+      ``PP > 2``: Megatron-LM's ``validate_args`` asserts it, because at ``PP = 2`` one
+      batch would hold two sends and two receives between the same two ranks.
+    * ``gpipe`` is the course's schedule (Megatron has none); it runs with Megatron's
+      two modes.
+
+    ``pp_size``: the pipeline size, for the last rule (``None``: not checked).
+    """
     if schedule not in SCHEDULE_NAMES:
         raise ConfigError("malformed", f"schedule must be one of "
                                        f"{', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
     if p2p_mode not in P2P_MODES:
         raise ConfigError("malformed", f"p2p_mode must be one of {', '.join(P2P_MODES)}, "
                                        f"got {p2p_mode!r}")
-    if schedule == "interleaved" and p2p_mode == "sequential":
+    if p2p_mode not in TRAINING_P2P_MODES:
+        raise ConfigError(
+            "p2p mode",
+            f"p2p_mode {p2p_mode!r} (a blocking send, then a blocking receive) is chapter 7's "
+            f"teaching construct, not a mode Megatron has: its batched and unbatched paths "
+            f"both post every send and receive before waiting.  Use --p2p-mode batched "
+            f"(Megatron's default) or overlapped (batch_p2p_comm=False)")
+    if schedule == "interleaved" and p2p_mode == "batched" and pp_size is not None \
+            and pp_size <= 2:
         raise ConfigError(
             "interleaved schedule",
-            "the interleaved schedule needs sends that do not block (p2p_mode "
-            "'overlapped' or 'batched'): with V chunks per rank, neighbours exchange "
-            "activations of one chunk and gradients of another in both directions at "
-            "once, and two blocking sends towards each other deadlock whatever the "
-            "order.  Megatron runs interleaving with overlap_p2p_comm; use --p2p-mode "
-            "overlapped")
+            f"the interleaved schedule with batched P2P (overlap_p2p_comm off) needs "
+            f"pipeline_model_parallel_size > 2, got {pp_size}: at PP = 2 the previous and "
+            f"the next rank are the same, and one batch would send and receive twice "
+            f"between the same two ranks (Megatron-LM's validate_args refuses it).  Use "
+            f"--p2p-mode overlapped (Megatron's default with interleaving) or PP >= 3")
 
 
 def check_microbatch_groups(pp_size: int, num_microbatches: int,

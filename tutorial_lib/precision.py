@@ -33,19 +33,21 @@ from torch.overrides import TorchFunctionMode
 
 from . import fp8
 from .moe import MoELayer, RoutedExperts, Router, SharedExperts
-from .recipes import (RECIPES, PrecisionRecipe, get_recipe, recipe_from_dict, recipe_from_file,
-                      resolve_recipe)
+from .recipes import (DEEPSEEK_V3_FP8_CARD, RECIPES, PrecisionRecipe, get_recipe,
+                      recipe_card_rows, recipe_from_dict, recipe_from_file, resolve_recipe)
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["PrecisionRecipe", "LINEAR_LIKE", "RECIPES", "get_recipe", "resolve_recipe",
-           "recipe_from_dict", "recipe_from_file", "apply_recipe", "remove_recipe", "PlanEntry"]
+           "recipe_from_dict", "recipe_from_file", "apply_recipe", "remove_recipe", "PlanEntry",
+           "DEEPSEEK_V3_FP8_CARD", "recipe_card_rows"]
 
 LINEAR_LIKE = (ColumnParallelLinear, RowParallelLinear, RoutedExperts, SharedExperts, Router,
                torch.nn.Linear)
 """Module types whose ``F.linear`` calls a recipe simulates."""
 
-# The recipe as data (PrecisionRecipe, RECIPES, recipe files) lives without torch in
-# tutorial_lib.recipes, imported above: a command line checks a recipe before loading torch.
+# The recipe as data (PrecisionRecipe, RECIPES, recipe files, DeepSeek-V3's recipe card)
+# lives without torch in tutorial_lib.recipes, imported above: a command line checks a
+# recipe before loading torch.
 
 
 # --- simulating a matmul precision ---------------------------------------------------------

@@ -1,8 +1,10 @@
 """Precision recipes as data: what a tensor can be computed or sent in, and which module uses what.
 
 This module holds no torch: the names of the precisions (:data:`PRECISIONS`) and their
-checks, :class:`PrecisionRecipe`, the named recipes (:data:`RECIPES`) and recipe files
-(:func:`recipe_from_file`).  So a command line can read and check a recipe before it
+checks, :class:`PrecisionRecipe`, the named recipes (:data:`RECIPES`), recipe files
+(:func:`recipe_from_file`), and DeepSeek-V3's whole FP8 recipe as a card
+(:data:`DEEPSEEK_V3_FP8_CARD`: each choice, where the V3 report makes it, and what this
+library does about it).  So a command line can read and check a recipe before it
 loads torch (``examples/train_4d.py``), and one definition serves everyone:
 :mod:`tutorial_lib.precision` (which applies a recipe to a model) and
 :mod:`tutorial_lib.fp8` (which moves tensors in these precisions) re-export these names.
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["PRECISIONS", "DEEPSEEK_V3_DISPATCH", "DEEPSEEK_V3_COMBINE", "check_precision",
            "check_precision_pair", "PrecisionRecipe", "RECIPES", "get_recipe", "recipe_from_dict",
-           "recipe_from_file", "resolve_recipe"]
+           "recipe_from_file", "resolve_recipe", "CardEntry", "DEEPSEEK_V3_FP8_CARD",
+           "recipe_card_rows"]
 
 PRECISIONS = ("fp32", "bf16", "fp8", "fp8_pow2", "fp8_ue8m0")
 """What a tensor can travel as: ``fp32`` (4 bytes per value), ``bf16`` (2), and FP8 (1 byte per
@@ -195,11 +198,16 @@ def recipe_from_file(path: str) -> PrecisionRecipe:
     Keys (all optional): ``base`` (a named recipe to start from), ``name``, ``rules`` (a
     list of ``[pattern, precision]`` pairs, put *before* the base's rules, so they win),
     ``default``, ``dispatch`` and ``combine`` (``[forward, backward]``, or ``"none"``),
-    ``quantize_gradients``.  For example, DeepSeek-V3 with its first and last layers in BF16::
+    ``quantize_gradients``.  For example, DeepSeek-V3 with the routed experts of its first
+    and last layers in BF16::
 
         base = "deepseek_v3"
-        name = "v3_bf16_ends"
-        rules = [["layers.0.*", "bf16"], ["layers.7.*", "bf16"]]
+        name = "v3_bf16_end_experts"
+        rules = [["layers.0.mlp.experts", "bf16"], ["layers.7.mlp.experts", "bf16"]]
+
+    Since the file's rules come first, a broad one such as ``["layers.0.*", "bf16"]`` would
+    also catch the router and the layernorms of layer 0, which ``deepseek_v3`` keeps in
+    fp32: name the modules you mean.
     """
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
@@ -223,3 +231,105 @@ def resolve_recipe(name_or_path: str | PrecisionRecipe) -> PrecisionRecipe:
         return recipe_from_file(name_or_path)
     raise ValueError(f"precision recipe {name_or_path!r} is neither a named recipe "
                      f"({', '.join(RECIPES)}) nor an existing .json / .toml file")
+
+
+# --- DeepSeek-V3's FP8 recipe, as a card -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CardEntry:
+    """One choice of DeepSeek-V3's FP8 training, where its report makes it, and what the
+    library does about it."""
+
+    key: str
+    """A short name the tests check the entry by."""
+    topic: str
+    deepseek_v3: str
+    """What V3 does."""
+    section: str
+    """The section of the DeepSeek-V3 Technical Report (arXiv:2412.19437v2) that says so."""
+    here: str
+    """What this library does: the same (simulated on CPU), or how it differs."""
+    simulated: bool
+    """Whether the library reproduces the choice (``False``: it only describes it)."""
+
+
+DEEPSEEK_V3_FP8_CARD: tuple[CardEntry, ...] = (
+    CardEntry(
+        "gemms", "FP8 matmuls",
+        "every matmul of the linear layers in FP8: forward, input gradient and weight "
+        "gradient; outputs in BF16 or FP32",
+        "3.3.1",
+        "simulated: the inputs, weights and output gradients of every linear-like module "
+        "are quantized and dequantized, the product is fp32", True),
+    CardEntry(
+        "format", "number format",
+        "E4M3 on every tensor, gradients included (no E5M2 for the backward pass)",
+        "3.3.2, mantissa over exponents",
+        "E4M3 (torch.float8_e4m3fn) for inputs, weights and output gradients "
+        "(quantize_gradients=True)", True),
+    CardEntry(
+        "online_scaling", "scales",
+        "online: each tile's or block's amax is taken when it is quantized, no amax "
+        "history (no delayed scaling)",
+        "3.3.2, online quantization",
+        "the same: each call takes each tile's amax (at least 1e-4) / 448", True),
+    CardEntry(
+        "activation_tiles", "activation tiles",
+        "one scale per 1x128 tile: one token, 128 channels",
+        "3.3.2, fine-grained quantization",
+        "fp8.quantize_1x128 (TILE = 128): matmul inputs, output gradients and the FP8 "
+        "token rows", True),
+    CardEntry(
+        "wgrad_tiles", "weight-gradient tiles",
+        "for the weight gradient the cached activations are re-tiled 128x1 (128 tokens of "
+        "one channel); power-of-two scales where a re-tiling must add no rounding (the "
+        "attention output projection's input, the dispatched tokens)",
+        "3.3.3, low-precision activation; 3.5.2",
+        "not simulated: the weight gradient reuses the forward's 1x128-rounded input; the "
+        "chapter's re-tiling cell measures what 128x1 would round", False),
+    CardEntry(
+        "weight_blocks", "weight blocks",
+        "one scale per 128x128 block (128 input x 128 output channels)",
+        "3.3.2, fine-grained quantization",
+        "fp8.fake_quantize_blocks (block = 128), each expert's weight on its own", True),
+    CardEntry(
+        "accumulation", "accumulation",
+        "Tensor Cores keep about 14 bits of the running sum; every 128 elements of the "
+        "inner dimension (4 WGMMAs) the partial sums are promoted to FP32 on CUDA cores",
+        "3.3.2, increasing accumulation precision",
+        "not simulated: the CPU product accumulates in fp32 from the first element, "
+        "what the promotion approximates", False),
+    CardEntry(
+        "kept_precision", "kept out of FP8",
+        "embedding, output head, MoE gating, normalizations and the attention operator "
+        "stay in BF16 or FP32",
+        "3.3.1",
+        "the deepseek_v3 recipe's rules: embedding, head and core attention bf16, router "
+        "and layernorms fp32", True),
+    CardEntry(
+        "communication", "MoE all-to-alls",
+        "dispatch and the combine's backward in FP8 with power-of-two scales; the combine "
+        "and the dispatch's backward in BF16",
+        "3.3.3, low-precision communication",
+        "DEEPSEEK_V3_DISPATCH = (fp8_pow2, bf16), DEEPSEEK_V3_COMBINE = (bf16, fp8_pow2); "
+        "the scales travel as fp32", True),
+    CardEntry(
+        "optimizer_moments", "optimizer state",
+        "AdamW's first and second moments in BF16",
+        "3.3.3, low-precision optimizer states",
+        "not modelled: train_4d uses torch.optim.Adam, whose moments are fp32", False),
+    CardEntry(
+        "master_weights", "master weights",
+        "master weights, and the gradients accumulated over micro-batches, in FP32",
+        "3.3.1; 3.3.3",
+        "the same: parameters and their .grad are fp32; the rounding passes gradients "
+        "straight through to them", True),
+)
+"""DeepSeek-V3's FP8 recipe, one :class:`CardEntry` per choice (section 3.3 of the report);
+``tests/unit/test_precision.py`` checks every entry's ``here`` against the library."""
+
+
+def recipe_card_rows() -> list[list[str]]:
+    """:data:`DEEPSEEK_V3_FP8_CARD` as table rows: topic, V3, report section, this library."""
+    return [[e.topic, e.deepseek_v3, e.section, e.here] for e in DEEPSEEK_V3_FP8_CARD]

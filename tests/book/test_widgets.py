@@ -25,6 +25,8 @@ from tutorial_lib.viz import draw, widget
 from tutorial_lib.viz import timeline as tlmod
 from tutorial_lib.viz.collectives import animate_ring_all_reduce
 from tutorial_lib.viz.context_parallel import animate_ring_attention
+from tutorial_lib import fp8
+from tutorial_lib.viz.fp8_legs import dispatch_combine_figure
 from tutorial_lib.viz.fp8_tiles import tile_explorer
 from tutorial_lib.viz.moe_flow import animate_token_flow
 from tutorial_lib.viz.rank_map import rank_map
@@ -328,4 +330,80 @@ def test_the_ring_attention_player_plays_in_chromium(fragment_page):
         assert f"K/V of CP {owner}" in text
     second.locator(".tl-slider").fill(str(len(anim) - 1))
     assert "every rank's block" in second.locator(".tl-frame:visible").inner_text()
+# The column of the built book at 1440 px is about 740 px wide; a phone's (390 px) about 340.
+COLUMN = "<div style='max-width:740px'>{}</div>"
+_FIT = """root => {
+  const box = root.getBoundingClientRect();
+  const bars = [...root.querySelectorAll('rect.tl-fp8-bar')].map(b => b.getBoundingClientRect());
+  const fonts = [...root.querySelectorAll('text, button, div')].filter(e => e.textContent.trim())
+    .map(e => parseFloat(getComputedStyle(e).fontSize) *
+         (e.ownerSVGElement ? e.ownerSVGElement.getBoundingClientRect().width /
+          e.ownerSVGElement.viewBox.baseVal.width : 1));
+  return {bars: bars.length, inside: bars.filter(b => b.left >= box.left && b.right <= box.right
+            && b.width > 0).length,
+          overflow: root.scrollWidth - root.clientWidth,
+          page: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+          smallest: Math.min(...fonts)};
+}"""
+
+
+@pytest.mark.parametrize("width", [1440, 390])
+def test_the_fp8_tile_explorer_fits_its_column_with_every_channel_and_a_value_scale(
+        fragment_page, width):
+    """Issue 13: the widget was a fixed 940 px, so a 740 px column hid channels 104-127, and
+    its value axis had no scale.  Now: all 128 channels inside the widget at 1440 and 390
+    px, no sideways scroll, text at least 9 px, and a value axis whose ticks are the tile's
+    amax, half of it and 0 (either sign), redrawn when the tile changes."""
+    tokens = outlier_tokens()
+    view = fragment_page(COLUMN.format(tile_explorer(tokens).to_html()), width=width)
+    root = view.page.locator(".tl-fp8-tiles").first
+    fit = root.evaluate(_FIT)
+    assert fit["bars"] == 128 and fit["inside"] == 128, fit
+    assert fit["overflow"] <= 0 and fit["page"] <= 0, fit
+    assert fit["smallest"] >= 9, fit
+
+    def ticks():
+        return [float(t) for t in root.locator("text.tl-fp8-tick").all_text_contents()]
+    amax = tokens[0, :128].abs().max().item()
+    assert ticks() == pytest.approx([-amax, -amax / 2, 0, amax / 2, amax], rel=5e-3)
+    channels = root.locator("text.tl-fp8-channel").all_text_contents()
+    assert channels[0] == "0" and channels[-1] == "127"
+    root.locator(".tl-fp8-tokens button").nth(1).click()  # the outlier (300) sets the scale
+    assert max(ticks()) == pytest.approx(300) and min(ticks()) == pytest.approx(-300)
+    root.locator(".tl-fp8-tilebtns button").nth(1).click()
+    channels = root.locator("text.tl-fp8-channel").all_text_contents()
+    assert channels[0] == "128" and channels[-1] == "255"
+    # narrower after the first paint (a phone turned, a side panel opened): drawn again
+    view.page.set_viewport_size({"width": 360, "height": 900})
+    view.page.wait_for_timeout(200)
+    fit = root.evaluate(_FIT)
+    assert fit["inside"] == 128 and fit["overflow"] <= 0 and fit["page"] <= 0, fit
+    view.assert_clean()
+
+
+@pytest.mark.parametrize("width", [1440, 390])
+def test_the_fp8_legs_figure_reads_at_every_width(fragment_page, width):
+    """The four dispatch/combine legs: drawn from fp8.DEEPSEEK_V3_DISPATCH / _COMBINE, in
+    the order they run, readable (text >= 9 px, no overlap) and inside the column."""
+    figure = dispatch_combine_figure()
+    view = fragment_page(COLUMN.format(figure.to_html()), width=width)
+    root = view.page.locator(".tl-fp8-legs").first
+    fit = root.evaluate(_FIT)
+    assert fit["overflow"] <= 0 and fit["page"] <= 0 and fit["smallest"] >= 9, fit
+    legs = root.locator("g.tl-fp8-leg")
+    assert legs.count() == 4
+    pairs = {"dispatch": fp8.DEEPSEEK_V3_DISPATCH, "combine": fp8.DEEPSEEK_V3_COMBINE}
+    for i in range(4):
+        leg = legs.nth(i)
+        op, phase = leg.get_attribute("data-op"), leg.get_attribute("data-phase")
+        assert leg.get_attribute("data-precision") == pairs[op][phase == "backward"]
+        boxes = leg.locator("text").evaluate_all(
+            "ts => ts.map(t => { const b = t.getBoundingClientRect(); "
+            "return [b.left, b.top, b.right, b.bottom]; })")
+        for a in range(len(boxes)):
+            for b in range(a + 1, len(boxes)):
+                (l1, t1, r1, b1), (l2, t2, r2, b2) = boxes[a], boxes[b]
+                assert r1 <= l2 or r2 <= l1 or b1 <= t2 or b2 <= t1, (i, boxes[a], boxes[b])
+    assert [legs.nth(i).get_attribute("data-op") for i in range(4)] == \
+        ["dispatch", "combine", "combine", "dispatch"]
     view.assert_clean()

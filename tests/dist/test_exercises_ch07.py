@@ -10,7 +10,7 @@ from tutorial_lib import comm, p2p, parallel_state
 from tutorial_lib.exercises import ch07
 from tutorial_lib.exercises.ch07 import check_send_first, check_send_forward_recv_backward
 
-from ..notebook_cells import assert_hint, hint_cases
+from ..notebook_cells import NOTEBOOKS, assert_hint, hint_cases, tagged_cells
 
 pytestmark = pytest.mark.dist  # the checkers launch real gloo workers
 
@@ -128,6 +128,35 @@ def test_correct_helpers_pass(correct):
     assert [c.name for c in result.cases] == ["PP=2", "PP=3", "PP=4"]
 
 
+def guides_code_from_the_stub() -> str:
+    """The guide's version, as exercise 7.1's stub shows it in a comment."""
+    stub = next(c for c in tagged_cells(NOTEBOOKS / "07_p2p_modes.ipynb", "exercise-stub")
+                if "def my_send_forward_recv_backward(" in c)
+    lines = stub.splitlines()
+    body = [line.split("#   ", 1)[1] for line in lines if line.lstrip().startswith("#   ")]
+    assert body, "the stub shows the guide's code in an indented comment"
+    return "\n".join([lines[0]] + ["    " + line for line in body])
+
+
+def test_the_guides_code_in_the_stub_passes_at_pp2_and_deadlocks_at_pp3():
+    """Issue 13: the stub's comment used the library's non-wrapping ``p2p.prev_rank()``, so
+    "the guide's code" raised "peer rank None" at every PP instead of showing its real
+    failure.  The guide's snippet takes Megatron's previous rank, which wraps around the
+    ring (Megatron-Core 0.20.0, d98e8a64: ``P2PCommunicator.__init__`` in
+    megatron/core/pipeline_parallel/p2p_communication.py stores ``prev_rank`` as
+    ``(rank - 1) % world_size`` of the pipeline group): right at PP = 2, where the wrapped
+    previous stage is the next one, a deadlock from PP = 3 on.  The hint names both PPs."""
+    namespace = {"torch": torch, "comm": comm, "p2p": p2p}
+    exec(guides_code_from_the_stub(), namespace)
+    result = check_send_forward_recv_backward(namespace["my_send_forward_recv_backward"],
+                                              timeout=DEADLOCK_TIMEOUT)
+    assert [c.name for c in result.cases] == ["PP=2", "PP=3"], str(result)
+    assert [c.passed for c in result.cases] == [True, False], str(result)
+    assert result.cases[1].detail.startswith(f"deadlocked after {DEADLOCK_TIMEOUT:g} s")
+    assert_hint(result, ch07.HINT_RECV_FROM_PREVIOUS)
+    assert "passed at PP = 2 and deadlocked at PP = 3" in result.hint
+
+
 def test_a_previous_stage_grad_passes_at_pp2_and_is_named_at_pp3():
     result = check_send_forward_recv_backward(grad_from_wrapping_prev, timeout=DEADLOCK_TIMEOUT)
     assert not result.passed
@@ -138,7 +167,7 @@ def test_a_previous_stage_grad_passes_at_pp2_and_is_named_at_pp3():
 
 
 @hint_cases([
-    (grad_from_prev_rank, ch07.HINT_RECV_FROM_PREVIOUS),
+    (grad_from_prev_rank, ch07.HINT_RECV_FROM_NONE),
     (sends_to_previous, ch07.HINT_SEND_TO_PREVIOUS),
     (forgets_the_last_stage, ch07.HINT_LAST_STAGE),
     (returns_what_it_sent, ch07.HINT_RETURNED_SENT),
@@ -152,10 +181,11 @@ def test_peer_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_send_forward_recv_backward(wrong, timeout=DEADLOCK_TIMEOUT), hint)
 
 
-def test_an_exception_names_the_rank():
+def test_an_exception_names_the_rank_and_the_hint_the_pp_where_it_failed():
     result = check_send_forward_recv_backward(grad_from_prev_rank)
     assert result.cases[0].detail == ("rank 0 raised ValueError: recv: peer rank None is not in "
                                       "this rank's pp group [0, 1]")
+    assert "failed at PP = 2 already" in result.hint
 
 
 # --- exercise 7.2: who sends first --------------------------------------------------------------

@@ -148,6 +148,13 @@ def test_pipeline_moves_activations_and_gradients_in_every_mode(mode, pp):
         for stage in range(pp):
             ops = [e.op for e in res.trace.filter(rank=stage, p2p_op="send_forward_recv_backward")]
             assert ops[:2] == (["send", "recv"] if stage % 2 == 0 else ["recv", "send"]) or not ops
+    if mode == "overlapped":  # posted in the order of Megatron-Core 0.20.0's _p2p_ops
+        for stage in range(pp):
+            for helper in ("send_forward_recv_backward", "send_backward_recv_forward"):
+                events = res.trace.filter(rank=stage, p2p_op=helper).events
+                posted = [e.op for e in sorted(events, key=lambda e: e.t_start)][:2]
+                expected = [op for op, _ in p2p.unbatched_order(helper, stage)]
+                assert posted == expected or not events, (stage, helper, posted)
 
 
 def test_seeds_wrong_recv_backward_peer_deadlocks_with_pp3():
@@ -177,14 +184,6 @@ def test_seeds_wrong_recv_backward_peer_goes_unnoticed_with_pp2():
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="sequential, overlapped, batched"):
         p2p._check_mode("eager")
-
-
-def test_megatron_flags():
-    assert p2p.mode_from_megatron_flags(overlap_p2p_comm=False) == "batched"
-    assert p2p.mode_from_megatron_flags(overlap_p2p_comm=True) == "overlapped"
-    assert p2p.mode_from_megatron_flags(False, batch_p2p_comm=False) == "sequential"
-    with pytest.raises(ValueError):
-        p2p.mode_from_megatron_flags(True, batch_p2p_comm=True)
 
 
 SAMPLE_TOPOLOGY = (

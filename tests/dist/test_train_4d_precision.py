@@ -18,8 +18,9 @@ experts top-2, 5 steps) in every recipe on world 1, PP2 x EP2 (DP2), PP2 x TP2, 
   1e-5 under bf16 (rounding is elementwise; measured <= 2e-7), and under deepseek_v3 when
   TP = 1 (1x128 tiles are per token and experts are blocked one by one, so PP, EP and DP do
   not regroup anything; measured <= 2e-7).  With TP = 2 FP8's first loss differs, measured
-  6.1e-4: each TP shard of a weight gets its own 128x128-block scale, each row-parallel input
-  its own 1x128 tile scales.  After an update, DP and TP sum gradients in another order;
+  7.5e-4 (PP2 x TP2 and TP2 alone alike): each TP shard of a weight gets its own
+  128x128-block scale, each row-parallel input its own 1x128 tile scales.  Held to the band
+  3e-4 .. 1.5e-3 that chapter 8 states and asserts (:data:`TP_FP8_FIRST_STEP`).  After an update, DP and TP sum gradients in another order;
   the fp32 difference (~1e-7) moves a weight across a BF16 / FP8 rounding boundary now
   and then, so the losses drift apart: measured max over 5 steps bf16 1.0e-4, deepseek_v3
   7.8e-4 (fp32: 3e-7).  Limit: 0.005 for every layout and recipe.
@@ -56,6 +57,11 @@ LAYOUTS = {  # name -> (TrainingArgs overrides, the world-1 reference layout)
     "PP3": (dict(world_size=3, pipeline_model_parallel_size=3, num_layers=6), "world 1, 6 layers"),
 }
 BF16_VS_FP32, V3_VS_BF16, ACROSS_LAYOUTS, SAME_WEIGHTS = 0.005, 0.02, 0.005, 1e-5
+TP_FP8_FIRST_STEP = (3e-4, 1.5e-3)
+"""|first loss, TP = 2 - first loss, world 1| under deepseek_v3 (measured 7.5e-4); the band
+chapter 8 asserts for its own TP = 2 run: per-shard scales move the loss by this much,
+deterministically for a given machine (the band leaves room for another CPU's matmul
+rounding)."""
 V3_WIRE = {("dispatch", "forward"): "fp8_pow2", ("combine", "forward"): "bf16",
            ("combine", "backward"): "fp8_pow2", ("dispatch", "backward"): "bf16"}
 
@@ -147,7 +153,8 @@ def test_layouts_agree_to_rounding_at_step_0_and_closely_after(runs, layout, rec
     losses = _losses(runs, layout, recipe)
     first = abs(losses[0] - reference[0])
     if recipe == "deepseek_v3" and LAYOUTS[layout][0].get("tensor_model_parallel_size", 1) > 1:
-        assert SAME_WEIGHTS < first < ACROSS_LAYOUTS, first  # per-shard FP8 scales (see above)
+        low, high = TP_FP8_FIRST_STEP  # per-shard FP8 scales (see above)
+        assert low < first < high, first
     else:
         assert first < SAME_WEIGHTS, (layout, recipe, first)
     limit = 1e-5 if recipe == "fp32" else ACROSS_LAYOUTS

@@ -131,35 +131,95 @@ def test_bf16_at_four_bytes_fails_only_the_bf16_cases():
     assert result.hint == ch08.HINT_BYTES_ELEMENT
 
 
-# --- 8.3 -------------------------------------------------------------------------------------
+# --- 8.3 ---------------------------------------------------------------------------------------
 
 
-def _with_rules(rules_of):
+def _after_base(rules_of):
+    """The student's rules appended after the base recipe's rules."""
+    return lambda base, n: dataclasses.replace(base, rules=list(base.rules) + rules_of(n))
+
+
+def _before_base(rules_of):
+    """The student's rules put before the base recipe's rules (they win every match)."""
     return lambda base, n: dataclasses.replace(base, rules=rules_of(n) + list(base.rules))
 
 
-def test_rules_after_the_base_rules_also_pass():
-    """The base recipe's rules never match a linear, so appending works too (and is accepted)."""
-    ends = _with_rules(lambda n: [])
-    assert not check_keep_ends_in_bf16(ends)
-    appended = lambda base, n: dataclasses.replace(  # noqa: E731
-        base, rules=list(base.rules) + [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")])
-    assert check_keep_ends_in_bf16(appended)
+def _ends(n):
+    return [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")]
+
+
+def _fp8_modules_of_the_ends(n):
+    """Only the modules deepseek_v3 runs in FP8, named one by one: safe before the base."""
+    return [(f"layers.{i}.{part}", "bf16") for i in (0, n - 1)
+            for part in ("self_attention.linear_*", "mlp.linear_fc*", "mlp.experts",
+                         "mlp.shared_experts", "mlp.dispatcher")]
+
+
+def test_the_ends_after_the_base_rules_pass_and_keep_the_router_and_norms_fp32():
+    """First match wins: appended after the base's rules, ``layers.0.*`` only gets what the
+    base leaves to its fp8 default, so the router and the layernorms stay fp32.
+
+    The rule being taught is DeepSeek-V3's: the report (arXiv:2412.19437v2, section 3.3.1)
+    keeps the MoE gating modules and the normalization operators in their original
+    precision while the linears run in FP8; the library's ``deepseek_v3`` recipe keeps them
+    in fp32 (``*.router``, ``*layernorm``), and a recipe that moves the ends to BF16 must
+    not move those down to BF16.
+    """
+    assert not check_keep_ends_in_bf16(_after_base(lambda n: []))  # nothing changed: fails
+    assert check_keep_ends_in_bf16(_after_base(_ends))
+    assert check_keep_ends_in_bf16(_before_base(_fp8_modules_of_the_ends))
+    recipe = _after_base(_ends)(fp8_recipe(), 61)
+    for layer in (0, 60):
+        assert recipe.precision_of(f"layers.{layer}.mlp.experts") == "bf16"
+        assert recipe.precision_of(f"layers.{layer}.input_layernorm") == "fp32"
+    assert recipe.precision_of("layers.60.mlp.router") == "fp32"
+    assert recipe.communication_of("layers.60.mlp") == (("bf16", "bf16"), ("bf16", "bf16"))
+
+
+def test_end_rules_before_the_base_rules_demote_the_router_and_norms_and_fail():
+    """The chapter's old solution: ``layers.<i>.*`` first, so it wins over ``*.router`` and
+    ``*layernorm`` and turns them bf16.  The checker used to accept that; it must name it."""
+    result = check_keep_ends_in_bf16(_before_base(_ends))
+    assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
+    assert all(not c.passed for c in result.cases)
+    assert "layers.0.input_layernorm -> bf16 (wanted fp32)" in result.cases[0].detail
+    last = result.cases[-1]  # 61 layers: layer 60 is MoE, its router was demoted
+    assert "61 layers" in last.name and not last.passed
+    recipe = _before_base(_ends)(fp8_recipe(), 61)
+    assert recipe.precision_of("layers.60.mlp.router") == "bf16"  # what the hint explains
+
+
+def test_only_the_last_router_in_bf16_fails_on_every_model():
+    """Right everywhere but one module: the last layer's router in bf16 instead of fp32."""
+    def one_router_down(base, n):
+        return dataclasses.replace(base, rules=[(f"layers.{n - 1}.mlp.router", "bf16")]
+                                   + list(base.rules) + _ends(n))
+    result = check_keep_ends_in_bf16(one_router_down)
+    assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
+    assert [c.passed for c in result.cases] == [False] * len(ch08.ENDS_CASES)
+    assert all("1 module(s) wrong" in c.detail and ".mlp.router -> bf16 (wanted fp32)" in c.detail
+               for c in result.cases)
+
+
+def fp8_recipe():
+    from tutorial_lib.precision import get_recipe
+    return get_recipe("deepseek_v3")
 
 
 def _mutating(base, n):
-    base.rules[:0] = [("layers.0.*", "bf16"), (f"layers.{n - 1}.*", "bf16")]
+    base.rules[len(base.rules):] = _ends(n)
     return base
 
 
 @pytest.mark.parametrize("wrong,hint", [
-    (_with_rules(lambda n: [("layers.0.*", "bf16"), (f"layers.{n}.*", "bf16")]), ch08.HINT_ENDS_LAST),
-    (_with_rules(lambda n: [(f"layers.{n - 1}.*", "bf16")]), ch08.HINT_ENDS_FIRST),
-    (_with_rules(lambda n: [("layers.0.*", "bf16"), (f"layers.{n - 1}.self_attention.*", "bf16"),
+    (_after_base(lambda n: [("layers.0.*", "bf16"), (f"layers.{n}.*", "bf16")]), ch08.HINT_ENDS_LAST),
+    (_after_base(lambda n: [(f"layers.{n - 1}.*", "bf16")]), ch08.HINT_ENDS_FIRST),
+    (_after_base(lambda n: [("layers.0.*", "bf16"), (f"layers.{n - 1}.self_attention.*", "bf16"),
                             (f"layers.{n - 1}.mlp.linear_fc*", "bf16")]), ch08.HINT_ENDS_MOE),
-    (_with_rules(lambda n: [("layers.0.*", "bf16"), ("layers.60.*", "bf16")]), ch08.HINT_ENDS_LAST),
+    (_after_base(lambda n: [("layers.0.*", "bf16"), ("layers.60.*", "bf16")]), ch08.HINT_ENDS_LAST),
     (lambda base, n: dataclasses.replace(base, default="bf16"), ch08.HINT_ENDS_TOO_MUCH),
-    (_with_rules(lambda n: [("layers.*", "bf16")]), ch08.HINT_ENDS_TOO_MUCH),
+    (_after_base(lambda n: [("layers.*", "bf16")]), ch08.HINT_ENDS_TOO_MUCH),
+    (_before_base(_ends), ch08.HINT_ENDS_DEMOTED),
     (_mutating, ch08.HINT_ENDS_MUTATED),
     (lambda base, n: [("layers.0.*", "bf16")], ch08.HINT_ENDS_FORMAT),
 ])
@@ -172,4 +232,5 @@ def test_the_cases_include_deepseek_v3_depth_and_names_like_the_model():
     assert any(n == 61 for _, n, _ in ch08.ENDS_CASES)
     names = ch08.deepseek_module_names(4, 1)
     assert "layers.3.mlp.dispatcher" in names and "layers.0.mlp.linear_fc1" in names
+    assert "layers.0.input_layernorm" in names and "layers.3.mlp.router" in names
     assert names[0] == "embedding.word_embeddings" and names[-1] == "output_layer"

@@ -241,3 +241,18 @@ def test_pow2_scales_round_up_at_every_exponent_edge():
     assert bool((scale >= exact).all()), (amax[scale < exact], scale[scale < exact])
     assert bool((scale / 2 < exact).all())               # ... and the smallest such one
     assert bool(((amax / scale) <= fp8.E4M3_MAX).all())   # nothing above 448 after dividing
+
+
+def test_the_stored_timing_reference_is_chapter_8s_measurement():
+    """The reference chapter 8 prints beside the reader's timing
+    (``bench/bench_fp8.py --save-reference``): the same sizes, the same traced bytes, and
+    where it was measured."""
+    from tutorial_lib import reference
+    ref = reference.load("ch08_fp8_all_to_all")
+    assert [r["hidden"] for r in ref.rows] == [1024, 4096]
+    for r in ref.rows:
+        assert r["bf16_bytes"] == 2048 * fp8.wire_bytes_per_row(r["hidden"], "bf16")
+        assert r["fp8_bytes"] == 2048 * fp8.wire_bytes_per_row(r["hidden"], "fp8")
+        assert r["bf16_ms"] > 0 and r["fp8_ms"] > 0
+    assert "cores" in ref.machine and ref.date and ref.load is not None
+    assert ref.command == "python bench/bench_fp8.py --save-reference"

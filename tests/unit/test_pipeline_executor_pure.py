@@ -120,11 +120,12 @@ def test_helper_name_refuses_what_no_helper_does():
         helper_name(two_sends)
 
 
-def test_interleaved_with_blocking_sends_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="overlap_p2p_comm") as error:
+def test_the_executor_takes_megatrons_modes_and_refuses_the_blocking_one():
+    """The executor checks the pair the way a run does (tests/unit/test_pipeline_schedules.py)."""
+    with pytest.raises(ConfigError, match="teaching construct") as error:
         check_schedule_and_mode("interleaved", "sequential")
-    assert error.value.rule == "interleaved schedule"
+    assert error.value.rule == "p2p mode"
     with pytest.raises(ConfigError, match="schedule must be one of"):
         check_schedule_and_mode("zigzag", "batched")
-    for schedule, mode in itertools.product(("gpipe", "1f1b"), ("sequential", "overlapped", "batched")):
-        check_schedule_and_mode(schedule, mode)
+    for schedule, mode in itertools.product(("gpipe", "1f1b"), ("overlapped", "batched")):
+        check_schedule_and_mode(schedule, mode, 2)

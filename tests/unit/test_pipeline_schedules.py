@@ -499,3 +499,52 @@ def test_planned_spans_draw_with_the_timeline_widget():
     assert {s[4] for s in planned_spans(tl, p2p=True)} == {"compute", "pp"}
     html = timeline_from_spans(spans, scale=1, unit="step")._repr_html_()
     assert "F0.1" in html
+
+
+# --- which (schedule, P2P mode) pairs a run takes: Megatron's --------------------------------
+
+# Megatron-Core 0.20.0 (NVIDIA/Megatron-LM d98e8a64):
+# * megatron/core/pipeline_parallel/p2p_communication.py, P2PCommunicator._communicate: the
+#   P2P layer has two paths, _batched_p2p_ops (batch_p2p_comm) and _p2p_ops, and both post
+#   every isend / irecv of a call before anything waits on them: no blocking send-then-receive.
+# * megatron/training/arguments.py, validate_args: with a virtual pipeline (interleaving) and
+#   overlap_p2p_comm off, it asserts pipeline_model_parallel_size > 2; with overlap on, > 1.
+# * megatron/training/argument_utils.py: batch_p2p_comm = not overlap_p2p_comm.
+# * megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_without_interleaving
+#   refuses overlap_p2p_comm, but takes batch_p2p_comm=False (the unbatched _p2p_ops, waited
+#   on at once): our "overlapped" mode with 1F1B.
+MEGATRON_PAIRS = {  # (schedule, mode, PP) -> accepted
+    ("1f1b", "batched", 2): True, ("1f1b", "batched", 3): True,
+    ("1f1b", "overlapped", 2): True, ("1f1b", "overlapped", 3): True,
+    ("interleaved", "overlapped", 2): True, ("interleaved", "overlapped", 3): True,
+    ("interleaved", "batched", 2): False, ("interleaved", "batched", 3): True,
+    ("interleaved", "batched", 4): True,
+    ("gpipe", "batched", 3): True, ("gpipe", "overlapped", 3): True,
+    **{(s, "sequential", pp): False for s in ("gpipe", "1f1b", "interleaved") for pp in (2, 3)},
+}
+
+
+@pytest.mark.parametrize("schedule,mode,pp", list(MEGATRON_PAIRS),
+                         ids=[f"{s}-{m}-pp{p}" for s, m, p in MEGATRON_PAIRS])
+def test_schedule_and_mode_pairs_are_the_ones_megatron_runs(schedule, mode, pp):
+    """Chapter 7's table: a run takes exactly the (schedule, P2P mode) pairs Megatron allows
+    (the citations above MEGATRON_PAIRS).  Before issue 13 the blocking mode was accepted with
+    1F1B and GPipe, and interleaved + batched at PP = 2."""
+    from tutorial_lib.pipeline_schedules import check_schedule_and_mode
+    if MEGATRON_PAIRS[schedule, mode, pp]:
+        check_schedule_and_mode(schedule, mode, pp)
+        return
+    with pytest.raises(ConfigError) as error:
+        check_schedule_and_mode(schedule, mode, pp)
+    if mode == "sequential":
+        assert error.value.rule == "p2p mode"
+        assert "not a mode Megatron has" in str(error.value)
+    else:
+        assert error.value.rule == "interleaved schedule"
+        assert "needs pipeline_model_parallel_size > 2, got 2" in str(error.value)
+    assert "--p2p-mode" in str(error.value)  # and the fix
+
+
+def test_training_p2p_modes_are_megatrons_two():
+    from tutorial_lib.pipeline_schedules import P2P_MODES, TRAINING_P2P_MODES
+    assert set(TRAINING_P2P_MODES) == {"batched", "overlapped"} < set(P2P_MODES)

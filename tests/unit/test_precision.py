@@ -247,3 +247,161 @@ def test_gradients_reach_every_parameter_under_the_recipe(model):
     F.cross_entropy(model(IDS).flatten(0, 1), IDS.flatten()).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing, missing
+
+
+# --- DeepSeek-V3's FP8 recipe card ---------------------------------------------------------
+#
+# The card (recipes.DEEPSEEK_V3_FP8_CARD) states, per choice of DeepSeek-V3 Technical Report
+# (arXiv:2412.19437v2) section 3.3, what this library does.  Each entry's "here" is checked
+# below against the library, so the card cannot drift from the code: an entry without a
+# check fails test_every_card_entry_has_a_check.
+
+
+def _fp8_linear_run(in_features=256, out_features=256, seed=0):
+    """A bias-free linear under deepseek_v3's default (fp8), one forward and backward."""
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(in_features, out_features, bias=False)
+    apply_recipe(layer, "deepseek_v3")
+    x = torch.randn(130, in_features, requires_grad=True)
+    dy = torch.randn(130, out_features)
+    y = layer(x)
+    y.backward(dy)
+    return layer, x, dy, y
+
+
+def _card_gemms():
+    layer, x, dy, y = _fp8_linear_run()
+    want_y, want_dx, want_dw = _simulated_linear(x, layer.weight, "fp8", dy)
+    # forward, input gradient and weight gradient all see FP8 operands, product in fp32
+    assert torch.allclose(y, want_y, atol=1e-5) and torch.allclose(x.grad, want_dx, atol=1e-5)
+    assert torch.allclose(layer.weight.grad, want_dw, atol=1e-4)
+    assert y.dtype == torch.float32
+
+
+def _card_format():
+    assert fp8.E4M3 is torch.float8_e4m3fn and fp8.E4M3_MAX == 448.0
+    assert get_recipe("deepseek_v3").quantize_gradients is True
+    layer, x, dy, _ = _fp8_linear_run()
+    # the output gradient reached the backward matmul as E4M3 values times 1x128 scales
+    dyq = fp8.fake_quantize_1x128(dy)
+    assert torch.allclose(x.grad, dyq @ fp8.fake_quantize_blocks(layer.weight.detach()),
+                          atol=1e-5)
+    assert fp8.quantize_1x128(dy)[0].dtype == torch.float8_e4m3fn
+
+
+def _card_online_scaling():
+    small = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    before = fp8.tile_scales(small)
+    fp8.quantize_1x128(small * 1e4)  # a huge tensor quantized in between leaves no trace
+    assert torch.equal(fp8.tile_scales(small), before)
+    amax = small.view(4, 2, 128).abs().amax(-1).clamp(min=fp8.AMAX_FLOOR)
+    assert torch.equal(before, amax / 448)
+
+
+def _card_activation_tiles():
+    assert fp8.TILE == 128
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(2))
+    y = x.clone()
+    y[1, 200] = 1e3  # token 1, tile 1
+    changed = fp8.tile_scales(y) != fp8.tile_scales(x)
+    assert changed.shape == (3, 3) and changed.nonzero().tolist() == [[1, 1]]
+
+
+def _card_wgrad_tiles():
+    layer, x, dy, _ = _fp8_linear_run()
+    dyq = fp8.fake_quantize_1x128(dy)
+    one_by_128 = dyq.T @ fp8.fake_quantize_1x128(x.detach())
+    by_128x1 = dyq.T @ fp8.fake_quantize_1x128(x.detach().T).T  # what V3 re-tiles to
+    assert torch.allclose(layer.weight.grad, one_by_128, atol=1e-4)  # the forward's tiles
+    assert not torch.allclose(layer.weight.grad, by_128x1, atol=1e-4)  # not re-tiled
+
+
+def _card_weight_blocks():
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    spiked = w.clone()
+    spiked[10, 200] = 1e3  # block (0, 1)
+    moved = (fp8.fake_quantize_blocks(spiked) != fp8.fake_quantize_blocks(w))
+    blocks = moved.view(2, 128, 2, 128).any(dim=3).any(dim=1)
+    assert blocks.tolist() == [[False, True], [False, False]]
+
+
+def _card_accumulation():
+    layer, x, _, y = _fp8_linear_run(in_features=1024, out_features=8)
+    xq, wq = fp8.fake_quantize_1x128(x.detach()), fp8.fake_quantize_blocks(layer.weight.detach())
+    exact = (xq.double() @ wq.double().T)
+    assert y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= 1e-5 * exact.abs().max()).all()  # fp32 throughout
+
+
+def _card_kept_precision():
+    v3 = get_recipe("deepseek_v3")
+    kept = {"embedding.word_embeddings": "bf16", "output_layer": "bf16",
+            "layers.4.mlp.router": "fp32", "layers.4.input_layernorm": "fp32",
+            "layers.4.pre_mlp_layernorm": "fp32", "final_layernorm": "fp32",
+            "layers.4.self_attention.core_attention": "bf16"}
+    assert {name: v3.precision_of(name) for name in kept} == kept
+
+
+def _card_communication():
+    assert fp8.DEEPSEEK_V3_DISPATCH == ("fp8_pow2", "bf16")
+    assert fp8.DEEPSEEK_V3_COMBINE == ("bf16", "fp8_pow2")
+    assert fp8.wire_bytes_per_row(7168, "fp8_pow2") == 7168 + 4 * 7168 // 128  # fp32 scales
+
+
+def _card_optimizer_moments():
+    import inspect
+
+    from tutorial_lib import train_4d
+    source = inspect.getsource(train_4d.train_worker)
+    assert "torch.optim.Adam" in source and "bfloat16" not in source
+    param = torch.nn.Parameter(torch.randn(4))
+    optimizer = torch.optim.Adam([param])
+    param.grad = torch.ones(4)
+    optimizer.step()
+    assert {v.dtype for v in optimizer.state[param].values() if v.dim()} == {torch.float32}
+
+
+def _card_master_weights():
+    layer, x, dy, _ = _fp8_linear_run()
+    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
+    # straight through: the gradient is the fp32 product, not itself rounded to FP8 blocks
+    assert not torch.equal(layer.weight.grad, fp8.fake_quantize_blocks(layer.weight.grad))
+
+
+CARD_CHECKS = {
+    "gemms": _card_gemms, "format": _card_format, "online_scaling": _card_online_scaling,
+    "activation_tiles": _card_activation_tiles, "wgrad_tiles": _card_wgrad_tiles,
+    "weight_blocks": _card_weight_blocks, "accumulation": _card_accumulation,
+    "kept_precision": _card_kept_precision, "communication": _card_communication,
+    "optimizer_moments": _card_optimizer_moments, "master_weights": _card_master_weights,
+}
+
+
+def test_every_card_entry_has_a_check_and_the_card_covers_section_3_3():
+    """The card lists DeepSeek-V3's FP8 choices of the V3 report (arXiv:2412.19437v2)
+    section 3.3: E4M3 on every tensor (3.3.2), online per-tile/block amax (3.3.2), FP32
+    promotion every 128 accumulated elements (3.3.2), 1x128 activation tiles and 128x128
+    weight blocks (3.3.2), 128x1 tiles for the weight gradient (3.3.3, 3.5.2), BF16 AdamW
+    moments and FP32 master weights (3.3.3), the kept-precision modules (3.3.1) and the FP8
+    dispatch legs (3.3.3)."""
+    keys = [e.key for e in precision.DEEPSEEK_V3_FP8_CARD]
+    assert len(keys) == len(set(keys)) and set(keys) == set(CARD_CHECKS)
+    card = {e.key: e for e in precision.DEEPSEEK_V3_FP8_CARD}
+    assert "E4M3" in card["format"].deepseek_v3 and "gradients" in card["format"].deepseek_v3
+    assert "1x128" in card["activation_tiles"].deepseek_v3
+    assert "128x1" in card["wgrad_tiles"].deepseek_v3
+    assert "128x128" in card["weight_blocks"].deepseek_v3
+    assert "128 elements" in card["accumulation"].deepseek_v3
+    assert "BF16" in card["optimizer_moments"].deepseek_v3
+    assert "FP32" in card["master_weights"].deepseek_v3
+    assert "amax" in card["online_scaling"].deepseek_v3
+    assert all(e.section.startswith("3.") for e in card.values())
+    rows = precision.recipe_card_rows()
+    assert len(rows) == len(keys) and all(len(r) == 4 and all(r) for r in rows)
+
+
+@pytest.mark.parametrize("key", sorted(CARD_CHECKS))
+def test_each_card_entry_says_what_the_library_does(key):
+    entry = {e.key: e for e in precision.DEEPSEEK_V3_FP8_CARD}[key]
+    assert entry.here.startswith("not ") == (not entry.simulated), entry
+    CARD_CHECKS[key]()

@@ -22,3 +22,11 @@ def test_unknown_and_odd_names_are_refused(tmp_path, monkeypatch):
         reference.load("missing")
     with pytest.raises(ValueError, match="plain file stem"):
         reference.load("../etc/passwd")
+
+
+def test_the_load_taken_before_measuring_is_the_one_stored(tmp_path, monkeypatch):
+    """A measuring script's own processes raise the load average it would read after the
+    run; the load it took before is what ``Reference.load`` means."""
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    assert reference.save("before", [], load=0.3).load == 0.3
+    assert reference.load("before").load == 0.3

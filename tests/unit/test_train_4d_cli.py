@@ -221,6 +221,50 @@ def test_validate_args_refuses_every_bad_value_with_the_rule_the_value_and_a_fix
         assert fragment in str(info.value), (fragment, str(info.value))
 
 
+P2P_PAIR_LAYOUT = dict(world_size=4, num_layers=8, num_microbatches=4, global_batch_size=16)
+
+
+@pytest.mark.parametrize("changes,rule,fragments", [
+    (dict(pipeline_model_parallel_size=4, p2p_mode="sequential"), "p2p mode",
+     ["p2p_mode 'sequential'", "not a mode Megatron has", "--p2p-mode batched"]),
+    (dict(pipeline_model_parallel_size=2, schedule="interleaved", p2p_mode="sequential"),
+     "p2p mode", ["teaching construct"]),
+    (dict(pipeline_model_parallel_size=2, schedule="interleaved", p2p_mode="batched"),
+     "interleaved schedule", ["needs pipeline_model_parallel_size > 2, got 2",
+                              "--p2p-mode overlapped"]),
+], ids=["1f1b-sequential", "interleaved-sequential", "interleaved-batched-pp2"])
+def test_validate_args_refuses_the_p2p_mode_pairs_megatron_does_not_run(changes, rule, fragments):
+    """Chapter 7's (schedule, P2P mode) table, through the run's validator.  Megatron-Core
+    0.20.0 (d98e8a64): its P2P layer posts every op before waiting, batched or not
+    (megatron/core/pipeline_parallel/p2p_communication.py, ``_communicate`` choosing
+    ``_batched_p2p_ops`` or ``_p2p_ops``), so the blocking mode is no Megatron mode; and
+    megatron/training/arguments.py ``validate_args`` asserts PP > 2 for the interleaved
+    schedule with ``overlap_p2p_comm`` off.  Both were accepted before issue 13."""
+    with pytest.raises(ConfigError) as info:
+        validate_args(replace(TrainingArgs(**P2P_PAIR_LAYOUT), **changes))
+    assert info.value.rule == rule, str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+@pytest.mark.parametrize("changes", [
+    dict(pipeline_model_parallel_size=4, p2p_mode="batched"),
+    dict(pipeline_model_parallel_size=4, p2p_mode="overlapped"),
+    dict(pipeline_model_parallel_size=2, schedule="interleaved", p2p_mode="overlapped"),
+    dict(pipeline_model_parallel_size=4, schedule="interleaved", p2p_mode="batched"),
+], ids=["1f1b-batched", "1f1b-overlapped", "interleaved-overlapped-pp2", "interleaved-batched-pp4"])
+def test_validate_args_takes_the_p2p_mode_pairs_megatron_runs(changes):
+    validate_args(replace(TrainingArgs(**P2P_PAIR_LAYOUT), **changes))
+
+
+def test_the_p2p_mode_flag_offers_megatrons_two_modes(script, capsys):
+    parser = script.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--p2p-mode", "sequential"])
+    assert "invalid choice: 'sequential'" in capsys.readouterr().err
+    assert "{batched,overlapped}" in parser.format_help()
+
+
 def test_validate_args_takes_the_limits_themselves():
     for changes in (dict(seed=1), dict(seed=2**32 - 1), dict(lr=0.0), dict(clip_grad=0.0), dict(timeout=0.5),
                     dict(num_shared_experts=0, first_k_dense_replace=0), dict(lr=1)):

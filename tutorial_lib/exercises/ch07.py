@@ -4,9 +4,11 @@
   ``fn(tensor, shape, dtype) -> gradient or None`` plays
   :func:`tutorial_lib.p2p.send_forward_recv_backward` in one steady-state round on
   ``PP = 2, 3, 4`` real gloo ranks, against the library's ``send_backward_recv_forward``
-  on the neighbour.  ``PP = 2`` alone cannot tell the next stage from the previous one,
-  so receiving the gradient from the previous stage only fails from ``PP = 3`` on; the
-  deadlock report (or the trace) names the wrong peer.
+  on the neighbour.  ``PP = 2`` alone cannot tell the next stage from Megatron's
+  (wrapping) previous one, so receiving the gradient from the previous stage only
+  fails from ``PP = 3`` on, as a deadlock whose report names the wrong peer; with the
+  non-wrapping ``p2p.prev_rank()`` stage 0 raises at ``PP = 2`` already, and the hint
+  says which of the two happened.
 * :func:`check_send_first`: the student's rule ``fn(stage, pp, helper) -> bool`` says
   which end of each exchange sends first with *blocking* send/recv.  The checker runs
   the 1F1B steady state (every stage: ``send_forward_recv_backward``, then
@@ -33,11 +35,19 @@ NUMEL = 6  # elements of every message: small, so a round costs milliseconds
 # --- hints (tests look for these exact strings) ---------------------------------------
 
 HINT_RECV_FROM_PREVIOUS = (
-    "you receive the gradient from the previous stage, the classic wrong peer. The gradient "
-    "of the activation you send is computed by the stage that consumes it, the NEXT stage, "
-    "so in send_forward_recv_backward both messages go to and come from p2p.next_rank(). "
-    "With PP = 2 the previous and the next rank of a 2-stage ring are the same rank, which "
-    "is why the mistake only shows from PP = 3 on."
+    "you receive the gradient from the previous stage, the classic wrong peer: it passed at "
+    "PP = 2 and deadlocked at PP = 3. The gradient of the activation you send is computed by "
+    "the stage that consumes it, the NEXT stage, so in send_forward_recv_backward both "
+    "messages go to and come from p2p.next_rank(). At PP = 2 the previous rank on "
+    "Megatron's ring (it wraps: stage 0's previous is the last stage) is the next rank, "
+    "which is why only PP >= 3 shows the mistake."
+)
+HINT_RECV_FROM_NONE = (
+    "you receive the gradient from p2p.prev_rank(), which is None on stage 0, so it failed "
+    "at PP = 2 already (recv: peer rank None). The guide's code takes Megatron's previous "
+    "rank, which wraps around (p2p.prev_rank(wrap=True)): with it the same mistake passes "
+    "at PP = 2 and deadlocks from PP = 3 on. Either way the gradient comes from the NEXT "
+    "stage: receive it from p2p.next_rank(), the rank you send the activation to."
 )
 HINT_SEND_TO_PREVIOUS = (
     "the activation goes to the wrong stage: the forward pass runs from stage s to stage "
@@ -82,10 +92,11 @@ HINT_FIX_GENERIC = (
 )
 
 HINT_ALL_SEND_FIRST = (
-    "deadlock: every stage sends first. A blocking send returns only once the peer has posted "
-    "the matching receive (always on gloo; on NCCL once a message is larger than its eager "
-    "buffer), and both ends of the first exchange are stuck in their sends. The two ends of "
-    "every exchange must choose opposite orders."
+    "deadlock: every stage sends first. On gloo a blocking send returns only once the peer "
+    "has posted the matching receive, so both ends of the first exchange are stuck in their "
+    "sends. (On NCCL the host would not block, but the two GPU streams would: each runs its "
+    "send before its receive, and a send waits for its partner.) The two ends of every "
+    "exchange must choose opposite orders."
 )
 HINT_ALL_RECV_FIRST = (
     "deadlock: every stage receives first, so nobody ever sends. The two ends of every "
@@ -123,8 +134,9 @@ HINT_FLAG_TURNS_OVERLAP_OFF = (
     "overlap_p2p_comm turns batching on: batched."
 )
 HINT_NEVER_SEQUENTIAL = (
-    "the training script never produces the sequential mode: batch_p2p_comm = not "
-    "overlap_p2p_comm, so one of the two is always on."
+    "Megatron never runs a sequential mode: with batch_p2p_comm it batches, without it "
+    "(_p2p_ops) it posts non-blocking isend / irecv and then waits, which is the overlapped "
+    "mode. And the training script sets batch_p2p_comm = not overlap_p2p_comm."
 )
 HINT_MODE_GENERIC = (
     "two steps: overlap_p2p_comm = (not no_overlap_flag) and interleaved; then "
@@ -134,7 +146,7 @@ HINT_MODE_GENERIC = (
 #: The mistakes of exercise 7.1, in order of preference.
 FIX_HINTS = Mistakes(
     HINT_FIX_GENERIC, recv_from_previous=HINT_RECV_FROM_PREVIOUS,
-    send_to_previous=HINT_SEND_TO_PREVIOUS, last_stage=HINT_LAST_STAGE,
+    recv_from_none=HINT_RECV_FROM_NONE, send_to_previous=HINT_SEND_TO_PREVIOUS, last_stage=HINT_LAST_STAGE,
     returned_sent=HINT_RETURNED_SENT, returned_none=HINT_RETURNED_NONE,
     empty_buffer=HINT_EMPTY_BUFFER, used_library=HINT_USED_LIBRARY, no_p2p=HINT_NO_P2P,
     deadlock=HINT_FIX_DEADLOCK)
@@ -243,7 +255,7 @@ def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> Chec
                 if got.rank == pp - 1:
                     check.shows({"last_stage"})
                 else:
-                    check.shows({"recv_from_previous"} if "recv:" in summary else {"send_to_previous"})
+                    check.shows({"recv_from_none"} if "recv:" in summary else {"send_to_previous"})
             else:
                 check.shows()
             continue

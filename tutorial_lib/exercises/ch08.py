@@ -11,8 +11,12 @@
   top-``K``, hidden ``H``, in each precision (the trace's convention: every copy, the
   rank's own included), against :func:`tutorial_lib.fp8.wire_bytes_per_row`.
 * :func:`check_keep_ends_in_bf16`: the student's ``fn(base, num_layers)`` returns a recipe
-  that keeps the first and the last layer in BF16 (matmuls and the MoE communication) and
-  changes nothing else; checked on the module names of models of 2 to 61 layers.
+  that runs in BF16 what ``base`` runs in FP8 in the first and the last layer (matmuls and
+  the MoE communication) and changes nothing else: the modules ``base`` keeps in higher
+  precision keep it, in the end layers too (the router and the layernorms stay fp32).
+  Rules are tried in order and the first match wins, so end-layer rules put *before*
+  the base's also catch those modules and demote them; that is a named mistake.  Checked
+  on the module names of models of 2 to 61 layers.
 
 Student code never makes a checker raise: exceptions and stubs become failed cases.
 """
@@ -103,15 +107,23 @@ HINT_ENDS_FIRST = "layer 0 is still FP8: keep the first layer (layers.0.*) in BF
 HINT_ENDS_MOE = (
     "the MoE parts of an end layer are still FP8: its experts, shared experts and dispatcher "
     "(the name layers.<i>.mlp.dispatcher decides the dispatch and combine precision). A rule "
-    "such as ('layers.<i>.*', 'bf16') covers them all."
+    "such as ('layers.<i>.*', 'bf16') after the base's rules covers them all."
 )
 HINT_ENDS_TOO_MUCH = (
     "you changed layers between the first and the last (or the embedding, head or defaults): "
     "everything but the two end layers must stay exactly as in the base recipe."
 )
+HINT_ENDS_DEMOTED = (
+    "the first matching rule wins, and your end-layer rules come before the base's: "
+    "'layers.<i>.*' now also catches that layer's router and layernorms, which the base "
+    "keeps in fp32 ('*.router', '*layernorm'), and demotes them to bf16. Put your rules "
+    "after the base's (list(base.rules) + yours): the base's exceptions match first, and "
+    "only what would fall to the fp8 default reaches your rules."
+)
 HINT_ENDS_GENERIC = (
-    "put ('layers.0.*', 'bf16') and (f'layers.{num_layers - 1}.*', 'bf16') before the base "
-    "recipe's rules: the first matching rule wins."
+    "append ('layers.0.*', 'bf16') and (f'layers.{num_layers - 1}.*', 'bf16') after the base "
+    "recipe's rules: the first matching rule wins, so the router, norms and attention core "
+    "keep the base's precision and the rest of the two layers (fp8 by default) turns bf16."
 )
 
 #: The mistakes of exercise 8.1, in order of preference: a wrong format, an inverted scale
@@ -130,7 +142,8 @@ PAYLOAD_HINTS = Mistakes(
 #: The mistakes of exercise 8.3, in order of preference (found by ``_ends_problems``).
 ENDS_HINTS = Mistakes(
     HINT_ENDS_GENERIC, any_case={"format"}, format=HINT_ENDS_FORMAT, mutated=HINT_ENDS_MUTATED,
-    too_much=HINT_ENDS_TOO_MUCH, last=HINT_ENDS_LAST, first=HINT_ENDS_FIRST, moe=HINT_ENDS_MOE)
+    too_much=HINT_ENDS_TOO_MUCH, demoted=HINT_ENDS_DEMOTED, last=HINT_ENDS_LAST,
+    first=HINT_ENDS_FIRST, moe=HINT_ENDS_MOE)
 
 
 # --- exercise 8.1: 1x128 quantization ------------------------------------------------------
@@ -316,6 +329,14 @@ def _layer_of(name: str) -> int | None:
     return int(parts[1]) if parts[0] == "layers" else None
 
 
+def _wanted(name: str, base, num_layers: int) -> str:
+    """The precision the exercise asks for: bf16 for an end layer's FP8 modules, else base's."""
+    want = base.precision_of(name)
+    if _layer_of(name) in (0, num_layers - 1) and want.startswith("fp8"):
+        return "bf16"
+    return want
+
+
 def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
     """Which rules the student's recipe breaks on one model: a set of mistake names."""
     problems = set()
@@ -323,8 +344,10 @@ def _ends_problems(recipe, base, num_layers, first_moe) -> set[str]:
         layer, want_base = _layer_of(name), base.precision_of(name)
         got = recipe.precision_of(name)
         if layer in (0, num_layers - 1):
-            ok = got == "bf16" if want_base.startswith("fp8") else got in ("bf16", "fp32")
-            if not ok:
+            if not want_base.startswith("fp8"):
+                if got != want_base:  # the router, a norm, the attention core: untouched
+                    problems.add("demoted")
+            elif got != "bf16":
                 moe_part = ".mlp." in name and "linear_fc" not in name
                 problems.add("moe" if moe_part else "first" if layer == 0 else "last")
         elif got != want_base:
@@ -356,10 +379,9 @@ def check_keep_ends_in_bf16(fn) -> CheckResult:
             check.add(Case(name, True))
             continue
         wrong = [n for n in deepseek_module_names(num_layers, first_moe)
-                 if (_layer_of(n) in (0, num_layers - 1) and pristine.precision_of(n).startswith("fp8")
-                     and got.precision_of(n) != "bf16")
-                 or (_layer_of(n) not in (0, num_layers - 1) and got.precision_of(n) != pristine.precision_of(n))]
-        shown = ", ".join(f"{n} -> {got.precision_of(n)}" for n in wrong[:3])
+                 if got.precision_of(n) != _wanted(n, pristine, num_layers)]
+        shown = ", ".join(f"{n} -> {got.precision_of(n)} (wanted "
+                          f"{_wanted(n, pristine, num_layers)})" for n in wrong[:3])
         check.add(Case(name, False, f"{len(wrong)} module(s) wrong, e.g. {shown}"
                        if wrong else "the recipe's default or communication changed"
                        if "too_much" in problems else "it changed the base recipe"))

@@ -3,9 +3,11 @@
     tile_explorer(x)            # x: [tokens, hidden], hidden a multiple of 128 (a few tokens)
 
 The reader picks a token, one of its tiles and a scaling (``1x128``, ``1x128, power-of-two
-scale``, ``per-tensor``).  The widget draws the tile's 128 values as bars, each value after
-the FP8 round trip as a tick, and below them each channel's relative error; beside it the
-tile's amax, its scale and the errors.  Every number is computed here by
+scale``, ``per-tensor``).  The widget draws the tile's 128 values as bars on a value axis
+with its scale (ticks at 0, half the tile's amax and its amax, either sign), each value
+after the FP8 round trip as a tick, below them each channel's relative error and the
+channel numbers; under it the tile's amax, its scale and the errors.  The drawing takes
+the width of its column, whatever the screen, and shows all 128 channels of the tile.  Every number is computed here by
 :mod:`tutorial_lib.fp8` (the library's own quantizer); the page only draws them.  Hover a bar
 for its channel.  Self-contained HTML (inline SVG, CSS and script, no CDN), so it works in the
 static book.
@@ -94,8 +96,12 @@ class TileExplorer(Widget):
                   f'<span class="tl-fp8-tilebtns tl-fp8-row"></span></div>'
                   f'<div class="tl-fp8-row"><span class="tl-fp8-label">scaling</span>'
                   f'<span class="tl-fp8-modes tl-fp8-row"></span></div>'
-                  f'<svg width="940" height="260" viewBox="0 0 940 260" role="img" '
+                  f'<svg width="720" height="268" role="img" '
                   f'aria-label="the values of one tile before and after FP8"></svg>'
+                  f'<div class="tl-fp8-legend">relative error per channel: <i></i> 0 to '
+                  f'1/17 (5.9 %), the bound for values in E4M3\'s normal range; <s></s> worse '
+                  f'(below the normal range, or flushed to zero). Red bars: values below '
+                  f'the normal range after scaling.</div>'
                   f'<div class="tl-fp8-hover">hover a bar: bars are the values, black ticks the '
                   f'values after FP8 and back</div><div class="tl-fp8-stats"></div>')
         attributes = (f'class="tl-fp8-tiles" id="{uid}" data-token="0" data-tile="0" '

@@ -31,10 +31,12 @@ function svgElement(svg, name, attrs, text) {
 // An SVG scales with its box, its labels with it: a picture drawn 940 units wide with
 // 11-unit labels, squeezed into a 350 px phone column, would print them 4 px tall.  So each
 // SVG gets a min-width at which its smallest label is MIN_TEXT_PX; where the column is
-// narrower, the SVG's parent scrolls sideways (widget.css), never the page.
+// narrower, the SVG's parent scrolls sideways (widget.css), never the page.  An SVG that
+// its widget draws in screen pixels at whatever width the column has (data-text-sized, the
+// FP8 tile explorer) keeps its text size by itself and is left alone.
 var MIN_TEXT_PX = 9;
 function keepTextReadable(root) {
-  var svgs = root.querySelectorAll("svg[viewBox]");
+  var svgs = root.querySelectorAll("svg[viewBox]:not([data-text-sized])");
   for (var i = 0; i < svgs.length; i++) {
     var svg = svgs[i], texts = svg.querySelectorAll("text"), smallest = Infinity;
     for (var j = 0; j < texts.length; j++) {
