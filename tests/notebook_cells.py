@@ -114,6 +114,7 @@ CHAPTERS = [
         Exercise("quantize_1x128", ch08.check_quantize_1x128),
         Exercise("payload_bytes", ch08.check_payload_bytes),
         Exercise("keep_ends_in_bf16", ch08.check_keep_ends_in_bf16),
+        Exercise("flushed_values", ch08.check_flushed_values),
     ), {"torch": torch, "dataclasses": dataclasses}, min_cases=4),
     Chapter("09_context_parallel.ipynb", (
         Exercise("merge", ch09.check_merge_partials),

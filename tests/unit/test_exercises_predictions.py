@@ -6,7 +6,9 @@
 * 5.4 ``blind_routing``: a device-limited routing whose device balance loss is 1 and whose
   communication loss is D/M, checked with ``moe_balance``'s losses;
 * 6.4 ``mixed_deadlock``: which pipelines mixing GPipe and 1F1B deadlock, and which ranks
-  wait on each other, checked by ``pipeline_schedules.simulate``.
+  wait on each other, checked by ``pipeline_schedules.simulate``;
+* 8.4 ``flushed_values``: how many ordinary values an outlier flushes to zero, per tile and
+  per tensor, checked with ``fp8``'s quantizers.
 
 For each: the right answer passes; typical wrong answers fail with the hint that names
 their mistake (and the more specific stage when they fail again); and empty, constant and
@@ -20,7 +22,7 @@ import re
 import pytest
 import torch
 
-from tutorial_lib.exercises import ch01, ch05, ch06, kit
+from tutorial_lib.exercises import ch01, ch05, ch06, ch08, kit
 
 from ..answer_keys import AnswerKey, assert_keeps_its_key, listed, raising
 from ..notebook_cells import CHAPTERS, assert_hint, assert_staged_hint, run_cell, tagged_cells
@@ -185,6 +187,35 @@ def test_mixed_deadlock_hints_come_in_stages():
                        *ch06.HINT_MIXED_NEVER)
 
 
+# --- exercise 8.4: what an outlier erases ---------------------------------------------------
+
+FLUSHED = {("tile", 1e4): 0, ("tensor", 1e4): 0, ("tile", 3e5): 0, ("tensor", 3e5): 0,
+           ("tile", 1e6): 127, ("tensor", 1e6): 511}
+"""Worked out by hand in the notebook's solution; the checker asks the quantizers."""
+
+
+def test_the_worked_counts_are_the_quantizer_s():
+    assert {(s, a): ch08.flushed_ordinary_values(a, s)
+            for s in ch08.SCALINGS for a in ch08.OUTLIERS} == FLUSHED
+    assert ch08.check_flushed_values(lambda: FLUSHED)
+    as_ints = {(s, int(a)): float(v) for (s, a), v in FLUSHED.items()}  # 10000, 0.0: fine
+    assert ch08.check_flushed_values(lambda: as_ints)
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (dict.fromkeys(FLUSHED, 0), ch08.HINT_FLUSH_NONE[0]),
+    ({k: (511 if v else 0) for k, v in FLUSHED.items()}, ch08.HINT_FLUSH_TILES[0]),
+    ({k: (v + 1 if v else 0) for k, v in FLUSHED.items()}, ch08.HINT_FLUSH_COUNT[0]),
+    ({**FLUSHED, ("tile", 3e5): 127, ("tensor", 3e5): 511}, ch08.HINT_FLUSH_NORMAL[0]),
+    ({**FLUSHED, ("tile", 1e6): 3}, ch08.HINT_FLUSH_GENERIC[0]),
+    ({**FLUSHED, ("tile", 1e6): 12.5}, ch08.HINT_FLUSH_FORMAT),
+    ("511", ch08.HINT_FLUSH_FORMAT),
+], ids=["never-zero", "no-tiles", "outlier-counted", "normal-range-only", "other",
+        "not-whole", "not-a-dict"])
+def test_flushed_values_names_the_mistake(answer, hint):
+    assert_hint(ch08.check_flushed_values(lambda: answer), hint)
+
+
 # --- no checker hands out its key ----------------------------------------------------------
 
 
@@ -214,6 +245,12 @@ def _blind_forbidden(name, detail, fn):
     return {str(idx), repr(idx.tolist()), str(probs)}
 
 
+def _flushed_forbidden(name, detail, fn):
+    scaling, outlier = re.match(r"(\w+), outlier (\S+)", name).groups()
+    want = FLUSHED[(scaling, float(outlier))]
+    return set() if want == 0 else {str(want)}  # 0: the count of a value nobody loses
+
+
 KEYS = [
     AnswerKey("1.3", ch01.check_node_crossings, {
         "empty": lambda: {},
@@ -234,6 +271,13 @@ KEYS = [
         "constant": lambda: dict.fromkeys(DEADLOCKS, {0, 1}),
         "always": lambda: {**DEADLOCKS, "B": {0, 1}, "E": {2, 3}},
     }, _deadlock_forbidden, ch06.MIXED_MISTAKES),
+    AnswerKey("8.4", ch08.check_flushed_values, {
+        "empty": lambda: {},
+        "zeros": lambda: dict.fromkeys(FLUSHED, 0),
+        "constant": lambda: dict.fromkeys(FLUSHED, 100),
+        "no_tiles": lambda: {k: (511 if v else 0) for k, v in FLUSHED.items()},
+        "outlier_counted": lambda: {k: (v + 1 if v else 0) for k, v in FLUSHED.items()},
+    }, _flushed_forbidden, ch08.FLUSH_MISTAKES),
 ]
 
 
@@ -247,7 +291,7 @@ def test_no_new_checker_shows_the_answer_to_an_unsolved_case(key, label):
 
 
 @pytest.mark.parametrize("notebook,stub", [("01", "node_crossings"), ("05", "blind_routing"),
-                                           ("06", "mixed_deadlock")])
+                                           ("06", "mixed_deadlock"), ("08", "flushed_values")])
 def test_the_chapter_carries_the_exercise(notebook, stub):
     """Registered in tests/notebook_cells.py (whose tests run its cells), introduced by an
     "Exercise" heading, and its solution cell is the one the test above worked out."""
@@ -260,3 +304,5 @@ def test_the_chapter_carries_the_exercise(notebook, stub):
         assert answer() == CROSSINGS
     elif stub == "mixed_deadlock":
         assert answer() == DEADLOCKS
+    elif stub == "flushed_values":
+        assert answer() == FLUSHED
