@@ -120,6 +120,7 @@ CHAPTERS = [
         Exercise("merge", ch09.check_merge_partials),
         Exercise("held", ch09.check_held_chunks),
         Exercise("ring_pass_bytes", ch09.check_ring_pass_bytes),
+        Exercise("ring_work", ch09.check_ring_work, launches=("solution",)),
     ), {"torch": torch}, min_cases=4),
 ]
 

@@ -8,7 +8,12 @@
 * 6.4 ``mixed_deadlock``: which pipelines mixing GPipe and 1F1B deadlock, and which ranks
   wait on each other, checked by ``pipeline_schedules.simulate``;
 * 8.4 ``flushed_values``: how many ordinary values an outlier flushes to zero, per tile and
-  per tensor, checked with ``fp8``'s quantizers.
+  per tensor, checked with ``fp8``'s quantizers;
+* 9.4 ``ring_work``: the (query, key) pairs each rank of a causal ring attends under the
+  naive and the balanced split. Its checker runs the ring on gloo ranks (the notebook's
+  solution cell does, in tests/dist/test_exercises_notebooks.py); here it is handed the
+  counts of ``context_parallel.causal_pairs`` instead, so its judging runs without a
+  process.
 
 For each: the right answer passes; typical wrong answers fail with the hint that names
 their mistake (and the more specific stage when they fail again); and empty, constant and
@@ -22,7 +27,8 @@ import re
 import pytest
 import torch
 
-from tutorial_lib.exercises import ch01, ch05, ch06, ch08, kit
+from tutorial_lib.context_parallel import causal_pairs
+from tutorial_lib.exercises import ch01, ch05, ch06, ch08, ch09, kit
 
 from ..answer_keys import AnswerKey, assert_keeps_its_key, listed, raising
 from ..notebook_cells import CHAPTERS, assert_hint, assert_staged_hint, run_cell, tagged_cells
@@ -216,6 +222,56 @@ def test_flushed_values_names_the_mistake(answer, hint):
     assert_hint(ch08.check_flushed_values(lambda: answer), hint)
 
 
+# --- exercise 9.4: each rank's causal work ------------------------------------------------
+
+WORK = {("naive", 0): 10, ("naive", 1): 26, ("naive", 2): 42,
+        ("balanced", 0): 26, ("balanced", 1): 26, ("balanced", 2): 26}
+"""Worked out by hand in the notebook's solution."""
+
+
+def counted():
+    """What the ring's trace counts, from the library's position arithmetic."""
+    return {(split, rank): pairs for split in ch09.SPLITS for rank, pairs in
+            enumerate(causal_pairs(ch09.WORK_SEQ, ch09.WORK_CP, split == "balanced"))}
+
+
+def check_work(answer):
+    return ch09.check_ring_work(lambda: answer, measured=counted)
+
+
+def test_the_worked_work_is_the_position_count():
+    assert counted() == WORK and check_work(WORK)
+
+
+def test_a_stub_or_garbage_runs_no_ring():
+    def boom():
+        raise AssertionError("the ring ran before a prediction was committed")
+    for fn in (lambda: None, raising, lambda: [1, 2]):
+        result = ch09.check_ring_work(fn, measured=boom)
+        assert not result.passed
+
+
+@pytest.mark.parametrize("rule,hint", [
+    (dict(causal=False), ch09.HINT_WORK_NOT_CAUSAL),
+    (dict(striped=True), ch09.HINT_WORK_STRIPED),
+    (dict(diagonal=lambda c: c * c), ch09.HINT_WORK_DIAGONAL_FULL),
+    (dict(diagonal=lambda c: c * c / 2), ch09.HINT_WORK_DIAGONAL_HALF),
+    (dict(even=True), ch09.HINT_WORK_NAIVE),
+], ids=["not-causal", "striped", "diagonal-square", "diagonal-half", "naive-even"])
+def test_ring_work_names_the_mistake(rule, hint):
+    answer = {key: ch09.ring_work_variant(*key, **rule) for key in WORK}
+    assert_hint(check_work(answer), hint[0])
+
+
+@pytest.mark.parametrize("answer,hint", [
+    ({**WORK, ("naive", 2): 41}, ch09.HINT_WORK_GENERIC),
+    ({**WORK, ("naive", 2): "42 pairs"}, ch09.HINT_WORK_FORMAT),
+    ({}, ch09.HINT_WORK_FORMAT),
+], ids=["off-by-one", "text", "empty"])
+def test_ring_work_other_answers(answer, hint):
+    assert_hint(check_work(answer), hint)
+
+
 # --- no checker hands out its key ----------------------------------------------------------
 
 
@@ -251,6 +307,15 @@ def _flushed_forbidden(name, detail, fn):
     return set() if want == 0 else {str(want)}  # 0: the count of a value nobody loses
 
 
+def _work_forbidden(name, detail, fn):
+    split, rank = re.match(r"(\w+) split, rank (\d+)", name).groups()
+    return {str(WORK[(split, int(rank))])}
+
+
+def _counted_checker(fn):
+    return ch09.check_ring_work(fn, measured=counted)
+
+
 KEYS = [
     AnswerKey("1.3", ch01.check_node_crossings, {
         "empty": lambda: {},
@@ -278,6 +343,12 @@ KEYS = [
         "no_tiles": lambda: {k: (511 if v else 0) for k, v in FLUSHED.items()},
         "outlier_counted": lambda: {k: (v + 1 if v else 0) for k, v in FLUSHED.items()},
     }, _flushed_forbidden, ch08.FLUSH_MISTAKES),
+    AnswerKey("9.4", _counted_checker, {
+        "empty": lambda: {},
+        "constant": lambda: dict.fromkeys(WORK, 1),
+        "not_causal": lambda: {k: ch09.ring_work_variant(*k, causal=False) for k in WORK},
+        "striped": lambda: {k: ch09.ring_work_variant(*k, striped=True) for k in WORK},
+    }, _work_forbidden, ch09.WORK_MISTAKES),
 ]
 
 
