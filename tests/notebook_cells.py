@@ -79,6 +79,7 @@ CHAPTERS = [
         Exercise("my_ring_all_gather", ch02.check_ring_all_gather, launches=BOTH),
         Exercise("ring_all_reduce_bytes", ch02.check_ring_all_reduce_bytes, launches=BOTH),
         Exercise("choose_collectives", ch02.check_choose_collectives),
+        Exercise("dispatch", ch02.check_dispatch, launches=("solution",)),
     ), {"torch": torch, "comm": comm, "SCENARIOS": ch02.SCENARIOS}),
     Chapter("03_tp_dp.ipynb", (
         Exercise("row_parallel_linear", ch03.check_row_parallel_linear, launches=BOTH),

@@ -15,6 +15,10 @@
   counts of ``context_parallel.causal_pairs`` instead, so its judging runs without a
   process.
 
+* 2.4 ``dispatch``: which tokens arrive on each rank of an uneven all-to-all, and in what
+  order; its checker runs the dispatch on 4 gloo ranks (tests/dist runs the notebook's
+  solution), here it is handed a plain transposition of the routing table.
+
 For each: the right answer passes; typical wrong answers fail with the hint that names
 their mistake (and the more specific stage when they fail again); and empty, constant and
 typical wrong answers never see a reference answer in the output (tests/answer_keys.py's
@@ -28,7 +32,7 @@ import pytest
 import torch
 
 from tutorial_lib.context_parallel import causal_pairs
-from tutorial_lib.exercises import ch01, ch05, ch06, ch08, ch09, kit
+from tutorial_lib.exercises import ch01, ch02, ch05, ch06, ch08, ch09, kit
 
 from ..answer_keys import AnswerKey, assert_keeps_its_key, listed, raising
 from ..notebook_cells import CHAPTERS, assert_hint, assert_staged_hint, run_cell, tagged_cells
@@ -272,6 +276,55 @@ def test_ring_work_other_answers(answer, hint):
     assert_hint(check_work(answer), hint)
 
 
+# --- exercise 2.4: the dispatch ---------------------------------------------------------------
+
+ARRIVED = {0: [1, 4, 12, 14, 20, 25, 32, 33], 1: [],
+           2: [0, 3, 5, 13, 21, 22, 31, 34], 3: [2, 10, 11, 15, 23, 24, 30, 35]}
+"""Worked out by hand in the notebook's solution."""
+
+
+def transposed():
+    """The routing table read column-wise: sender by sender, token by token."""
+    routes = ch02.DISPATCH_ROUTES
+    return {k: [10 * r + t for r, row in enumerate(routes) for t, dest in enumerate(row)
+                if dest == k] for k in range(len(routes))}
+
+
+def check_dispatch(answer):
+    return ch02.check_dispatch(lambda: answer, measured=transposed)
+
+
+def test_the_worked_arrivals_are_the_transposed_table():
+    assert transposed() == ARRIVED and check_dispatch(ARRIVED)
+    assert check_dispatch({k: tuple(float(v) for v in vs) for k, vs in ARRIVED.items()})
+
+
+def test_a_stub_or_garbage_launches_nothing():
+    def boom():
+        raise AssertionError("the dispatch ran before a prediction was committed")
+    for fn in (lambda: None, raising, lambda: [1, 2]):
+        assert not ch02.check_dispatch(fn, measured=boom)
+
+
+def sent_by(rank):
+    row = ch02.DISPATCH_ROUTES[rank]
+    return [10 * rank + t for t in sorted(range(len(row)), key=lambda t: row[t])]
+
+
+@pytest.mark.parametrize("answer,hint", [
+    ({k: sent_by(k) for k in ARRIVED}, ch02.HINT_DISPATCH_SENT[0]),
+    ({k: [v for v in vs if v // 10 != k] for k, vs in ARRIVED.items()},
+     ch02.HINT_DISPATCH_HOME[0]),
+    ({k: sorted(vs, key=lambda v: (v % 10, v)) for k, vs in ARRIVED.items()},
+     ch02.HINT_DISPATCH_ORDER[0]),
+    ({**ARRIVED, 3: [2, 10]}, ch02.HINT_DISPATCH_GENERIC[0]),
+    ({**ARRIVED, 1: None}, ch02.HINT_DISPATCH_FORMAT),
+    ({**ARRIVED, 1: "nothing"}, ch02.HINT_DISPATCH_FORMAT),
+], ids=["what-it-sends", "home-left-out", "token-order", "other", "missing", "text"])
+def test_dispatch_names_the_mistake(answer, hint):
+    assert_hint(check_dispatch(answer), hint)
+
+
 # --- no checker hands out its key ----------------------------------------------------------
 
 
@@ -316,6 +369,15 @@ def _counted_checker(fn):
     return ch09.check_ring_work(fn, measured=counted)
 
 
+def _arrived_forbidden(name, detail, fn):
+    want = ARRIVED[int(name.split()[-1])]
+    return {repr(want)} if want else set()  # an empty list: the rank that gets nothing
+
+
+def _transposed_checker(fn):
+    return ch02.check_dispatch(fn, measured=transposed)
+
+
 KEYS = [
     AnswerKey("1.3", ch01.check_node_crossings, {
         "empty": lambda: {},
@@ -324,6 +386,13 @@ KEYS = [
         "etp_one": lambda: {**CROSSINGS, "B": {"dp", "expert_dp"}},
         "everything": lambda: dict.fromkeys(CROSSINGS, set(ch01.NODE_KINDS)),
     }, _crossing_forbidden, ch01.NODE_MISTAKES),
+    AnswerKey("2.4", _transposed_checker, {
+        "empty": lambda: {},
+        "nothing_arrives": lambda: {k: [] for k in ARRIVED},
+        "what_it_sends": lambda: {k: sent_by(k) for k in ARRIVED},
+        "token_order": lambda: {k: sorted(vs, key=lambda v: (v % 10, v))
+                                for k, vs in ARRIVED.items()},
+    }, _arrived_forbidden, ch02.DISPATCH_MISTAKES),
     AnswerKey("5.4", ch05.check_blind_routing, {
         "empty": lambda *case: None,
         "collapse": collapse,
