@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
         for cell in notebook["cells"]:
             if TAG in cell.get("metadata", {}).get("tags", []):
                 source = "".join(cell["source"])
-                cell["source"] = CELL_LINE.sub(f'REPOSITORY = "{url}"', source, count=1)
+                source = CELL_LINE.sub(f'REPOSITORY = "{url}"', source, count=1)
+                cell["source"] = source.splitlines(keepends=True)  # as Jupyter stores it
         path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
     print(f"repository.url = {url!r} in _config.yml and every chapter's install cell")
     return 0
