@@ -446,3 +446,22 @@ def test_the_chapter_carries_the_exercise(notebook, stub):
         assert answer() == DEADLOCKS
     elif stub == "flushed_values":
         assert answer() == FLUSHED
+
+
+@pytest.mark.parametrize("checker,answer", [(ch02.check_dispatch, ARRIVED),
+                                            (ch09.check_ring_work, WORK)],
+                         ids=["2.4", "9.4"])
+def test_a_failed_reference_run_is_a_failed_case_not_an_exception(checker, answer):
+    """The workers the checker starts may time out on a busy machine: the verdict says so
+    and asks for a re-run, and blames nothing on the prediction."""
+    def timed_out():
+        raise TimeoutError("the ranks did not finish")
+    result = checker(lambda: answer, measured=timed_out)
+    assert not result.passed and [c.name for c in result.cases] == ["the run"]
+    assert result.hint == ch02.HINT_RUN_FAILED == ch09.HINT_RUN_FAILED
+
+
+def test_a_raising_routing_gets_the_two_step_hint():
+    result = ch05.check_blind_routing(raising)
+    assert not result.passed and result.hint == ch05.HINT_BLIND_GENERIC
+    assert "raised ValueError" in result.cases[0].detail

@@ -616,8 +616,14 @@ HINT_BLIND_DEVICE_LOW = (
     "pick per token.)"
 )
 
+HINT_BLIND_GENERIC = (
+    "build it in two steps: first a routing whose communication loss is D/M (where must "
+    "the probability lie?), then count the picks the device carrying the probability "
+    "receives, against its share K'T/D."
+)
+
 #: The mistakes of exercise 5.4; every one is named whenever a case shows it.
-BLIND_MISTAKES = Mistakes(HINT_BLIND_COMM, any_case=True, format=HINT_BLIND_FORMAT,
+BLIND_MISTAKES = Mistakes(HINT_BLIND_GENERIC, any_case=True, format=HINT_BLIND_FORMAT,
                           reach=HINT_BLIND_REACH, device_high=HINT_BLIND_DEVICE_HIGH,
                           device_low=HINT_BLIND_DEVICE_LOW, comm=HINT_BLIND_COMM)
 
