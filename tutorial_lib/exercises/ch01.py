@@ -16,7 +16,7 @@ import math
 from typing import Callable
 
 from ..grid import RankGrid, build_grid
-from .kit import Checking, CheckResult, Mistakes, as_rank_list
+from .kit import Case, Checking, CheckResult, Mistakes, as_group_kinds, as_rank_list
 
 # --- hints (tests look for these exact strings) ---------------------------------
 
@@ -344,3 +344,115 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
 
 
 __all__ = ["check_rank_to_coords", "check_data_parallel_group"]
+
+
+# --- exercise 3: which groups cross the node boundary? --------------------------------
+
+#: The group kinds exercise 1.3 asks about.
+NODE_KINDS = ("tp", "dp", "pp", "ep", "expert_tp", "expert_dp")
+NODE_WORLD, NODE_GPUS = 16, 8
+"""16 ranks on two nodes of 8 GPUs: rank r on GPU r % 8 of node r // 8."""
+
+#: Exercise 1.3's layouts: name -> (what the student reads, build_grid's arguments).
+NODE_SCENARIOS = {
+    "A": ("Megatron-Core's layout, TP = 2, PP = 4 (DP = 2, no experts)",
+          dict(tp=2, pp=4, layout="megatron")),
+    "B": ("Megatron-Core's layout, TP = 4, EP = 4, ETP left at its default (DP = 4)",
+          dict(tp=4, ep=4, layout="megatron")),
+    "C": ("Megatron-Core's layout, TP = 2, EP = 8, ETP = 1 (DP = 8)",
+          dict(tp=2, ep=8, etp=1, layout="megatron")),
+    "D": ("Megatron-Core's layout, PP = 2, EP = 4 (TP = 1, DP = 8)",
+          dict(pp=2, ep=4, layout="megatron")),
+}
+
+HINT_NODES_FORMAT = (
+    "return a dict from each scenario name in NODE_SCENARIOS ('A', 'B', ...) to the set of "
+    "group kinds, among 'tp', 'dp', 'pp', 'ep', 'expert_tp', 'expert_dp', that have a group "
+    "spanning both nodes (an empty set when none has)."
+)
+HINT_NODES_BY_SIZE = (
+    "a group does not need more members than a node has GPUs to cross the boundary: two "
+    "ranks 8 apart already sit on different nodes. What decides it is how far apart the "
+    "members are (the stride of the dimension in the order string) times the group's size, "
+    "and where a group starts."
+)
+HINT_NODES_STRIDE = (
+    "for each kind, write down the stride of its dimension in the order string (the product "
+    "of the sizes of the dimensions before it) and its size: a group spans (size - 1) * "
+    "stride + 1 consecutive ranks from its first member. It crosses when that span cannot "
+    "fit between two multiples of 8."
+)
+HINT_NODES_EXPERT = (
+    "the expert kinds come from the expert grid, etp-ep-edp-pp, folded onto the same ranks "
+    "as the dense one: EP's stride there is ETP, not TP, and EDP = world / (ETP * EP * PP). "
+    "Under Megatron-Core's layout ETP defaults to TP when it is not given."
+)
+HINT_NODES_DENSE = (
+    "the dense kinds come from the order tp-cp-dp-pp: DP's stride is TP * CP, and PP's is "
+    "TP * CP * DP, where DP = world / (TP * CP * PP) counts the EP ranks too."
+)
+
+DENSE_KINDS = frozenset({"tp", "dp", "pp"})
+
+
+def node_crossings_of(sizes: dict, world: int = NODE_WORLD, gpus: int = NODE_GPUS) -> frozenset:
+    """The kinds of :data:`NODE_KINDS` with a group that holds ranks of two nodes."""
+    grid = build_grid(world, **sizes)
+    return frozenset(kind for kind in NODE_KINDS
+                     if any(len({r // gpus for r in group}) > 1 for group in grid.groups(kind)))
+
+
+def _by_size(sizes: dict) -> frozenset:
+    """The classic wrong rule: a kind crosses only when its groups outgrow a node."""
+    grid = build_grid(NODE_WORLD, **sizes)
+    return frozenset(k for k in NODE_KINDS if len(grid.groups(k)[0]) > NODE_GPUS)
+
+
+#: The mistakes of exercise 1.3, in order of preference.
+NODE_MISTAKES = Mistakes(HINT_NODES_STRIDE, any_case={"format"}, format=HINT_NODES_FORMAT,
+                         by_size=HINT_NODES_BY_SIZE, expert=HINT_NODES_EXPERT,
+                         dense=HINT_NODES_DENSE)
+
+
+def _crossing_mistakes(kinds: frozenset, sizes: dict) -> set[str]:
+    """What a wrong set of kinds shows: the size rule, or right on one grid only."""
+    want = node_crossings_of(sizes)
+    if kinds == _by_size(sizes):
+        return {"by_size"}
+    if kinds & DENSE_KINDS == want & DENSE_KINDS:
+        return {"expert"}  # the dense grid is right: the expert grid is not
+    if kinds - DENSE_KINDS == want - DENSE_KINDS:
+        return {"dense"}
+    return set()
+
+
+def check_node_crossings(fn: Callable) -> CheckResult:
+    """Check ``fn() -> {scenario: kinds}``: for each layout of :data:`NODE_SCENARIOS` on 16
+    ranks in two 8-GPU nodes, the group kinds with a group on both nodes, against the
+    groups :func:`~tutorial_lib.grid.build_grid` builds.  A wrong set is shown as the
+    student gave it, never the right one."""
+    check = Checking("Exercise 1.3: node_crossings", NODE_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    for name, (_, sizes) in NODE_SCENARIOS.items():
+        given = got.get(name)
+        kinds = as_group_kinds(given) if name in got else None
+        if kinds is None or not kinds <= set(NODE_KINDS):
+            check.add(Case(name, False, "missing from the dict" if name not in got else
+                           f"got {given!r}, not a set of group kinds"))
+            check.shows({"format"})
+        elif kinds == node_crossings_of(sizes):
+            check.add(Case(name, True))
+        else:
+            check.add(Case(name, False, f"got {sorted(kinds)}: not the kinds whose groups "
+                                        "span both nodes"))
+            check.shows(_crossing_mistakes(kinds, sizes))
+    return check.verdict()
+
+
+__all__ += ["check_node_crossings", "node_crossings_of", "NODE_SCENARIOS", "NODE_KINDS"]

@@ -485,5 +485,125 @@ def _judge_collective(situation: str, given) -> tuple[str, str | None] | None:
     return f"got {given!r}", why
 
 
+
+
+# --- exercise 2.4: predict the dispatch, then run it ----------------------------------------
+
+HINT_RUN_FAILED = (
+    "the checker's own run of the workers failed (a busy machine can time it out), so "
+    "nothing was compared: run the check cell again."
+)
+
+#: Exercise 2.4's router: for each of the 4 ranks, the destination rank of each of its 6
+#: tokens (token t of rank r has the value 10 r + t).  No token goes to rank 1.
+DISPATCH_ROUTES = ((2, 0, 3, 2, 0, 2),
+                   (3, 3, 0, 2, 0, 3),
+                   (0, 2, 2, 3, 3, 0),
+                   (3, 2, 0, 0, 2, 3))
+
+HINT_DISPATCH_FORMAT = (
+    "return a dict from each rank, 0 to 3, to the list of token values that arrive on it, "
+    "in the order they arrive (an empty list when none does)."
+)
+HINT_DISPATCH_SENT = (
+    "you listed what each rank sends, not what it receives: the all-to-all transposes the "
+    "table of pieces, so rank k ends up with piece k of every sender's input.",
+)
+HINT_DISPATCH_ORDER = (
+    "the right values in the wrong order: the output is one block per sender, in the "
+    "order of the senders' ranks, and inside a block the sender's order of its rows "
+    "(grouped by destination with a stable sort, so by token index).",
+)
+HINT_DISPATCH_HOME = (
+    "a rank's own piece stays home but is still part of its output: a token routed to its "
+    "own rank arrives too, in the sender's block of that rank.",
+)
+HINT_DISPATCH_GENERIC = (
+    "for each receiving rank k, go through the senders in order, rank 0 to 3, and take "
+    "from each the values of its tokens routed to k, in token order.",
+)
+
+#: The mistakes of exercise 2.4, in order of preference.
+DISPATCH_MISTAKES = Mistakes(HINT_DISPATCH_GENERIC, any_case={"format"},
+                             format=HINT_DISPATCH_FORMAT, sent=HINT_DISPATCH_SENT,
+                             order=HINT_DISPATCH_ORDER, home=HINT_DISPATCH_HOME)
+
+
+def _dispatch_worker(ctx, routes):
+    import torch
+
+    from .. import comm
+    experts = torch.tensor(routes[ctx.rank])
+    tokens = 10.0 * ctx.rank + torch.arange(float(len(experts)))
+    order = torch.argsort(experts, stable=True)  # grouped by destination rank
+    send_counts = torch.bincount(experts, minlength=ctx.world_size)
+    recv_counts = torch.empty_like(send_counts)
+    comm.all_to_all(recv_counts, send_counts)
+    arrived = torch.empty(int(recv_counts.sum()))
+    comm.all_to_all(arrived, tokens[order], output_split_sizes=recv_counts.tolist(),
+                    input_split_sizes=send_counts.tolist())
+    return [int(v) for v in arrived.tolist()]
+
+
+def measured_dispatch(routes=DISPATCH_ROUTES) -> dict[int, list[int]]:
+    """Run the dispatch of chapter 2 (counts, then the uneven all-to-all) on one gloo rank
+    per row of ``routes``; ``{rank: the values that arrived, in order}``."""
+    out = launch(_dispatch_worker, len(routes), args=(routes,), timeout=60,
+                 print_output=False)
+    return dict(enumerate(out.results))
+
+
+def _dispatch_variant(routes, rank: int, rule: str) -> list[int]:
+    """What a rank would hold under a wrong rule: what it sent, sorted, without home."""
+    if rule == "sent":
+        return [10 * rank + t for t, _ in sorted(enumerate(routes[rank]), key=lambda p: p[1])]
+    arrived = [10 * r + t for r, row in enumerate(routes) for t, k in enumerate(row)
+               if k == rank and (rule != "home" or r != rank)]
+    return arrived
+
+
+def check_dispatch(fn: Callable, measured: Callable[[], dict] = measured_dispatch
+                   ) -> CheckResult:
+    """Check ``fn() -> {rank: values}``, the tokens each rank receives in the dispatch of
+    :data:`DISPATCH_ROUTES`, against the real all-to-all, run on 4 gloo ranks once the
+    student has committed a prediction.  A wrong list is shown as given."""
+    check = Checking("Exercise 2.4: dispatch", DISPATCH_MISTAKES)
+    case, got = check.attempt("the prediction", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()  # nothing committed: nothing is run
+    try:
+        ran = measured()
+    except Exception as err:  # noqa: BLE001 - the workers failed, not the prediction
+        check.add(Case("the run", False, f"the reference run failed: {err}"[:300]))
+        return check.verdict(HINT_RUN_FAILED)
+    for rank in range(len(DISPATCH_ROUTES)):
+        name = f"rank {rank}"
+        given = got.get(rank)
+        try:
+            values = [int(v) for v in given] if not isinstance(given, (str, dict)) else None
+        except (TypeError, ValueError):
+            values = None
+        if values is None:
+            check.add(Case(name, False, "missing from the dict" if given is None else
+                           f"got {given!r}, not a list of token values"))
+            check.shows({"format"})
+            continue
+        if values == ran[rank]:
+            check.add(Case(name, True))
+            continue
+        check.add(Case(name, False, f"got {values}: not what arrived"))
+        shown = {rule for rule in ("sent", "home")
+                 if values == _dispatch_variant(DISPATCH_ROUTES, rank, rule)}
+        if sorted(values) == sorted(ran[rank]):
+            shown.add("order")
+        check.shows(shown)
+    return check.verdict()
+
+
 __all__ = ["check_ring_all_gather", "check_ring_all_reduce_bytes", "check_choose_collectives",
            "chunk_of", "measured_ring_bytes", "normalize_op", "SCENARIOS"]
+__all__ += ["check_dispatch", "measured_dispatch", "DISPATCH_ROUTES"]

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from .. import moe, moe_balance
-from .kit import Checking, CheckResult, Mistakes, as_number, run_case
+from .kit import Case, Checking, CheckResult, Mistakes, as_number, run_case
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -577,3 +577,129 @@ def check_update_bias(fn: Callable) -> CheckResult:
 __all__ = ["check_expert_balance_loss", "check_biased_topk", "check_update_bias",
            "expert_loss_variant", "topk_variant", "update_variant", "simulate_bias_balancing",
            "loss_cases", "topk_cases", "update_cases"]
+
+
+# --- exercise 4: a routing the device loss cannot see -------------------------------------
+
+#: Exercise 5.4's cases: (T tokens, N' experts, K' per token, D devices, M devices a token
+#: may reach).  Every one has K' >= D: the device loss can only be 1 there.
+BLIND_CASES = [(8, 16, 4, 4, 2), (6, 12, 6, 3, 2), (5, 32, 8, 4, 3)]
+
+HINT_BLIND_FORMAT = (
+    "return (probs, topk_idx): probs a float tensor [T, N'] of non-negative router "
+    "probabilities whose every row sums to 1, topk_idx an integer tensor [T, K'] of "
+    "distinct experts per row, each in 0 .. N'-1."
+)
+HINT_BLIND_REACH = (
+    "a token in your routing reaches more than M devices: device-limited routing lets a "
+    "token's K' experts live on at most M of the D devices. (Spreading every token over all "
+    "D devices gives both values, and breaks the limit the communication loss is about.)"
+)
+HINT_BLIND_COMM = (
+    "your communication loss is below D/M, its largest value. Every device's f'' is at most "
+    "D/M, since a device receives each token at most once, and the P'' sum to 1: where must "
+    "the router's probability lie for the loss to reach that bound?",
+    "put all of the router's probability on a device that every token reaches: its f'' is "
+    "then D/M, and so is the loss.",
+)
+HINT_BLIND_DEVICE_HIGH = (
+    "your device loss is above 1: a device that carries the router's probability receives "
+    "more than its share, K'T/D, of the T*K' picks (f'_d is 1 exactly at that share).",
+    "each token may send only K'/D of its K' picks to the device that holds the "
+    "probability; its other picks must go to devices with no probability on them, and "
+    "no token may reach more than M devices.",
+)
+HINT_BLIND_DEVICE_LOW = (
+    "your device loss is below 1: the devices that carry the router's probability receive "
+    "less than their share, K'T/D, of the picks. (A device every token reaches gets at "
+    "least T picks, which is its share only when K' = D: with K' > D it needs more than one "
+    "pick per token.)"
+)
+
+HINT_BLIND_GENERIC = (
+    "build it in two steps: first a routing whose communication loss is D/M (where must "
+    "the probability lie?), then count the picks the device carrying the probability "
+    "receives, against its share K'T/D."
+)
+
+#: The mistakes of exercise 5.4; every one is named whenever a case shows it.
+BLIND_MISTAKES = Mistakes(HINT_BLIND_GENERIC, any_case=True, format=HINT_BLIND_FORMAT,
+                          reach=HINT_BLIND_REACH, device_high=HINT_BLIND_DEVICE_HIGH,
+                          device_low=HINT_BLIND_DEVICE_LOW, comm=HINT_BLIND_COMM)
+
+
+def _read_routing(answer, tokens: int, experts: int, topk: int):
+    """``(probs as float64, topk_idx as int64)`` if ``answer`` is a valid routing, else None."""
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        return None
+    probs, idx = answer
+    if not (isinstance(probs, torch.Tensor) and isinstance(idx, torch.Tensor)):
+        return None
+    if tuple(probs.shape) != (tokens, experts) or tuple(idx.shape) != (tokens, topk):
+        return None
+    if idx.is_floating_point() or idx.is_complex() or not probs.is_floating_point():
+        return None
+    probs, idx = probs.detach().to(torch.float64), idx.detach().to(torch.int64)
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        return None
+    if not torch.allclose(probs.sum(dim=1), torch.ones(tokens, dtype=torch.float64),
+                          atol=1e-6):
+        return None
+    if bool((idx < 0).any()) or bool((idx >= experts).any()):
+        return None
+    if any(len(set(row)) != topk for row in idx.tolist()):
+        return None
+    return probs, idx
+
+
+def blind_losses(probs, topk_idx, experts: int, topk: int, devices: int, reach: int):
+    """The device and communication balance losses of a routing (coefficient 1)."""
+    return (float(moe_balance.device_balance_loss(probs, topk_idx, experts, topk, devices)),
+            float(moe_balance.communication_balance_loss(probs, topk_idx, experts, devices,
+                                                         reach)))
+
+
+def check_blind_routing(fn: Callable) -> CheckResult:
+    """Check ``fn(T, N', K', D, M) -> (probs, topk_idx)``: a device-limited routing whose
+    device balance loss is 1 and whose communication balance loss is ``D / M``, computed
+    by :mod:`tutorial_lib.moe_balance` on every case of :data:`BLIND_CASES`."""
+    check = Checking("Exercise 5.4: blind_routing", BLIND_MISTAKES)
+    for tokens, experts, topk, devices, reach in BLIND_CASES:
+        name = f"T={tokens}, N'={experts}, K'={topk}, D={devices}, M={reach}"
+        case, got = check.attempt(name, lambda: fn(tokens, experts, topk, devices, reach))
+        if check.stub:
+            check.add(case)
+            break
+        if isinstance(got, BaseException):
+            check.add(case)
+            check.shows()
+            continue
+        routing = _read_routing(got, tokens, experts, topk)
+        if routing is None:
+            check.add(Case(name, False, "not a routing of this case's shape (see the hint)"))
+            check.shows({"format"})
+            continue
+        probs, idx = routing
+        per_device = experts // devices
+        most = max(len({e // per_device for e in row}) for row in idx.tolist())
+        device, comm = blind_losses(probs, idx, experts, topk, devices, reach)
+        shown = set()
+        if most > reach:
+            shown.add("reach")
+        if device > 1 + 1e-9:
+            shown.add("device_high")
+        elif device < 1 - 1e-9:
+            shown.add("device_low")
+        if comm < devices / reach - 1e-9:
+            shown.add("comm")
+        if not shown:
+            check.add(Case(name, True))
+            continue
+        check.add(Case(name, False, f"your routing: device loss {device:.4f}, communication "
+                                    f"loss {comm:.4f}; its tokens reach up to {most} of the "
+                                    f"{devices} devices"))
+        check.shows(shown)
+    return check.verdict()
+
+
+__all__ += ["check_blind_routing", "blind_losses", "BLIND_CASES"]

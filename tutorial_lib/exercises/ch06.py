@@ -25,6 +25,7 @@ from typing import Callable
 from ..deepseek import layer_range
 from ..pipeline_schedules import (Action, SimulationError, build_schedules, expected_bubble,
                                   num_warmup_microbatches, one_f_one_b, simulate, bubble_fraction)
+from ..pipeline_schedules import DeadlockError, gpipe
 from .kit import Case, Checking, CheckResult, Mistakes, as_number
 
 # --- exercise 6.1: one rank's 1F1B list ------------------------------------------------------
@@ -355,4 +356,114 @@ def check_stage_holdings(fn: Callable[[int, int, int, int], dict]) -> CheckResul
                                                                    want["labels"]):
                 shown.add("ends")
             check.shows(shown)
+    return check.verdict()
+
+
+# --- exercise 6.4: mix GPipe and 1F1B, predict the deadlock ----------------------------------
+
+#: Exercise 6.4's pipelines: name -> (what the student reads, PP, M, the ranks that run
+#: GPipe; every other rank runs 1F1B).
+MIXED_SCENARIOS = {
+    "A": ("PP = 4, M = 4: rank 3 runs GPipe, ranks 0 to 2 run 1F1B", 4, 4, (3,)),
+    "B": ("PP = 4, M = 4: rank 1 runs GPipe, ranks 0, 2 and 3 run 1F1B", 4, 4, (1,)),
+    "C": ("PP = 4, M = 8: rank 1 runs GPipe, ranks 0, 2 and 3 run 1F1B", 4, 8, (1,)),
+    "D": ("PP = 4, M = 6: rank 2 runs 1F1B, ranks 0, 1 and 3 run GPipe", 4, 6, (0, 1, 3)),
+    "E": ("PP = 4, M = 2: rank 3 runs GPipe, ranks 0 to 2 run 1F1B", 4, 2, (3,)),
+}
+
+HINT_MIXED_FORMAT = (
+    "return a dict from each scenario name in MIXED_SCENARIOS ('A' .. 'E') to None when the "
+    "step completes, or to the two ranks that end up waiting on each other, e.g. {1, 2}."
+)
+HINT_MIXED_NEVER = (
+    "sends never wait in this simulator (they are buffered), so no rank can block in a "
+    "send; but a receive waits for a message its peer may only send after it has received "
+    "something itself. Follow the first gradient: when does each rank send it, and what "
+    "does it need before that?",
+    "a 1F1B rank r sends min(PP - r, M) activations, then waits for the gradient of "
+    "microbatch 0 before sending the next one. A GPipe rank sends the gradient of "
+    "microbatch 0 only after all M forwards. Put the two side by side, rank r before rank "
+    "r + 1.",
+)
+HINT_MIXED_COUNT = (
+    "whether a mixed pipeline deadlocks depends on the counts: work out, rank by rank, how many activations a rank sends "
+    "before it waits for its first gradient (min(PP - r, M) on a 1F1B rank r, all M on a "
+    "GPipe rank), and how many its next rank must receive before it sends that gradient.",
+)
+HINT_MIXED_PAIR = (
+    "the two ranks of a deadlock here are neighbours, one waiting for an activation, the "
+    "other for a gradient: find the first rank r that stops sending activations before "
+    "rank r + 1 has received all it needs to send its first gradient back.",
+)
+HINT_MIXED_GENERIC = (
+    "for each pair of neighbours r, r + 1: how many activations does r send before it "
+    "needs its first gradient, and how many must r + 1 receive before it sends one?"
+)
+
+#: The mistakes of exercise 6.4, in order of preference.
+MIXED_MISTAKES = Mistakes(HINT_MIXED_GENERIC, any_case={"format"}, format=HINT_MIXED_FORMAT,
+                          never=HINT_MIXED_NEVER, count=HINT_MIXED_COUNT, pair=HINT_MIXED_PAIR)
+
+
+def mixed_schedules(pp: int, m: int, gpipe_ranks) -> dict[int, list[Action]]:
+    """Every rank's list: GPipe on ``gpipe_ranks``, 1F1B on the others."""
+    return {r: gpipe(pp, m, r) if r in gpipe_ranks else one_f_one_b(pp, m, r)
+            for r in range(pp)}
+
+
+def simulated_deadlock(pp: int, m: int, gpipe_ranks) -> frozenset | None:
+    """Play the mixed pipeline in :func:`~tutorial_lib.pipeline_schedules.simulate`: None
+    when it completes, else the ranks blocked on each other (each waits for the other)."""
+    try:
+        simulate(mixed_schedules(pp, m, gpipe_ranks))
+    except DeadlockError as err:
+        waiting = err.waiting
+        return frozenset(r for r, a in waiting.items()
+                         if a.peer in waiting and waiting[a.peer].peer == r)
+    return None
+
+
+_NO_DEADLOCK = ("none", "no", "ok", "completes", "finishes", "")
+
+
+def _read_prediction(value):
+    """None (no deadlock), a frozenset of ranks, or ``...`` when unreadable."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str):
+        return None if value.strip().lower() in _NO_DEADLOCK else ...
+    if isinstance(value, (set, frozenset, list, tuple)):
+        if not value:
+            return None
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return frozenset(value)
+    return ...
+
+
+def check_mixed_deadlock(fn: Callable) -> CheckResult:
+    """Check ``fn() -> {scenario: None or two ranks}`` against the lockstep simulator run on
+    every pipeline of :data:`MIXED_SCENARIOS`.  A wrong prediction is shown as given; the
+    simulator's outcome is not printed."""
+    check = Checking("Exercise 6.4: mixed_deadlock", MIXED_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    for name, (_, pp, m, gpipe_ranks) in MIXED_SCENARIOS.items():
+        given = _read_prediction(got[name]) if name in got else ...
+        if given is ...:
+            check.add(Case(name, False, "missing from the dict" if name not in got else
+                           f"got {got[name]!r}: neither None nor a set of ranks"))
+            check.shows({"format"})
+            continue
+        want = simulated_deadlock(pp, m, gpipe_ranks)
+        if given == want:
+            check.add(Case(name, True))
+            continue
+        check.add(Case(name, False, f"got {sorted(given) if given else None}: not what the "
+                                    "simulated step did"))
+        check.shows({"never"} if given is None else {"count"} if want is None else {"pair"})
     return check.verdict()

@@ -460,3 +460,115 @@ def check_keep_ends_in_bf16(fn) -> CheckResult:
 __all__ = ["check_quantize_1x128", "check_payload_bytes", "check_keep_ends_in_bf16",
            "quantize_cases", "payload_cases", "reference_payload_bytes", "deepseek_module_names",
            "ENDS_CASES", "NonSaturatingCast", "ROUNDS_ABOVE_448"]
+
+
+# --- exercise 8.4: predict what an outlier erases ------------------------------------------
+
+#: Exercise 8.4's tensor: 2 tokens of 256 channels (two 1x128 tiles each), every value 1.0
+#: but channel 0 of token 0, the outlier; its sizes, and the scalings asked about.
+OUTLIER_SHAPE = (2, 256)
+OUTLIERS = (1e4, 3e5, 1e6)
+SCALINGS = ("tile", "tensor")
+
+HINT_FLUSH_FORMAT = (
+    "return a dict with one whole number per (scaling, outlier) pair, e.g. "
+    "{('tile', 1e4): ..., ('tensor', 1e4): ..., ...}, scaling 'tile' or 'tensor', the "
+    "outlier 1e4, 3e5 or 1e6: how many of the 511 ordinary values come back as exactly 0."
+)
+HINT_FLUSH_NONE = (
+    "an ordinary value can come back as 0: divided by the scale, 1.0 becomes 448 / A, and "
+    "a number closer to 0 than to E4M3's smallest positive value (2^-9) rounds to 0.",
+)
+HINT_FLUSH_NORMAL = (
+    "below its smallest normal value, 2^-6, E4M3 still has subnormals, down to 2^-9: a "
+    "scaled value rounds to 0 only when it is nearer 0 than 2^-9, below 2^-10.",
+)
+HINT_FLUSH_TILES = (
+    "with 1x128 tiles each tile has its own scale, its own amax / 448: the outlier sets "
+    "the scale of its tile only, and every other tile of 1.0s keeps a scale of 1/448.",
+)
+HINT_FLUSH_COUNT = (
+    "count the ordinary values only: the outlier itself lands on 448 exactly and never "
+    "becomes 0, and the question is about the other values of the tensor.",
+)
+HINT_FLUSH_GENERIC = (
+    "for each scaling, ask which values share the outlier's scale (amax / 448), what 1.0 "
+    "becomes once divided by it, and whether that is nearer 0 than 2^-9.",
+)
+
+#: The mistakes of exercise 8.4, in order of preference.
+FLUSH_MISTAKES = Mistakes(HINT_FLUSH_GENERIC, any_case={"format"}, format=HINT_FLUSH_FORMAT,
+                          count=HINT_FLUSH_COUNT, tiles=HINT_FLUSH_TILES,
+                          normal=HINT_FLUSH_NORMAL, none=HINT_FLUSH_NONE)
+
+
+def outlier_tensor(outlier: float) -> torch.Tensor:
+    """Exercise 8.4's tensor: ones, and ``outlier`` at token 0, channel 0."""
+    import torch
+    x = torch.ones(OUTLIER_SHAPE)
+    x[0, 0] = outlier
+    return x
+
+
+def flushed_ordinary_values(outlier: float, scaling: str) -> int:
+    """How many of the tensor's ordinary values (all but the outlier) come back as exactly 0
+    from the library's quantizer: :func:`~tutorial_lib.fp8.quantize_1x128` (``"tile"``) or
+    :func:`~tutorial_lib.fp8.quantize_per_tensor` (``"tensor"``), then dequantized."""
+    import torch
+
+    from .. import fp8
+    x = outlier_tensor(outlier)
+    if scaling == "tile":
+        back = fp8.dequantize_1x128(*fp8.quantize_1x128(x))
+    else:
+        back = fp8.dequantize_per_tensor(*fp8.quantize_per_tensor(x))
+    ordinary = torch.ones(OUTLIER_SHAPE, dtype=torch.bool)
+    ordinary[0, 0] = False
+    return int((back[ordinary] == 0).sum())
+
+
+def _flush_variant(outlier: float, scaling: str, *, smallest: float = 2.0 ** -10,
+                   tiles: bool = True, outlier_counts: bool = False) -> int:
+    """A student's count under a rule: flush below ``smallest``, tiles or not, the outlier
+    counted or not (the right rule: 2^-10, tiles, not counted)."""
+    flushes = 448.0 / outlier < smallest  # 1.0 divided by the outlier's scale, A / 448
+    if not flushes:
+        return 0
+    shared = 128 if scaling == "tile" and tiles else OUTLIER_SHAPE[0] * OUTLIER_SHAPE[1]
+    return shared if outlier_counts else shared - 1
+
+
+def check_flushed_values(fn) -> CheckResult:
+    """Check ``fn() -> {(scaling, outlier): count}`` against the library's quantizer on
+    exercise 8.4's tensor, for every scaling and outlier; a wrong count is shown as given."""
+    check = Checking("Exercise 8.4: flushed_values", FLUSH_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    variants = {"count": dict(outlier_counts=True), "tiles": dict(tiles=False),
+                "normal": dict(smallest=2.0 ** -6), "none": dict(smallest=0.0)}
+    for scaling in SCALINGS:
+        for outlier in OUTLIERS:
+            name = f"{scaling}, outlier {outlier:g}"
+            given = got.get((scaling, outlier))
+            number = as_number(given)
+            if number is None or not number.is_integer():
+                check.add(Case(name, False, "missing from the dict" if given is None else
+                               f"got {given!r}, not a whole number"))
+                check.shows({"format"})
+                continue
+            if int(number) == flushed_ordinary_values(outlier, scaling):
+                check.add(Case(name, True))
+                continue
+            check.add(Case(name, False, f"got {int(number)}: not what the quantizer did"))
+            check.shows({m for m, rule in variants.items()
+                         if _flush_variant(outlier, scaling, **rule) == int(number)})
+    return check.verdict()
+
+
+__all__ += ["check_flushed_values", "flushed_ordinary_values", "outlier_tensor", "OUTLIERS",
+            "SCALINGS"]
