@@ -30,12 +30,19 @@ def test_no_reason_for_a_wrong_choice_names_the_right_one(whys):
 def test_every_exercise_of_every_chapter_has_an_answer_key():
     """The leak test covers every exercise: one key per exercise the chapters hold (read from
     their cell tags, so a new exercise without a key fails here), each with at least two
-    wrong answers to try."""
+    wrong answers to try. The keys of the predict-then-run exercises live beside their
+    worked answers, in tests/unit/test_exercises_predictions.py."""
     import nbformat
 
     from tutorial_lib import classroom
 
-    from ..answer_keys import KEYS
+    from ..answer_keys import KEYS as CHECKER_KEYS
+    from .test_exercises_predictions import KEYS as PREDICTION_KEYS
+
+    def number(key):
+        return tuple(int(part) for part in key.exercise.split("."))
+
+    KEYS = sorted(CHECKER_KEYS + PREDICTION_KEYS, key=number)
     numbers = [ex.number for path in classroom.chapters()
                for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
     assert [key.exercise for key in KEYS] == numbers
