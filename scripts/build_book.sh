@@ -45,4 +45,10 @@ for arg in "$@"; do
     if [ "$prev" = "--path-output" ]; then OUT="$arg"; fi
     prev="$arg"
 done
+# One cheat sheet per chapter for slides (issue 14): a standalone page each, beside the
+# chapters (only for this book: another book folder has other chapters).
+if [ "$BOOK" = "$ROOT" ]; then
+    python "$ROOT/scripts/cheat_sheets.py" --out "$OUT/_build/html/cheatsheets" >/dev/null
+    echo "Cheat sheets: $(cd "$OUT" && pwd)/_build/html/cheatsheets/index.html"
+fi
 echo "HTML: $(cd "$OUT" && pwd)/_build/html/index.html"

@@ -10,7 +10,7 @@ from tutorial_lib import comm
 from tutorial_lib.exercises import ch02
 from tutorial_lib.exercises.ch02 import check_ring_all_gather, check_ring_all_reduce_bytes
 
-from ..notebook_cells import assert_hint, hint_cases
+from ..notebook_cells import assert_hint, assert_staged_hint, hint_cases
 
 pytestmark = pytest.mark.dist  # the checkers launch real gloo workers
 
@@ -162,7 +162,7 @@ def test_correct_ring_all_gathers_pass(correct):
     (uses_torch_distributed_directly, ch02.HINT_NO_P2P),
     (returns_a_list, ch02.HINT_NOT_A_TENSOR),
     (returns_only_its_chunk, ch02.HINT_SHAPE),
-    (raises_key_error, ch02.HINT_ALL_GATHER_GENERIC),
+    (raises_key_error, ch02.HINT_ALL_GATHER_NUDGE),
 ])
 def test_all_gather_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_ring_all_gather(wrong, timeout=10), hint)
@@ -171,7 +171,8 @@ def test_all_gather_mistake_gets_its_hint(wrong, hint):
 def test_arrival_order_names_the_slots():
     result = check_ring_all_gather(in_arrival_order)
     # with 2 ranks, rank 0's arrival order happens to be right; rank 1's is not
-    assert result.cases[0].detail == "rank 1: slots hold the chunks of ranks [1, 0], expected ranks [0, 1]"
+    assert result.cases[0].detail == ("rank 1: slots hold the chunks of ranks [1, 0] (slot j must "
+                                      "hold rank j's chunk)")
     assert "ranks [0, 3, 2, 1]" in result.cases[2].detail
 
 
@@ -222,20 +223,26 @@ def test_correct_byte_counts_pass(correct):
     (lambda nbytes, n: 4 * (n - 1) * nbytes / n, ch02.HINT_SENT_AND_RECEIVED),
     (lambda nbytes, n: 2 * (n - 1) // n * nbytes, ch02.HINT_INTEGER_DIVISION),
     (lambda nbytes, n: "1536 bytes", ch02.HINT_NOT_A_NUMBER),
-    (lambda nbytes, n: nbytes / n, ch02.HINT_BYTES_GENERIC),
-    (lambda nbytes, n: 1 / 0, ch02.HINT_BYTES_GENERIC),
+    (lambda nbytes, n: nbytes / n, ch02.HINT_BYTES_NUDGE),
+    (lambda nbytes, n: 1 / 0, ch02.HINT_BYTES_NUDGE),
 ], ids=["2B", "(N-1)B", "one_phase", "whole_tensor", "sent_and_received", "integer_division",
           "string", "B_over_N", "raises"])
 def test_byte_count_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_ring_all_reduce_bytes(wrong), hint)
 
 
-def test_two_b_fails_on_every_world_and_names_the_trace_count():
+def test_two_b_fails_on_every_world_and_keeps_the_trace_count_to_itself():
+    """Issue 14: the case name carried the traced count, so any answer revealed the key."""
     result = check_ring_all_reduce_bytes(lambda nbytes, n: 2 * nbytes)
     assert not any(c.passed for c in result.cases)
     first = result.cases[0]
-    assert first.name == "B=24 bytes, N=2 ranks (trace: 24 bytes sent per rank)"
-    assert first.detail == "got 48, expected 24"
+    assert first.name == "B=24 bytes, N=2 ranks"
+    assert first.detail == "predicted 48 bytes; the traced ring sends another count"
+
+
+def test_the_formula_comes_when_the_same_cases_fail_again():
+    assert_staged_hint(check_ring_all_reduce_bytes, lambda nbytes, n: nbytes / n,
+                       ch02.HINT_BYTES_NUDGE, ch02.HINT_BYTES_GENERIC)
 
 
 def test_n_minus_one_b_passes_only_where_it_coincides():

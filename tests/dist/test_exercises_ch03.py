@@ -144,7 +144,21 @@ def test_each_step_bytes_mistake_gets_its_hint(mistake):
 
 def test_two_mistakes_get_both_hints():
     result = check_step_bytes(lambda cfg: reference_step_bytes(cfg, backward=False, dp_unsharded=True))
-    assert result.hint == f"{ch03.HINT_STEP_FORWARD_ONLY} Also, {ch03.HINT_STEP_DP_UNSHARDED}"
+    assert result.hints == [ch03.HINT_STEP_FORWARD_ONLY, ch03.HINT_STEP_DP_UNSHARDED]
+
+
+def test_dividing_the_replicated_parameters_by_t_is_named():
+    """Issue 14: counting every parameter of the block as split over TP got the generic
+    hint. Megatron-Core 0.20.0 (d98e8a64), megatron/core/tensor_parallel/layers.py,
+    RowParallelLinear.__init__: the bias has the full output size on every TP rank ("bias
+    is not parallelized"), as do the LayerNorms; only the weights (and ColumnParallelLinear's
+    bias, output_size_per_partition) are split. So a rank's DP all-reduce carries 6h whole
+    values per block plus 1/T of the rest."""
+    result = check_step_bytes(lambda cfg: reference_step_bytes(cfg, dp_replicated_split=True))
+    assert result.hint == ch03.HINT_STEP_DP_REPLICATED_SPLIT, result.hint
+    failed = [c for c in result.cases if not c.passed]
+    assert failed and all(c.detail.endswith("the traced step sends other dp bytes") for c in failed)
+    assert all(c.passed for c in result.cases if "T=1," in c.name)  # no TP: nothing to divide
 
 
 @pytest.mark.parametrize("garbage", [3, None, {"tp": 1}, {"tp": "a lot", "dp": 0}, (1, 2)])
@@ -153,9 +167,11 @@ def test_step_bytes_checker_never_raises_on_garbage(garbage):
     assert not result.passed and result.hint == ch03.HINT_STEP_FORMAT
 
 
-def test_an_unknown_wrong_formula_gets_the_generic_hints():
-    result = check_step_bytes(lambda cfg: {k: v + 1 for k, v in reference_step_bytes(cfg).items()})
-    assert result.hint == f"{ch03.HINT_STEP_TP_GENERIC} Also, {ch03.HINT_STEP_DP_GENERIC}"
+def test_an_unknown_wrong_formula_gets_nudges_then_the_generic_hints():
+    """Issue 14: staged hints; the generic hints are the whole formula."""
+    wrong = lambda cfg: {k: v + 1 for k, v in reference_step_bytes(cfg).items()}  # noqa: E731
+    assert check_step_bytes(wrong).hints == [ch03.HINT_STEP_TP_NUDGE, ch03.HINT_STEP_DP_NUDGE]
+    assert check_step_bytes(wrong).hints == [ch03.HINT_STEP_TP_GENERIC, ch03.HINT_STEP_DP_GENERIC]
 
 
 def test_a_formula_that_raises_is_reported_per_case():

@@ -52,9 +52,23 @@ def test_bytes_checker_never_raises_on_garbage(garbage):
     assert not result.passed and result.hint == ch04.HINT_BYTES_FORMAT
 
 
-def test_an_unknown_wrong_formula_gets_the_generic_hint():
-    result = check_layer_bytes_sent(lambda *a: _right_bytes(*a) + 1)
-    assert result.hint == ch04.HINT_BYTES_GENERIC
+def test_an_unknown_wrong_formula_gets_a_nudge_then_the_generic_hint():
+    wrong = lambda *a: _right_bytes(*a) + 1  # noqa: E731
+    assert check_layer_bytes_sent(wrong).hint == ch04.HINT_BYTES_NUDGE
+    assert check_layer_bytes_sent(wrong).hint == ch04.HINT_BYTES_GENERIC
+
+
+@pytest.mark.parametrize("where", ["diagonal_rows", "diagonal_counts"])
+def test_counting_the_diagonal_in_one_exchange_only_is_named(where):
+    """Issue 14: counting what a rank hands itself in the token exchanges only (or in the
+    counts exchange only) got the generic hint. torch.distributed.all_to_all_single (the
+    dispatcher's all-to-all, torch 2.13) copies a rank's own split locally; on gloo the
+    traced bytes leaving a rank exclude it (bytes_left_rank), so the diagonal is never on
+    the wire, in either exchange."""
+    result = check_layer_bytes_sent(
+        lambda c, r, h, n, d: reference_layer_bytes_sent(c, r, h, n, d, **{where: True}))
+    assert result.hint == ch04.HINT_BYTES_DIAGONAL, result.hint
+    assert not any("trace says" in c.detail for c in result.cases)
 
 
 def test_a_formula_that_raises_is_reported_per_case():

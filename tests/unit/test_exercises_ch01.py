@@ -7,7 +7,7 @@ import pytest
 from tutorial_lib.exercises import ch01
 from tutorial_lib.exercises.ch01 import check_data_parallel_group, check_rank_to_coords
 
-from ..notebook_cells import assert_hint, hint_cases
+from ..notebook_cells import assert_hint, assert_staged_hint, hint_cases
 
 
 # --- exercise 1.1: the checker recognises the classic mistakes --------------------------
@@ -62,17 +62,25 @@ def test_correct_rank_to_coords_passes():
     (coords_in_dict_order, ch01.HINT_DICT_ORDER),
     (coords_without_modulo, ch01.HINT_NO_MODULO),
     (coords_as_tuple, ch01.HINT_NOT_A_DICT),
-    (coords_raising, ch01.HINT_COORDS_GENERIC),
 ])
 def test_rank_to_coords_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_rank_to_coords(wrong), hint)
 
 
+def test_an_unexplained_failure_gets_a_nudge_then_the_formula():
+    """Issue 14: staged hints. The generic hint spells out the mixed-radix formula; a first
+    failure gets a nudge toward it, and the formula only when the same cases fail again."""
+    assert_staged_hint(check_rank_to_coords, coords_raising, ch01.HINT_COORDS_NUDGE,
+                       ch01.HINT_COORDS_GENERIC)
+
+
 def test_slowest_first_hint_says_fastest_first():
     result = check_rank_to_coords(coords_slowest_first)
     assert "first dimension of the order string as the slowest" in str(result)
-    # the failure names a rank and both answers
-    assert any("rank 1: got" in c.detail for c in result.cases if not c.passed)
+    # the failure names a rank, its answer and which coordinates are wrong, never the right ones
+    failed = [c.detail for c in result.cases if not c.passed]
+    assert any("rank 1: got" in d and "coordinate" in d and "wrong" in d for d in failed)
+    assert not any("expected" in d for d in failed)
 
 
 def test_rank_to_coords_exception_becomes_a_case():
@@ -110,6 +118,17 @@ def dp_group_dp_outside_pp(rank, world_size, tp, pp, cp=1):
     return [tp_i + tp * (cp_i + cp * (pp_i + pp * d)) for d in range(dp)]
 
 
+def dp_group_forgets_cp_everywhere(rank, world_size, tp, pp, cp=1):
+    """The right number of replicas, but coordinates read as if the grid were tp-dp-pp."""
+    dp = world_size // (tp * cp * pp)
+    tp_i, pp_i = rank % tp, rank // (tp * dp)
+    return [tp_i + tp * (d + dp * pp_i) for d in range(dp)]
+
+
+def dp_group_same_rank_mod_tp(rank, world_size, tp, pp, cp=1):
+    return [r for r in range(world_size) if r % tp == rank % tp]
+
+
 def dp_group_whole_world(rank, world_size, tp, pp, cp=1):
     return list(range(world_size))
 
@@ -133,6 +152,30 @@ def test_correct_data_parallel_group_passes_in_any_order():
 ])
 def test_data_parallel_group_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_data_parallel_group(wrong), hint)
+
+
+@hint_cases([
+    (dp_group_forgets_cp_everywhere, ch01.HINT_FORGOT_CP_EVERYWHERE),
+    (dp_group_same_rank_mod_tp, ch01.HINT_SAME_TP_RANK),
+])
+def test_the_two_mistakes_issue_14_names(wrong, hint):
+    """Issue 14: "forgot CP everywhere" and "all ranks with the same rank % tp" got the
+    generic hint. Megatron-Core 0.20.0 (d98e8a64), megatron/core/parallel_state.py,
+    initialize_model_parallel: the dense ranks are laid out in the order tp-cp-ep-dp-pp
+    (its ``order`` argument), and the data-parallel group (RankGenerator.get_ranks("dp"))
+    holds the ranks that share every coordinate but dp: one dp step is TP*CP ranks, one
+    pipeline stage TP*CP*DP ranks (EP = 1 in the dense grid)."""
+    assert_hint(check_data_parallel_group(wrong), hint)
+    result = check_data_parallel_group(wrong)
+    assert all("differs from rank" in c.detail for c in result.cases if not c.passed)
+
+
+def test_a_wrong_group_is_described_not_corrected():
+    """Issue 14: the detail says which member does not belong and why, never the group."""
+    result = check_data_parallel_group(dp_group_returns_tp_group)
+    failed = [c.detail for c in result.cases if not c.passed]
+    assert failed and not any("expected" in d for d in failed)
+    assert "rank 1 is in it, but its tp coordinate differs from rank 0's" in failed[0]
 
 
 def test_forgetting_cp_fails_only_where_cp_is_above_one():

@@ -60,3 +60,13 @@ def test_a_missing_situation_and_an_unknown_name_get_the_format_hint():
 test_choose_collectives_never_raises_on_garbage, test_choose_collectives_turns_an_exception_into_a_case = \
     answers_checker_tests(check_choose_collectives, [None, "all_reduce", ["all_reduce"], 42],
                           KeyError("moe_dispatch"))
+
+
+def test_every_wrong_choice_is_explained_not_only_the_first():
+    """Issue 14: 2.3 showed only ``hints[0]`` although its text says every wrong choice is
+    explained. Two wrong situations: two hints, one per situation, in the situations' order."""
+    answers = {**ANSWERS, "zero_gradients": "all_reduce", "moe_dispatch": "all_gather"}
+    result = check_choose_collectives(lambda: answers)
+    assert [h.split(":")[0] for h in result.hints] == [
+        s for s in SCENARIOS if s in ("zero_gradients", "moe_dispatch")]
+    assert "twice the bytes" in result.hint and "N times the traffic" in result.hint

@@ -72,3 +72,12 @@ def test_step_config_is_hashable_and_readable():
     cfg = dataclasses.replace(STEP_CASES[0], num_layers=3)
     assert hash(cfg) != hash(STEP_CASES[0])
     assert "L=3" in ch03._describe(cfg)
+
+
+def test_every_wrong_group_is_explained_not_only_the_first():
+    """Issue 14: 3.2 showed only ``hints[0]``; each wrong situation now gets its reason."""
+    result = check_gradient_groups(_answers(qkv_weight={"tp", "dp"}, fc2_bias={"tp", "dp"},
+                                            layernorm_weight_sp={"dp"}))
+    assert sorted(h.split(":")[0] for h in result.hints) == sorted(
+        ["qkv_weight", "fc2_bias", "layernorm_weight_sp"])
+    assert "different pieces of this weight" in result.hint and "a partial sum" in result.hint

@@ -160,8 +160,8 @@ def test_correct_domains_pass_in_any_spelling():
 
 
 @pytest.mark.parametrize("case,answer,reason", [
-    ("routed_expert_weight", ({"expert_dp"}, 2), "4x too large"),
-    ("routed_expert_weight_sp", ({"expert_dp"}, 2), "2x too large"),
+    ("routed_expert_weight", ({"expert_dp"}, 2), "EP * ETP / TP times too large"),
+    ("routed_expert_weight_sp", ({"expert_dp"}, 2), "EP * ETP / TP times too large"),
     ("routed_expert_weight", ({"dp"}, 8), "other experts"),
     ("routed_expert_weight", ({"ep"}, 8), "different experts"),
     ("routed_expert_weight_sp", ({"tp", "expert_dp"}, 4), "EP folds onto TP"),
@@ -171,14 +171,38 @@ def test_correct_domains_pass_in_any_spelling():
     ("shared_expert_weight_sp", ({"dp"}, 4), "partial sum"),
     ("shared_expert_megatron_sp", ({"tp", "dp"}, 4), "different rows"),
     ("router_weight_sp", ({"tp", "dp"}, 8), "not replicas of each other"),
-    ("shared_expert_weight", ({"dp"}, 1), "8x the gradient of the mean loss"),
+    ("shared_expert_weight", ({"dp"}, 1), "is not the gradient of the mean loss"),
     ("router_weight", ({"world"}, 8), "mixes everything"),
     ("router_weight", (set(), 8), "drift apart"),
-    ("router_weight", ({"dp"}, 2), "DP = 8"),
+    ("router_weight", ({"dp"}, 2), "each token of the global batch has contributed once"),
     ("router_weight", ({"pipeline"}, 8), "unknown group kind"),
 ])
 def test_each_wrong_domain_gets_its_reason(case, answer, reason):
     assert_reason(check_gradient_domains(_domains(**{case: answer})), case, reason)
+
+
+@pytest.mark.parametrize("case,answer,first,then", [
+    ("routed_expert_weight", ({"dp"}, 8), "Which ranks hold a copy",
+     "only on the ranks with the same EP rank"),
+    ("router_weight", ({"dp"}, 1), "is not the gradient of the mean loss",
+     "divide by the number of dense data-parallel replicas"),
+])
+def test_a_reason_says_what_is_wrong_first_and_what_to_do_when_it_fails_again(case, answer, first,
+                                                                                then):
+    """Issue 14: staged hints. A first wrong answer gets the reason; the same situation
+    wrong again gets the rule; neither names the group or the number."""
+    wrong = _domains(**{case: answer})
+    assert_reason(check_gradient_domains(wrong), case, first)
+    again = check_gradient_domains(wrong)
+    assert_reason(again, case, then)
+    assert "8" not in again.hint and "expected" not in str(again)
+
+
+def test_every_wrong_situation_gets_its_reason_at_once():
+    """Issue 14: a checker of answers per situation shows the hint of every wrong one."""
+    wrong = _domains(router_weight=({"world"}, 8), routed_expert_weight=({"ep"}, 8))
+    result = check_gradient_domains(wrong)
+    assert [h.split(":")[0] for h in result.hints] == ["router_weight", "routed_expert_weight"]
 
 
 test_domains_checker_never_raises_on_garbage, test_domains_checker_turns_an_exception_into_a_case = \

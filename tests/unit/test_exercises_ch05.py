@@ -110,7 +110,8 @@ def test_expert_loss_checker_turns_an_exception_into_a_case():
 
     result = check_expert_balance_loss(broken)
     assert not result.passed and all("raised IndexError" in c.detail for c in result.cases)
-    assert result.hint == ch05.HINT_LOSS_GENERIC
+    assert result.hint == ch05.HINT_LOSS_NUDGE  # staged: the formula when it fails again
+    assert check_expert_balance_loss(broken).hint == ch05.HINT_LOSS_GENERIC
 
 
 # --- exercise 5.2: choose with the bias, gate without it -----------------------------------
@@ -229,4 +230,5 @@ def test_bias_checker_never_raises_on_garbage(garbage):
 
 def test_an_update_that_does_nothing_gets_the_generic_hint():
     result = check_update_bias(lambda b, load, g: b)
-    assert not result.passed and result.hint == ch05.HINT_BIAS_GENERIC
+    assert not result.passed and result.hint == ch05.HINT_BIAS_NUDGE
+    assert check_update_bias(lambda b, load, g: b).hint == ch05.HINT_BIAS_GENERIC

@@ -10,7 +10,7 @@ from tutorial_lib.exercises import ch09
 from tutorial_lib.exercises.kit import STUB_HINT
 from tutorial_lib.exercises.ch09 import check_held_chunks, check_merge_partials, check_ring_pass_bytes
 
-from ..notebook_cells import assert_hint, raising
+from ..notebook_cells import assert_hint, assert_staged_hint, raising
 
 
 # --- 9.1 ---------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def test_held_chunks_in_any_order_and_spelling_pass():
     (lambda r, c: [r, 2 * c - r], ch09.HINT_HELD_OFF_BY_ONE),
     (lambda r, c: [r, c - 1 - r], ch09.HINT_HELD_MIRROR_CP),
     (lambda r, c: "r and its mirror", ch09.HINT_HELD_FORMAT),
-    (lambda r, c: [r, 0], ch09.HINT_HELD_GENERIC),
+    (lambda r, c: [r, 0], ch09.HINT_HELD_NUDGE),
 ])
 def test_each_held_chunks_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_held_chunks(wrong), hint)
@@ -116,7 +116,15 @@ def test_the_ring_pass_formula_passes_and_is_the_traced_one():
     (lambda b, h, s, d, c, e: 8 * ring_bytes(b, h, s, d, c, e), ch09.HINT_RING_BITS),
     (lambda b, h, s, d, c, e: (3 * c - 2) * 2 * b * h * (s // c) * d * e, ch09.HINT_RING_BACKWARD),
     (lambda b, h, s, d, c, e: "a lot", ch09.HINT_RING_FORMAT),
-    (lambda b, h, s, d, c, e: 12345, ch09.HINT_RING_GENERIC),
+    (lambda b, h, s, d, c, e: 12345, ch09.HINT_RING_NUDGE),
 ])
 def test_each_ring_bytes_mistake_gets_its_hint(wrong, hint):
     assert_hint(check_ring_pass_bytes(wrong), hint)
+
+
+def test_the_formula_comes_only_when_the_same_cases_fail_again():
+    """Issue 14: staged hints; the generic hints of 9.2 and 9.3 are the answer's formula."""
+    assert_staged_hint(check_held_chunks, lambda r, c: [r, 0], ch09.HINT_HELD_NUDGE,
+                       ch09.HINT_HELD_GENERIC)
+    assert_staged_hint(check_ring_pass_bytes, lambda b, h, s, d, c, e: 12345,
+                       ch09.HINT_RING_NUDGE, ch09.HINT_RING_GENERIC)

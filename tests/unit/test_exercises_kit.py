@@ -18,7 +18,9 @@ TABLE = Mistakes("generic", any_case={"format"}, format="F", a="A", b="B", also_
     ([{"b"}, {"a", "b"}], "B"),
     ([{"a"}, {"b"}], "generic"),              # no mistake explains every case
     ([{"a"}, set()], "generic"),              # a case no named mistake explains
-    ([{"a"}, {"format"}], "F"),               # an any-case mistake: one case is enough
+    ([{"a"}, {"format"}], "F\nA"),            # an any-case mistake: one case is enough;
+                                              # the other cases still get theirs
+    ([{"a", "format"}, {"a"}], "A"),          # one mistake explains every case: it alone
 ])
 def test_mistakes_pick_the_first_that_explains_the_failures(failing, hint):
     assert TABLE.hint(failing) == hint
@@ -40,7 +42,8 @@ def test_a_stub_wins_over_every_mistake():
     check.run("second", lambda: (_ for _ in ()).throw(NotImplementedError()), 2)
     result = check.verdict()
     assert check.stub and result.hint == kit.STUB_HINT
-    assert case.detail == "got 1, expected 2" and "NotImplementedError" in result.cases[1].detail
+    assert case.detail == "got 1, which is not the reference's answer"  # never the expected 2
+    assert "NotImplementedError" in result.cases[1].detail
 
 
 def test_a_checker_that_passes_gets_no_hint_and_an_exception_is_a_case():
@@ -74,7 +77,8 @@ def test_check_answers_reads_a_dict_of_situations():
     result = kit.check_answers("demo", lambda: {"one": "right", "two": "wrong"}, names, judge, "FORMAT")
     assert [c.passed for c in result.cases] == [True, False, False]
     assert result.cases[2] == Case("three", False, "missing from the dict")
-    assert result.hint == "two: why"
+    assert result.hint == "two: why\nFORMAT"  # every wrong answer's hint, not only the first
+    assert result.hints == ["two: why", "FORMAT"] and str(result).count("Hint:") == 2
     assert kit.check_answers("demo", lambda: {"two": None}, names, judge, "FORMAT").hint == "FORMAT"
     assert kit.check_answers("demo", lambda: [1], names, judge, "FORMAT").hint == "FORMAT"
 
@@ -148,3 +152,79 @@ def test_an_unfinished_exercise_reads_as_an_invitation_not_an_error():
     assert 'data-passed="true"' in done and "Passed: Exercise 9.9: f" in done
     escaped = kit.CheckResult("x", [Case("<a>", False, "b")])._repr_html_()
     assert "<code>&lt;a&gt;</code>: b" in escaped
+
+
+# --- issue 14: staged hints, every hint, no answer key, nbgrader --------------------------------
+
+
+def test_a_hint_in_stages_gives_the_next_stage_when_the_same_case_fails_again():
+    """Issue 14: a first failure gets a nudge, a repeated failure of the same case a more
+    specific hint; the kernel keeps count, a passing case starts over."""
+    table = Mistakes(("nudge", "specific", "more"), a=("A1", "A2"))
+
+    def run(value, name="case"):
+        check = Checking("Exercise 0.4: demo", table)
+        case, got = check.run(name, lambda: value, 2)
+        if not case.passed:
+            check.shows({"a"} if value == 3 else set())
+        return check.verdict().hint
+
+    assert [run(1), run(1), run(1), run(1)] == ["nudge", "specific", "more", "more"]
+    assert run(2) == "" and run(1) == "nudge"      # solved, then wrong again: from the start
+    assert run(3) == "A2"                          # the case failed before: the next stage
+    assert run(1, "another case") == "nudge"       # another case: its own count
+    kit.forget_attempts()
+    assert run(1) == "nudge"
+
+
+def test_check_answers_stages_each_situation_by_its_own_failures():
+    def judge(name, answer):
+        return None if answer == "right" else ("wrong", ("first why", "second why"))
+
+    names = ["one", "two"]
+    first = kit.check_answers("Exercise 0.5: demo", lambda: {"one": "x", "two": "right"}, names,
+                              judge, "FORMAT")
+    assert first.hint == "one: first why"
+    again = kit.check_answers("Exercise 0.5: demo", lambda: {"one": "x", "two": "x"}, names,
+                              judge, "FORMAT")
+    assert again.hints == ["one: second why", "two: first why"]
+
+
+def test_a_failing_case_never_shows_the_expected_value():
+    check = Checking("Exercise 0.6: demo")
+    case, _ = check.run("case", lambda: 41, 424242)
+    assert not case.passed and "424242" not in case.detail and "41" in case.detail
+    assert "424242" not in str(check.verdict())
+
+
+def test_a_comparison_that_cannot_read_the_answer_fails_the_case_instead_of_raising():
+    case, got = kit.run_case("case", lambda: object(), [1], compare=lambda g, w: list(g) == w)
+    assert not case.passed
+
+
+def test_under_nbgrader_a_check_that_did_not_pass_raises(monkeypatch, capsys):
+    """Issue 14: nbgrader runs the notebook with NBGRADER_EXECUTION set; a check cell must
+    then fail (an autograded test cell scores only when it does not raise), while in the
+    book and in a plain notebook it only shows its verdict."""
+    check = Checking("Exercise 0.7: demo")
+    check.run("case", lambda: 1, 2)
+    assert not check.verdict().passed  # no nbgrader: the verdict comes back
+    monkeypatch.setenv(kit.GRADING_ENVIRONMENT, "autograde")
+    check = Checking("Exercise 0.7: demo")
+    check.run("case", lambda: 1, 2)
+    with pytest.raises(kit.ExerciseNotPassed, match="NOT YET Exercise 0.7") as raised:
+        check.verdict()
+    assert isinstance(raised.value, AssertionError) and not raised.value.result.passed
+    passing = Checking("Exercise 0.7: demo")
+    passing.run("case", lambda: 2, 2)
+    assert passing.verdict() is None  # never raises; printed: nbgrader reads a value as points
+    assert "PASS Exercise 0.7" in capsys.readouterr().out
+    with pytest.raises(kit.ExerciseNotPassed):
+        kit.check_answers("Exercise 0.8: demo", lambda: None, ["a"], lambda n, a: None, "FORMAT")
+
+
+def test_a_result_is_plain_data_for_a_grader():
+    result = kit.CheckResult("Exercise 9.9: f", [Case("n=2", False, "wrong")], hint="a\nb")
+    assert result.to_dict() == {"exercise": "Exercise 9.9: f", "passed": False, "hint": "a\nb",
+                                "cases": [{"name": "n=2", "passed": False, "detail": "wrong"}]}
+    assert "<b>Hint:</b> a" in result._repr_html_() and "<b>Hint:</b> b" in result._repr_html_()

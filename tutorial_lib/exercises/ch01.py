@@ -16,7 +16,7 @@ import math
 from typing import Callable
 
 from ..grid import RankGrid, build_grid
-from .kit import Checking, CheckResult, Mistakes, as_rank_list
+from .kit import Case, Checking, CheckResult, Mistakes, as_group_kinds, as_rank_list
 
 # --- hints (tests look for these exact strings) ---------------------------------
 
@@ -37,6 +37,11 @@ HINT_NO_MODULO = (
 HINT_NOT_A_DICT = (
     "return a dict that maps every dimension name in the order string to this rank's "
     "coordinate, e.g. {'tp': 1, 'dp': 0, 'pp': 1}."
+)
+HINT_COORDS_NUDGE = (
+    "read the rank as a number written in mixed digits, one digit per dimension, the first "
+    "dimension of the order string being the lowest digit: which coordinate changes "
+    "between rank 0 and rank 1, and after how many ranks does the second one change?"
 )
 HINT_COORDS_GENERIC = (
     "for order d0-d1-...-dk with sizes S0..Sk, rank = c0 + S0*(c1 + S1*(c2 + ...)). "
@@ -68,6 +73,18 @@ HINT_DP_OUTSIDE_PP = (
     "Megatron's dense grid is tp-cp-dp-pp: PP is the slowest dimension, so "
     "rank = tp + TP*(cp + CP*(dp + DP*pp))."
 )
+HINT_FORGOT_CP_EVERYWHERE = (
+    "you left CP out of the rank formula altogether: your members are TP ranks apart and "
+    "your pipeline stages TP*DP ranks long, as if the grid were tp-dp-pp. In Megatron's "
+    "tp-cp-dp-pp one step of dp moves the rank by TP*CP, and a pipeline stage holds "
+    "TP*CP*DP ranks. (With CP = 1 the two agree, which is why some cases pass.)"
+)
+HINT_SAME_TP_RANK = (
+    "you kept every rank with the same rank % tp: those share this rank's tp coordinate "
+    "only, across every cp coordinate and every pipeline stage. The data-parallel group "
+    "also keeps cp and pp fixed: among those ranks, only the ones in this rank's pipeline "
+    "stage with its cp coordinate belong."
+)
 HINT_WHOLE_WORLD = (
     "you returned every rank. Only the ranks that share this rank's tp, cp and pp "
     "coordinates belong to its data-parallel group."
@@ -76,6 +93,11 @@ HINT_NOT_A_LIST = (
     "return the list of global ranks in this rank's data-parallel group (this rank "
     "included), e.g. [1, 3, 5, 7], not a single number."
 )
+HINT_DP_NUDGE = (
+    "the data-parallel group of a rank is every rank that agrees with it on tp, cp and pp "
+    "and differs only in dp. Work out this rank's coordinates first (as in exercise 1.1, "
+    "with the order tp-cp-dp-pp), then let dp alone vary."
+)
 HINT_DP_GENERIC = (
     "in the dense grid rank = tp + TP*(cp + CP*(dp + DP*pp)) with DP = world/(TP*CP*PP). "
     "Work out this rank's tp, cp and pp, then list the ranks for dp = 0 .. DP-1."
@@ -83,13 +105,14 @@ HINT_DP_GENERIC = (
 
 #: The mistakes of exercise 1.1, in order of preference.
 COORDS_MISTAKES = Mistakes(
-    HINT_COORDS_GENERIC, not_a_dict=HINT_NOT_A_DICT, slowest_first=HINT_SLOWEST_FIRST,
-    dict_order=HINT_DICT_ORDER, no_modulo=HINT_NO_MODULO)
+    (HINT_COORDS_NUDGE, HINT_COORDS_GENERIC), not_a_dict=HINT_NOT_A_DICT,
+    slowest_first=HINT_SLOWEST_FIRST, dict_order=HINT_DICT_ORDER, no_modulo=HINT_NO_MODULO)
 #: The mistakes of exercise 1.2: each but the first is the group some other rule gives.
 DATA_PARALLEL_MISTAKES = Mistakes(
-    HINT_DP_GENERIC, not_a_list=HINT_NOT_A_LIST, tp=HINT_TP_GROUP, dp_cp=HINT_FORGOT_CP_MERGED,
-    stride_tp=HINT_FORGOT_CP_STRIDE, dp_outside_pp=HINT_DP_OUTSIDE_PP, pp=HINT_PP_GROUP,
-    world=HINT_WHOLE_WORLD)
+    (HINT_DP_NUDGE, HINT_DP_GENERIC), not_a_list=HINT_NOT_A_LIST, tp=HINT_TP_GROUP,
+    dp_cp=HINT_FORGOT_CP_MERGED, stride_tp=HINT_FORGOT_CP_STRIDE,
+    cp_everywhere=HINT_FORGOT_CP_EVERYWHERE, dp_outside_pp=HINT_DP_OUTSIDE_PP, pp=HINT_PP_GROUP,
+    same_tp_rank=HINT_SAME_TP_RANK, world=HINT_WHOLE_WORLD)
 
 
 
@@ -152,13 +175,23 @@ def _same_coords(got, want: list[dict]) -> bool:
 
 
 def _first_difference(got: list, want: list[dict]) -> str:
+    """What is wrong with the first wrong rank's answer, without the right coordinates."""
     for rank, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(g, dict):
+            return f"rank {rank}: got {g!r}, not a dict"
         try:
-            same = isinstance(g, dict) and {k: int(v) for k, v in g.items()} == w
-        except Exception:  # noqa: BLE001
-            same = False
-        if not same:
-            return f"rank {rank}: got {g!r}, expected {w}"
+            mine = {k: int(v) for k, v in g.items()}
+        except Exception:  # noqa: BLE001 - a value that is not a whole number
+            return f"rank {rank}: got {g!r}, whose values are not all whole numbers"
+        if mine == w:
+            continue
+        if set(mine) != set(w):
+            missing, extra = sorted(set(w) - set(mine)), sorted(set(mine) - set(w))
+            parts = ([f"no coordinate for {missing}"] if missing else []) + (
+                [f"keys {extra} that the order string does not name"] if extra else [])
+            return f"rank {rank}: got {g!r}: {' and '.join(parts)}"
+        wrong = [d for d in w if mine[d] != w[d]]
+        return f"rank {rank}: got {g!r}: the {', '.join(wrong)} coordinate{'s are' if len(wrong) > 1 else ' is'} wrong"
     return f"returned {len(got)} answers for {len(want)} ranks"
 
 
@@ -225,6 +258,43 @@ def _stride_tp_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
     return out
 
 
+def _cp_everywhere_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
+    """The 'forgot CP everywhere' answer: the right DP size, but coordinates read as if the
+    grid were tp-dp-pp (members TP apart, stages TP*DP long)."""
+    dp = world // (tp * cp * pp)
+    return [sorted(rank % tp + tp * (j + dp * (rank // (tp * dp))) for j in range(dp))
+            for rank in range(world)]
+
+
+def _same_tp_rank_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
+    """The 'every rank with the same rank % tp' answer."""
+    return [[r for r in range(world) if r % tp == rank % tp] for rank in range(world)]
+
+
+def _group_difference(rank: int, got, want: list[int], grid) -> str:
+    """What is wrong with ``rank``'s group ``got``, without naming the right members."""
+    members = as_rank_list(got)
+    if members is None:
+        return f"rank {rank}: got {got!r}, not a list of ranks"
+    if len(set(members)) != len(members):
+        return f"rank {rank}: got {got!r}, which lists a rank twice"
+    outside = [m for m in members if not 0 <= m < grid.world_size]
+    if outside:
+        return f"rank {rank}: got {got!r}: rank {outside[0]} is not in a world of {grid.world_size}"
+    if rank not in members:
+        return f"rank {rank}: got {got!r}, which leaves out rank {rank} itself"
+    mine = grid.coords(rank)
+    for m in members:
+        if m not in want:
+            theirs = grid.coords(m)
+            differ = [d for d in ("tp", "cp", "pp") if theirs[d] != mine[d]]
+            return (f"rank {rank}: got {got!r}: rank {m} is in it, but its "
+                    f"{' and '.join(differ)} coordinate{'s differ' if len(differ) > 1 else ' differs'}"
+                    f" from rank {rank}'s")
+    return (f"rank {rank}: got {got!r}: some ranks with rank {rank}'s tp, cp and pp "
+            "coordinates are missing")
+
+
 def _dp_outside_pp_groups(world: int, tp: int, pp: int, cp: int) -> list[list[int]]:
     grid = build_grid(world, tp=tp, pp=pp, cp=cp, order="tp-cp-ep-pp-dp")
     return [sorted(grid.group_of("dp", r)) for r in range(world)]
@@ -250,14 +320,18 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
         if not case.passed and isinstance(got, list):
             for rank, (g, w) in enumerate(zip(got, want)):
                 if as_rank_list(g) != w:
-                    case.detail = f"rank {rank}: got {g!r}, expected {w}"
+                    case.detail = _group_difference(rank, g, w, grid)
                     break
+            else:
+                case.detail = f"returned {len(got)} groups for {world} ranks"
             models = {
                 "tp": [sorted(grid.group_of("tp", r)) for r in range(world)],
                 "pp": [sorted(grid.group_of("pp", r)) for r in range(world)],
                 "dp_cp": [sorted(grid.group_of("dp_cp", r)) for r in range(world)],
                 "stride_tp": _stride_tp_groups(world, tp, pp, cp),
+                "cp_everywhere": _cp_everywhere_groups(world, tp, pp, cp),
                 "dp_outside_pp": _dp_outside_pp_groups(world, tp, pp, cp),
+                "same_tp_rank": _same_tp_rank_groups(world, tp, pp, cp),
                 "world": [list(range(world))] * world,
             }
             matches = {label for label, model in models.items() if _same_groups(got, model)}
@@ -270,3 +344,115 @@ def check_data_parallel_group(fn: Callable) -> CheckResult:
 
 
 __all__ = ["check_rank_to_coords", "check_data_parallel_group"]
+
+
+# --- exercise 3: which groups cross the node boundary? --------------------------------
+
+#: The group kinds exercise 1.3 asks about.
+NODE_KINDS = ("tp", "dp", "pp", "ep", "expert_tp", "expert_dp")
+NODE_WORLD, NODE_GPUS = 16, 8
+"""16 ranks on two nodes of 8 GPUs: rank r on GPU r % 8 of node r // 8."""
+
+#: Exercise 1.3's layouts: name -> (what the student reads, build_grid's arguments).
+NODE_SCENARIOS = {
+    "A": ("Megatron-Core's layout, TP = 2, PP = 4 (DP = 2, no experts)",
+          dict(tp=2, pp=4, layout="megatron")),
+    "B": ("Megatron-Core's layout, TP = 4, EP = 4, ETP left at its default (DP = 4)",
+          dict(tp=4, ep=4, layout="megatron")),
+    "C": ("Megatron-Core's layout, TP = 2, EP = 8, ETP = 1 (DP = 8)",
+          dict(tp=2, ep=8, etp=1, layout="megatron")),
+    "D": ("Megatron-Core's layout, PP = 2, EP = 4 (TP = 1, DP = 8)",
+          dict(pp=2, ep=4, layout="megatron")),
+}
+
+HINT_NODES_FORMAT = (
+    "return a dict from each scenario name in NODE_SCENARIOS ('A', 'B', ...) to the set of "
+    "group kinds, among 'tp', 'dp', 'pp', 'ep', 'expert_tp', 'expert_dp', that have a group "
+    "spanning both nodes (an empty set when none has)."
+)
+HINT_NODES_BY_SIZE = (
+    "a group does not need more members than a node has GPUs to cross the boundary: two "
+    "ranks 8 apart already sit on different nodes. What decides it is how far apart the "
+    "members are (the stride of the dimension in the order string) times the group's size, "
+    "and where a group starts."
+)
+HINT_NODES_STRIDE = (
+    "for each kind, write down the stride of its dimension in the order string (the product "
+    "of the sizes of the dimensions before it) and its size: a group spans (size - 1) * "
+    "stride + 1 consecutive ranks from its first member. It crosses when that span cannot "
+    "fit between two multiples of 8."
+)
+HINT_NODES_EXPERT = (
+    "the expert kinds come from the expert grid, etp-ep-edp-pp, folded onto the same ranks "
+    "as the dense one: EP's stride there is ETP, not TP, and EDP = world / (ETP * EP * PP). "
+    "Under Megatron-Core's layout ETP defaults to TP when it is not given."
+)
+HINT_NODES_DENSE = (
+    "the dense kinds come from the order tp-cp-dp-pp: DP's stride is TP * CP, and PP's is "
+    "TP * CP * DP, where DP = world / (TP * CP * PP) counts the EP ranks too."
+)
+
+DENSE_KINDS = frozenset({"tp", "dp", "pp"})
+
+
+def node_crossings_of(sizes: dict, world: int = NODE_WORLD, gpus: int = NODE_GPUS) -> frozenset:
+    """The kinds of :data:`NODE_KINDS` with a group that holds ranks of two nodes."""
+    grid = build_grid(world, **sizes)
+    return frozenset(kind for kind in NODE_KINDS
+                     if any(len({r // gpus for r in group}) > 1 for group in grid.groups(kind)))
+
+
+def _by_size(sizes: dict) -> frozenset:
+    """The classic wrong rule: a kind crosses only when its groups outgrow a node."""
+    grid = build_grid(NODE_WORLD, **sizes)
+    return frozenset(k for k in NODE_KINDS if len(grid.groups(k)[0]) > NODE_GPUS)
+
+
+#: The mistakes of exercise 1.3, in order of preference.
+NODE_MISTAKES = Mistakes(HINT_NODES_STRIDE, any_case={"format"}, format=HINT_NODES_FORMAT,
+                         by_size=HINT_NODES_BY_SIZE, expert=HINT_NODES_EXPERT,
+                         dense=HINT_NODES_DENSE)
+
+
+def _crossing_mistakes(kinds: frozenset, sizes: dict) -> set[str]:
+    """What a wrong set of kinds shows: the size rule, or right on one grid only."""
+    want = node_crossings_of(sizes)
+    if kinds == _by_size(sizes):
+        return {"by_size"}
+    if kinds & DENSE_KINDS == want & DENSE_KINDS:
+        return {"expert"}  # the dense grid is right: the expert grid is not
+    if kinds - DENSE_KINDS == want - DENSE_KINDS:
+        return {"dense"}
+    return set()
+
+
+def check_node_crossings(fn: Callable) -> CheckResult:
+    """Check ``fn() -> {scenario: kinds}``: for each layout of :data:`NODE_SCENARIOS` on 16
+    ranks in two 8-GPU nodes, the group kinds with a group on both nodes, against the
+    groups :func:`~tutorial_lib.grid.build_grid` builds.  A wrong set is shown as the
+    student gave it, never the right one."""
+    check = Checking("Exercise 1.3: node_crossings", NODE_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    for name, (_, sizes) in NODE_SCENARIOS.items():
+        given = got.get(name)
+        kinds = as_group_kinds(given) if name in got else None
+        if kinds is None or not kinds <= set(NODE_KINDS):
+            check.add(Case(name, False, "missing from the dict" if name not in got else
+                           f"got {given!r}, not a set of group kinds"))
+            check.shows({"format"})
+        elif kinds == node_crossings_of(sizes):
+            check.add(Case(name, True))
+        else:
+            check.add(Case(name, False, f"got {sorted(kinds)}: not the kinds whose groups "
+                                        "span both nodes"))
+            check.shows(_crossing_mistakes(kinds, sizes))
+    return check.verdict()
+
+
+__all__ += ["check_node_crossings", "node_crossings_of", "NODE_SCENARIOS", "NODE_KINDS"]

@@ -86,6 +86,11 @@ HINT_NO_P2P = (
     "tutorial_lib.comm (isend/irecv or send/recv), not torch.distributed directly, so "
     "that the course can see what your ring moves."
 )
+HINT_ALL_GATHER_NUDGE = (
+    "follow one chunk around the ring: at every step each rank passes one chunk to its "
+    "right neighbour and receives one from its left. Which rank's chunk arrives at rank i "
+    "at step s, and in which slot of the result does it belong?"
+)
 HINT_ALL_GATHER_GENERIC = (
     "a ring all-gather takes N-1 steps. At step s rank i sends the chunk it received at "
     "step s-1 (its own at step 0) to rank (i+1) % N and receives a chunk from rank "
@@ -120,6 +125,10 @@ HINT_INTEGER_DIVISION = (
     "multiple of N) or use `/`."
 )
 HINT_NOT_A_NUMBER = "return a number: the bytes one rank sends, e.g. 1536 or 1536.0."
+HINT_BYTES_NUDGE = (
+    "count, do not guess: how many steps does each phase of the ring take, how many phases "
+    "are there, and how many bytes does one rank send in one step?"
+)
 HINT_BYTES_GENERIC = (
     "count steps times bytes per step: the tensor is cut into N chunks of B/N bytes; the "
     "reduce-scatter takes N-1 steps and the all-gather N-1 more, and in each step every "
@@ -129,14 +138,14 @@ HINT_BYTES_GENERIC = (
 #: The mistakes of exercise 2.1, in order of preference: deadlocks first (by what the
 #: ranks were stuck in), then the shape of the answer, then the slots, then the trace.
 ALL_GATHER_MISTAKES = Mistakes(
-    HINT_ALL_GATHER_GENERIC, all_recv=HINT_ALL_RECV_FIRST, all_send=HINT_ALL_SEND_FIRST,
+    (HINT_ALL_GATHER_NUDGE, HINT_ALL_GATHER_GENERIC), all_recv=HINT_ALL_RECV_FIRST, all_send=HINT_ALL_SEND_FIRST,
     unmatched=HINT_UNMATCHED, deadlock=HINT_DEADLOCK_GENERIC, not_a_tensor=HINT_NOT_A_TENSOR,
     shape=HINT_SHAPE, arrival_order=HINT_ARRIVAL_ORDER, wrong_place=HINT_WRONG_PLACE,
     duplicates=HINT_DUPLICATES, missing=HINT_MISSING, used_library=HINT_USED_LIBRARY,
     no_p2p=HINT_NO_P2P)
 #: The mistakes of exercise 2.2 (their formulas: :data:`RING_BYTES_MISTAKES`).
 RING_BYTES_HINTS = Mistakes(
-    HINT_BYTES_GENERIC, not_a_number=HINT_NOT_A_NUMBER, two_b=HINT_TWO_B,
+    (HINT_BYTES_NUDGE, HINT_BYTES_GENERIC), not_a_number=HINT_NOT_A_NUMBER, two_b=HINT_TWO_B,
     n_minus_one_b=HINT_N_MINUS_ONE_B, one_phase=HINT_ONE_PHASE,
     whole_tensor_per_step=HINT_WHOLE_TENSOR_PER_STEP, sent_and_received=HINT_SENT_AND_RECEIVED,
     integer_division=HINT_INTEGER_DIVISION)
@@ -256,7 +265,9 @@ def check_ring_all_gather(fn: Callable, timeout: float = 10.0) -> CheckResult:
             shown = (f"slots hold the chunks of ranks {owners}" if owners is not None
                      else f"returned {type(gots[bad]).__name__}"
                      + (f" of shape {tuple(gots[bad].shape)}" if isinstance(gots[bad], torch.Tensor) else ""))
-            case.detail = f"rank {bad}: {shown}, expected ranks {list(range(n))}"
+            if owners is not None:
+                shown += " (slot j must hold rank j's chunk)"
+            case.detail = f"rank {bad}: {shown}"
             check.shows(mistakes)
     return check.verdict()
 
@@ -330,10 +341,13 @@ def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
             check.shows()
             continue
         for nbytes, sent in measured.items():
-            case, got = check.run(f"B={nbytes} bytes, N={n} ranks (trace: {sent} bytes sent per rank)",
+            case, got = check.run(f"B={nbytes} bytes, N={n} ranks",
                                   lambda nbytes=nbytes, n=n: fn(nbytes, n), sent, compare=_close)
             if check.stub:
                 break
+            if not case.passed and as_number(got) is not None:
+                case.detail = (f"predicted {as_number(got):g} bytes; the traced ring sends "
+                               "another count")
             check.judge(case, got, as_number, lambda number: {
                 name for name, wrong in RING_BYTES_MISTAKES.items() if _close(number, wrong(nbytes, n))},
                 unreadable="not_a_number")
@@ -397,25 +411,26 @@ WRONG_CHOICES = {
         "gradient. (With sequence parallelism the input is split along the sequence, and "
         "then a reduce-scatter is exactly right.)",
     ("tp_column_parallel_input_grad", "send"):
-        "every TP rank holds a part of the sum and every rank needs all of it: that is an "
-        "all-reduce, not a message between two ranks.",
+        "every TP rank holds a part of the sum and every rank needs all of it: no message "
+        "between two ranks can deliver that.",
     ("dp_gradients", "reduce_scatter"):
         "without a distributed optimizer every replica updates every parameter, so each "
         "needs the whole summed gradient, not a slice.",
     ("dp_gradients", "all_gather"):
         "all-gather collects the replicas' gradients side by side; they must be added.",
     ("zero_gradients", "all_reduce"):
-        "an all-reduce works but moves twice the bytes: each rank only needs the slice it "
-        "updates, which a reduce-scatter delivers at half the cost.",
+        "an all-reduce works but moves twice the bytes: it hands every rank the whole sum, "
+        "while each rank only needs the slice of it that it updates. A collective that "
+        "leaves each rank only its slice of the sum costs half as much.",
     ("zero_gradients", "all_gather"):
         "nothing would be summed: gradients of the same parameter from different ranks "
         "must be added.",
     ("zero_parameters", "all_reduce"):
-        "there is nothing to add: each parameter's new value lives on exactly one rank. "
-        "Concatenating the slices (all-gather) is enough, at half the bytes.",
+        "there is nothing to add: each parameter's new value lives on exactly one rank, so "
+        "placing the slices side by side on every rank is enough, at half the bytes.",
     ("zero_parameters", "broadcast"):
-        "every rank owns a slice, not one root: N broadcasts would do it, but one "
-        "all-gather does it at once.",
+        "every rank owns a slice, not one root: N broadcasts would do it, but a single "
+        "collective can do it at once.",
     ("moe_dispatch", "all_gather"):
         "an all-gather sends every token to every rank, N times the traffic: each token "
         "only has to reach the ranks of its experts.",
@@ -425,11 +440,11 @@ WRONG_CHOICES = {
     ("moe_dispatch", "all_reduce"):
         "nothing is added in a dispatch: tokens are moved, each to its expert's rank.",
     ("pipeline_activations", "broadcast"):
-        "only the next stage needs the activations; a point-to-point send reaches exactly "
-        "that rank.",
+        "only the next stage needs the activations, and no other rank: a collective involves "
+        "the whole group for one reader.",
     ("pipeline_activations", "all_gather"):
-        "only the next stage needs the activations; a point-to-point send reaches exactly "
-        "that rank.",
+        "only the next stage needs the activations, and no other rank: a collective involves "
+        "the whole group for one reader.",
     ("initial_weights", "all_reduce"):
         "an all-reduce of the weights would add the (random) weights of every rank; one "
         "rank holds the truth and the others copy it.",
@@ -467,8 +482,128 @@ def _judge_collective(situation: str, given) -> tuple[str, str | None] | None:
     if chosen == answer:
         return None
     why = None if chosen is None else WRONG_CHOICES.get((situation, chosen), HINT_CHOOSE_GENERIC)
-    return f"got {given!r}, expected {answer!r}", why
+    return f"got {given!r}", why
+
+
+
+
+# --- exercise 2.4: predict the dispatch, then run it ----------------------------------------
+
+HINT_RUN_FAILED = (
+    "the checker's own run of the workers failed (a busy machine can time it out), so "
+    "nothing was compared: run the check cell again."
+)
+
+#: Exercise 2.4's router: for each of the 4 ranks, the destination rank of each of its 6
+#: tokens (token t of rank r has the value 10 r + t).  No token goes to rank 1.
+DISPATCH_ROUTES = ((2, 0, 3, 2, 0, 2),
+                   (3, 3, 0, 2, 0, 3),
+                   (0, 2, 2, 3, 3, 0),
+                   (3, 2, 0, 0, 2, 3))
+
+HINT_DISPATCH_FORMAT = (
+    "return a dict from each rank, 0 to 3, to the list of token values that arrive on it, "
+    "in the order they arrive (an empty list when none does)."
+)
+HINT_DISPATCH_SENT = (
+    "you listed what each rank sends, not what it receives: the all-to-all transposes the "
+    "table of pieces, so rank k ends up with piece k of every sender's input.",
+)
+HINT_DISPATCH_ORDER = (
+    "the right values in the wrong order: the output is one block per sender, in the "
+    "order of the senders' ranks, and inside a block the sender's order of its rows "
+    "(grouped by destination with a stable sort, so by token index).",
+)
+HINT_DISPATCH_HOME = (
+    "a rank's own piece stays home but is still part of its output: a token routed to its "
+    "own rank arrives too, in the sender's block of that rank.",
+)
+HINT_DISPATCH_GENERIC = (
+    "for each receiving rank k, go through the senders in order, rank 0 to 3, and take "
+    "from each the values of its tokens routed to k, in token order.",
+)
+
+#: The mistakes of exercise 2.4, in order of preference.
+DISPATCH_MISTAKES = Mistakes(HINT_DISPATCH_GENERIC, any_case={"format"},
+                             format=HINT_DISPATCH_FORMAT, sent=HINT_DISPATCH_SENT,
+                             order=HINT_DISPATCH_ORDER, home=HINT_DISPATCH_HOME)
+
+
+def _dispatch_worker(ctx, routes):
+    import torch
+
+    from .. import comm
+    experts = torch.tensor(routes[ctx.rank])
+    tokens = 10.0 * ctx.rank + torch.arange(float(len(experts)))
+    order = torch.argsort(experts, stable=True)  # grouped by destination rank
+    send_counts = torch.bincount(experts, minlength=ctx.world_size)
+    recv_counts = torch.empty_like(send_counts)
+    comm.all_to_all(recv_counts, send_counts)
+    arrived = torch.empty(int(recv_counts.sum()))
+    comm.all_to_all(arrived, tokens[order], output_split_sizes=recv_counts.tolist(),
+                    input_split_sizes=send_counts.tolist())
+    return [int(v) for v in arrived.tolist()]
+
+
+def measured_dispatch(routes=DISPATCH_ROUTES) -> dict[int, list[int]]:
+    """Run the dispatch of chapter 2 (counts, then the uneven all-to-all) on one gloo rank
+    per row of ``routes``; ``{rank: the values that arrived, in order}``."""
+    out = launch(_dispatch_worker, len(routes), args=(routes,), timeout=60,
+                 print_output=False)
+    return dict(enumerate(out.results))
+
+
+def _dispatch_variant(routes, rank: int, rule: str) -> list[int]:
+    """What a rank would hold under a wrong rule: what it sent, sorted, without home."""
+    if rule == "sent":
+        return [10 * rank + t for t, _ in sorted(enumerate(routes[rank]), key=lambda p: p[1])]
+    arrived = [10 * r + t for r, row in enumerate(routes) for t, k in enumerate(row)
+               if k == rank and (rule != "home" or r != rank)]
+    return arrived
+
+
+def check_dispatch(fn: Callable, measured: Callable[[], dict] = measured_dispatch
+                   ) -> CheckResult:
+    """Check ``fn() -> {rank: values}``, the tokens each rank receives in the dispatch of
+    :data:`DISPATCH_ROUTES`, against the real all-to-all, run on 4 gloo ranks once the
+    student has committed a prediction.  A wrong list is shown as given."""
+    check = Checking("Exercise 2.4: dispatch", DISPATCH_MISTAKES)
+    case, got = check.attempt("the prediction", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()  # nothing committed: nothing is run
+    try:
+        ran = measured()
+    except Exception as err:  # noqa: BLE001 - the workers failed, not the prediction
+        check.add(Case("the run", False, f"the reference run failed: {err}"[:300]))
+        return check.verdict(HINT_RUN_FAILED)
+    for rank in range(len(DISPATCH_ROUTES)):
+        name = f"rank {rank}"
+        given = got.get(rank)
+        try:
+            values = [int(v) for v in given] if not isinstance(given, (str, dict)) else None
+        except (TypeError, ValueError):
+            values = None
+        if values is None:
+            check.add(Case(name, False, "missing from the dict" if given is None else
+                           f"got {given!r}, not a list of token values"))
+            check.shows({"format"})
+            continue
+        if values == ran[rank]:
+            check.add(Case(name, True))
+            continue
+        check.add(Case(name, False, f"got {values}: not what arrived"))
+        shown = {rule for rule in ("sent", "home")
+                 if values == _dispatch_variant(DISPATCH_ROUTES, rank, rule)}
+        if sorted(values) == sorted(ran[rank]):
+            shown.add("order")
+        check.shows(shown)
+    return check.verdict()
 
 
 __all__ = ["check_ring_all_gather", "check_ring_all_reduce_bytes", "check_choose_collectives",
            "chunk_of", "measured_ring_bytes", "normalize_op", "SCENARIOS"]
+__all__ += ["check_dispatch", "measured_dispatch", "DISPATCH_ROUTES"]

@@ -75,6 +75,11 @@ HINT_ROW_SHAPE = (
     "return Y with shape [s, b, out]: every output feature, the same full tensor on every TP "
     "rank (only the input features are split)."
 )
+HINT_ROW_NUDGE = (
+    "each TP rank multiplies its slice of the input by its slice of the weight: a partial "
+    "product. How do the ranks turn their partial products into the layer's output, where "
+    "does the bias go, and what must the backward of that step do with dY?"
+)
 HINT_ROW_GENERIC = (
     "Y = sum_i X_i W_i^T + b. Compute the partial product F.linear(x, weight) without the "
     "bias, all-reduce it over group='tp' inside an autograd.Function whose backward is the "
@@ -143,6 +148,12 @@ HINT_STEP_DP_UNSHARDED = (
     "(1/T of each column- or row-parallel weight, and the column-parallel biases) plus the "
     "replicated LayerNorms and row-parallel biases in full. You counted the whole block."
 )
+HINT_STEP_DP_REPLICATED_SPLIT = (
+    "you divided every parameter of the block by T, the replicated ones too. Only the "
+    "column- and row-parallel weights (and the column-parallel biases) are split over TP; "
+    "the two LayerNorms and the row-parallel biases are whole on every TP rank, so their "
+    "6h values per block count in full on each rank's DP all-reduce."
+)
 HINT_STEP_DP_WEIGHTS_ONLY = (
     "count every parameter, not only the weight matrices: per block 2 LayerNorms (weight and "
     "bias, h each), the QKV bias (3h/T), the fc1 bias (ffn/T) and the two row-parallel "
@@ -150,6 +161,15 @@ HINT_STEP_DP_WEIGHTS_ONLY = (
 )
 HINT_STEP_FFN_4H = (
     "use cfg.ffn_hidden_size: it is not always 4 * hidden_size in the cases tried."
+)
+HINT_STEP_TP_NUDGE = (
+    "for the TP part, list the collectives one block runs on the activations in one "
+    "microbatch, forward and backward (and with sequence parallelism, what it gathers "
+    "again in backward and what it syncs once per step), then the bytes each sends per rank."
+)
+HINT_STEP_DP_NUDGE = (
+    "for the DP part, count the parameters this rank holds (which are split over TP, which "
+    "are whole on every TP rank?), and how often per step their gradients are all-reduced."
 )
 HINT_STEP_TP_GENERIC = (
     "TP per rank and step: num_layers * num_microbatches * 4 collectives' worth of the activation "
@@ -166,21 +186,21 @@ HINT_STEP_DP_GENERIC = (
 
 #: The mistakes of exercise 3.1, in order of preference.
 ROW_MISTAKES = Mistakes(
-    HINT_ROW_GENERIC, shape=HINT_ROW_SHAPE, bias_before=HINT_ROW_BIAS_BEFORE,
+    (HINT_ROW_NUDGE, HINT_ROW_GENERIC), shape=HINT_ROW_SHAPE, bias_before=HINT_ROW_BIAS_BEFORE,
     no_reduce=HINT_ROW_NO_REDUCE, wrong_group=HINT_ROW_WRONG_GROUP, averaged=HINT_ROW_AVERAGED,
     no_grad=HINT_ROW_NO_GRAD, backward_reduce=HINT_ROW_BACKWARD_REDUCE, untracked=HINT_ROW_UNTRACKED)
 #: The mistakes of exercise 3.3: a wrong format or an exception on any case first, then the
 #: TP part's and the DP part's mistakes (their switches: :data:`STEP_MISTAKES`).
 STEP_HINTS = Mistakes(
-    HINT_STEP_TP_GENERIC, any_case={"format", "raised"},
+    (HINT_STEP_TP_NUDGE, HINT_STEP_TP_GENERIC), any_case={"format", "raised"},
     format=HINT_STEP_FORMAT, raised=HINT_STEP_RAISED,
     payload=HINT_STEP_PAYLOAD, one_phase=HINT_STEP_ONE_PHASE, forward_only=HINT_STEP_FORWARD_ONLY,
     tp_once=HINT_STEP_TP_ONCE, sp_smaller=HINT_STEP_SP_SMALLER,
     sp_no_regather=HINT_STEP_SP_NO_REGATHER, sp_no_sync=HINT_STEP_SP_NO_SYNC,
     sp_sync_always=HINT_STEP_SP_SYNC_NO_SP, dp_payload=HINT_STEP_PAYLOAD,
     dp_one_phase=HINT_STEP_ONE_PHASE, dp_per_microbatch=HINT_STEP_DP_PER_MICROBATCH,
-    dp_unsharded=HINT_STEP_DP_UNSHARDED, dp_weights_only=HINT_STEP_DP_WEIGHTS_ONLY,
-    ffn_4h=HINT_STEP_FFN_4H)
+    dp_unsharded=HINT_STEP_DP_UNSHARDED, dp_replicated_split=HINT_STEP_DP_REPLICATED_SPLIT,
+    dp_weights_only=HINT_STEP_DP_WEIGHTS_ONLY, ffn_4h=HINT_STEP_FFN_4H)
 
 
 # --- exercise 3.1: a row-parallel linear layer -----------------------------------------
@@ -282,9 +302,10 @@ def _classify_row(results, refs, T, trace) -> tuple[set, str]:
     forward_ops = [e for e in mine if e.op != "compute" and e.tags.get("phase") == "forward"]
     backward_ops = [e for e in mine if e.op != "compute" and e.tags.get("phase") == "backward"]
     if not isinstance(y, torch.Tensor):
-        return {"shape"}, f"rank {rank}: returned {type(y).__name__}, expected a tensor"
+        return {"shape"}, f"rank {rank}: returned {type(y).__name__}, not a tensor"
     if y.shape != ref["y"].shape:
-        return {"shape"}, f"rank {rank}: output shape {tuple(y.shape)}, expected {tuple(ref['y'].shape)}"
+        return {"shape"}, (f"rank {rank}: output shape {tuple(y.shape)}, but the layer's output "
+                           f"[s, b, out] has shape {tuple(ref['y'].shape)}")
     if not _close_tensor(y, ref["y"]):
         worst = (y - ref["y"]).abs().max().item()
         detail = f"rank {rank}: output differs from the serial layer by up to {worst:.3g}"
@@ -402,22 +423,34 @@ _REPLICATED_WHY = {
     "layernorm_weight": "without sequence parallelism every TP rank normalises all s tokens with the "
                         "same dY, so the copies' gradients are already identical and complete",
 }
+#: Stages: what is wrong (a first failure), then what to do (the same case failing again).
 _PARTIAL_WHY = {
-    "layernorm_weight_sp": "dgamma = sum over tokens of dy * x_hat, and this rank only saw its s/T "
-                           "tokens: a partial sum. Sum it over TP (allreduce_sequence_parallel_grads)",
-    "fc2_bias_sp": "db = sum over tokens of dY, and after the reduce-scatter this rank holds dY for "
-                   "its s/T tokens only: a partial sum. Sum it over TP",
+    "layernorm_weight_sp": (
+        "dgamma = sum over tokens of dy * x_hat, and with sequence parallelism this rank only "
+        "saw its s/T tokens: its gradient is a partial sum. Which ranks hold the other parts?",
+        "dgamma = sum over tokens of dy * x_hat, and this rank only saw its s/T tokens: a "
+        "partial sum, whose other parts sit on the ranks that saw the other tokens of the same "
+        "samples (allreduce_sequence_parallel_grads adds them up); the replicas, which saw "
+        "other samples, still have to agree as well."),
+    "fc2_bias_sp": (
+        "db = sum over tokens of dY, and after the reduce-scatter this rank holds dY for its "
+        "s/T tokens only: its gradient is a partial sum. Which ranks hold the other parts?",
+        "db = sum over tokens of dY, and after the reduce-scatter this rank holds dY for its "
+        "s/T tokens only: a partial sum, whose other parts sit on the ranks that hold the "
+        "other tokens of the same samples; the replicas, which saw other samples, still have "
+        "to agree as well."),
 }
 
 
-def _why_groups_wrong(case: str, given: frozenset, want: frozenset) -> str:
+def _why_groups_wrong(case: str, given: frozenset, want: frozenset):
+    """Why ``given`` is wrong for ``case``: a text, or its stages (never the right set)."""
     unknown = sorted(given - set(KNOWN_GROUPS))
     if unknown:
         return f"unknown group kind(s) {unknown}: use 'tp', 'dp' (or 'pp', 'world')."
     if "world" in given:
         return ("the world group mixes everything: it adds the TP ranks' (different) shards or "
-                "partial sums together with the other replica's gradients. Name the groups: "
-                f"here {sorted(want)}.")
+                "partial sums together with the other replica's gradients. Name the groups "
+                "whose ranks hold copies of this parameter, or parts of one sum.")
     if "pp" in given:
         return ("there is no pipeline here (PP = 1), and pipeline stages hold different layers, "
                 "never copies of one parameter: no gradient is ever reduced over PP.")
@@ -428,12 +461,12 @@ def _why_groups_wrong(case: str, given: frozenset, want: frozenset) -> str:
         return (f"no TP reduction is needed: {_REPLICATED_WHY[case]}. Summing over TP would "
                 f"multiply the gradient by T.")
     if "tp" in want and "tp" not in given:
-        return f"{_PARTIAL_WHY[case]}."
+        return _PARTIAL_WHY[case]
     if "dp" in want and "dp" not in given:
         return ("the data-parallel replicas processed different samples: without averaging over "
                 "DP each replica would step with the gradient of its own samples and the replicas "
                 "would drift apart.")
-    return f"expected {sorted(want)}."
+    return "this is not the set of groups over which this gradient's copies or parts are spread."
 
 
 def check_gradient_groups(fn: Callable) -> CheckResult:
@@ -451,8 +484,7 @@ def _judge_groups(name: str, answer) -> tuple[str, str | None] | None:
     given = as_group_kinds(answer)
     if given == want:
         return None
-    return (f"got {answer!r}, expected {sorted(want)}",
-            None if given is None else _why_groups_wrong(name, given, want))
+    return (f"got {answer!r}", None if given is None else _why_groups_wrong(name, given, want))
 
 
 # --- exercise 3.3: the bytes one training step sends ---------------------------------------
@@ -510,7 +542,8 @@ def reference_step_bytes(cfg: StepConfig, *, wire: bool = True, backward: bool =
                          sp_regather: bool = True,
                          sp_sync: bool | None = None, ring_phases: int = 2,
                          dp_per_microbatch: bool = False, dp_unsharded: bool = False,
-                         dp_weights_only: bool = False, ffn_4h: bool = False) -> dict:
+                         dp_replicated_split: bool = False, dp_weights_only: bool = False,
+                         ffn_4h: bool = False) -> dict:
     """Bytes one rank sends on ``tp`` and on ``dp`` in one step (ring algorithms, fp32).
 
     The keyword arguments switch on the classic mistakes (the checker's hints), so
@@ -546,6 +579,8 @@ def reference_step_bytes(cfg: StepConfig, *, wire: bool = True, backward: bool =
     if cfg.sequence_parallel if sp_sync is None else sp_sync:
         tp += ring(T) * 6 * h * L * 4
     params = block_params_per_rank(h, ffn, 1 if dp_unsharded else T)
+    if dp_replicated_split:  # the replicated 6h divided by T as well
+        params = (6 * h + 4 * h * h + 3 * h + 2 * h * ffn + ffn) // T
     if dp_weights_only:
         params = (4 * h * h + 2 * h * ffn) // (1 if dp_unsharded else T)
     dp = ring(D) * 4 * L * params * (M if dp_per_microbatch else 1)
@@ -566,6 +601,7 @@ STEP_MISTAKES = {
     "dp_one_phase": ("dp", dict(ring_phases=1)),
     "dp_per_microbatch": ("dp", dict(dp_per_microbatch=True)),
     "dp_unsharded": ("dp", dict(dp_unsharded=True)),
+    "dp_replicated_split": ("dp", dict(dp_replicated_split=True)),
     "dp_weights_only": ("dp", dict(dp_weights_only=True)),
     "ffn_4h": ("dp", dict(ffn_4h=True)),
 }
@@ -709,17 +745,17 @@ def check_step_bytes(fn: Callable) -> CheckResult:
                 check.add(case)
                 check.shows({"raised"})
                 continue
-            shown = {k: round(v, 3) for k, v in want.items()}
             if _same_bytes(got, want):
                 check.add(Case(_describe(cfg), True))
                 continue
             if not isinstance(got, dict) or any(as_number(got.get(k)) is None for k in ("tp", "dp")):
-                check.add(Case(_describe(cfg), False, f"got {got!r}; the trace says {shown}"))
+                check.add(Case(_describe(cfg), False, f"got {got!r}, not {{'tp': bytes, 'dp': bytes}}"))
                 check.shows({"format"})
                 continue
+            wrong = [k for k in ("tp", "dp") if not _close_bytes(got[k], want[k])]
             check.add(Case(_describe(cfg), False,
-                           f"got {{'tp': {as_number(got['tp']):g}, 'dp': {as_number(got['dp']):g}}}, "
-                           f"the trace says {shown}"))
+                           f"got {{'tp': {as_number(got['tp']):g}, 'dp': {as_number(got['dp']):g}}}: "
+                           f"the traced step sends other {' and '.join(wrong)} bytes"))
             for key in ("tp", "dp"):
                 if not _close_bytes(got[key], want[key]):
                     failing[key].append({name for name, (part, switches) in STEP_MISTAKES.items()
@@ -727,10 +763,12 @@ def check_step_bytes(fn: Callable) -> CheckResult:
                                              got[key], reference_step_bytes(cfg, **switches)[key])})
     if check.failing:  # a wrong format or an exception: that first
         return check.verdict()
-    hints = [STEP_HINTS.hint(failing[key], generic) for key, generic in
-             (("tp", HINT_STEP_TP_GENERIC), ("dp", HINT_STEP_DP_GENERIC)) if failing[key]]
+    stage = check.stage
+    hints = [STEP_HINTS.hint(failing[key], generic, stage=stage) for key, generic in
+             (("tp", (HINT_STEP_TP_NUDGE, HINT_STEP_TP_GENERIC)),
+              ("dp", (HINT_STEP_DP_NUDGE, HINT_STEP_DP_GENERIC))) if failing[key]]
     hints = list(dict.fromkeys(hints))  # one mistake (e.g. no ring factor) may explain both
-    return check.verdict(" Also, ".join(hints) if hints else HINT_STEP_TP_GENERIC)
+    return check.verdict("\n".join(hints) if hints else (HINT_STEP_TP_NUDGE, HINT_STEP_TP_GENERIC))
 
 
 __all__ = ["check_row_parallel_linear", "check_gradient_groups", "check_step_bytes",

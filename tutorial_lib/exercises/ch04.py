@@ -69,6 +69,10 @@ HINT_SPLITS_FORMAT = (
     "return a list of ep_size whole numbers (or a 1-D integer tensor): the rows this rank "
     "sends to EP rank 0, 1, ..., ep_size - 1."
 )
+HINT_SPLITS_NUDGE = (
+    "two questions: which EP rank does expert e live on (each rank holds a contiguous block "
+    "of num_experts / ep_size experts), and how many rows does one entry of topk_idx send?"
+)
 HINT_SPLITS_GENERIC = (
     "expert e lives on EP rank e // (num_experts // ep_size); every entry of topk_idx is one "
     "row to send. Count the entries per rank: torch.bincount(topk_idx.flatten() // "
@@ -90,9 +94,10 @@ HINT_BYTES_RAISED = (
     "nothing and on a rank with no tokens of its own (zeros in the matrix)."
 )
 HINT_BYTES_DIAGONAL = (
-    "you counted the rows a rank keeps for its own experts (the diagonal of the matrix). "
-    "All-to-all hands them over in local memory: subtract counts[rank][rank] from every "
-    "token exchange, and the rank's own row of counts from the counts exchange."
+    "you counted data a rank sends to itself: the rows it keeps for its own experts (the "
+    "diagonal of the matrix), or its own counts in the counts exchange. All-to-all hands "
+    "those over in local memory, no byte leaves the rank: subtract counts[rank][rank] from "
+    "every token exchange, and count the counts sent to the ep - 1 OTHER ranks only."
 )
 HINT_BYTES_FORWARD_ONLY = (
     "you counted the forward pass only. The all-to-all is an autograd function whose "
@@ -118,6 +123,11 @@ HINT_BYTES_ELEMENTS = (
     "you counted elements, not bytes: each row holds `hidden` elements of bytes_per_element "
     "bytes (4 here, fp32), and each count is an int64 of 8 bytes."
 )
+HINT_BYTES_NUDGE = (
+    "list the all-to-alls of one forward and backward (the counts exchange, the dispatch, "
+    "the combine, and the backward of each autograd one), and for each the rows this rank "
+    "hands to OTHER ranks: which entries of the matrix are they?"
+)
 HINT_BYTES_GENERIC = (
     "one forward + backward, bytes leaving rank i: the counts exchange, (ep - 1) * N/ep * 8; "
     "the dispatch and the combine's backward, each (sum of row i - counts[i][i]) * h * d; "
@@ -126,14 +136,15 @@ HINT_BYTES_GENERIC = (
 
 #: The mistakes of exercise 4.1, in order of preference (what each returns: ``_splits_mistakes``).
 SPLITS_HINTS = Mistakes(
-    HINT_SPLITS_GENERIC, any_case={"format"}, format=HINT_SPLITS_FORMAT,
+    (HINT_SPLITS_NUDGE, HINT_SPLITS_GENERIC), any_case={"format"}, format=HINT_SPLITS_FORMAT,
     per_expert=HINT_SPLITS_PER_EXPERT, missing_zeros=HINT_SPLITS_MISSING_ZEROS,
     tokens=HINT_SPLITS_TOKENS, first_choice=HINT_SPLITS_FIRST_CHOICE,
     round_robin=HINT_SPLITS_ROUND_ROBIN, divided_by_ep=HINT_SPLITS_DIVIDED_BY_EP)
 #: The mistakes of exercise 4.3, in order of preference (their switches: :data:`BYTES_MISTAKES`).
 BYTES_HINTS = Mistakes(
-    HINT_BYTES_GENERIC, any_case={"format", "raised"}, format=HINT_BYTES_FORMAT,
-    raised=HINT_BYTES_RAISED, diagonal=HINT_BYTES_DIAGONAL, forward_only=HINT_BYTES_FORWARD_ONLY,
+    (HINT_BYTES_NUDGE, HINT_BYTES_GENERIC), any_case={"format", "raised"}, format=HINT_BYTES_FORMAT,
+    raised=HINT_BYTES_RAISED, diagonal=HINT_BYTES_DIAGONAL, diagonal_rows=HINT_BYTES_DIAGONAL,
+    diagonal_counts=HINT_BYTES_DIAGONAL, forward_only=HINT_BYTES_FORWARD_ONLY,
     no_counts=HINT_BYTES_NO_COUNTS, combine_row=HINT_BYTES_COMBINE_ROW,
     counts_backward=HINT_BYTES_COUNTS_BACKWARD, elements=HINT_BYTES_ELEMENTS)
 
@@ -202,6 +213,17 @@ def _splits_mistakes(topk_idx, num_experts: int, ep_size: int) -> dict[str, list
     return out
 
 
+def _splits_difference(answer: list[int], topk_idx, ep_size: int) -> str:
+    """What is wrong with a list of splits, without the right splits."""
+    copies = topk_idx.numel()
+    if len(answer) != ep_size:
+        return f"got {answer}: {len(answer)} numbers for an EP group of {ep_size} ranks"
+    if sum(answer) != copies:
+        return (f"got {answer}: {sum(answer)} rows in all, but topk_idx holds {copies} "
+                "(token, k) copies")
+    return f"got {answer}: the right number of rows in all, sent to the wrong ranks"
+
+
 def check_send_splits(fn: Callable) -> CheckResult:
     """Check ``fn(topk_idx, num_experts, ep_size) -> [rows to EP rank 0, 1, ...]``.
 
@@ -219,7 +241,7 @@ def check_send_splits(fn: Callable) -> CheckResult:
         if answer is None:
             check.shows({"format"})
             continue
-        case.detail = f"got {answer}, expected {want}"
+        case.detail = _splits_difference(answer, topk_idx, ep_size)
         mistakes = _splits_mistakes(topk_idx, num_experts, ep_size)
         check.shows({m for m, wrong in mistakes.items() if wrong == answer and wrong != want})
     return check.verdict()
@@ -263,7 +285,9 @@ GRADIENT_DOMAIN_GRIDS = {
 KNOWN_GROUPS = ("tp", "dp", "ep", "expert_dp", "expert_tp", "pp", "world")
 
 
-def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, want_divisor: int) -> str:
+def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, want_divisor: int):
+    """Why ``(given, divisor)`` is wrong for ``case``: a text, or its stages (what is wrong,
+    then what to do), never the right groups or divisor themselves."""
     tp, ep, dp, edp = GRADIENT_DOMAIN_GRIDS[case]
     routed = case.startswith("routed")
     unknown = sorted(given - set(KNOWN_GROUPS))
@@ -272,34 +296,53 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
     if "world" in given:
         return ("the world group mixes everything: with EP > 1 it adds the gradients of "
                 "different experts, and with TP > 1 it adds TP ranks' partial sums to other "
-                f"replicas'. Name the groups: here {sorted(want)}.")
+                "replicas'. Name the groups whose ranks hold copies of this weight, or parts of "
+                "one sum.")
     if given != want:
         if routed and "ep" in given:
             return ("the EP ranks hold different experts, so their gradients are gradients of "
                     "different numbers. The EP group carries the dispatch and combine "
-                    "all-to-alls; an expert's copies live on its expert_dp group.")
+                    "all-to-alls; where do the copies of one expert live?",
+                    "the EP ranks hold different experts, so their gradients are gradients of "
+                    "different numbers. The EP group carries the dispatch and combine "
+                    "all-to-alls; the copies of one expert sit on the ranks with the same EP "
+                    "rank in the other expert-data-parallel replicas.")
         if routed and "dp" in given:
-            return (f"the dense dp group ({dp} ranks here) contains EP ranks that hold other "
-                    f"experts: summing over it adds gradients of different experts. A routed "
-                    f"expert is replicated only on its expert_dp group ({edp} ranks).")
+            return ("the dense dp group contains EP ranks that hold other experts: summing over "
+                    "it adds gradients of different experts. Which ranks hold a copy of this "
+                    "rank's experts?",
+                    "the dense dp group contains EP ranks that hold other experts: summing over "
+                    "it adds gradients of different experts. A routed expert is replicated only "
+                    "on the ranks with the same EP rank in the other expert-data-parallel "
+                    "replicas, fewer than the dense replicas.")
         if routed and "tp" in given:
             return ("in Megatron's folded layout the TP ranks of a replica sit on different EP "
                     "ranks and hold different experts (EP folds onto TP). The tokens of every "
-                    "TP rank already reached the expert through the all-to-all; only the "
-                    "expert_dp copies need summing.")
+                    "TP rank already reached the expert through the all-to-all; only the copies "
+                    "of the expert itself need summing.")
         if not routed and "expert_dp" in given:
-            return (f"the router and the shared experts are dense: every one of the {dp} ranks "
-                    f"of the dp group holds a copy and saw different tokens. expert_dp holds "
-                    f"only {edp} of them, so the copies would drift apart.")
+            return ("the router and the shared experts are dense: every rank of the dense dp "
+                    "group holds a copy and saw different tokens. expert_dp holds only some of "
+                    "them, so the copies would drift apart.")
+        if not routed and "ep" in given and "dp" not in given:
+            return ("the EP ranks of one replica are not all the copies of a dense weight: in "
+                    "Megatron's layout every rank of the dense data-parallel replicas holds one, "
+                    "EP ranks and the rest (DP = W / (TP * CP * PP)).")
         if not routed and "ep" in given:
-            return (f"in Megatron's layout the dense dp group already contains the EP ranks "
-                    f"(DP = W / (TP * CP * PP) = {dp}): a dense weight is replicated over all "
-                    f"of them, so sum it over 'dp' alone; adding 'ep' would count some copies twice.")
+            return ("in Megatron's layout the dense dp group already contains the EP ranks "
+                    "(DP = W / (TP * CP * PP)): a dense weight is replicated over all of them, "
+                    "so adding 'ep' counts some copies twice.",
+                    "in Megatron's layout the dense dp group already contains the EP ranks "
+                    "(DP = W / (TP * CP * PP)): a dense weight is replicated over all of them, "
+                    "so sum it over 'dp' alone; adding 'ep' would count some copies twice.")
         if "pp" in given:
             return ("there is no pipeline here (PP = 1), and pipeline stages hold different "
                     "layers, never copies of one parameter.")
         if "tp" in want and "tp" not in given:
             return ("with sequence parallelism each TP rank routes and runs only its own s/TP "
+                    "tokens, so its gradient of this replicated weight is a partial sum. Which "
+                    "ranks hold the other parts?",
+                    "with sequence parallelism each TP rank routes and runs only its own s/TP "
                     "tokens, so its gradient of this replicated weight is a partial sum: add "
                     "the TP ranks' parts (allreduce_sequence_parallel_grads), then the DP sum.")
         if "tp" in given and case == "shared_expert_megatron_sp":
@@ -314,24 +357,33 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
         if not given:
             return ("the replicas processed different tokens: without a sum over their group "
                     "each copy steps with its own tokens' gradient and they drift apart.")
-        return f"expected {sorted(want)}."
+        return ("this is not the set of groups over which this weight's copies, or the parts "
+                "of its gradient, are spread.")
     number = as_number(divisor)
     if number is None:
         return HINT_DOMAINS_FORMAT
+    count_once = ("after the sum, each token of the global batch has contributed once: how many "
+                  "copies of the gradient of the mean loss does the sum hold?")
+    by_replicas = "divide by the number of dense data-parallel replicas, DP."
     if routed and math.isclose(number, edp) and edp != want_divisor:
-        return (f"dividing by the expert-data-parallel size ({edp}), as an all-reduce that averages "
-                f"over the expert-data-parallel group does, makes expert gradients {dp // edp}x too "
-                f"large (DP * CP / EDP = EP * ETP / TP, with CP = ETP = 1 here). The backward of the combine all-to-all has already "
-                f"added, on the expert's rank, the gradients of every EP rank's tokens; after the "
-                f"expert_dp sum each token of the global batch has contributed once, as after the "
-                f"dense sum, so divide by the dense DP size, {dp}.")
+        return (("dividing by the expert-data-parallel size, as an all-reduce that averages over "
+                 "the expert-data-parallel group does, makes expert gradients DP * CP / EDP = "
+                 "EP * ETP / TP times too large (CP = ETP = 1 here). The backward of the combine "
+                 "all-to-all has already added, on the expert's rank, the gradients of every EP "
+                 f"rank's tokens; {count_once}"),
+                ("dividing by the expert-data-parallel size makes expert gradients DP * CP / EDP "
+                 "times too large: the combine's backward already added every EP rank's tokens, "
+                 "and after the expert_dp sum each token of the global batch has contributed "
+                 "once, as after the dense sum, so " + by_replicas))
     if math.isclose(number, 1):
-        return (f"a sum of the replicas' gradients is {dp}x the gradient of the mean loss: "
-                f"divide by the number of dense replicas, DP = {dp}.")
+        return (f"a sum of the replicas' gradients is not the gradient of the mean loss: {count_once}",
+                "a sum of the replicas' gradients is DP times the gradient of the mean loss: "
+                + by_replicas)
     if tp > 1 and math.isclose(number, tp * dp):
-        return (f"the {tp} TP ranks of a replica are not replicas of each other: they share the "
-                f"replica's samples (each routes s/TP of its tokens). Divide by DP = {dp} only.")
-    return f"divide by the number of dense data-parallel replicas, DP = {want_divisor}."
+        return ("the TP ranks of a replica are not replicas of each other: they share the "
+                "replica's samples (each routes s/TP of its tokens), so they do not count in "
+                "the divisor.")
+    return (count_once, by_replicas)
 
 
 def _read_domain_answer(answer):
@@ -356,7 +408,7 @@ def check_gradient_domains(fn: Callable) -> CheckResult:
                          HINT_DOMAINS_FORMAT)
 
 
-def _judge_domain(name: str, answer) -> tuple[str, str | None] | None:
+def _judge_domain(name: str, answer):
     _, want, want_divisor = GRADIENT_DOMAIN_CASES[name]
     read = _read_domain_answer(answer)
     if read is None:
@@ -365,8 +417,7 @@ def _judge_domain(name: str, answer) -> tuple[str, str | None] | None:
     number = as_number(divisor)
     if groups == want and number is not None and math.isclose(number, want_divisor):
         return None
-    return (f"got {answer!r}, expected ({sorted(want)}, {want_divisor})",
-            _why_domain_wrong(name, groups, divisor, want, want_divisor))
+    return f"got {answer!r}", _why_domain_wrong(name, groups, divisor, want, want_divisor)
 
 
 # --- exercise 4.3: the bytes one EP rank sends in one layer ------------------------------
@@ -402,6 +453,7 @@ def send_count_matrix(routings, num_experts: int = BYTES_EXPERTS) -> list[list[i
 
 def reference_layer_bytes_sent(counts, rank: int, hidden: int, num_experts: int,
                                bytes_per_element: int = 4, *, diagonal: bool = False,
+                               diagonal_rows: bool = False, diagonal_counts: bool = False,
                                backward: bool = True, count_exchange: bool = True,
                                combine_row: bool = False, counts_backward: bool = False,
                                elements: bool = False) -> float:
@@ -414,7 +466,9 @@ def reference_layer_bytes_sent(counts, rank: int, hidden: int, num_experts: int,
     :func:`tutorial_lib.costs.moe_rank_all_to_alls` minus the rows a rank keeps (the
     unit tests check the two agree, and the checker compares with traces).  The keyword
     arguments switch on the classic mistakes (the checker's hints); with the defaults
-    this is the right answer.
+    this is the right answer.  ``diagonal`` counts what a rank hands itself everywhere,
+    ``diagonal_rows`` in the token exchanges only, ``diagonal_counts`` in the counts
+    exchange only.
     """
     ep = len(counts)
     if ep == 1:
@@ -422,20 +476,22 @@ def reference_layer_bytes_sent(counts, rank: int, hidden: int, num_experts: int,
     d, count_size = (1, 1) if elements else (bytes_per_element, 8)
     row = counts[rank]
     column = [counts[i][rank] for i in range(ep)]
-    keep = 0 if diagonal else counts[rank][rank]
+    keep = 0 if diagonal or diagonal_rows else counts[rank][rank]
     sent_rows = sum(row) - keep
     returned_rows = (sum(row) if combine_row else sum(column)) - keep
     per_pass = (sent_rows + returned_rows) * hidden * d
     total = per_pass * (2 if backward else 1)
     local = num_experts // ep
     if count_exchange:
-        exchange = (ep if diagonal else ep - 1) * local * count_size
+        exchange = (ep if diagonal or diagonal_counts else ep - 1) * local * count_size
         total += exchange * (2 if counts_backward else 1)
     return float(total)
 
 
 BYTES_MISTAKES = {
     "diagonal": dict(diagonal=True),
+    "diagonal_rows": dict(diagonal_rows=True),
+    "diagonal_counts": dict(diagonal_counts=True),
     "forward_only": dict(backward=False),
     "no_counts": dict(count_exchange=False),
     "combine_row": dict(combine_row=True),
@@ -522,13 +578,13 @@ def check_layer_bytes_sent(fn: Callable) -> CheckResult:
             continue
         number = as_number(got)
         if number is None:
-            check.add(Case(case.name, False, f"got {got!r}; the trace says {want}"))
+            check.add(Case(case.name, False, f"got {got!r}, not a number of bytes"))
             check.shows({"format"})
             continue
         if math.isclose(number, want, rel_tol=1e-9, abs_tol=1e-6):
             check.add(Case(case.name, True))
             continue
-        check.add(Case(case.name, False, f"got {number:g}, the trace says {want}"))
+        check.add(Case(case.name, False, f"got {number:g} bytes; the traced layer sends another count"))
         check.shows({name for name, switches in BYTES_MISTAKES.items() if math.isclose(
             number, reference_layer_bytes_sent(counts, rank, BYTES_HIDDEN, BYTES_EXPERTS, 4, **switches),
             rel_tol=1e-9, abs_tol=1e-6)})

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from .. import moe, moe_balance
-from .kit import Checking, CheckResult, Mistakes, as_number, run_case
+from .kit import Case, Checking, CheckResult, Mistakes, as_number, run_case
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -76,6 +76,11 @@ HINT_LOSS_FORMAT = (
     "return the loss as a scalar torch tensor (shape ()), computed from probs so that "
     "autograd can differentiate it."
 )
+HINT_LOSS_NUDGE = (
+    "two factors per expert: f_i, how often expert i was chosen (counted in topk_idx and "
+    "scaled so that perfect balance gives f_i = 1), and P_i, its mean router probability "
+    "over all tokens. Which of the two carries the gradient?"
+)
 HINT_LOSS_GENERIC = (
     "L = sum_i f_i P_i with f_i = N'/(K'T) * (number of times expert i appears in topk_idx) "
     "and P_i = (1/T) * sum_t probs[t, i]. torch.bincount(topk_idx.reshape(-1), "
@@ -107,6 +112,10 @@ HINT_TOPK_NO_GRAD = (
 HINT_TOPK_FORMAT = (
     "return a pair (topk_idx, gates): topk_idx an int64 tensor [T, k] of expert indices, "
     "gates a float tensor [T, k] with the gate of each chosen expert."
+)
+HINT_TOPK_NUDGE = (
+    "the bias has one job: deciding which experts a token goes to. Which tensor do you rank "
+    "to choose the experts, and which one do you read the gates from?"
 )
 HINT_TOPK_GENERIC = (
     "topk_idx = torch.topk(scores + bias, k, dim=-1).indices and gates = "
@@ -141,6 +150,11 @@ HINT_BIAS_FORMAT = (
     "update the bias in place and return it (or return the new bias): a float tensor of "
     "shape [N'], the same shape and dtype as bias."
 )
+HINT_BIAS_NUDGE = (
+    "the rule looks only at the direction of each expert's imbalance: an expert above the "
+    "mean load gets a lower bias, one below a higher bias, by a fixed step gamma; and it runs "
+    "outside autograd."
+)
 HINT_BIAS_GENERIC = (
     "b_i <- b_i + gamma * sign(mean_j load_j - load_i), inside torch.no_grad(): "
     "bias.add_(gamma * torch.sign(load.float().mean() - load))."
@@ -148,17 +162,17 @@ HINT_BIAS_GENERIC = (
 
 #: The mistakes of exercise 5.1, in order of preference (the wrong losses: :func:`expert_loss_variant`).
 LOSS_HINTS = Mistakes(
-    HINT_LOSS_GENERIC, own_topk=HINT_LOSS_OWN_TOPK, gates=HINT_LOSS_GATES,
+    (HINT_LOSS_NUDGE, HINT_LOSS_GENERIC), own_topk=HINT_LOSS_OWN_TOPK, gates=HINT_LOSS_GATES,
     no_scale=HINT_LOSS_NO_SCALE, assignments=HINT_LOSS_ASSIGNMENTS, per_token=HINT_LOSS_PER_TOKEN,
     no_grad=HINT_LOSS_NO_GRAD, wrong_grad=HINT_LOSS_WRONG_GRAD, format=HINT_LOSS_FORMAT)
 #: The mistakes of exercise 5.2, in order of preference (the wrong choices: :func:`topk_variant`).
 TOPK_HINTS = Mistakes(
-    HINT_TOPK_GENERIC, format=HINT_TOPK_FORMAT, biased_gates=HINT_TOPK_BIASED_GATES,
+    (HINT_TOPK_NUDGE, HINT_TOPK_GENERIC), format=HINT_TOPK_FORMAT, biased_gates=HINT_TOPK_BIASED_GATES,
     ignores_bias=HINT_TOPK_IGNORES_BIAS, subtracted=HINT_TOPK_SUBTRACTED,
     normalised=HINT_TOPK_NORMALISED, no_grad=HINT_TOPK_NO_GRAD)
 #: The mistakes of exercise 5.3, in order of preference (the wrong steps: :func:`update_variant`).
 UPDATE_HINTS = Mistakes(
-    HINT_BIAS_GENERIC, format=HINT_BIAS_FORMAT, int_mean=HINT_BIAS_INT_MEAN,
+    (HINT_BIAS_NUDGE, HINT_BIAS_GENERIC), format=HINT_BIAS_FORMAT, int_mean=HINT_BIAS_INT_MEAN,
     flipped=HINT_BIAS_FLIPPED, proportional=HINT_BIAS_PROPORTIONAL, relative=HINT_BIAS_PROPORTIONAL,
     at_mean=HINT_BIAS_AT_MEAN, graph=HINT_BIAS_GRAPH)
 
@@ -182,13 +196,13 @@ def loss_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
         cases.append((f"random routing: N'={N}, K'={K}, T={T}", probs,
                       torch.topk(probs, K, dim=-1).indices, N, K))
     N, K, T = 8, 2, 16
-    cases.append((f"perfect balance: N'={N}, K'={K}, T={T}, uniform probabilities (loss 1)",
+    cases.append((f"perfect balance: N'={N}, K'={K}, T={T}, uniform probabilities",
                   torch.full((T, N), 1.0 / N, dtype=torch.float64), _balanced_routing(T, N, K), N, K))
     N, K, T = 8, 2, 12
     logits = torch.randn(T, N, generator=g, dtype=torch.float64)
     logits[:, :K] += 6.0  # nearly all the probability on experts 0 and 1
     collapse = torch.softmax(logits, dim=-1)
-    cases.append((f"collapse: every token picks experts 0 and 1, N'={N}, K'={K} (loss near N'/K')",
+    cases.append((f"collapse: every token picks experts 0 and 1, N'={N}, K'={K}",
                   collapse, torch.arange(K).expand(T, K).clone(), N, K))
     N, K, T, D, M = 8, 2, 24, 4, 1
     probs = torch.softmax(torch.randn(T, N, generator=g, dtype=torch.float64), dim=-1)
@@ -268,7 +282,7 @@ def check_expert_balance_loss(fn: Callable) -> CheckResult:
             check.shows({"format"})
             continue
         if not _same_value(value, want):
-            case.detail = f"loss {value:.6g}, expected {want:.6g}"
+            case.detail = f"loss {value:.6g}, not the reference's value"
             check.shows({m for m in LOSS_MISTAKES
                          if _same_value(value, float(expert_loss_variant(probs, topk_idx, N, K, m)))})
             continue
@@ -377,7 +391,7 @@ def check_biased_topk(fn: Callable) -> CheckResult:
             check.shows()
             continue
         if not _valid_pair(got, scores, k):
-            case.detail = f"returned {type(got).__name__}, expected (topk_idx [T, {k}], gates [T, {k}])"
+            case.detail = f"returned {type(got).__name__}, not a pair (topk_idx [T, {k}], gates [T, {k}])"
             check.shows({"format"})
             continue
         if not _same_routing(got, want):
@@ -527,7 +541,10 @@ def check_update_bias(fn: Callable) -> CheckResult:
             check.shows({"format"})
             continue
         if not torch.allclose(got.detach().double(), want.double(), atol=1e-7, rtol=0):
-            case.detail = f"bias {got.detach().tolist()}, expected {[round(v, 6) for v in want.tolist()]}"
+            moved = [i for i, (g, w) in enumerate(zip(got.detach().double().tolist(), want.double().tolist()))
+                     if abs(g - w) > 1e-7]
+            case.detail = (f"bias {[round(v, 6) for v in got.detach().tolist()]}: the bias of "
+                           f"expert{'s' if len(moved) > 1 else ''} {moved} is not where the rule puts it")
             check.shows({m for m in UPDATE_MISTAKES if torch.allclose(
                 got.detach().double(), update_variant(bias, load, gamma, m).double(), atol=1e-7, rtol=0)})
             continue
@@ -538,7 +555,7 @@ def check_update_bias(fn: Callable) -> CheckResult:
         case.passed, case.detail = True, ""
     name = (f"simulation: {SIM_STEPS} steps of {SIM_TOKENS} tokens, N'={SIM_EXPERTS}, "
             f"K'={SIM_TOPK}, gamma={SIM_GAMMA}, a router that prefers expert 0")
-    first, settled, want_bias = _simulated(None)
+    first, _, want_bias = _simulated(None)
     # run_case, not check.run: a stub was caught above, and the simulation's error is explained below
     case, got = run_case(name, lambda: simulate_bias_balancing(fn), None, compare=lambda *_: False)
     check.add(case)
@@ -549,9 +566,9 @@ def check_update_bias(fn: Callable) -> CheckResult:
         if got_settled < SIM_MAX_VIOLATION and torch.allclose(got_bias, want_bias, atol=1e-5, rtol=0):
             case.passed, case.detail = True, ""
         else:
-            case.detail = (f"MaxVio {first:.2f} at the start, {got_settled:.2f} over the last 20 steps "
-                           f"(the library's rule: {settled:.2f}); final bias of expert 0 "
-                           f"{got_bias[0].item():+.3f} (library {want_bias[0].item():+.3f})")
+            case.detail = (f"MaxVio {first:.2f} at the start, {got_settled:.2f} over the last 20 steps"
+                           + (f" (it must end below {SIM_MAX_VIOLATION})" if got_settled >= SIM_MAX_VIOLATION
+                              else "") + "; the bias does not follow the rule's trajectory")
             check.shows({m for m in UPDATE_MISTAKES
                          if torch.allclose(got_bias, _simulated(m)[2], atol=1e-5, rtol=0)})
     return check.verdict()
@@ -560,3 +577,129 @@ def check_update_bias(fn: Callable) -> CheckResult:
 __all__ = ["check_expert_balance_loss", "check_biased_topk", "check_update_bias",
            "expert_loss_variant", "topk_variant", "update_variant", "simulate_bias_balancing",
            "loss_cases", "topk_cases", "update_cases"]
+
+
+# --- exercise 4: a routing the device loss cannot see -------------------------------------
+
+#: Exercise 5.4's cases: (T tokens, N' experts, K' per token, D devices, M devices a token
+#: may reach).  Every one has K' >= D: the device loss can only be 1 there.
+BLIND_CASES = [(8, 16, 4, 4, 2), (6, 12, 6, 3, 2), (5, 32, 8, 4, 3)]
+
+HINT_BLIND_FORMAT = (
+    "return (probs, topk_idx): probs a float tensor [T, N'] of non-negative router "
+    "probabilities whose every row sums to 1, topk_idx an integer tensor [T, K'] of "
+    "distinct experts per row, each in 0 .. N'-1."
+)
+HINT_BLIND_REACH = (
+    "a token in your routing reaches more than M devices: device-limited routing lets a "
+    "token's K' experts live on at most M of the D devices. (Spreading every token over all "
+    "D devices gives both values, and breaks the limit the communication loss is about.)"
+)
+HINT_BLIND_COMM = (
+    "your communication loss is below D/M, its largest value. Every device's f'' is at most "
+    "D/M, since a device receives each token at most once, and the P'' sum to 1: where must "
+    "the router's probability lie for the loss to reach that bound?",
+    "put all of the router's probability on a device that every token reaches: its f'' is "
+    "then D/M, and so is the loss.",
+)
+HINT_BLIND_DEVICE_HIGH = (
+    "your device loss is above 1: a device that carries the router's probability receives "
+    "more than its share, K'T/D, of the T*K' picks (f'_d is 1 exactly at that share).",
+    "each token may send only K'/D of its K' picks to the device that holds the "
+    "probability; its other picks must go to devices with no probability on them, and "
+    "no token may reach more than M devices.",
+)
+HINT_BLIND_DEVICE_LOW = (
+    "your device loss is below 1: the devices that carry the router's probability receive "
+    "less than their share, K'T/D, of the picks. (A device every token reaches gets at "
+    "least T picks, which is its share only when K' = D: with K' > D it needs more than one "
+    "pick per token.)"
+)
+
+HINT_BLIND_GENERIC = (
+    "build it in two steps: first a routing whose communication loss is D/M (where must "
+    "the probability lie?), then count the picks the device carrying the probability "
+    "receives, against its share K'T/D."
+)
+
+#: The mistakes of exercise 5.4; every one is named whenever a case shows it.
+BLIND_MISTAKES = Mistakes(HINT_BLIND_GENERIC, any_case=True, format=HINT_BLIND_FORMAT,
+                          reach=HINT_BLIND_REACH, device_high=HINT_BLIND_DEVICE_HIGH,
+                          device_low=HINT_BLIND_DEVICE_LOW, comm=HINT_BLIND_COMM)
+
+
+def _read_routing(answer, tokens: int, experts: int, topk: int):
+    """``(probs as float64, topk_idx as int64)`` if ``answer`` is a valid routing, else None."""
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        return None
+    probs, idx = answer
+    if not (isinstance(probs, torch.Tensor) and isinstance(idx, torch.Tensor)):
+        return None
+    if tuple(probs.shape) != (tokens, experts) or tuple(idx.shape) != (tokens, topk):
+        return None
+    if idx.is_floating_point() or idx.is_complex() or not probs.is_floating_point():
+        return None
+    probs, idx = probs.detach().to(torch.float64), idx.detach().to(torch.int64)
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        return None
+    if not torch.allclose(probs.sum(dim=1), torch.ones(tokens, dtype=torch.float64),
+                          atol=1e-6):
+        return None
+    if bool((idx < 0).any()) or bool((idx >= experts).any()):
+        return None
+    if any(len(set(row)) != topk for row in idx.tolist()):
+        return None
+    return probs, idx
+
+
+def blind_losses(probs, topk_idx, experts: int, topk: int, devices: int, reach: int):
+    """The device and communication balance losses of a routing (coefficient 1)."""
+    return (float(moe_balance.device_balance_loss(probs, topk_idx, experts, topk, devices)),
+            float(moe_balance.communication_balance_loss(probs, topk_idx, experts, devices,
+                                                         reach)))
+
+
+def check_blind_routing(fn: Callable) -> CheckResult:
+    """Check ``fn(T, N', K', D, M) -> (probs, topk_idx)``: a device-limited routing whose
+    device balance loss is 1 and whose communication balance loss is ``D / M``, computed
+    by :mod:`tutorial_lib.moe_balance` on every case of :data:`BLIND_CASES`."""
+    check = Checking("Exercise 5.4: blind_routing", BLIND_MISTAKES)
+    for tokens, experts, topk, devices, reach in BLIND_CASES:
+        name = f"T={tokens}, N'={experts}, K'={topk}, D={devices}, M={reach}"
+        case, got = check.attempt(name, lambda: fn(tokens, experts, topk, devices, reach))
+        if check.stub:
+            check.add(case)
+            break
+        if isinstance(got, BaseException):
+            check.add(case)
+            check.shows()
+            continue
+        routing = _read_routing(got, tokens, experts, topk)
+        if routing is None:
+            check.add(Case(name, False, "not a routing of this case's shape (see the hint)"))
+            check.shows({"format"})
+            continue
+        probs, idx = routing
+        per_device = experts // devices
+        most = max(len({e // per_device for e in row}) for row in idx.tolist())
+        device, comm = blind_losses(probs, idx, experts, topk, devices, reach)
+        shown = set()
+        if most > reach:
+            shown.add("reach")
+        if device > 1 + 1e-9:
+            shown.add("device_high")
+        elif device < 1 - 1e-9:
+            shown.add("device_low")
+        if comm < devices / reach - 1e-9:
+            shown.add("comm")
+        if not shown:
+            check.add(Case(name, True))
+            continue
+        check.add(Case(name, False, f"your routing: device loss {device:.4f}, communication "
+                                    f"loss {comm:.4f}; its tokens reach up to {most} of the "
+                                    f"{devices} devices"))
+        check.shows(shown)
+    return check.verdict()
+
+
+__all__ += ["check_blind_routing", "blind_losses", "BLIND_CASES"]

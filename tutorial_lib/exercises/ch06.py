@@ -25,6 +25,7 @@ from typing import Callable
 from ..deepseek import layer_range
 from ..pipeline_schedules import (Action, SimulationError, build_schedules, expected_bubble,
                                   num_warmup_microbatches, one_f_one_b, simulate, bubble_fraction)
+from ..pipeline_schedules import DeadlockError, gpipe
 from .kit import Case, Checking, CheckResult, Mistakes, as_number
 
 # --- exercise 6.1: one rank's 1F1B list ------------------------------------------------------
@@ -113,23 +114,23 @@ def _diagnose(got: list[Action], want: list[Action], pp: int, m: int, rank: int)
         warmup = num_warmup_microbatches(pp, m, rank)
         # warm-up forwards, then the first steady pair's forward, then the first backward
         if before != min(warmup + 1, m):
-            return "warmup", (f"rank {rank}: {before} forwards before the first backward; with "
-                              f"{warmup} warm-up forwards there are {min(warmup + 1, m)} (computes "
-                              f"{' '.join(a.label for a in computes)})")
-        return "order", (f"rank {rank}: computes {' '.join(a.label for a in computes)}, expected "
-                         f"{' '.join(a.label for a in want if a.is_compute)}")
+            return "warmup", (f"rank {rank}: {before} forwards before the first backward, not "
+                              f"the 1F1B count (computes {' '.join(a.label for a in computes)})")
+        return "order", (f"rank {rank}: computes {' '.join(a.label for a in computes)}: the "
+                         "warm-up is right, the order after it is not")
     by_key = {(a.kind, a.microbatch): a.peer for a in want if not a.is_compute}
     for a in got:
         if not a.is_compute and (a.kind, a.microbatch) in by_key and by_key[(a.kind, a.microbatch)] != a.peer:
             return "peer", (f"rank {rank}: {a.kind} of microbatch {a.microbatch} with rank {a.peer}, "
-                            f"expected rank {by_key[(a.kind, a.microbatch)]}")
+                            "the wrong neighbour")
     for (label, mine), (_, ref) in zip(_gaps(got), _gaps(want)):
         if mine != ref:
             missing, extra = ref - mine, mine - ref
             what = "labels" if any(k[0].endswith("labels") for k in missing + extra) else "messages"
             parts = []
-            if missing:
-                parts.append("missing " + ", ".join(f"{k[0]} {k[1]} (peer {k[3]})" for k in missing))
+            if missing:  # named by kind only: which microbatch and peer is the answer
+                kinds = sorted({k[0] for k in missing})
+                parts.append(f"a {' and a '.join(kinds)} is missing")
             if extra:
                 parts.append("unexpected " + ", ".join(f"{k[0]} {k[1]} (peer {k[3]})" for k in extra))
             where = "after the last compute" if label == "end" else f"before {label}"
@@ -140,7 +141,7 @@ def _diagnose(got: list[Action], want: list[Action], pp: int, m: int, rank: int)
 #: The mistakes of exercise 6.1, in order of preference: the first rank whose list
 #: differs names one (see ``_diagnose``), and any case's mistake is reported.
 ONE_F_ONE_B_HINTS = Mistakes(
-    HINT_ORDER, any_case=True, type=HINT_TYPE, backward_first=HINT_BACKWARD_FIRST,
+    HINT_ORDER, any_case=True, single=True, type=HINT_TYPE, backward_first=HINT_BACKWARD_FIRST,
     warmup=HINT_WARMUP, order=HINT_ORDER, peer=HINT_PEER, labels=HINT_LABELS,
     messages=HINT_MESSAGES, deadlock=HINT_DEADLOCK)
 
@@ -211,6 +212,11 @@ HINT_BUBBLE_FORMAT = (
     "return a number (the idle fraction of the step) or a pair (definition, number) with "
     "definition \"step\" or \"ideal\", e.g. (\"ideal\", 0.75)."
 )
+HINT_BUBBLE_NUDGE = (
+    "count in units of one microbatch's forward + backward on one stage: how many of them "
+    "does a rank work, and how many does it wait while the pipeline fills and drains? The "
+    "bubble is the waiting over the whole step (or, stated as (\"ideal\", x), over the work)."
+)
 HINT_BUBBLE_GENERIC = (
     "count in units of one microbatch's forward + backward on one stage: each rank works M of "
     "them and waits PP - 1 (the fill before its first forward and the drain after its last "
@@ -218,7 +224,7 @@ HINT_BUBBLE_GENERIC = (
     "interleaving the wait shrinks to (PP - 1) / V."
 )
 #: The mistakes of exercise 6.2: named only when they explain every wrong prediction.
-BUBBLE_HINTS = Mistakes(HINT_BUBBLE_GENERIC, any_case={"format"}, format=HINT_BUBBLE_FORMAT,
+BUBBLE_HINTS = Mistakes((HINT_BUBBLE_NUDGE, HINT_BUBBLE_GENERIC), any_case={"format"}, format=HINT_BUBBLE_FORMAT,
                         idle_over_work=HINT_IDLE_OVER_WORK,
                         wrong_definition=HINT_WRONG_DEFINITION, forgot_v=HINT_FORGOT_V)
 
@@ -263,10 +269,8 @@ def check_bubble(fn: Callable[[int, int, int], float]) -> CheckResult:
             case.detail = f"got {got!r}: not a number, nor (\"step\" or \"ideal\", number)"
             check.shows({"format"})
             continue
-        want = BUBBLE_DEFINITIONS[definition](pp, m, v)
-        case.detail = (f"got {got!r}, expected {want:.4f} as the {definition} definition (the "
-                       f"simulated {schedule} schedule idles {simulated:.4f} of the step, "
-                       f"{over_ideal:.4f} of the ideal time)")
+        case.detail = (f"got {got!r}: not the bubble of the simulated {schedule} schedule under "
+                       f"the {definition} definition")
         other = "ideal" if definition == "step" else "step"
         if pp > 1 and abs(value - BUBBLE_DEFINITIONS[other](pp, m, v)) < 1e-9:
             stated = isinstance(got, (tuple, list))
@@ -296,13 +300,17 @@ HINT_HEAD = (
 )
 HINT_HOLDINGS_TYPE = ("return a dict with keys 'layers' (list of global layer indices, chunk by "
                       "chunk), 'embedding' (bool), 'head' (bool) and 'labels' ('send', 'recv' or None).")
+HINT_HOLDINGS_NUDGE = (
+    "number the model stages 0 .. PP * V - 1, each a block of consecutive layers; which model "
+    "stages does rank r run, in which order, and which of them holds the embedding, the head?"
+)
 HINT_HOLDINGS_GENERIC = (
     "model stage s holds layers [s L / (PP V), (s + 1) L / (PP V)); rank r runs model stages "
     "r, PP + r, 2 PP + r, ... in that order."
 )
 #: The mistakes of exercise 6.3, in order of preference; any case's mistake is reported.
 HOLDINGS_HINTS = Mistakes(
-    HINT_HOLDINGS_GENERIC, any_case=True, type=HINT_HOLDINGS_TYPE, contiguous=HINT_CONTIGUOUS,
+    (HINT_HOLDINGS_NUDGE, HINT_HOLDINGS_GENERIC), any_case=True, type=HINT_HOLDINGS_TYPE, contiguous=HINT_CONTIGUOUS,
     ends=HINT_HEAD)
 
 
@@ -312,6 +320,10 @@ def stage_holdings(num_layers: int, pp: int, v: int, rank: int) -> dict:
     layers = [i for s in stages for i in layer_range(num_layers, pp * v, s)]
     labels = None if pp == 1 else "send" if rank == 0 else "recv" if rank == pp - 1 else None
     return {"layers": layers, "embedding": 0 in stages, "head": pp * v - 1 in stages, "labels": labels}
+
+
+def _iterable(value) -> bool:
+    return hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))
 
 
 def check_stage_holdings(fn: Callable[[int, int, int, int], dict]) -> CheckResult:
@@ -328,15 +340,130 @@ def check_stage_holdings(fn: Callable[[int, int, int, int], dict]) -> CheckResul
                               want, compare=same)
         if not case.passed and not isinstance(got, Exception):
             if not isinstance(got, dict) or set(want) - set(got):
+                case.detail = f"got {got!r}, not a dict with keys {sorted(want)}"
                 check.shows({"type"})
                 continue
+            wrong = [k for k in want if (list(got[k]) if k == "layers" and _iterable(got[k])
+                                         else got[k]) != want[k]]
+            case.detail = f"got {got!r}: wrong {', '.join(repr(k) for k in wrong)}"
             per = layers // (pp * v)
             contiguous = list(range(rank * v * per, (rank + 1) * v * per))
             shown = set()
-            if list(got["layers"]) == contiguous and contiguous != want["layers"]:
+            if (_iterable(got["layers"]) and list(got["layers"]) == contiguous
+                    and contiguous != want["layers"]):
                 shown.add("contiguous")
             if (got["embedding"], got["head"], got["labels"]) != (want["embedding"], want["head"],
                                                                    want["labels"]):
                 shown.add("ends")
             check.shows(shown)
+    return check.verdict()
+
+
+# --- exercise 6.4: mix GPipe and 1F1B, predict the deadlock ----------------------------------
+
+#: Exercise 6.4's pipelines: name -> (what the student reads, PP, M, the ranks that run
+#: GPipe; every other rank runs 1F1B).
+MIXED_SCENARIOS = {
+    "A": ("PP = 4, M = 4: rank 3 runs GPipe, ranks 0 to 2 run 1F1B", 4, 4, (3,)),
+    "B": ("PP = 4, M = 4: rank 1 runs GPipe, ranks 0, 2 and 3 run 1F1B", 4, 4, (1,)),
+    "C": ("PP = 4, M = 8: rank 1 runs GPipe, ranks 0, 2 and 3 run 1F1B", 4, 8, (1,)),
+    "D": ("PP = 4, M = 6: rank 2 runs 1F1B, ranks 0, 1 and 3 run GPipe", 4, 6, (0, 1, 3)),
+    "E": ("PP = 4, M = 2: rank 3 runs GPipe, ranks 0 to 2 run 1F1B", 4, 2, (3,)),
+}
+
+HINT_MIXED_FORMAT = (
+    "return a dict from each scenario name in MIXED_SCENARIOS ('A' .. 'E') to None when the "
+    "step completes, or to the two ranks that end up waiting on each other, e.g. {1, 2}."
+)
+HINT_MIXED_NEVER = (
+    "sends never wait in this simulator (they are buffered), so no rank can block in a "
+    "send; but a receive waits for a message its peer may only send after it has received "
+    "something itself. Follow the first gradient: when does each rank send it, and what "
+    "does it need before that?",
+    "a 1F1B rank r sends min(PP - r, M) activations, then waits for the gradient of "
+    "microbatch 0 before sending the next one. A GPipe rank sends the gradient of "
+    "microbatch 0 only after all M forwards. Put the two side by side, rank r before rank "
+    "r + 1.",
+)
+HINT_MIXED_COUNT = (
+    "whether a mixed pipeline deadlocks depends on the counts: work out, rank by rank, how many activations a rank sends "
+    "before it waits for its first gradient (min(PP - r, M) on a 1F1B rank r, all M on a "
+    "GPipe rank), and how many its next rank must receive before it sends that gradient.",
+)
+HINT_MIXED_PAIR = (
+    "the two ranks of a deadlock here are neighbours, one waiting for an activation, the "
+    "other for a gradient: find the first rank r that stops sending activations before "
+    "rank r + 1 has received all it needs to send its first gradient back.",
+)
+HINT_MIXED_GENERIC = (
+    "for each pair of neighbours r, r + 1: how many activations does r send before it "
+    "needs its first gradient, and how many must r + 1 receive before it sends one?"
+)
+
+#: The mistakes of exercise 6.4, in order of preference.
+MIXED_MISTAKES = Mistakes(HINT_MIXED_GENERIC, any_case={"format"}, format=HINT_MIXED_FORMAT,
+                          never=HINT_MIXED_NEVER, count=HINT_MIXED_COUNT, pair=HINT_MIXED_PAIR)
+
+
+def mixed_schedules(pp: int, m: int, gpipe_ranks) -> dict[int, list[Action]]:
+    """Every rank's list: GPipe on ``gpipe_ranks``, 1F1B on the others."""
+    return {r: gpipe(pp, m, r) if r in gpipe_ranks else one_f_one_b(pp, m, r)
+            for r in range(pp)}
+
+
+def simulated_deadlock(pp: int, m: int, gpipe_ranks) -> frozenset | None:
+    """Play the mixed pipeline in :func:`~tutorial_lib.pipeline_schedules.simulate`: None
+    when it completes, else the ranks blocked on each other (each waits for the other)."""
+    try:
+        simulate(mixed_schedules(pp, m, gpipe_ranks))
+    except DeadlockError as err:
+        waiting = err.waiting
+        return frozenset(r for r, a in waiting.items()
+                         if a.peer in waiting and waiting[a.peer].peer == r)
+    return None
+
+
+_NO_DEADLOCK = ("none", "no", "ok", "completes", "finishes", "")
+
+
+def _read_prediction(value):
+    """None (no deadlock), a frozenset of ranks, or ``...`` when unreadable."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str):
+        return None if value.strip().lower() in _NO_DEADLOCK else ...
+    if isinstance(value, (set, frozenset, list, tuple)):
+        if not value:
+            return None
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return frozenset(value)
+    return ...
+
+
+def check_mixed_deadlock(fn: Callable) -> CheckResult:
+    """Check ``fn() -> {scenario: None or two ranks}`` against the lockstep simulator run on
+    every pipeline of :data:`MIXED_SCENARIOS`.  A wrong prediction is shown as given; the
+    simulator's outcome is not printed."""
+    check = Checking("Exercise 6.4: mixed_deadlock", MIXED_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    for name, (_, pp, m, gpipe_ranks) in MIXED_SCENARIOS.items():
+        given = _read_prediction(got[name]) if name in got else ...
+        if given is ...:
+            check.add(Case(name, False, "missing from the dict" if name not in got else
+                           f"got {got[name]!r}: neither None nor a set of ranks"))
+            check.shows({"format"})
+            continue
+        want = simulated_deadlock(pp, m, gpipe_ranks)
+        if given == want:
+            check.add(Case(name, True))
+            continue
+        check.add(Case(name, False, f"got {sorted(given) if given else None}: not what the "
+                                    "simulated step did"))
+        check.shows({"never"} if given is None else {"count"} if want is None else {"pair"})
     return check.verdict()

@@ -3,10 +3,15 @@
 * :func:`check_quantize_1x128`: the student's ``fn(x)`` returns ``(q, scales)`` for
   ``x [T, H]``: E4M3 values and one scale per token per 128 channels.  Compared with
   :func:`tutorial_lib.fp8.quantize_1x128` after dequantization (one E4M3 step of slack, so
-  ``x * (448 / amax)`` and ``x / (amax / 448)`` both pass).  Per-tensor or per-token scales,
-  the scale turned upside down, no amax floor and rounding
-  to integers instead of E4M3 each get a hint; scales of the wrong shape (tiles along the
-  tokens, say) get the format hint.
+  ``x * (448 / amax)`` and ``x / (amax / 448)`` both pass).  The student's code runs with
+  the casts to ``float8_e4m3fn`` made non-saturating (:class:`NonSaturatingCast`: a value
+  beyond +-448 becomes NaN, as the cast does on some builds and devices; this CPU build
+  saturates), and one case has a tile whose largest value divides to just above 448 in
+  float32, so a quantizer without the clamp fails.  Per-tensor or per-token scales, the
+  scale turned upside down, no amax floor, no clamp and rounding to integers instead of
+  E4M3 each get a hint; scales of the wrong shape (tiles along the tokens, say) get the
+  format hint.  A failing case says what is wrong (NaN values, scales that are not their
+  tile's amax / 448), never the reference's scales.
 * :func:`check_payload_bytes`: bytes of one rank's dispatch all-to-all for ``T`` tokens,
   top-``K``, hidden ``H``, in each precision (the trace's convention: every copy, the
   rank's own included), against :func:`tutorial_lib.fp8.wire_bytes_per_row`.
@@ -50,6 +55,12 @@ HINT_Q_INVERTED = (
 HINT_Q_NO_FLOOR = (
     "a token of zeros gave a zero scale, and 0 / 0 = NaN. Clamp amax to at least "
     "fp8.AMAX_FLOOR (1e-4) before dividing by 448."
+)
+HINT_Q_NO_CLAMP = (
+    "a tile's largest value divided by its scale came out just above 448 in float32 "
+    "(x / (amax / 448) rounds), and you cast it without clamping: the cast to "
+    "float8_e4m3fn saturates on this CPU build but gives NaN on others (this checker casts "
+    "as those do). Clamp to +-448 before the cast."
 )
 HINT_Q_INTEGERS = (
     "your q values are whole numbers: round by casting to torch.float8_e4m3fn (3 mantissa "
@@ -131,6 +142,7 @@ HINT_ENDS_GENERIC = (
 QUANTIZE_HINTS = Mistakes(
     HINT_Q_GENERIC, any_case={"format", "inverted", "integers"}, format=HINT_Q_FORMAT,
     inverted=HINT_Q_INVERTED, integers=HINT_Q_INTEGERS, no_floor=HINT_Q_NO_FLOOR,
+    no_clamp=HINT_Q_NO_CLAMP,
     per_tensor=HINT_Q_PER_TENSOR, per_token=HINT_Q_PER_TOKEN)
 #: The mistakes of exercise 8.2, in order of preference (their counts: ``_payload_mistakes``).
 PAYLOAD_HINTS = Mistakes(
@@ -149,10 +161,16 @@ ENDS_HINTS = Mistakes(
 # --- exercise 8.1: 1x128 quantization ------------------------------------------------------
 
 
+#: A float32 value v for which v / (v / 448) is 448.00003 in float32 arithmetic.
+ROUNDS_ABOVE_448 = 7.682218074798584
+
+
 def quantize_cases():
     """(name, x) for every case the checker tries."""
     import torch
     g = torch.Generator().manual_seed(8)
+    above = torch.rand(2, 256, generator=g) * 2 - 1
+    above[1, 130] = ROUNDS_ABOVE_448
     outlier = torch.randn(3, 384, generator=g)
     outlier[:, 200] = 1e3
     zeros = torch.randn(4, 256, generator=g)
@@ -164,6 +182,7 @@ def quantize_cases():
         ("2 tokens x 128, tiny values (amax 1e-6)", torch.randn(2, 128, generator=g) * 1e-6),
         ("256 tokens x 128, N(0, 25)", torch.randn(256, 128, generator=g) * 5),
         ("1 token x 1024, bf16", torch.randn(1, 1024, generator=g).bfloat16()),
+        ("2 tokens x 256, a tile whose amax divides to just above 448", above),
     ]
 
 
@@ -184,7 +203,40 @@ def _quantize_mistakes(x):
     with torch.no_grad():
         out["no_floor"] = ((tiles / (amax / 448)[..., None]).clamp(-448, 448).to(fp8.E4M3).view(t, h),
                            amax / 448)
+        scale = amax.clamp(min=fp8.AMAX_FLOOR) / 448
+        with NonSaturatingCast():
+            out["no_clamp"] = ((tiles / scale[..., None]).to(fp8.E4M3).view(t, h), scale)
     return out
+
+
+def _non_saturating_e4m3(args, out):
+    """``out`` with NaN wherever a float source cast to E4M3 was beyond +-448."""
+    import torch
+    from .. import fp8
+    if not (isinstance(out, torch.Tensor) and out.dtype == fp8.E4M3 and args):
+        return out
+    source = args[0]
+    if not (isinstance(source, torch.Tensor) and source.dtype != fp8.E4M3
+            and source.is_floating_point() and source.shape == out.shape):
+        return out
+    beyond = source.detach().float().abs() > fp8.E4M3_MAX
+    if not bool(beyond.any()):
+        return out
+    return torch.where(beyond, torch.full(out.shape, float("nan")), out.float()).to(fp8.E4M3)
+
+
+def _torch_function_mode():
+    from torch.overrides import TorchFunctionMode
+    return TorchFunctionMode
+
+
+class NonSaturatingCast(_torch_function_mode()):
+    """A torch function mode under which a cast to ``float8_e4m3fn`` gives NaN for a value
+    beyond +-448 (as casts do on some builds and devices) instead of saturating to 448 (as
+    this CPU build does), so a quantizer that forgot to clamp shows it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _non_saturating_e4m3(args, func(*args, **(kwargs or {})))
 
 
 def _dequantize(answer, shape):
@@ -218,6 +270,25 @@ def _quantize_matches(answer, x, mistake_answer) -> bool:
     return bool(torch.equal(torch.nan_to_num(got, 1e30), torch.nan_to_num(mine, 1e30)))
 
 
+def _what_is_off(q, x_hat, want, scales, s_ref) -> str:
+    """What is wrong with a quantization, said without the reference's scales or values."""
+    import torch
+    said = []
+    if not bool(torch.isfinite(q).all()) or not bool(torch.isfinite(scales).all()):
+        said.append(f"{int((~torch.isfinite(q)).sum())} q value(s) and "
+                    f"{int((~torch.isfinite(scales)).sum())} scale(s) are NaN or infinite")
+    elif float(q.abs().max()) > 448:
+        said.append(f"q reaches {float(q.abs().max()):g}, beyond E4M3's 448")
+    wrong_scales = int((~torch.isclose(scales, s_ref, rtol=1e-5)).sum())
+    if wrong_scales:
+        said.append(f"{wrong_scales} of {scales.numel()} scales are not amax / 448 of their tile")
+    if not said:
+        worst = (torch.nan_to_num(x_hat, 1e30) - want).abs().max().item()
+        said.append(f"the scales are right but q * scale misses x by up to {worst:.3g}, more "
+                    "than one E4M3 step")
+    return "; ".join(said)
+
+
 def check_quantize_1x128(fn) -> CheckResult:
     """Run ``fn(x)`` on every case of :func:`quantize_cases`; see the module docstring."""
     import torch
@@ -226,7 +297,8 @@ def check_quantize_1x128(fn) -> CheckResult:
     for name, x in quantize_cases():
         q_ref, s_ref = fp8.quantize_1x128(x)
         want = fp8.dequantize_1x128(q_ref, s_ref)
-        case, got = check.attempt(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
+        with NonSaturatingCast():
+            case, got = check.attempt(name, lambda: fn(x.clone()), None, compare=lambda a, b: False)
         if isinstance(got, BaseException):
             check.add(case)
             continue
@@ -245,10 +317,7 @@ def check_quantize_1x128(fn) -> CheckResult:
         q_float = got[0].float()
         if torch.equal(q_float, q_float.round()) and not torch.equal(q_ref.float(), q_ref.float().round()):
             shown.add("integers")
-        worst = (torch.nan_to_num(x_hat, 1e30) - want).abs().max().item()
-        check.add(Case(name, False, f"dequantized q * scale is off by up to {worst:.3g} "
-                                    f"(scales {scales.flatten()[:3].tolist()}..., "
-                                    f"expected {s_ref.flatten()[:3].tolist()}...)"))
+        check.add(Case(name, False, _what_is_off(got[0].float(), x_hat, want, scales, s_ref)))
         check.shows(shown)
     return check.verdict()
 
@@ -380,8 +449,7 @@ def check_keep_ends_in_bf16(fn) -> CheckResult:
             continue
         wrong = [n for n in deepseek_module_names(num_layers, first_moe)
                  if got.precision_of(n) != _wanted(n, pristine, num_layers)]
-        shown = ", ".join(f"{n} -> {got.precision_of(n)} (wanted "
-                          f"{_wanted(n, pristine, num_layers)})" for n in wrong[:3])
+        shown = ", ".join(f"{n} -> {got.precision_of(n)}" for n in wrong[:3])
         check.add(Case(name, False, f"{len(wrong)} module(s) wrong, e.g. {shown}"
                        if wrong else "the recipe's default or communication changed"
                        if "too_much" in problems else "it changed the base recipe"))
@@ -391,4 +459,116 @@ def check_keep_ends_in_bf16(fn) -> CheckResult:
 
 __all__ = ["check_quantize_1x128", "check_payload_bytes", "check_keep_ends_in_bf16",
            "quantize_cases", "payload_cases", "reference_payload_bytes", "deepseek_module_names",
-           "ENDS_CASES"]
+           "ENDS_CASES", "NonSaturatingCast", "ROUNDS_ABOVE_448"]
+
+
+# --- exercise 8.4: predict what an outlier erases ------------------------------------------
+
+#: Exercise 8.4's tensor: 2 tokens of 256 channels (two 1x128 tiles each), every value 1.0
+#: but channel 0 of token 0, the outlier; its sizes, and the scalings asked about.
+OUTLIER_SHAPE = (2, 256)
+OUTLIERS = (1e4, 3e5, 1e6)
+SCALINGS = ("tile", "tensor")
+
+HINT_FLUSH_FORMAT = (
+    "return a dict with one whole number per (scaling, outlier) pair, e.g. "
+    "{('tile', 1e4): ..., ('tensor', 1e4): ..., ...}, scaling 'tile' or 'tensor', the "
+    "outlier 1e4, 3e5 or 1e6: how many of the 511 ordinary values come back as exactly 0."
+)
+HINT_FLUSH_NONE = (
+    "an ordinary value can come back as 0: divided by the scale, 1.0 becomes 448 / A, and "
+    "a number closer to 0 than to E4M3's smallest positive value (2^-9) rounds to 0.",
+)
+HINT_FLUSH_NORMAL = (
+    "below its smallest normal value, 2^-6, E4M3 still has subnormals, down to 2^-9: a "
+    "scaled value rounds to 0 only when it is nearer 0 than 2^-9, below 2^-10.",
+)
+HINT_FLUSH_TILES = (
+    "with 1x128 tiles each tile has its own scale, its own amax / 448: the outlier sets "
+    "the scale of its tile only, and every other tile of 1.0s keeps a scale of 1/448.",
+)
+HINT_FLUSH_COUNT = (
+    "count the ordinary values only: the outlier itself lands on 448 exactly and never "
+    "becomes 0, and the question is about the other values of the tensor.",
+)
+HINT_FLUSH_GENERIC = (
+    "for each scaling, ask which values share the outlier's scale (amax / 448), what 1.0 "
+    "becomes once divided by it, and whether that is nearer 0 than 2^-9.",
+)
+
+#: The mistakes of exercise 8.4, in order of preference.
+FLUSH_MISTAKES = Mistakes(HINT_FLUSH_GENERIC, any_case={"format"}, format=HINT_FLUSH_FORMAT,
+                          count=HINT_FLUSH_COUNT, tiles=HINT_FLUSH_TILES,
+                          normal=HINT_FLUSH_NORMAL, none=HINT_FLUSH_NONE)
+
+
+def outlier_tensor(outlier: float) -> torch.Tensor:
+    """Exercise 8.4's tensor: ones, and ``outlier`` at token 0, channel 0."""
+    import torch
+    x = torch.ones(OUTLIER_SHAPE)
+    x[0, 0] = outlier
+    return x
+
+
+def flushed_ordinary_values(outlier: float, scaling: str) -> int:
+    """How many of the tensor's ordinary values (all but the outlier) come back as exactly 0
+    from the library's quantizer: :func:`~tutorial_lib.fp8.quantize_1x128` (``"tile"``) or
+    :func:`~tutorial_lib.fp8.quantize_per_tensor` (``"tensor"``), then dequantized."""
+    import torch
+
+    from .. import fp8
+    x = outlier_tensor(outlier)
+    if scaling == "tile":
+        back = fp8.dequantize_1x128(*fp8.quantize_1x128(x))
+    else:
+        back = fp8.dequantize_per_tensor(*fp8.quantize_per_tensor(x))
+    ordinary = torch.ones(OUTLIER_SHAPE, dtype=torch.bool)
+    ordinary[0, 0] = False
+    return int((back[ordinary] == 0).sum())
+
+
+def _flush_variant(outlier: float, scaling: str, *, smallest: float = 2.0 ** -10,
+                   tiles: bool = True, outlier_counts: bool = False) -> int:
+    """A student's count under a rule: flush below ``smallest``, tiles or not, the outlier
+    counted or not (the right rule: 2^-10, tiles, not counted)."""
+    flushes = 448.0 / outlier < smallest  # 1.0 divided by the outlier's scale, A / 448
+    if not flushes:
+        return 0
+    shared = 128 if scaling == "tile" and tiles else OUTLIER_SHAPE[0] * OUTLIER_SHAPE[1]
+    return shared if outlier_counts else shared - 1
+
+
+def check_flushed_values(fn) -> CheckResult:
+    """Check ``fn() -> {(scaling, outlier): count}`` against the library's quantizer on
+    exercise 8.4's tensor, for every scaling and outlier; a wrong count is shown as given."""
+    check = Checking("Exercise 8.4: flushed_values", FLUSH_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    variants = {"count": dict(outlier_counts=True), "tiles": dict(tiles=False),
+                "normal": dict(smallest=2.0 ** -6), "none": dict(smallest=0.0)}
+    for scaling in SCALINGS:
+        for outlier in OUTLIERS:
+            name = f"{scaling}, outlier {outlier:g}"
+            given = got.get((scaling, outlier))
+            number = as_number(given)
+            if number is None or not number.is_integer():
+                check.add(Case(name, False, "missing from the dict" if given is None else
+                               f"got {given!r}, not a whole number"))
+                check.shows({"format"})
+                continue
+            if int(number) == flushed_ordinary_values(outlier, scaling):
+                check.add(Case(name, True))
+                continue
+            check.add(Case(name, False, f"got {int(number)}: not what the quantizer did"))
+            check.shows({m for m, rule in variants.items()
+                         if _flush_variant(outlier, scaling, **rule) == int(number)})
+    return check.verdict()
+
+
+__all__ += ["check_flushed_values", "flushed_ordinary_values", "outlier_tensor", "OUTLIERS",
+            "SCALINGS"]

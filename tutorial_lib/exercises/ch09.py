@@ -62,6 +62,11 @@ HINT_MERGE_EMPTY = (
     "lse_b) is lse_b and torch.exp(-inf - lse_b) is 0. A formula that subtracts lse_a from "
     "itself, or divides by e^lse_a, turns that case into NaN."
 )
+HINT_MERGE_NUDGE = (
+    "each part is a softmax average over its own keys, normalised by its own sum e^lse. "
+    "Over all the keys, what share of the softmax mass does each part hold, and what is the "
+    "log of the whole sum? Compute it without ever forming e^lse."
+)
 HINT_MERGE_GENERIC = (
     "lse = torch.logaddexp(lse_a, lse_b); out = out_a * torch.exp(lse_a - lse)[..., None] + "
     "out_b * torch.exp(lse_b - lse)[..., None]."
@@ -71,7 +76,7 @@ HINT_MERGE_GENERIC = (
 #: formula when it explains every failing case; an overflow or a NaN for an empty part as
 #: soon as one case shows it (a right formula written unstably).
 MERGE_HINTS = Mistakes(
-    HINT_MERGE_GENERIC, any_case={"format", "overflow", "empty"}, format=HINT_MERGE_FORMAT,
+    (HINT_MERGE_NUDGE, HINT_MERGE_GENERIC), any_case={"format", "overflow", "empty"}, format=HINT_MERGE_FORMAT,
     average=HINT_MERGE_AVERAGE, sum=HINT_MERGE_SUM, max=HINT_MERGE_MAX,
     unnormalised=HINT_MERGE_UNNORMALISED, lse=HINT_MERGE_LSE, overflow=HINT_MERGE_OVERFLOW,
     empty=HINT_MERGE_EMPTY)
@@ -186,9 +191,13 @@ HINT_HELD_MIRROR_CP = (
     "CP - 1 - r mirrors chunk r inside the first CP chunks only: the sequence has 2 x CP "
     "chunks, and the mirror of r is 2 x CP - 1 - r."
 )
+HINT_HELD_NUDGE = (
+    "under a causal mask a late chunk costs more than an early one. With 2 x CP chunks and "
+    "two per rank, which pairs of chunks cost the same in total?"
+)
 HINT_HELD_GENERIC = "rank r of CP holds chunks r and 2 * CP - 1 - r of 2 * CP."
 
-HELD_HINTS = Mistakes(HINT_HELD_GENERIC, any_case={"format"}, format=HINT_HELD_FORMAT,
+HELD_HINTS = Mistakes((HINT_HELD_NUDGE, HINT_HELD_GENERIC), any_case={"format"}, format=HINT_HELD_FORMAT,
                       naive=HINT_HELD_NAIVE, striped=HINT_HELD_STRIPED,
                       off_by_one=HINT_HELD_OFF_BY_ONE, mirror_cp=HINT_HELD_MIRROR_CP)
 
@@ -210,6 +219,12 @@ def check_held_chunks(fn: Callable[[int, int], object]) -> CheckResult:
     for r, size in HELD_CASES:
         want = list(held_chunks(r, size))
         case, got = check.run(f"rank {r} of CP {size}", lambda: fn(r, size), want, compare=same)
+        numbers = None if isinstance(got, BaseException) else as_whole_numbers(got)
+        if not case.passed and numbers is not None:
+            bad = [c for c in numbers if not 0 <= c < 2 * size]
+            case.detail = (f"got {got!r}: chunk {bad[0]} is not one of the 2 x CP chunks" if bad
+                           else f"got {got!r}: {len(numbers)} chunks, each rank holds two"
+                           if len(numbers) != 2 else f"got {got!r}: not the balanced pair")
 
         def explain(numbers, r=r, size=size):
             return {m for m, v in _held_mistakes(r, size).items() if sorted(numbers) == v}
@@ -238,9 +253,13 @@ HINT_RING_BACKWARD = (
     "that is forward and backward. The forward ring alone sends CP - 1 K/V blocks; the "
     "backward sends the blocks around again plus CP dK/dV accumulators."
 )
+HINT_RING_NUDGE = (
+    "how many times does a rank pass a block on in the forward ring, and what does one "
+    "block hold (whose tokens, which tensors)?"
+)
 HINT_RING_GENERIC = "bytes = (CP - 1) * 2 * batch * heads * (seq_length / CP) * head_dim * bytes_per_element."
 
-RING_HINTS = Mistakes(HINT_RING_GENERIC, any_case={"format"}, format=HINT_RING_FORMAT,
+RING_HINTS = Mistakes((HINT_RING_NUDGE, HINT_RING_GENERIC), any_case={"format"}, format=HINT_RING_FORMAT,
                       backward=HINT_RING_BACKWARD, steps=HINT_RING_STEPS, k_only=HINT_RING_K_ONLY,
                       whole_sequence=HINT_RING_WHOLE_SEQUENCE, bits=HINT_RING_BITS)
 
@@ -267,6 +286,8 @@ def check_ring_pass_bytes(fn: Callable) -> CheckResult:
         name = f"b={b}, h={h}, s={s}, d={d}, CP={size}, {e} B/element"
         case, got = check.run(name, lambda: fn(b, h, s, d, size, e), want,
                               compare=lambda g, w: is_close(g, w, rel_tol=1e-12, abs_tol=1e-9))
+        if not case.passed and not isinstance(got, BaseException) and as_number(got) is not None:
+            case.detail = f"got {as_number(got):g} bytes; the forward ring sends another count"
 
         def explain(number, args=(b, h, s, d, size, e), want=want):
             return {m for m, v in _ring_mistakes(*args).items()
@@ -277,3 +298,125 @@ def check_ring_pass_bytes(fn: Callable) -> CheckResult:
 
 __all__ = ["check_merge_partials", "check_held_chunks", "check_ring_pass_bytes", "merge_cases",
            "HELD_CASES", "RING_CASES", "reference_ring_pass_bytes"]
+
+
+# --- exercise 9.4: predict each rank's causal work, then run the ring -----------------------
+
+HINT_RUN_FAILED = (
+    "the checker's own run of the workers failed (a busy machine can time it out), so "
+    "nothing was compared: run the check cell again."
+)
+
+#: Exercise 9.4's ring: CP ranks, sequence length (one sequence, one head).
+WORK_CP, WORK_SEQ = 3, 12
+SPLITS = ("naive", "balanced")
+
+HINT_WORK_FORMAT = (
+    "return a dict with one whole number per (split, CP rank): {('naive', 0): ..., ..., "
+    "('balanced', 2): ...}, the (query, key) pairs the ring attends on that rank."
+)
+HINT_WORK_DIAGONAL_FULL = (
+    "a chunk attending to its own keys does not see all of them: under the causal mask "
+    "the query at a chunk's i-th position sees i + 1 of the chunk's keys, a triangle with "
+    "its diagonal, not the whole c x c square.",
+)
+HINT_WORK_DIAGONAL_HALF = (
+    "the triangle a chunk attends in its own block includes the diagonal (every query "
+    "sees itself): c (c + 1) / 2 pairs for a chunk of c tokens, not c * c / 2.",
+)
+HINT_WORK_NOT_CAUSAL = (
+    "the ring here is causal: a query never attends to a later key, so a chunk skips "
+    "every block after its own, and only earlier chunks are attended whole.",
+)
+HINT_WORK_STRIPED = (
+    "the balanced split does not give rank r the chunks r and r + CP: it pairs an early "
+    "chunk with a late one, r and 2 CP - 1 - r, so that their work adds up to the same "
+    "on every rank.",
+)
+HINT_WORK_NAIVE = (
+    "under the naive split rank r holds the r-th contiguous piece of the sequence: its "
+    "queries come after every query of rank r - 1 and see more keys. Only the balanced "
+    "split evens the work out.",
+)
+HINT_WORK_GENERIC = (
+    "for each chunk a rank holds, count the (query, key) pairs: the query at position p "
+    "attends to p + 1 keys. Sum over the rank's positions, for each split's chunks."
+)
+
+#: The mistakes of exercise 9.4, in order of preference.
+WORK_MISTAKES = Mistakes(HINT_WORK_GENERIC, any_case={"format"}, format=HINT_WORK_FORMAT,
+                         not_causal=HINT_WORK_NOT_CAUSAL, diagonal_full=HINT_WORK_DIAGONAL_FULL,
+                         diagonal_half=HINT_WORK_DIAGONAL_HALF, striped=HINT_WORK_STRIPED,
+                         naive_even=HINT_WORK_NAIVE)
+
+
+def ring_work_variant(split: str, rank: int, cp: int = WORK_CP, seq: int = WORK_SEQ, *,
+                      diagonal=lambda c: c * (c + 1) // 2, causal: bool = True,
+                      striped: bool = False, even: bool = False) -> int:
+    """The pairs a rank attends under a counting rule (the defaults: the right one);
+    ``even``: the naive split counted as if it were balanced."""
+    from ..context_parallel import held_chunks, num_chunks
+    balanced = split == "balanced" or even
+    chunks = (rank, rank + cp) if striped and balanced else held_chunks(rank, cp, balanced)
+    c = seq // num_chunks(cp, balanced)
+    total = 0
+    for q in chunks:
+        if not causal:
+            total += c * seq
+            continue
+        total += q * c * c + diagonal(c)
+    return int(total)
+
+
+def measured_ring_work(cp: int = WORK_CP, seq: int = WORK_SEQ) -> dict:
+    """Run the causal ring on ``cp`` gloo ranks under both splits (one sequence, one head)
+    and read each rank's attended pairs from the trace: ``{(split, rank): pairs}``."""
+    from ..context_parallel import measure_ring_work
+    rows, _, _ = measure_ring_work(cp, batch=1, heads=1, seq_length=seq, head_dim=4,
+                                   timeout=120)
+    return {(row["split"], row["rank"]): int(row["pairs"]) for row in rows}
+
+
+def check_ring_work(fn: Callable, measured: Callable[[], dict] = measured_ring_work
+                    ) -> CheckResult:
+    """Check ``fn() -> {(split, rank): pairs}`` against the ring itself: once the student
+    has committed a prediction, ``measured()`` runs the causal ring on WORK_CP ranks (gloo
+    workers) and counts the pairs each rank attended.  A wrong count is shown as given."""
+    check = Checking("Exercise 9.4: ring_work", WORK_MISTAKES)
+    case, got = check.attempt("the prediction", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()  # nothing committed: nothing is run
+    try:
+        ran = measured()
+    except Exception as err:  # noqa: BLE001 - the workers failed, not the prediction
+        check.add(Case("the run", False, f"the reference run failed: {err}"[:300]))
+        return check.verdict(HINT_RUN_FAILED)
+    rules = {"not_causal": dict(causal=False), "striped": dict(striped=True),
+             "diagonal_full": dict(diagonal=lambda c: c * c),
+             "diagonal_half": dict(diagonal=lambda c: c * c / 2),
+             "naive_even": dict(even=True)}
+    for split in SPLITS:
+        for rank in range(WORK_CP):
+            name = f"{split} split, rank {rank}"
+            given = got.get((split, rank))
+            number = as_number(given)
+            if number is None or not number.is_integer():
+                check.add(Case(name, False, "missing from the dict" if given is None else
+                               f"got {given!r}, not a whole number"))
+                check.shows({"format"})
+                continue
+            if int(number) == ran[(split, rank)]:
+                check.add(Case(name, True))
+                continue
+            check.add(Case(name, False, f"got {int(number)}: not what the ring attended"))
+            check.shows({m for m, rule in rules.items()
+                         if ring_work_variant(split, rank, **rule) == number})
+    return check.verdict()
+
+
+__all__ += ["check_ring_work", "measured_ring_work", "ring_work_variant", "WORK_CP",
+            "WORK_SEQ"]

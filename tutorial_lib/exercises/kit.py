@@ -11,7 +11,10 @@ A checker is its cases, its reference and its mistakes.  The kit holds the rest:
   it collects the named mistakes each failing case shows, and
   :meth:`Checking.verdict` picks the hint.
 * :class:`Mistakes`: a checker's named mistakes, each with its hint, in order of
-  preference, and the hint for a failure none of them explains.
+  preference, and the hint for a failure none of them explains.  A hint may come in
+  stages, ``("a nudge", "more specific")``: a case that fails for the first time gets
+  the first, a case that failed the time before too gets the next (the kernel keeps
+  count, :func:`forget_attempts` starts over).
 * :func:`check_answers`: the whole checker for exercises whose answer is a dict with
   one entry per situation.
 * Normalizers that read a student's answer however it was spelled:
@@ -19,12 +22,19 @@ A checker is its cases, its reference and its mistakes.  The kit holds the rest:
   :func:`as_group_kinds`, :func:`is_close`; and :func:`deadlock_kind` /
   :func:`deadlock_summary` to read a launcher's deadlock report.
 
-A checker never raises because the student's code did.
+A checker never raises because the student's code did, and it never prints the
+reference's answer to a case the student has not solved: a failing case says what is
+wrong with the student's answer and why, not what the answer should have been.  Under
+nbgrader's autograder and validator (``NBGRADER_EXECUTION`` set) a checker that did not
+pass raises :class:`ExerciseNotPassed`, so the check cell fails and scores no points, and
+one that passed prints its verdict (:func:`finish`); in the book and in a plain notebook it
+only shows its verdict.
 """
 from __future__ import annotations
 
 import html
 import math
+import os
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -48,26 +58,39 @@ class Case:
     passed: bool
     """Whether the student's answer matched the reference."""
     detail: str = ""
-    """For a failure: what came back against what was expected."""
+    """For a failure: what came back and what is wrong with it (never the reference's
+    answer: the student has not solved this case yet)."""
 
 
 @dataclass
 class CheckResult:
-    """The verdict of a checker: every case, and one hint for the first failure."""
+    """The verdict of a checker: every case, and the hints for what failed."""
 
     exercise: str
     """The exercise's title."""
     cases: list[Case] = field(default_factory=list)
     """Every case tried, in order."""
     hint: str = ""
-    """What the first failure suggests is wrong, and how to think about it."""
+    """What the failures suggest is wrong, and how to think about it: one hint per line
+    when several apply."""
 
     @property
     def passed(self) -> bool:
         return bool(self.cases) and all(c.passed for c in self.cases)
 
+    @property
+    def hints(self) -> list[str]:
+        """Each hint of :attr:`hint` (one per line)."""
+        return [h for h in self.hint.split("\n") if h.strip()]
+
     def __bool__(self) -> bool:
         return self.passed
+
+    def to_dict(self) -> dict:
+        """The verdict as plain data (what a grader records): exercise, passed, hint, cases."""
+        return {"exercise": self.exercise, "passed": self.passed, "hint": self.hint,
+                "cases": [{"name": c.name, "passed": c.passed, "detail": c.detail}
+                          for c in self.cases]}
 
     def __str__(self) -> str:
         if self.passed:
@@ -77,8 +100,7 @@ class CheckResult:
         for c in self.cases:
             if not c.passed:
                 lines.append(f"  - {c.name}: {c.detail}")
-        if self.hint:
-            lines.append(f"Hint: {self.hint}")
+        lines += [f"Hint: {h}" for h in self.hints]
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -100,7 +122,7 @@ class CheckResult:
         passing = sum(c.passed for c in self.cases)
         failing = "".join(f"<li><code>{e(c.name)}</code>: {e(c.detail)}</li>"
                           for c in self.cases if not c.passed)
-        hint = f'<div style="margin-top:4px"><b>Hint:</b> {e(self.hint)}</div>' if self.hint else ""
+        hint = "".join(f'<div style="margin-top:4px"><b>Hint:</b> {e(h)}</div>' for h in self.hints)
         return (f'<div class="tl-check" data-passed="false" style="{style}">'
                 f'<div style="font-weight:600">Your turn: {e(self.exercise)}</div>'
                 f"<div>{passing} of {len(self.cases)} cases pass so far. Complete the function "
@@ -109,12 +131,32 @@ class CheckResult:
                 f'<ul style="margin:4px 0 0;padding-left:1.3em">{failing}</ul>{hint}</div>')
 
 
+class ExerciseNotPassed(AssertionError):
+    """Raised by a checker that did not pass while nbgrader grades or validates the notebook
+    (``NBGRADER_EXECUTION`` is set), so that the check cell fails; the message is the
+    verdict the student would have seen."""
+
+    def __init__(self, result: CheckResult):
+        super().__init__(str(result))
+        self.result = result
+
+
+GRADING_ENVIRONMENT = "NBGRADER_EXECUTION"
+"""nbgrader sets it (``autograde`` or ``validate``) in the kernels it runs notebooks in."""
+
+
+def grading() -> bool:
+    """Whether this kernel runs under nbgrader's autograder or validator."""
+    return bool(os.environ.get(GRADING_ENVIRONMENT))
+
+
 def run_case(name: str, attempt: Callable[[], object], expected: object,
              compare: Callable[[object, object], bool] | None = None) -> tuple[Case, object]:
     """Run ``attempt()``; a :class:`Case` comparing its value with ``expected``, and the value.
 
     The value is the exception itself when the attempt raised, so checkers can
-    recognise a stub (``NotImplementedError``) and give the right hint.
+    recognise a stub (``NotImplementedError``) and give the right hint.  A failing case's
+    detail shows what came back, never ``expected``: the checker adds what is wrong.
     """
     compare = compare or (lambda got, want: got == want)
     try:
@@ -124,9 +166,13 @@ def run_case(name: str, attempt: Callable[[], object], expected: object,
     except Exception as err:  # noqa: BLE001 - the student's bug becomes a readable case
         last = traceback.format_exception_only(type(err), err)[-1].strip()
         return Case(name, False, f"raised {last}"), err
-    if compare(got, expected):
+    try:
+        same = bool(compare(got, expected))
+    except Exception:  # noqa: BLE001 - an answer the comparison cannot even read is wrong
+        same = False
+    if same:
         return Case(name, True), got
-    return Case(name, False, f"got {_short(got)}, expected {_short(expected)}"), got
+    return Case(name, False, f"got {_short(got)}, which is not the reference's answer"), got
 
 
 def _short(value: object, limit: int = 160) -> str:
@@ -134,20 +180,69 @@ def _short(value: object, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# --- staged hints: what this kernel remembers of earlier attempts ----------------------------
+
+_ATTEMPTS: dict[str, dict[str, int]] = {}
+"""exercise -> case name -> how many verdicts in a row that case failed (this kernel)."""
+
+
+def stages_of(hint) -> tuple[str, ...]:
+    """A hint's stages: ``"text"`` -> ``("text",)``; a tuple or list as it is."""
+    if isinstance(hint, str):
+        return (hint,)
+    stages = tuple(hint)
+    if not stages or not all(isinstance(s, str) for s in stages):
+        raise ValueError(f"a hint is a text or a tuple of texts, not {hint!r}")
+    return stages
+
+
+def at_stage(hint, stage: int) -> str:
+    """The text of ``hint`` at ``stage`` (its last stage once the stages run out)."""
+    stages = stages_of(hint)
+    return stages[min(max(stage, 0), len(stages) - 1)]
+
+
+def failed_before(exercise: str, case: str) -> int:
+    """How many verdicts in a row, before this one, found ``case`` of ``exercise`` failing."""
+    return _ATTEMPTS.get(exercise, {}).get(case, 0)
+
+
+def remember(result: CheckResult) -> None:
+    """Count this verdict: a failing case's count goes up, a passing case's goes back to 0."""
+    counts = _ATTEMPTS.setdefault(result.exercise, {})
+    for c in result.cases:
+        counts[c.name] = counts.get(c.name, 0) + 1 if not c.passed else 0
+
+
+def forget_attempts(exercise: str | None = None) -> None:
+    """Start the staged hints over: for one exercise, or (``None``) for all of them."""
+    if exercise is None:
+        _ATTEMPTS.clear()
+    else:
+        _ATTEMPTS.pop(exercise, None)
+
+
 # --- named mistakes ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Mistake:
-    """A classic wrong answer a checker recognises, and what to tell its author."""
+    """One classic wrong answer: how to recognise it is the checker's business, what to
+    tell its author."""
 
     name: str
     """How the checker calls it, e.g. ``"slowest_first"``."""
-    hint: str
-    """What to tell the student whose answer shows it."""
+    stages: tuple[str, ...]
+    """What to tell the student whose answer shows it: the first stage at a case's first
+    failure, the next ones when the same case fails again."""
     any_case: bool = False
     """Named as soon as one failing case shows it (a wrong format, an exception);
     otherwise named only when it explains every failing case."""
+
+    @property
+    def hint(self) -> str:
+        """The first stage."""
+        return self.stages[0]
 
 
 class Mistakes:
@@ -155,18 +250,25 @@ class Mistakes:
 
     ``Mistakes(generic, any_case={"format"}, format=HINT_FORMAT, two_b=HINT_TWO_B, ...)``:
     the keywords name the mistakes, in order; ``any_case`` lists those named as soon as
-    one failing case shows them (``True``: all of them).  Two names may share a hint.
+    one failing case shows them (``True``: all of them).  Two names may share a hint.  Any
+    hint, the generic one included, may be a tuple of stages (see :func:`stages_of`).
+    ``single``: name only the first mistake that applies, for a checker whose diagnoses
+    of one wrong answer may differ from case to case (the first is the root cause).
     """
 
-    def __init__(self, generic: str, *, any_case: Iterable[str] | bool = (), **hints: str):
+    def __init__(self, generic, *, any_case: Iterable[str] | bool = (), single: bool = False,
+                 **hints):
         any_case = set(hints) if any_case is True else set(any_case or ())
         unknown = any_case - set(hints)
         if unknown:
             raise ValueError(f"any_case names mistakes that have no hint: {sorted(unknown)}")
-        self.generic = generic
-        """The hint when no named mistake explains the failures."""
-        self.entries = tuple(Mistake(name, hint, name in any_case) for name, hint in hints.items())
+        self.generic = stages_of(generic)
+        """The hint's stages when no named mistake explains the failures."""
+        self.entries = tuple(Mistake(name, stages_of(hint), name in any_case)
+                             for name, hint in hints.items())
         """Every :class:`Mistake`, in order of preference."""
+        self.single = single
+        """Whether only the first mistake that applies is named."""
 
     def __iter__(self):
         return iter(self.entries)
@@ -174,29 +276,49 @@ class Mistakes:
     def __contains__(self, name: str) -> bool:
         return any(m.name == name for m in self.entries)
 
-    def hint_of(self, name: str) -> str:
-        """The hint of the mistake called ``name``."""
+    def hint_of(self, name: str, stage: int = 0) -> str:
+        """The hint of the mistake called ``name`` (at ``stage``)."""
         for m in self.entries:
             if m.name == name:
-                return m.hint
+                return at_stage(m.stages, stage)
         raise KeyError(name)
 
-    def hint(self, failing: list[set[str]], generic: str | None = None) -> str:
-        """The hint for failing cases, each given as the set of mistake names it shows.
+    def chosen(self, failing: list[set[str]]) -> list[Mistake | None]:
+        """Every mistake that applies to the failing cases (each given as the set of
+        mistake names it shows), in order of preference; ``None`` stands for the generic.
 
-        The first mistake (in order of preference) that one failing case shows, if it
-        is ``any_case``, or that every failing case shows; else ``generic`` (by default
-        the table's own).
+        The first mistake that every failing case shows explains them all: it alone.
+        Otherwise each ``any_case`` mistake that one failing case shows; then, among the
+        failing cases none of those explains, the first other mistake (in order of
+        preference) that every one of them shows, or else the generic hint.
         """
-        generic = self.generic if generic is None else generic
         if not failing:
-            return generic
-        shown_once = set().union(*failing)
-        shown_by_all = set.intersection(*(set(f) for f in failing))
-        for m in self.entries:
-            if m.name in (shown_once if m.any_case else shown_by_all):
-                return m.hint
-        return generic
+            return [None]
+        shown_by_every = set.intersection(*(set(f) for f in failing))
+        first = next((m for m in self.entries if m.name in shown_by_every), None)
+        if first is not None:
+            return [first]
+        out = [m for m in self.entries if m.any_case and any(m.name in f for f in failing)]
+        named = {m.name for m in out}
+        rest = [set(f) for f in failing if not named & set(f)]
+        if rest:
+            shown_by_all = set.intersection(*rest)
+            first = next((m for m in self.entries if not m.any_case and m.name in shown_by_all), None)
+            out.append(first)
+        unique, said = [], set()  # two names may share a hint: say it once
+        for m in out:
+            key = None if m is None else m.stages
+            if key not in said:
+                said.add(key)
+                unique.append(m)
+        return unique[:1] if self.single else unique
+
+    def hint(self, failing: list[set[str]], generic=None, stage: int = 0) -> str:
+        """The hints for failing cases (see :meth:`chosen`), one per line, at ``stage``;
+        ``generic`` replaces the table's own generic hint."""
+        generic = self.generic if generic is None else stages_of(generic)
+        return "\n".join(at_stage(generic if m is None else m.stages, stage)
+                         for m in self.chosen(failing))
 
 
 # --- one run of a checker ---------------------------------------------------------------
@@ -228,6 +350,13 @@ class Checking:
     @property
     def cases(self) -> list[Case]:
         return self.result.cases
+
+    @property
+    def stage(self) -> int:
+        """Which stage of the hints this verdict gives: how many verdicts in a row before
+        this one found a case that fails now failing too (the most of any such case)."""
+        exercise = self.result.exercise
+        return max((failed_before(exercise, c.name) for c in self.cases if not c.passed), default=0)
 
     def attempt(self, name: str, attempt: Callable[[], object], expected: object = None,
                 compare: Callable[[object, object], bool] | None = None) -> tuple[Case, object]:
@@ -297,27 +426,51 @@ class Checking:
         answer = read(got)
         self.shows({unreadable} if answer is None else explain(answer))
 
-    def verdict(self, hint: str | None = None) -> CheckResult:
-        """The result; unless it passed, with a hint: the stub's, else ``hint``, else the
-        one :attr:`mistakes` picks for the failing cases."""
+    def verdict(self, hint=None) -> CheckResult:
+        """The result; unless it passed, with its hints: the stub's, else ``hint`` (a text
+        or its stages), else those :attr:`mistakes` picks for the failing cases, at the
+        stage this kernel's earlier attempts call for (:attr:`stage`).
+
+        Under nbgrader (:func:`grading`) a result that did not pass is raised as
+        :class:`ExerciseNotPassed` instead of returned.
+        """
         if not self.result.passed:
+            stage = self.stage
             if self.stub:
                 self.result.hint = STUB_HINT
             elif hint is not None or self.mistakes is None:
-                self.result.hint = hint or ""
+                self.result.hint = at_stage(hint or "", stage)
             else:
-                self.result.hint = self.mistakes.hint(self.failing)
-        return self.result
+                self.result.hint = self.mistakes.hint(self.failing, stage=stage)
+        return finish(self.result)
+
+
+def finish(result: CheckResult) -> CheckResult | None:
+    """Count ``result`` for the staged hints (:func:`remember`) and hand it back.
+
+    Under nbgrader (:func:`grading`) a result that did not pass is raised
+    (:class:`ExerciseNotPassed`: the test cell fails, no points), and one that passed is
+    printed and not returned: nbgrader reads a test cell's value as a partial grade, and a
+    verdict is not a number."""
+    remember(result)
+    if grading():
+        if not result.passed:
+            raise ExerciseNotPassed(result)
+        print(result)
+        return None
+    return result
 
 
 def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
-                  judge: Callable[[str, object], tuple[str, str | None] | None],
-                  format_hint: str) -> CheckResult:
-    """Check ``fn() -> {name: answer}``: one case per name, the first failure's hint.
+                  judge: Callable[[str, object], tuple[str, object] | None],
+                  format_hint) -> CheckResult:
+    """Check ``fn() -> {name: answer}``: one case per name, a hint for every wrong answer.
 
     ``judge(name, answer)`` returns ``None`` for a right answer, else ``(detail, why)``:
-    the hint is then ``f"{name}: {why}"``, or ``format_hint`` when ``why`` is ``None``
-    (an answer that cannot be read).  A missing name also gets ``format_hint``.
+    the hint for that name is then ``f"{name}: {why}"``, or ``format_hint`` when ``why``
+    is ``None`` (an answer that cannot be read).  A missing name also gets
+    ``format_hint``, once.  ``why`` may come in stages (see :func:`stages_of`): each
+    name's stage is how many verdicts in a row found that name wrong before.
     """
     check = Checking(exercise)
     case, got = check.attempt("the answers", fn, None, compare=lambda got, want: isinstance(got, dict))
@@ -328,7 +481,7 @@ def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
     for name in names:
         if name not in got:
             check.add(Case(name, False, "missing from the dict"))
-            hints.append(format_hint)
+            hints.append(at_stage(format_hint, 0))
             continue
         wrong = judge(name, got[name])
         if wrong is None:
@@ -336,8 +489,9 @@ def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
             continue
         detail, why = wrong
         check.add(Case(name, False, detail))
-        hints.append(format_hint if why is None else f"{name}: {why}")
-    return check.verdict(hints[0] if hints else "")
+        stage = failed_before(exercise, name)
+        hints.append(at_stage(format_hint, 0) if why is None else f"{name}: {at_stage(why, stage)}")
+    return check.verdict("\n".join(dict.fromkeys(hints)) if hints else "")
 
 
 # --- reading a launcher's deadlock report -------------------------------------------------
@@ -438,6 +592,8 @@ def as_group_kinds(answer) -> frozenset | None:
     return None
 
 
-__all__ = ["Case", "CheckResult", "Checking", "Mistake", "Mistakes", "STUB_HINT", "WAITING_IN",
-           "as_group_kinds", "as_number", "as_rank_list", "as_whole_numbers", "check_answers",
-           "deadlock_kind", "deadlock_summary", "is_close", "run_case"]
+__all__ = ["Case", "CheckResult", "Checking", "ExerciseNotPassed", "GRADING_ENVIRONMENT", "Mistake",
+           "Mistakes", "STUB_HINT", "WAITING_IN", "as_group_kinds", "as_number", "as_rank_list",
+           "as_whole_numbers", "at_stage", "check_answers", "deadlock_kind", "deadlock_summary",
+           "failed_before", "finish", "forget_attempts", "grading", "is_close", "remember",
+           "run_case", "stages_of"]

@@ -7,6 +7,8 @@
 * :mod:`.fp8_tiles`: one FP8 tile's values, scale and error;
 * :mod:`.context_parallel`: the ring of context-parallel attention, step by step, from its trace;
 * :mod:`.table`: a plain HTML table for chapter cells.
+* :mod:`.cheatsheet`: each chapter's key table and its one-page cheat sheet, a standalone
+  page for slides (``scripts/cheat_sheets.py`` writes them at the book build).
 
 What they share: :mod:`.widget` (the base class :class:`Widget`, every fragment's
 layout, the frame player :class:`Animation`, and :func:`live_or_static`, which builds a
