@@ -72,6 +72,8 @@ from tutorial_lib.arguments import (CONFIG_FIELDS, DEVICES, LOG_KEYS, TrainingAr
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
 
+#: The command line's own fix for --device cuda where the GPUs are too few.
+CPU_FIX = "  on the command line: --device cpu (or --device auto) runs on the CPU over gloo"
 INTERRUPTED_EARLY = "train_4d.py: interrupted before training started"
 
 
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
                                                    saved if rank == 0 else None), trace=False,
                                backend=DEVICES[args.device])
         except ConfigError as error:  # --device cuda without a GPU per local rank
-            print(f"train_4d.py: error: {error}", file=sys.stderr)
+            print(f"train_4d.py: error: {error}\n{CPU_FIX}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             if rank == 0:
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
             # Progress lines come from rank 0 as it trains; JSON is printed once all are done.
             result = train(args, progress=not as_json, progress_file=progress_file)
         except ConfigError as error:  # --device cuda with fewer GPUs than ranks: nothing started
-            print(f"train_4d.py: error: {error}", file=sys.stderr)
+            print(f"train_4d.py: error: {error}\n{CPU_FIX}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:  # Ctrl-C: the launcher has ended the workers
             print(interrupted(args, _steps_done(progress_file), argv), file=sys.stderr)

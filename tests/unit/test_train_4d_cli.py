@@ -478,3 +478,4 @@ def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(scr
                         "--steps", "1", "--device", "cuda"]) == 2
     error = capsys.readouterr().err
     assert "one GPU per rank" in error and "train_4d.py: error:" in error
+    assert "--device cpu" in error
