@@ -46,17 +46,52 @@ def chapters() -> list[Path]:
     return files
 
 
-def time_notebook(path: Path, timeout: int = 900) -> float:
-    """Seconds to execute ``path`` in a fresh kernel, from its own folder."""
+def cell_seconds(cell) -> float:
+    """How long an executed cell ran, from the timestamps nbclient records in its metadata
+    (``execute_input`` to ``execute_reply``); 0 for a cell that was not executed."""
+    import datetime as dt
+
+    stamps = cell.get("metadata", {}).get("execution", {})
+    start, end = stamps.get("iopub.execute_input"), stamps.get("shell.execute_reply")
+    if not (start and end):
+        return 0.0
+    parse = dt.datetime.fromisoformat
+    return max(0.0, (parse(end.replace("Z", "+00:00")) - parse(start.replace("Z", "+00:00"))
+                     ).total_seconds())
+
+
+def split_times(nb) -> tuple[list[list], list[list]]:
+    """``(sections, exercises)`` of an executed chapter: ``[title, seconds]`` per ``## ``
+    section (the cells before the first one are "Opening"), and ``[number, seconds]`` per
+    exercise (its stub, check and solution cells, found as the classroom tools find them)."""
+    from tutorial_lib.classroom import chapter_exercises
+
+    sections: list[list] = [["Opening", 0.0]]
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("## "):
+            sections.append([cell.source.splitlines()[0][3:].strip(), 0.0])
+        sections[-1][1] += cell_seconds(cell)
+    exercises = []
+    for ex in chapter_exercises(nb):
+        cells = [i for i in (ex.stub_cell, ex.check_cell, ex.solution_cell) if i is not None]
+        exercises.append([ex.number, sum(cell_seconds(nb.cells[i]) for i in cells)])
+    rounded = [[name, round(sec, 1)] for name, sec in sections if sec > 0 or name != "Opening"]
+    return rounded, [[n, round(sec, 1)] for n, sec in exercises]
+
+
+def time_notebook(path: Path, timeout: int = 900) -> tuple[float, list[list], list[list]]:
+    """Seconds to execute ``path`` in a fresh kernel, from its own folder, and the seconds
+    of its sections and exercises (:func:`split_times`)."""
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=True,
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return (seconds, *split_times(nb))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     load_before = reference.load_average()
     for path in todo:
         load = round(os.getloadavg()[0], 2)
-        seconds = time_notebook(path)
+        seconds, sections, exercises = time_notebook(path)
         rows[path.stem] = {"chapter": path.stem, "seconds": round(seconds, 1),
-                           "date": datetime.date.today().isoformat(), "load": load}
+                           "date": datetime.date.today().isoformat(), "load": load,
+                           "sections": sections, "exercises": exercises}
         print(f"{path.stem:32s} {seconds:7.1f} s", flush=True)
     if args.dry_run:
         return 0
@@ -93,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference.save(REFERENCE_NAME, ordered, command=COMMAND,
                          notes="Wall-clock seconds to run every cell of each chapter in a "
                                "fresh kernel (nbclient), kernel start included; each row "
-                               "has the date and the one-minute load it started under.",
+                               "has the date and the one-minute load it started under, "
+                               "and the seconds of each section (cells from one '## ' "
+                               "heading to the next) and of each exercise (stub, check "
+                               "and solution cells).",
                          load=load_before)
     print(f"stored {len(ordered)} chapters: {ref.caption()} "
           f"(load {load_before} before the first chapter)")

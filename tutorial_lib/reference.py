@@ -110,3 +110,27 @@ def save(name: str, rows: list[dict], command: str = "", notes: str = "",
     data = {k: v for k, v in ref.__dict__.items() if k != "name"}
     _path(name).write_text(json.dumps(data, indent=1) + "\n")
     return ref
+
+
+def chapter_time_rows(chapter: str) -> list[list]:
+    """What each part of ``chapter`` (a notebook stem such as ``"03_tp_dp"``) took to run on
+    the reference machine: ``[part, seconds]`` for each section, then each exercise (its
+    stub, check and solution cells), then the whole chapter, kernel start included; as
+    ``scripts/time_chapters.py`` stored them in the reference ``chapter_times``."""
+    rows = {row["chapter"]: row for row in load("chapter_times").rows}
+    if chapter not in rows:
+        raise KeyError(f"chapter {chapter!r} was never timed: python scripts/time_chapters.py "
+                       f"{chapter[:2]}")
+    row = rows[chapter]  # (a row stored before sections were timed has only the whole)
+    return ([[title, seconds] for title, seconds in row.get("sections", [])]
+            + [[f"Exercise {number}", seconds] for number, seconds in row.get("exercises", [])]
+            + [["the whole chapter", row["seconds"]]])
+
+
+def chapter_times_table(chapter: str):
+    """:func:`chapter_time_rows` as a table with the reference's caption (for a notebook)."""
+    from .viz.table import table
+
+    rows = [[part, f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"]
+            for part, seconds in chapter_time_rows(chapter)]
+    return table(["part of the chapter", f"run time ({load('chapter_times').caption()})"], rows)

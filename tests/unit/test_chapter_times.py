@@ -101,3 +101,35 @@ def test_the_sentence_reader(sentence, seconds, ok):
 def test_every_chapter_is_stored(measured):
     """The stored reference covers exactly the chapters (none missing, none left over)."""
     assert sorted(measured) == chapters()
+
+
+@pytest.mark.parametrize("chapter", chapters())
+def test_each_chapter_shows_its_own_times_by_section_and_exercise(chapter):
+    """Issue 14: the chapter opens with its run time per section and per exercise, read
+    from the stored reference (reference.chapter_times_table) for this chapter."""
+    cells = nbformat.read(NOTEBOOKS / f"{chapter}.ipynb", as_version=4).cells
+    shown = [c for c in cells if c.cell_type == "code" and "chapter_times_table(" in c.source]
+    assert len(shown) == 1, f"{chapter}: {len(shown)} cells show the chapter's times"
+    assert f'chapter_times_table("{chapter}")' in shown[0].source
+    first_section = next(i for i, c in enumerate(cells)
+                         if c.cell_type == "markdown" and c.source.startswith("## "))
+    assert cells.index(shown[0]) < first_section, "the times belong to the chapter's opening"
+
+
+@pytest.mark.parametrize("chapter", chapters())
+def test_the_stored_times_have_every_section_and_exercise_of_the_chapter(chapter):
+    """A section or exercise added since the chapter was timed fails here: re-measure."""
+    from tutorial_lib import classroom
+
+    nb = nbformat.read(NOTEBOOKS / f"{chapter}.ipynb", as_version=4)
+    sections = [c.source.splitlines()[0][3:].strip() for c in nb.cells
+                if c.cell_type == "markdown" and c.source.startswith("## ")]
+    exercises = [f"Exercise {e.number}" for e in classroom.chapter_exercises(nb)]
+    rows = reference.chapter_time_rows(chapter)
+    parts = [part for part, _ in rows]
+    assert parts[-1] == "the whole chapter"
+    assert [p for p in parts if p != "Opening"][:-1] == sections + exercises, (
+        f"{chapter} changed since it was timed: python scripts/time_chapters.py {chapter[:2]}")
+    assert all(seconds >= 0 for _, seconds in rows)
+    whole = rows[-1][1]
+    assert sum(seconds for part, seconds in rows[:len(parts) - 1 - len(exercises)]) <= whole
