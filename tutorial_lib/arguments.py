@@ -41,7 +41,8 @@ __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "DEVICES", "TrainingAr
 #: documented once, on its dataclass, and ``examples/train_4d.py --help`` prints that text.
 CONFIG_FIELDS = {
     ParallelConfig: ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "expert_model_parallel_size", "context_parallel_size"),
+                     "expert_model_parallel_size", "context_parallel_size",
+                     "expert_tensor_parallel_size"),
     TrainConfig: ("global_batch_size", "num_microbatches"),
     ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                   "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",

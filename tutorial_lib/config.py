@@ -18,10 +18,14 @@ it, and a fix.  The numbers are the same in every chapter (chapters 1, 4 and 6 b
 them on purpose):
 
 1. the world divides into the model-parallel grid;
-2. this course's guard: tensor and expert parallelism are not combined (yet);
+2. (lifted) this course's former guard, which refused TP > 1 together with EP > 1; the
+   method allows it, and with whole experts (rule 5) the course now trains it: each TP
+   rank routes its own sequence-parallel tokens over the expert grid's EP group;
 3. microbatches: ``num_microbatches >= 1`` and they divide the batch;
 4. routed experts divide evenly over expert-parallel ranks;
-5. routed experts are not tensor-parallel (``expert_tensor_parallel_size == 1``);
+5. routed experts stay whole (``expert_tensor_parallel_size == 1``): splitting them over
+   expert-tensor-parallel ranks is not implemented here yet (Megatron-Core 0.20.0
+   defaults ETP to TP);
 6. the sequence divides over TP ranks when sequence parallelism is on, and in a model
    with MoE layers under TP (each MoE layer splits the sequence over the TP ranks);
 7. no dropout with tensor or expert parallelism;
@@ -96,9 +100,11 @@ class ParallelConfig:
     expert_tensor_parallel_size: int = 1
     """ETP: ranks that split each routed expert's weights.
 
-    1 by default: the only value this course's training code runs (rule 5).  Megatron-Core
-    (0.20.0) defaults it to TP, and so do :func:`~tutorial_lib.grid.build_grid` and
-    ``python -m tutorial_lib.grid`` in the megatron layout.
+    1 by default: the only value this course's training code runs (rule 5: splitting an
+    expert over ETP ranks is not implemented yet), also with TP > 1, where each expert
+    stays whole on its EP rank.  Megatron-Core (0.20.0) defaults it to TP, and so do
+    :func:`~tutorial_lib.grid.build_grid` and ``python -m tutorial_lib.grid`` in the
+    megatron layout.
     """
 
     @property
@@ -370,22 +376,17 @@ def validate(
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size
 
-    # Rule 2 is this course's guard for its training runs: a limit of what the course
-    # trains and tests end to end, not of the method (Megatron runs TP and EP together:
-    # with sequence parallelism each TP rank routes its own tokens).
-    if tp > 1 and ep > 1:
-        raise ConfigError(
-            "rule 2",
-            f"tensor_model_parallel_size ({tp}) > 1 together with "
-            f"expert_model_parallel_size ({ep}) > 1 is outside what this course trains and "
-            f"tests end to end (a guard of this course, not a limit of the method: "
-            f"Megatron combines them); set one of them to 1",
-        )
+    # Rule 2, the course's guard against TP > 1 with EP > 1, is lifted: Megatron runs both
+    # on its folded grids, and with whole experts (ETP = 1) so does the course (each TP rank
+    # routes its own sequence-parallel tokens; the all-to-all runs over the expert grid's
+    # EP group).  The number stays retired so that the other rules keep theirs.
     if etp != 1:
         raise ConfigError(
             "rule 5",
-            f"expert_tensor_parallel_size must be 1 for routed experts in this course, "
-            f"got {etp}; experts are split over EP ranks whole, so set "
+            f"expert_tensor_parallel_size ({etp}) must be 1: splitting each routed expert "
+            f"over expert-tensor-parallel ranks (ETP > 1) is not implemented in this course "
+            f"yet, so experts stay whole on their EP rank, with any TP "
+            f"(Megatron-Core 0.20.0 defaults ETP to TP, {tp} here); set "
             f"expert_tensor_parallel_size=1",
         )
 

@@ -712,9 +712,11 @@ class MoELayer(torch.nn.Module):
     carries whatever tokens each rank holds); the balance losses then sum their counts
     over the CP group as well (over TP and CP when both split the tokens).
 
-    TP and EP together (the course's rule 2 forbids it; Megatron does not): after the
-    sequence scatter every TP rank holds different tokens, so the EP all-to-all needs
-    nothing more.  The dist tests run TP 2 x EP 2 against the serial layer.
+    TP and EP together (Megatron's folded grids, with each expert whole: ETP = 1): after the
+    sequence scatter every TP rank holds different tokens, so the all-to-all over the expert
+    grid's EP group needs nothing more (that group may span dense TP and DP ranks).  The
+    dist tests run TP 2 x EP 2 against the serial layer, and ``train_4d`` with TP 2 x EP 2
+    (x PP 2) and TP 2 x EP 4 against the serial model.
 
     Arguments beyond the sizes: ``num_shared_experts`` (merged into one SwiGLU of
     ``num_shared_experts * ffn_hidden_size``); ``score_function``, ``routed_scaling_factor``,

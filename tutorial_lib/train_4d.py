@@ -13,6 +13,8 @@ it directly.  One step on every rank::
     gradients: dense over DP (x CP), experts over expert-DP (divided by DP x CP)
                                                                       DataParallel.finish_grad_sync
     router / shared-expert gradients summed over TP (MoE splits the sequence over TP)
+    TP and EP together: each TP rank's own tokens cross the expert grid's EP all-to-all,
+        every routed expert whole on its EP rank (ETP = 1: config rule 5)
     clip by the global norm (reduced over TP, PP, EP)                data_parallel.clip_grad_norm_
     Adam
     expert bias: the step's expert load summed over every rank that routed tokens, then

@@ -4,8 +4,8 @@ Two launches, each running several parallel configurations one after the other (
 layout; DP is Megatron's dense data-parallel size, EP ranks included):
 
 * world 4: EP 1 (DP 4); EP 2 x EDP 2 (DP 4); TP 2 with sequence parallelism (DP 2);
-  and TP 2 x EP 2 with sequence parallelism (DP 2), which the course's rule 2 forbids
-  but this layer handles with sequence parallelism (see :class:`moe.MoELayer`);
+  and TP 2 x EP 2 with sequence parallelism (DP 2), which the course's old rule 2 refused
+  (issue 17 lifted it: ``train_4d`` runs it end to end in test_pipeline_training.py);
 * world 8: EP 4 x EDP 2 (DP 8); TP 4 with sequence parallelism (DP 2).
 
 Every DP replica gets its own tokens; TP ranks of one replica share them.  The serial

@@ -11,7 +11,8 @@ Two references, both fp32:
 
 Then every layout of at most 8 ranks with PP in {2, 3, 4} that the rules allow (TP in
 {1, 2, 4}, EP dividing the 4 experts and the data-parallel size, TP and EP not both > 1:
-rule 2), plus a few without PP, trains 3 steps with the default 1F1B schedule and batched
+the sweep predates issue 17, whose TP x EP runs have their own section below), plus a few
+without PP, trains 3 steps with the default 1F1B schedule and batched
 P2P; and two layouts (PP = 3 with EP, PP = 4 with DP) run every schedule in both of
 Megatron's P2P modes, batched and overlapped (chapter 7's sequential mode is refused by the
 validator: see :func:`tutorial_lib.pipeline.check_schedule_and_mode`).  Each run's per-step losses must
@@ -210,7 +211,8 @@ def test_the_record_holds_the_lm_loss_and_the_balance_terms_under_their_own_keys
 
 @pytest.mark.parametrize("changes,rule", [
     (dict(world_size=6, pipeline_model_parallel_size=4), "rule 1"),
-    (dict(world_size=4, tensor_model_parallel_size=2, expert_model_parallel_size=2), "rule 2"),
+    (dict(world_size=4, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+          expert_tensor_parallel_size=2), "rule 5"),  # issue 17: ETP > 1 not built yet
     (dict(world_size=2, pipeline_model_parallel_size=2, num_microbatches=5), "rule 3"),
     (dict(world_size=8, pipeline_model_parallel_size=2, expert_model_parallel_size=4, num_experts=6), "rule 4"),
     (dict(world_size=2, tensor_model_parallel_size=2, dropout=0.1), "rule 7"),
@@ -229,6 +231,142 @@ def test_invalid_grids_are_refused_with_the_rule(changes, rule):
     with pytest.raises(ConfigError) as error:
         validate_args(replace(BASE, **changes))
     assert error.value.rule == rule, str(error.value)
+
+
+# --- issue 17: TP and EP together, experts whole (ETP = 1) on Megatron's folded grids -------
+#
+# Megatron-Core 0.20.0 (d98e8a64) runs TP > 1 with EP > 1: the dense layers use the
+# tp-cp-dp-pp grid and the experts the etp-ep-edp-pp grid over the same ranks
+# (megatron/core/parallel_state.py, initialize_model_parallel: two RankGenerators, each of
+# whose products must divide the world).  The MoE layer gets each TP rank's own
+# sequence-parallel tokens, and MoEAlltoAllTokenDispatcher (megatron/core/transformer/moe/
+# token_dispatcher.py: __init__ and token_dispatch) runs its all-to-all over the expert
+# grid's EP group, gathering over the expert-TP group only when ETP > 1
+# (dispatch_postprocess).  The course's old rule 2 refused every run below (ConfigError
+# before any worker started).
+
+#: (TP, PP, EP, world, schedule, ZeRO-1): TP 2 x EP 2 alone (DP 2, the EP group is the TP
+#: group), with PP 2 under 1F1B (DP 2 per stage), and TP 2 x EP 4 on 8 ranks with the
+#: distributed optimizer (the EP group spans two TP groups; experts sharded over EDP 2,
+#: dense weights over DP 4).
+TP_EP_LAYOUTS = [(2, 1, 2, 4, "1f1b", False), (2, 2, 2, 8, "1f1b", False),
+                 (2, 1, 4, 8, "1f1b", True)]
+
+
+@pytest.mark.parametrize("tp,pp,ep,world,schedule,zero1", TP_EP_LAYOUTS,
+                         ids=[f"tp{t}-pp{p}-ep{e}-w{w}-{s}" + "-zero1" * z
+                              for t, p, e, w, s, z in TP_EP_LAYOUTS])
+def test_tp_and_ep_together_train_like_world_size_one(tp, pp, ep, world, schedule, zero1):
+    """Issue 17: TP 2 x EP 2 (and x PP 2) with whole experts gives the world-size-1 losses
+    over 3 steps (``ATOL``, the tolerance of every other layout here), where rule 2 refused
+    it before; so does TP 2 x EP 4 under ZeRO-1.  Megatron-Core 0.20.0, d98e8a64:
+    parallel_state.py ``initialize_model_parallel`` (folded grids), token_dispatcher.py
+    ``MoEAlltoAllTokenDispatcher`` (all-to-all over the expert grid's EP group)."""
+    args = layout_args(tp, pp, ep, world, schedule=schedule, use_distributed_optimizer=zero1)
+    validate_args(args)
+    assert args.configs()[0].expert_tensor_parallel_size == 1
+    assert_same_losses(args)
+
+
+#: The gradient check's model: BASE's, 4 layers (3 MoE), on 8 ranks, no clipping.
+GRAD_ARGS = replace(BASE, num_layers=4, clip_grad=0.0, world_size=8)
+#: (TP, EP) on 8 ranks: EP 2 (the EP group is the TP group; DP 4, EDP 4) and EP 4, whose
+#: group spans two dense TP groups and two DP ranks (DP 4, EDP 2: an expert-DP divisor
+#: taken from EDP instead of DP x CP would double the expert gradients).
+GRAD_LAYOUTS = [(2, 2), (2, 4)]
+#: Which MoE parameters the check compares: router, shared experts, routed experts.
+GRAD_PARTS = ("mlp.router.", "mlp.shared_experts.", "mlp.experts.")
+
+
+def _tp_ep_gradients(ctx, layouts):
+    """One step's synced gradients of every MoE parameter, per (TP, EP), as train_4d makes
+    them: its chunks, microbatches, schedule, DataParallel and finish_step (SGD at lr 0 so
+    the gradients stay as they are)."""
+    from tutorial_lib import parallel_state
+    from tutorial_lib.data_parallel import DataParallel
+    from tutorial_lib.pipeline import forward_backward_pipelining
+    from tutorial_lib.tp_dp_step import finish_step
+    from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
+    out = {}
+    for tp, ep in layouts:
+        args = replace(GRAD_ARGS, world_size=ctx.world_size, tensor_model_parallel_size=tp,
+                       expert_model_parallel_size=ep)
+        with ctx.tracer.tags(layout=f"tp{tp}-ep{ep}"):
+            parallel, _, _ = args.configs()
+            parallel_state.initialize_model_parallel(parallel)
+            chunks = build_chunks(args)
+            modules = torch.nn.ModuleList(chunks)
+            model = DataParallel(modules, group="dp")
+            m, dp = args.num_microbatches, parallel_state.get_size("dp")
+            for chunk in chunks:
+                chunk.reset_step_stats()
+                chunk.aux_loss_scale = moe_aux_loss_scale(m)
+            shape = (args.seq_length, args.global_batch_size // dp // m, args.hidden_size)
+            with model.no_sync():
+                forward_backward_pipelining(chunks, _microbatches(args, 0, True, None), args.schedule,
+                                            args.p2p_mode, shape)
+            finish_step(model, torch.optim.SGD(modules.parameters(), lr=0.0), None)
+            grads = {name.split(".", 1)[1]: p.grad.clone() for name, p in modules.named_parameters()
+                     if any(part in name for part in GRAD_PARTS)}
+            first = {index: layer.experts.first_expert for index, layer in chunks[0].moe_layers().items()}
+            groups = {kind: parallel_state.get_group_ranks(kind) for kind in ("tp", "dp", "ep", "expert_dp")}
+            out[(tp, ep)] = {"grads": grads, "first_expert": first, "groups": groups}
+    return out
+
+
+def _serial_gradients(args: TrainingArgs) -> dict:
+    """The whole model on the whole batch of step 0, one backward, no groups."""
+    _, model_config, _ = args.configs()
+    model = DeepSeekModel(model_config, seed=args.seed)
+    input_ids, labels = synthetic_batch(args.seed, 0, args.global_batch_size, args.seq_length,
+                                        args.vocab_size)
+    model(input_ids, labels, sample_ids=torch.arange(args.global_batch_size), step=0).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients():
+    """Issue 17: under TP 2 x EP 2 and TP 2 x EP 4 (8 ranks, ETP 1) the router, shared-expert
+    and routed-expert gradients after train_4d's sync equal the serial model's on the whole
+    batch (fp32, ``atol = 1e-6``, ``rtol = 1e-5``).  The router and shared experts see each
+    TP rank's own tokens and are summed over TP after the DP average; each expert's gradient
+    is summed over expert-DP and divided by DP x CP, Megatron-Core 0.20.0's
+    ``expert_gradient_scaling_factor`` (d98e8a64, megatron/core/distributed/
+    distributed_data_parallel.py).  The trace shows every dispatch all-to-all on the expert
+    grid's EP group, each rank sending its own s/TP tokens' K copies per microbatch
+    (megatron/core/transformer/moe/token_dispatcher.py, ``MoEAlltoAllTokenDispatcher``)."""
+    from tutorial_lib.launch import launch
+    result = launch(_tp_ep_gradients, 8, args=(GRAD_LAYOUTS,), timeout=180)
+    serial = _serial_gradients(GRAD_ARGS)
+    args = GRAD_ARGS
+    for tp, ep in GRAD_LAYOUTS:
+        for rank, res in enumerate(result.results):
+            mine = res[(tp, ep)]
+            assert {part: any(part in n for n in mine["grads"]) for part in GRAD_PARTS} == \
+                dict.fromkeys(GRAD_PARTS, True)
+            for name, grad in mine["grads"].items():
+                want = serial[name]
+                if ".mlp.experts." in name:  # my EP rank's experts: a slice of the stack
+                    layer = int(name.split(".")[1])
+                    first = mine["first_expert"][layer]
+                    want = want[first:first + grad.shape[0]]
+                torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5,
+                                           msg=lambda m: f"TP{tp} EP{ep} rank {rank} {name}: {m}")
+            groups = mine["groups"]
+            # the dispatch: on the expert grid's EP group, my own tokens' K copies
+            dispatch = [e for e in result.trace.filter(rank=rank, op="all_to_all",
+                                                       layout=f"tp{tp}-ep{ep}")
+                        if e.tags.get("op_name") == "dispatch" and e.tags.get("payload") == "tokens"
+                        and e.tags.get("phase") == "forward"]
+            rows = args.global_batch_size // len(groups["dp"]) // args.num_microbatches
+            assert len(dispatch) == 3 * args.num_microbatches  # 3 MoE layers
+            for event in dispatch:
+                assert event.group_kind == "ep" and list(event.group_ranks) == groups["ep"]
+                assert sum(event.splits["input"]) == args.seq_length // tp * rows * args.moe_router_topk
+    # rank 0's groups: Megatron's folded grids (dense tp-cp-dp-pp, experts etp-ep-edp-pp)
+    assert result.results[0][(2, 2)]["groups"] == {"tp": [0, 1], "dp": [0, 2, 4, 6],
+                                                   "ep": [0, 1], "expert_dp": [0, 2, 4, 6]}
+    assert result.results[0][(2, 4)]["groups"] == {"tp": [0, 1], "dp": [0, 2, 4, 6],
+                                                   "ep": [0, 1, 2, 3], "expert_dp": [0, 4]}
 
 
 # --- the command line -----------------------------------------------------------------------

@@ -9,7 +9,7 @@ first, deterministic (no timing).  Three are also run as a user types them.  Las
 memory estimate's TP and EP splits against the parameters the workers really build.
 
 The rules themselves, with their upstream sources: tests/unit/test_config.py and
-tests/unit/test_train_4d_cli.py.  About 15 s on 2 cores (one launch of 4 ranks, one of 2).
+tests/unit/test_train_4d_cli.py.  About 16 s on 2 cores (two launches of 4 ranks, one of 2).
 """
 import json
 import subprocess
@@ -118,8 +118,10 @@ def _parameters(ctx, args):
 
 
 @pytest.mark.parametrize("layout", [dict(world_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-                                    dict(world_size=2, expert_model_parallel_size=2)],
-                         ids=["TP2 x PP2", "EP2"])
+                                    dict(world_size=2, expert_model_parallel_size=2),
+                                    dict(world_size=4, tensor_model_parallel_size=2,
+                                         expert_model_parallel_size=2)],  # issue 17
+                         ids=["TP2 x PP2", "EP2", "TP2 x EP2"])
 def test_the_estimate_counts_the_parameters_of_each_tp_and_ep_shard(layout):
     """``costs.memory_per_rank`` splits attention, dense MLPs, embedding and head by TP and
     the routed experts by EP, and keeps the LayerNorms, routers, shared experts and

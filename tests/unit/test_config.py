@@ -52,10 +52,24 @@ def test_rule1_world_not_divisible_names_numbers_and_fix():
     expect("rule 1", "ETP * EP * PP = 8", "expert grid", parallel=pc(12, tp=2, pp=2, ep=4))
 
 
-def test_rule2_tutorial_guard_explains_itself():
-    message = expect("rule 2", "tensor_model_parallel_size (2)", "expert_model_parallel_size (2)",
-                     parallel=pc(8, tp=2, ep=2))
-    assert "Megatron combines them" in message and "set one of them to 1" in message
+def test_rule2_is_lifted_tp_and_ep_together_pass_with_whole_experts():
+    """Issue 17: the course's guard (old rule 2: TP > 1 with EP > 1 refused) is gone.
+
+    Megatron-Core 0.20.0 (d98e8a64) builds the dense grid (tp-cp-dp-pp) and the expert grid
+    (etp-ep-edp-pp) over the same ranks and only asks that each divide the world
+    (``megatron/core/parallel_state.py``, ``initialize_model_parallel``); its all-to-all
+    dispatcher takes its EP group from the expert grid (``MoEAlltoAllTokenDispatcher.__init__``
+    and ``token_dispatch`` in ``megatron/core/transformer/moe/token_dispatcher.py``) and gathers
+    over the expert-TP group only when that has more than one rank (``dispatch_postprocess``).
+    With ETP = 1 nothing but the EP all-to-all moves the tokens, which is what the course
+    trains."""
+    model = ModelConfig(num_experts=4, seq_length=16, sequence_parallel=False)
+    train = TrainConfig(global_batch_size=8, num_microbatches=2)
+    for config in (pc(4, tp=2, ep=2), pc(8, tp=2, ep=2, pp=2), pc(8, tp=2, ep=4),
+                   pc(8, tp=4, ep=2), pc(8, tp=2, ep=2, cp=2)):
+        assert validate(config, model, train) is None, config
+    # the expert grid must still divide the world (rule 1): 6 = TP 2 x DP 3, ETP 1 x EP 4 = 4
+    expect("rule 1", "ETP * EP * PP = 4", "expert grid", parallel=pc(6, tp=2, ep=4))
 
 
 def test_rule3_microbatches():
@@ -73,8 +87,18 @@ def test_rule4_experts_divide_over_ep():
 
 
 def test_rule5_expert_tensor_parallel():
-    expect("rule 5", "expert_tensor_parallel_size must be 1", "got 2",
-           parallel=pc(8, tp=2, etp=2), layout="course")
+    """Rule 5 says plainly that ETP > 1 is not implemented yet, and that Megatron-Core
+    0.20.0 (d98e8a64) defaults ETP to TP (``megatron/training/arguments.py``,
+    ``validate_args``: an unset ``expert_tensor_parallel_size`` becomes
+    ``tensor_model_parallel_size``)."""
+    message = expect("rule 5", "expert_tensor_parallel_size (2) must be 1",
+                     "not implemented in this course yet", "defaults ETP to TP, 2 here",
+                     "set expert_tensor_parallel_size=1",
+                     parallel=pc(8, tp=2, etp=2), layout="course")
+    assert "guard" not in message
+    # with EP > 1 as well, on Megatron's folded grids: the same rule, not the old guard
+    expect("rule 5", "expert_tensor_parallel_size (2) must be 1", "defaults ETP to TP, 2 here",
+           parallel=pc(8, tp=2, ep=2, etp=2))
 
 
 def test_rule6_sequence_parallel_needs_divisible_sequence():

@@ -34,6 +34,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
                 context_parallel_size=1, cp_comm_type="p2p",  # issue 18: CP, off by default
+                expert_tensor_parallel_size=1,  # issue 17: whole experts (ETP > 1 not built yet)
                 device="auto")  # issue 16: the GPUs when every rank has one
 
 
@@ -180,6 +181,23 @@ def test_add_arguments_reads_types_docstrings_and_defaults():
 
 
 # --- issue 12: every bad value refused before any worker starts ---------------------------------
+
+def test_the_expert_tensor_parallel_flag_takes_1_and_refuses_more_with_rule_5(script):
+    """Issue 17: ``--expert-tensor-parallel-size`` is Megatron-LM's flag (Megatron-Core 0.20.0,
+    d98e8a64, ``megatron/training/arguments.py``, where an unset value becomes TP); the run
+    takes 1, the course's default, with TP and EP both > 1, and refuses 2 (rule 5: ETP > 1
+    is not implemented yet) before any worker starts."""
+    layout = ["--world-size", "4", "--tensor-model-parallel-size", "2",
+              "--expert-model-parallel-size", "2", "--seq-length", "8"]
+    args, _ = script.parse_args(layout + ["--expert-tensor-parallel-size", "1"])
+    assert args.expert_tensor_parallel_size == 1 == TrainingArgs().expert_tensor_parallel_size
+    validate_args(args)
+    args, _ = script.parse_args(layout + ["--expert-tensor-parallel-size", "2"])
+    assert args.configs()[0].expert_tensor_parallel_size == 2
+    with pytest.raises(ConfigError) as info:
+        validate_args(args)
+    assert info.value.rule == "rule 5" and "not implemented in this course yet" in str(info.value)
+
 
 BAD_RUN_VALUES = [  # (changes, rule, fragments of the message: the rule, the value, the fix)
     (dict(world_size=2, tensor_model_parallel_size=2, vocab_size=63), "rule 10", ["vocab_size (63)", "62 or 64"]),
