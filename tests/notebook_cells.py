@@ -98,6 +98,7 @@ CHAPTERS = [
         Exercise("biased_topk", ch05.check_biased_topk),
         Exercise("update_bias", ch05.check_update_bias),
         Exercise("blind_routing", ch05.check_blind_routing),
+        Exercise("predicted_balance", ch05.check_predicted_balance),
     ), {"torch": torch, "F": F, "moe_balance": moe_balance}),
     Chapter("06_pipeline_4d.ipynb", (
         Exercise("my_one_f_one_b", ch06.check_one_f_one_b),

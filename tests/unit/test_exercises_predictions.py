@@ -5,6 +5,8 @@
   8-GPU nodes, checked against the groups ``grid.build_grid`` builds;
 * 5.4 ``blind_routing``: a device-limited routing whose device balance loss is 1 and whose
   communication loss is D/M, checked with ``moe_balance``'s losses;
+* 5.5 ``predicted_balance``: the expert-level loss, the MaxVio and each expert's bias
+  direction after one V3 step of three small routings, checked with ``moe_balance``;
 * 6.4 ``mixed_deadlock``: which pipelines mixing GPipe and 1F1B deadlock, and which ranks
   wait on each other, checked by ``pipeline_schedules.simulate``;
 * 8.4 ``flushed_values``: how many ordinary values an outlier flushes to zero, per tile and
@@ -27,6 +29,7 @@ check, on these exercises' keys).
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 import pytest
 import torch
@@ -34,7 +37,7 @@ import torch
 from tutorial_lib.context_parallel import causal_pairs
 from tutorial_lib.exercises import ch01, ch02, ch05, ch06, ch08, ch09, kit
 
-from ..answer_keys import AnswerKey, assert_keeps_its_key, listed, raising
+from ..answer_keys import AnswerKey, assert_keeps_its_key, listed, numbers, raising
 from ..notebook_cells import CHAPTERS, assert_hint, assert_staged_hint, run_cell, tagged_cells
 
 # --- exercise 1.3: which groups cross the node boundary ------------------------------------
@@ -150,6 +153,97 @@ def test_blind_routing_never_raises():
     assert not ch05.check_blind_routing(raising)
     result = ch05.check_blind_routing(lambda *a: ("probs", "idx"))
     assert not result.passed and result.hint == ch05.HINT_BLIND_FORMAT
+
+
+# --- exercise 5.5: predict the balance numbers ---------------------------------------------
+
+BALANCE = {("A", "loss"): 1.0, ("A", "maxvio"): 3.0, ("A", "bias"): [-1, -1, 1, 1, 1, 1, 1, 1],
+           ("B", "loss"): 1.25, ("B", "maxvio"): 1.0, ("B", "bias"): [-1, 0, 1, 1],
+           ("C", "loss"): 0.55, ("C", "maxvio"): 0.5, ("C", "bias"): [1, -1, -1, 0]}
+"""Worked out by hand in the notebook's solution; the checker asks ``moe_balance``."""
+
+
+def test_the_worked_balance_is_the_library_s():
+    for routing in ch05.BALANCE_ROUTINGS:
+        truth = ch05.library_balance(routing)
+        assert truth["loss"] == pytest.approx(BALANCE[routing, "loss"], rel=1e-12)
+        assert truth["maxvio"] == pytest.approx(BALANCE[routing, "maxvio"], rel=1e-12)
+        assert truth["bias"] == BALANCE[routing, "bias"]
+    assert ch05.check_predicted_balance(lambda: BALANCE)
+    spelled = {key: (torch.tensor(v) if isinstance(v, list) else Fraction(str(v)))
+               for key, v in BALANCE.items()}  # a tensor of directions, 11/20: fine
+    assert ch05.check_predicted_balance(lambda: spelled)
+
+
+def balance_with(**mistakes):
+    """The worked answer with one classic mistake per quantity (``loss="no_scale"``)."""
+    return {(routing, quantity): (ch05.balance_variants(routing, quantity)[mistakes[quantity]]
+                                  if quantity in mistakes else BALANCE[routing, quantity])
+            for routing, quantity in BALANCE}
+
+
+def test_every_mistake_is_wrong_somewhere_and_told_apart():
+    """Each classic mistake changes at least one case, and where it does, no other
+    mistake of the same quantity gives the same value (so the hint names the right one)."""
+    for quantity in ch05.BALANCE_QUANTITIES:
+        names = ch05.balance_variants("A", quantity)
+        for mistake in names:
+            changed = [r for r in ch05.BALANCE_ROUTINGS
+                       if ch05.balance_variants(r, quantity)[mistake] != pytest.approx(
+                           BALANCE[r, quantity])]
+            assert changed, (quantity, mistake)
+            for routing in changed:
+                values = ch05.balance_variants(routing, quantity)
+                mine = values[mistake]
+                assert all(values[other] != pytest.approx(mine) for other in values
+                           if other != mistake), (routing, quantity, mistake)
+
+
+@pytest.mark.parametrize("answer,hint", [
+    (balance_with(loss="no_scale"), ch05.HINT_PREDICT_NO_SCALE[0]),
+    (balance_with(loss="assignments"), ch05.HINT_PREDICT_ASSIGNMENTS[0]),
+    (balance_with(loss="per_token"), ch05.HINT_PREDICT_PER_TOKEN[0]),
+    (balance_with(loss="gates"), ch05.HINT_PREDICT_GATES[0]),
+    (balance_with(loss="own_topk"), ch05.HINT_PREDICT_OWN_TOPK[0]),
+    (balance_with(loss="closed_form"), ch05.HINT_PREDICT_CLOSED_FORM[0]),
+    (balance_with(loss="one"), ch05.HINT_PREDICT_ONE[0]),
+    (balance_with(maxvio="ratio"), ch05.HINT_PREDICT_RATIO[0]),
+    (balance_with(maxvio="mean_tokens"), ch05.HINT_PREDICT_MEAN_TOKENS[0]),
+    (balance_with(bias="flipped"), ch05.HINT_PREDICT_FLIPPED[0]),
+    (balance_with(bias="at_mean"), ch05.HINT_PREDICT_AT_MEAN[0]),
+    ({**BALANCE, ("B", "loss"): 1.3}, ch05.HINT_PREDICT_GENERIC[0]),
+    ({**BALANCE, ("C", "bias"): [1, -1, -1]}, ch05.HINT_PREDICT_FORMAT),
+    ({**BALANCE, ("C", "bias"): [0.001, -0.001, -0.001, 0]}, ch05.HINT_PREDICT_FORMAT),
+    ({**BALANCE, ("A", "maxvio"): "three"}, ch05.HINT_PREDICT_FORMAT),
+    ({k: v for k, v in BALANCE.items() if k != ("B", "bias")}, ch05.HINT_PREDICT_FORMAT),
+    ([1.0, 3.0], ch05.HINT_PREDICT_FORMAT),
+], ids=["no-scale", "assignments", "per-token", "gates", "own-topk", "closed-form", "one",
+        "max-over-mean", "mean-of-tokens", "flipped", "at-mean", "other", "short-list",
+        "bias-values", "text", "missing", "not-a-dict"])
+def test_predicted_balance_names_the_mistake(answer, hint):
+    assert_hint(ch05.check_predicted_balance(lambda: answer), hint)
+
+
+def test_predicted_balance_names_every_mistake_it_sees():
+    """Slips in different quantities are each named, one hint per line."""
+    result = ch05.check_predicted_balance(
+        lambda: balance_with(loss="no_scale", maxvio="ratio", bias="flipped"))
+    assert not result.passed and result.hints == [
+        ch05.HINT_PREDICT_NO_SCALE[0], ch05.HINT_PREDICT_RATIO[0], ch05.HINT_PREDICT_FLIPPED[0]]
+
+
+def test_predicted_balance_hints_come_in_stages():
+    assert_staged_hint(ch05.check_predicted_balance, lambda: balance_with(loss="no_scale"),
+                       *ch05.HINT_PREDICT_NO_SCALE)
+    kit.forget_attempts()
+    assert_staged_hint(ch05.check_predicted_balance, lambda: balance_with(bias="flipped"),
+                       *ch05.HINT_PREDICT_FLIPPED)
+
+
+def test_predicted_balance_never_raises():
+    result = ch05.check_predicted_balance(raising)
+    assert not result.passed and "raised ValueError" in result.cases[0].detail
+    assert result.hint == ch05.HINT_PREDICT_FORMAT
 
 
 # --- exercise 6.4: which mixed pipelines deadlock ------------------------------------------
@@ -354,6 +448,16 @@ def _blind_forbidden(name, detail, fn):
     return {str(idx), repr(idx.tolist()), str(probs)}
 
 
+def _balance_forbidden(name, detail, fn):
+    routing, quantity = name.split(", ")
+    want = BALANCE[routing, quantity]
+    got = fn()
+    mine = got.get((routing, quantity)) if isinstance(got, dict) else None
+    if quantity == "bias":
+        return listed(want) - (listed(mine) if isinstance(mine, list) else set())
+    return numbers(want) - (numbers(mine) if kit.as_number(mine) is not None else set())
+
+
 def _flushed_forbidden(name, detail, fn):
     scaling, outlier = re.match(r"(\w+), outlier (\S+)", name).groups()
     want = FLUSHED[(scaling, float(outlier))]
@@ -399,6 +503,15 @@ KEYS = [
         "balanced": balanced,
         "every_device": lambda *case: blind(*case, spread=True),
     }, _blind_forbidden, ch05.BLIND_MISTAKES),
+    AnswerKey("5.5", ch05.check_predicted_balance, {
+        "empty": lambda: {},
+        "constant": lambda: dict.fromkeys(BALANCE, 1),
+        "ones": lambda: {k: ([1] * len(v) if isinstance(v, list) else 1.0)
+                         for k, v in BALANCE.items()},
+        "no_scale": lambda: balance_with(loss="no_scale"),
+        "closed_form_and_flipped": lambda: balance_with(loss="closed_form", bias="flipped"),
+        "max_over_mean": lambda: balance_with(maxvio="ratio", bias="at_mean"),
+    }, _balance_forbidden, ch05.PREDICT_MISTAKES),
     AnswerKey("6.4", ch06.check_mixed_deadlock, {
         "empty": lambda: {},
         "never": lambda: dict.fromkeys(DEADLOCKS),
@@ -431,6 +544,7 @@ def test_no_new_checker_shows_the_answer_to_an_unsolved_case(key, label):
 
 
 @pytest.mark.parametrize("notebook,stub", [("01", "node_crossings"), ("05", "blind_routing"),
+                                           ("05", "predicted_balance"),
                                            ("06", "mixed_deadlock"), ("08", "flushed_values")])
 def test_the_chapter_carries_the_exercise(notebook, stub):
     """Registered in tests/notebook_cells.py (whose tests run its cells), introduced by an
@@ -446,6 +560,8 @@ def test_the_chapter_carries_the_exercise(notebook, stub):
         assert answer() == DEADLOCKS
     elif stub == "flushed_values":
         assert answer() == FLUSHED
+    elif stub == "predicted_balance":
+        assert answer() == BALANCE
 
 
 @pytest.mark.parametrize("checker,answer", [(ch02.check_dispatch, ARRIVED),

@@ -19,6 +19,14 @@
   library's and MaxVio must fall.  A flipped sign, a step proportional to the imbalance,
   moving experts at the mean, an integer mean and an update that builds a graph each get
   a hint.
+* :func:`check_blind_routing` (5.4): build a device-limited routing whose device loss is 1
+  and whose communication loss is D/M, judged by the library's two losses.
+* :func:`check_predicted_balance` (5.5, predict then run): the student predicts the
+  expert-level loss, the MaxVio and each expert's bias direction after one V3 step for
+  three small routings (:data:`BALANCE_ROUTINGS`); the checker computes them with
+  :mod:`tutorial_lib.moe_balance` and names the classic slips (the N'/K' scaling, tokens
+  instead of picks, the collapse value recalled instead of computed, max/mean for MaxVio,
+  the bias's sign, an expert at the mean).
 
 Everything runs in this process (no workers): a checker takes well under a second.
 Student code never makes a checker raise: exceptions and stubs become failed cases with
@@ -26,13 +34,15 @@ a hint.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Callable
 
 import torch
 
 from .. import moe, moe_balance
-from .kit import Case, Checking, CheckResult, Mistakes, as_number, run_case
+from .kit import (Case, Checking, CheckResult, Mistakes, as_number, as_whole_numbers,
+                  run_case)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -703,3 +713,190 @@ def check_blind_routing(fn: Callable) -> CheckResult:
 
 
 __all__ += ["check_blind_routing", "blind_losses", "BLIND_CASES"]
+
+
+# --- exercise 5.5: predict the balance numbers ----------------------------------------------
+
+#: Exercise 5.5's routings: name -> (N' experts, K' per token, each token's picks, the
+#: router probabilities of every token over experts 0 .. N'-1, the same for all tokens).
+BALANCE_ROUTINGS = {
+    "A": (8, 2, ((0, 1), (0, 1), (0, 1), (0, 1)), (1 / 8,) * 8),
+    "B": (4, 2, ((0, 1), (0, 2), (0, 3), (0, 1)), (0.4, 0.3, 0.2, 0.1)),
+    "C": (4, 2, ((1, 2), (1, 3), (2, 3), (1, 2)), (0.6, 0.1, 0.2, 0.1)),
+}
+#: What is predicted of each routing: the expert-level loss (coefficient 1), the MaxVio of
+#: the expert load, and the direction (-1, 0 or +1) of each expert's bias after one V3 step.
+BALANCE_QUANTITIES = ("loss", "maxvio", "bias")
+BALANCE_GAMMA = 0.001
+
+HINT_PREDICT_FORMAT = (
+    "return a dict with nine entries keyed (routing, quantity), routing 'A', 'B' or 'C' "
+    "and quantity 'loss', 'maxvio' or 'bias': a number for 'loss' and 'maxvio', and for "
+    "'bias' a list with one direction per expert (N' of them), each -1, 0 or +1."
+)
+HINT_PREDICT_NO_SCALE = (
+    "your loss looks like f_i = count_i / T: a factor N'/K' is missing. Which factor makes "
+    "f_i equal 1 for an expert that gets exactly its share of the picks?",
+    "f_i = N'/(K'T) * count_i: the count scaled so that a balanced expert has f_i = 1. "
+    "Multiply each f_i by P_i, the mean probability of expert i, and sum.",
+)
+HINT_PREDICT_ASSIGNMENTS = (
+    "your loss is N' times too small: f_i is not the fraction of the K'T picks that went to "
+    "expert i, but that fraction times N' (or you averaged f_i P_i over the experts instead "
+    "of summing).",
+    "f_i = N'/(K'T) * count_i, and L = sum over ALL experts of f_i P_i, not their mean.",
+)
+HINT_PREDICT_PER_TOKEN = (
+    "your loss is K' times too large: the counts are divided by the K'T picks, not by the "
+    "T tokens. Each token picks K' experts.",
+    "f_i = N'/(K'T) * count_i: with balanced counts K'T/N' per expert, f_i is then 1.",
+)
+HINT_PREDICT_GATES = (
+    "P_i averages expert i's probability over ALL T tokens, also the tokens that did not "
+    "pick it: here every token gives every expert the probability listed.",
+    "P_i = (1/T) * sum_t s_{i,t}: in these routings every token has the same probabilities, "
+    "so P_i is simply the listed probability of expert i.",
+)
+HINT_PREDICT_OWN_TOPK = (
+    "count the picks the routing lists, not the top-K' of the probabilities: a bias or a "
+    "device limit may send a token elsewhere, and f_i counts where it went.",
+)
+HINT_PREDICT_CLOSED_FORM = (
+    "N'/K' is the loss only when the picks AND the probability both sit on the same K' "
+    "experts. The loss is a product: where is the router's probability in this routing?",
+    "compute it rather than recall it: f_i from the picks, P_i from the probabilities, "
+    "L = sum_i f_i P_i.",
+)
+HINT_PREDICT_ONE = (
+    "1 is the loss of a perfectly balanced routing (and of any routing whose probabilities "
+    "are uniform). Is that the case here?",
+    "compute it rather than recall it: f_i = N'/(K'T) * count_i from the picks, P_i from "
+    "the probabilities, L = sum_i f_i P_i. It can be above or below 1.",
+)
+HINT_PREDICT_RATIO = (
+    "MaxVio subtracts the mean before dividing by it: (max load - mean load) / mean load. "
+    "Your value reads like max / mean, which is 1 at perfect balance instead of 0.",
+)
+HINT_PREDICT_MEAN_TOKENS = (
+    "the mean load is the K'T picks over the N' experts, K'T/N', not T/N': a token is "
+    "counted once for every expert it picks.",
+)
+HINT_PREDICT_FLIPPED = (
+    "the bias moves against the imbalance: an expert above the mean load gets a LOWER "
+    "bias, so fewer tokens choose it next step; one below the mean gets a higher one.",
+    "direction = sign(mean load - load_i): negative for an overloaded expert.",
+)
+HINT_PREDICT_AT_MEAN = (
+    "an expert whose load is exactly the mean keeps its bias: sign(0) = 0. Which experts "
+    "are exactly at the mean here?",
+)
+HINT_PREDICT_GENERIC = (
+    "for each routing, count the load of every expert from the picks first, and its mean "
+    "K'T/N'; MaxVio, f_i and the bias directions all come from those counts.",
+    "loads from the picks; MaxVio = (max - mean) / mean; f_i = N'/(K'T) * count_i and "
+    "P_i = the mean probability, L = sum_i f_i P_i; bias direction = sign(mean - load_i).",
+)
+
+#: The mistakes of exercise 5.5; every one a failing case shows is named.
+PREDICT_MISTAKES = Mistakes(
+    HINT_PREDICT_GENERIC, any_case=True, format=HINT_PREDICT_FORMAT,
+    no_scale=HINT_PREDICT_NO_SCALE, assignments=HINT_PREDICT_ASSIGNMENTS,
+    per_token=HINT_PREDICT_PER_TOKEN, gates=HINT_PREDICT_GATES, own_topk=HINT_PREDICT_OWN_TOPK,
+    closed_form=HINT_PREDICT_CLOSED_FORM, one=HINT_PREDICT_ONE, ratio=HINT_PREDICT_RATIO,
+    mean_tokens=HINT_PREDICT_MEAN_TOKENS, flipped=HINT_PREDICT_FLIPPED,
+    at_mean=HINT_PREDICT_AT_MEAN)
+
+
+def balance_routing(name: str):
+    """``(probs [T, N'] float64, topk_idx [T, K'] int64, N', K')`` of one of
+    :data:`BALANCE_ROUTINGS`."""
+    experts, topk, picks, row = BALANCE_ROUTINGS[name]
+    probs = torch.tensor([row] * len(picks), dtype=torch.float64)
+    return probs, torch.tensor(picks, dtype=torch.int64), experts, topk
+
+
+def library_balance(name: str) -> dict:
+    """What the library computes for routing ``name``: ``{"loss": float, "maxvio": float,
+    "bias": [direction per expert]}``, from :func:`moe_balance.expert_balance_loss`,
+    :func:`moe_balance.max_violation` of :func:`moe_balance.expert_load`, and the sign of
+    the change :func:`moe_balance.update_expert_bias` makes to a zero bias."""
+    probs, topk_idx, experts, topk = balance_routing(name)
+    load = moe_balance.expert_load(topk_idx, experts)
+    bias = moe_balance.update_expert_bias(torch.zeros(experts), load, BALANCE_GAMMA)
+    return {"loss": float(moe_balance.expert_balance_loss(probs, topk_idx, experts, topk)),
+            "maxvio": moe_balance.max_violation(load),
+            "bias": [int(v) for v in torch.sign(bias).tolist()]}
+
+
+def balance_variants(name: str, quantity: str) -> dict:
+    """The value each classic mistake predicts for one quantity of routing ``name``."""
+    probs, topk_idx, experts, topk = balance_routing(name)
+    load = moe_balance.expert_load(topk_idx, experts).double()
+    mean = float(load.mean())
+    if quantity == "loss":
+        out = {m: float(expert_loss_variant(probs, topk_idx, experts, topk, m))
+               for m in ("no_scale", "assignments", "per_token", "gates", "own_topk")}
+        return {**out, "closed_form": experts / topk, "one": 1.0}
+    if quantity == "maxvio":
+        tokens_mean = len(topk_idx) / experts
+        return {"ratio": float(load.max()) / mean,
+                "mean_tokens": (float(load.max()) - tokens_mean) / tokens_mean}
+    return {"flipped": [int(v) for v in torch.sign(load - mean).tolist()],
+            "at_mean": [-1 if v > mean else 1 for v in load.tolist()]}
+
+
+def _read_directions(value, experts: int) -> list[int] | None:
+    numbers = as_whole_numbers(value)
+    if numbers is None or len(numbers) != experts or any(v not in (-1, 0, 1) for v in numbers):
+        return None
+    return numbers
+
+
+def check_predicted_balance(fn: Callable) -> CheckResult:
+    """Check ``fn() -> {(routing, quantity): prediction}`` against what
+    :mod:`tutorial_lib.moe_balance` computes for every routing of :data:`BALANCE_ROUTINGS`
+    (:func:`library_balance`).  A wrong prediction is shown as given; the library's value
+    is not printed."""
+    check = Checking("Exercise 5.5: predicted_balance", PREDICT_MISTAKES)
+    case, got = check.attempt("the answers", fn, None,
+                              compare=lambda got, want: isinstance(got, dict))
+    if not case.passed:
+        check.add(case)
+        if not check.stub:
+            check.shows({"format"})
+        return check.verdict()
+    for routing in BALANCE_ROUTINGS:
+        truth = library_balance(routing)
+        experts = BALANCE_ROUTINGS[routing][0]
+        for quantity in BALANCE_QUANTITIES:
+            name = f"{routing}, {quantity}"
+            given = got.get((routing, quantity))
+            if quantity == "bias":
+                mine = _read_directions(given, experts)
+                same = mine is not None and mine == truth["bias"]
+            else:
+                mine = as_number(given)
+                same = mine is not None and math.isclose(mine, truth[quantity],
+                                                         rel_tol=1e-6, abs_tol=1e-9)
+            if mine is None:
+                check.add(Case(name, False, "missing from the dict" if given is None else
+                               f"got {given!r}: not readable as a "
+                               + ("list of directions" if quantity == "bias" else "number")))
+                check.shows({"format"})
+                continue
+            if same:
+                check.add(Case(name, True))
+                continue
+            check.add(Case(name, False, f"got {mine!r}: not what the library computes"))
+            variants = balance_variants(routing, quantity)
+            if quantity == "bias":
+                check.shows({m for m, v in variants.items() if v == mine})
+            else:
+                check.shows({m for m, v in variants.items()
+                             if not math.isclose(v, truth[quantity], rel_tol=1e-6, abs_tol=1e-9)
+                             and math.isclose(mine, v, rel_tol=1e-6, abs_tol=1e-9)})
+    return check.verdict()
+
+
+__all__ += ["check_predicted_balance", "library_balance", "balance_variants",
+            "balance_routing", "BALANCE_ROUTINGS", "BALANCE_QUANTITIES"]
