@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,6 +127,8 @@ CHAPTERS = [
 
 
 def tagged_cells(notebook: Path, tag: str) -> list[str]:
+    import nbformat  # here: gloo workers import this module to unpickle its functions,
+    # and nbformat's schema checks take over a second to import
     nb = nbformat.read(notebook, as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code" and tag in c.metadata.get("tags", [])]
 
