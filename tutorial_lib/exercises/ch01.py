@@ -432,12 +432,8 @@ def check_node_crossings(fn: Callable) -> CheckResult:
     groups :func:`~tutorial_lib.grid.build_grid` builds.  A wrong set is shown as the
     student gave it, never the right one."""
     check = Checking("Exercise 1.3: node_crossings", NODE_MISTAKES)
-    case, got = check.attempt("the answers", fn, None,
-                              compare=lambda got, want: isinstance(got, dict))
-    if not case.passed:
-        check.add(case)
-        if not check.stub:
-            check.shows({"format"})
+    got = check.answers(fn)
+    if got is None:
         return check.verdict()
     for name, (_, sizes) in NODE_SCENARIOS.items():
         given = got.get(name)

@@ -858,12 +858,8 @@ def check_predicted_balance(fn: Callable) -> CheckResult:
     (:func:`library_balance`).  A wrong prediction is shown as given; the library's value
     is not printed."""
     check = Checking("Exercise 5.5: predicted_balance", PREDICT_MISTAKES)
-    case, got = check.attempt("the answers", fn, None,
-                              compare=lambda got, want: isinstance(got, dict))
-    if not case.passed:
-        check.add(case)
-        if not check.stub:
-            check.shows({"format"})
+    got = check.answers(fn)
+    if got is None:
         return check.verdict()
     for routing in BALANCE_ROUTINGS:
         truth = library_balance(routing)

@@ -542,12 +542,8 @@ def check_flushed_values(fn) -> CheckResult:
     """Check ``fn() -> {(scaling, outlier): count}`` against the library's quantizer on
     exercise 8.4's tensor, for every scaling and outlier; a wrong count is shown as given."""
     check = Checking("Exercise 8.4: flushed_values", FLUSH_MISTAKES)
-    case, got = check.attempt("the answers", fn, None,
-                              compare=lambda got, want: isinstance(got, dict))
-    if not case.passed:
-        check.add(case)
-        if not check.stub:
-            check.shows({"format"})
+    got = check.answers(fn)
+    if got is None:
         return check.verdict()
     variants = {"count": dict(outlier_counts=True), "tiles": dict(tiles=False),
                 "normal": dict(smallest=2.0 ** -6), "none": dict(smallest=0.0)}

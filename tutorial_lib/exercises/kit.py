@@ -324,6 +324,13 @@ class Mistakes:
 # --- one run of a checker ---------------------------------------------------------------
 
 
+HINT_RUN_FAILED = (
+    "the checker's own run of the workers failed (a busy machine can time it out), so "
+    "nothing was compared: run the check cell again."
+)
+"""The hint of a predict-then-run checker whose own run failed (:meth:`Checking.reference_run`)."""
+
+
 class Checking:
     """One run of a checker: its cases, the mistakes its failing cases show, its verdict.
 
@@ -402,6 +409,28 @@ class Checking:
             case.detail = f"rank {got.rank} raised {got.summary}"
         return case, got
 
+    def answers(self, fn: Callable[[], object], name: str = "the answers") -> dict | None:
+        """Run ``fn()``, a student's answers or prediction as a dict, as one case: the dict,
+        or ``None`` when it is a stub, raised or is no dict (the case is then recorded and,
+        unless it is a stub, shows the ``"format"`` mistake)."""
+        case, got = self.attempt(name, fn, None, compare=lambda got, want: isinstance(got, dict))
+        if case.passed:
+            return got
+        self.add(case)
+        if not self.stub:
+            self.shows({"format"})
+        return None
+
+    def reference_run(self, measured: Callable[[], object]) -> tuple[bool, object]:
+        """``(True, measured())``, the checker's own run of the workers; or ``(False, None)``
+        with a failing case recorded when that run failed (a busy machine can time it
+        out): then nothing can be compared, and :data:`HINT_RUN_FAILED` says so."""
+        try:
+            return True, measured()
+        except Exception as err:  # noqa: BLE001 - the workers failed, not the prediction
+            self.add(Case("the run", False, f"the reference run failed: {err}"[:300]))
+            return False, None
+
     def add(self, case: Case) -> Case:
         """Record a case built by the checker itself."""
         self.result.cases.append(case)
@@ -473,9 +502,8 @@ def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
     name's stage is how many verdicts in a row found that name wrong before.
     """
     check = Checking(exercise)
-    case, got = check.attempt("the answers", fn, None, compare=lambda got, want: isinstance(got, dict))
-    if not case.passed:
-        check.add(case)
+    got = check.answers(fn)
+    if got is None:
         return check.verdict(format_hint)
     hints = []
     for name in names:
