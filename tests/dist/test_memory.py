@@ -34,16 +34,11 @@ def test_every_rank_holds_what_the_model_predicts(zero1):
     assert_memory_as_predicted(args, results)
 
 
-def test_the_last_stage_holds_the_least_activations_and_zero1_adds_a_master_copy():
+def test_the_last_stage_holds_the_least_activations():
     (_, sharded), (_, plain) = run(True), run(False)
     peaks = [r[-1]["memory"]["peak_activations"] for r in sharded]
     # ranks 4, 5 are pipeline rank 2: 1F1B holds min(PP - rank, M) = 2, 2, 1 microbatches
     assert max(peaks[4:]) < min(peaks[:4]), peaks
-    # fp32 ZeRO-1 keeps a master copy (4) and the moments (8) of its slice: the dense weights
-    # are sharded over DP 2 but the experts' expert-DP is 1 (EP 2 = DP 2), so here it holds
-    # more than plain Adam's 8 bytes per parameter: 12 (dense / 2 + experts) > 8 (dense + experts)
-    for rank in range(ARGS.world_size):
-        assert sharded[rank][-1]["memory"]["optimizer"] > plain[rank][-1]["memory"]["optimizer"]
     # Adam's two fp32 moments per parameter, the weights fp32: optimizer = 2 x weights
     assert all(r[-1]["memory"]["optimizer"] == 2 * r[-1]["memory"]["weights"] for r in plain)
     expected = predicted_memory(replace(ARGS, use_distributed_optimizer=False))
