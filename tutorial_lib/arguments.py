@@ -242,6 +242,10 @@ LOG_KEYS = {
     "step_time_s": "wall-clock seconds of the step",
     "tokens_per_s": "[tok/s] tokens of the global batch per second of the step",
     "peak_activations": "the most microbatch activations rank 0 held at once",
+    "memory": "this rank's bytes after the step: weights, gradients, optimizer (from the "
+              "tensors), activations_per_microbatch (autograd's saved tensors per "
+              "'microbatch,chunk'), peak_activations (their most at once), on CUDA "
+              "cuda_max_memory_allocated; predicted by tutorial_lib.costs.memory",
 }
 
 

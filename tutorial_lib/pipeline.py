@@ -65,6 +65,7 @@ from .devices import module_device, resolve_device
 from .p2p import communicate
 from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
                                  num_warmup_microbatches)
+from .tensor_parallel import SavedTensorBytes
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
@@ -195,6 +196,11 @@ class StepOutput:
     """Most (microbatch, chunk) activations this rank held at once."""
     actions: int = 0
     """Actions executed (the schedule's length on this rank)."""
+    activation_bytes: dict = field(default_factory=dict)
+    """``(microbatch, chunk)`` -> bytes its forward saved for backward (autograd's saved
+    tensors, :class:`~tutorial_lib.tensor_parallel.SavedTensorBytes`; chapter 10)."""
+    peak_activation_bytes: int = 0
+    """Most of those bytes this rank held at once."""
 
 
 class PipelineExecutor:
@@ -225,6 +231,8 @@ class PipelineExecutor:
         self.labels = {i: batch.labels for i, batch in enumerate(microbatches)}
         self.losses: dict[int, float] = {}
         self.peak_activations = 0
+        self.activation_bytes: dict[tuple, int] = {}  # what each forward saved for backward
+        self.held_bytes = self.peak_activation_bytes = 0
         self.label_sends: list = []  # the labels' isends, waited on at the step's end
         self.defer_sends = defer_sends
         self.deferred_sends: list = []  # with defer_sends: P2P sends not waited on yet
@@ -238,8 +246,12 @@ class PipelineExecutor:
         if is_last:  # the labels, received from the first model stage
             batch = batch._replace(labels=self.labels[i])
         with self.tracer.tags(microbatch=i, chunk=c), \
-                self.tracer.span("forward", microbatch=i, chunk=c):
+                self.tracer.span("forward", microbatch=i, chunk=c), \
+                SavedTensorBytes(self.chunks[c].parameters()) as saved:
             output = self.chunks[c].forward_stage(self.inputs.get((i, c)), batch)
+        self.activation_bytes[(i, c)] = saved.bytes
+        self.held_bytes += saved.bytes
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.held_bytes)
         if is_last:
             self.losses[i] = float(output.detach())
             output = output / len(self.microbatches)
@@ -251,6 +263,7 @@ class PipelineExecutor:
         i, c = action.microbatch, action.chunk
         stage = action.model_stage(self.rank, self.pp)
         output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
+        self.held_bytes -= self.activation_bytes[(i, c)]
         with self.tracer.tags(microbatch=i, chunk=c), \
                 self.tracer.span("backward", microbatch=i, chunk=c):
             if stage == self.last_stage:
@@ -352,7 +365,9 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
             executor.run_p2p(step)
     comm.wait_all(executor.label_sends + executor.deferred_sends)
     return StepOutput(executor.losses, executor.peak_activations,
-                      actions=sum(len(step) for step in steps))
+                      actions=sum(len(step) for step in steps),
+                      activation_bytes=executor.activation_bytes,
+                      peak_activation_bytes=executor.peak_activation_bytes)
 
 
 # --- a stage with a known cost, for measuring schedules -------------------------------

@@ -64,6 +64,7 @@ __all__ = [
     "derive_seed", "init_linear_master", "init_embedding_master", "serial_linear", "serial_embedding",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "allreduce_sequence_parallel_grads", "saved_activation_bytes",
+    "SavedTensorBytes",
     "linear_with_sequence_parallel_all_gather", "SP_LINEAR", "megatron_label_smoothing_losses",
     "CopyToTensorModelParallelRegion", "ReduceFromTensorModelParallelRegion",
     "ScatterToTensorModelParallelRegion", "GatherFromTensorModelParallelRegion",
@@ -684,41 +685,69 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group="tp") ->
 # --- 6. what a layer keeps for backward ------------------------------------------------------
 
 
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class SavedTensorBytes:
+    """Count the bytes autograd saves for backward while the ``with`` block runs.
+
+    ``with SavedTensorBytes(module.parameters()) as saved: forward()``, then ``saved.bytes``:
+    the storages of the saved tensors (a saved view keeps its whole storage), each once,
+    those of ``exclude`` (the parameters) left out
+    (``torch.autograd.graph.saved_tensors_hooks``).  The tensors are kept as they are.
+    What the pipeline executor counts per microbatch and chunk (chapter 10).
+    """
+
+    def __init__(self, exclude=()):
+        self.exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self._hooks = None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.exclude and pointer not in self.seen:
+            self.seen.add(pointer)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self):
+        self.seen.clear()  # a storage counts once per block (a later one may reuse the address)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _keep)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        return False
+
+
 @contextmanager
 def saved_activation_bytes(modules: dict[str, torch.nn.Module]):
     """Measure the bytes autograd keeps for backward inside each module's forward.
 
     ``with saved_activation_bytes({"qkv": block.self_attention.linear_qkv}) as saved:`` run
     forward, then ``saved["qkv"]`` is the bytes of the tensors that module's autograd
-    nodes saved (``torch.autograd.graph.saved_tensors_hooks``), counted by the storage
-    each keeps alive (a saved view keeps its whole storage), each storage once, the
-    module's own parameters left out: its saved activations.  Summed over every forward
-    inside the ``with`` block (each storage once per forward).  Modules must not contain
-    one another.
+    nodes saved (:class:`SavedTensorBytes`: each storage once, the module's own parameters
+    left out): its saved activations.  Summed over every forward inside the ``with`` block
+    (each storage once per forward).  Modules must not contain one another.
     """
     saved = {name: 0 for name in modules}
     handles = []
 
     def watch(name, module):
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        seen = set()
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                saved[name] += storage.nbytes()
-            return tensor
-
-        hooks = []
+        counters = []
 
         def enter(mod, args):
-            seen.clear()  # a storage counts once per forward (a later one may reuse the address)
-            hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
-            hooks[-1].__enter__()
+            counters.append(SavedTensorBytes(module.parameters()).__enter__())
 
         def leave(mod, args, output):
-            hooks.pop().__exit__(None, None, None)
+            counter = counters.pop()
+            counter.__exit__(None, None, None)
+            saved[name] += counter.bytes
 
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))

@@ -102,6 +102,7 @@ from .context_parallel import split_for_cp_rank
 from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
 from .devices import synchronize
+from .memory import measure_state_bytes
 from .moe_balance import max_violation, update_expert_bias
 from .pipeline import forward_backward_pipelining
 from .tp_dp_step import finish_step
@@ -183,8 +184,22 @@ def _update_expert_biases(chunks: list[DeepSeekModel], args: TrainingArgs) -> li
     return violations
 
 
+def _measured_memory(modules, optimizer, out, device) -> dict:
+    """This rank's bytes after the step (chapter 10): weights, gradients and optimizer state
+    from the tensors, the saved activations per ``"microbatch,chunk"`` and their peak from
+    the executor, and on CUDA the allocator's peak."""
+    measured = measure_state_bytes(modules, optimizer)
+    measured["activations_per_microbatch"] = {f"{i},{c}": n for (i, c), n in
+                                              sorted(out.activation_bytes.items())}
+    measured["peak_activations"] = out.peak_activation_bytes
+    if torch.device(device).type == "cuda":
+        measured["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+    return measured
+
+
 def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[dict]:
-    """Train on this rank; every rank returns the same per-step records.
+    """Train on this rank; every rank returns the same per-step records but for ``memory``,
+    its own.
 
     ``on_step(record)`` is called on every rank after each step (rank 0 prints);
     ``on_save(iteration, directory)`` after each checkpoint is committed.  Records are
@@ -253,7 +268,8 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
             record["grad_norm"] = grad_norm
         record.update({"step_time_s": elapsed,
                        "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
-                       "peak_activations": out.peak_activations})
+                       "peak_activations": out.peak_activations,
+                       "memory": _measured_memory(modules, optimizer, out, device)})
         records.append(record)
         if on_step is not None:
             on_step(record)

@@ -42,6 +42,8 @@ from tutorial_lib.moe_balance import update_expert_bias
 from tutorial_lib.data import synthetic_batch
 from tutorial_lib.train_4d import TrainingArgs, train, validate_args
 
+from .memory_checks import assert_memory_as_predicted
+
 pytestmark = pytest.mark.dist
 
 TRAIN_4D = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
@@ -83,12 +85,17 @@ def world_one_losses(args: TrainingArgs) -> list[float]:
                   expert_model_parallel_size=1, context_parallel_size=1, cp_comm_type="p2p",
                   schedule="1f1b", p2p_mode="batched")
     if astuple(key) not in _REFERENCES:
-        _REFERENCES[astuple(key)] = [r["loss"] for r in train(key).results[0]]
+        results = train(key).results
+        assert_memory_as_predicted(key, results)
+        _REFERENCES[astuple(key)] = [r["loss"] for r in results[0]]
     return _REFERENCES[astuple(key)]
 
 
 def losses_of(args: TrainingArgs) -> list[float]:
-    return [r["loss"] for r in train(args).results[0]]
+    """The run's losses; on the way, every rank's memory against the prediction (issue 19)."""
+    results = train(args).results
+    assert_memory_as_predicted(args, results)
+    return [r["loss"] for r in results[0]]
 
 
 def assert_same_losses(args: TrainingArgs) -> None:

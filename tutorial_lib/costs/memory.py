@@ -1,52 +1,59 @@
-"""Memory per rank of a 4D training run (``tutorial_lib.train_4d``), estimated before it starts.
+"""Memory per rank of a 4D training run, predicted from the config alone (chapter 10).
 
-A rough estimate, made to refuse a layout that cannot fit before any worker starts (an
-allocator error a minute into a run teaches nothing).  Everything is fp32 (4 bytes), as in
-the course's runs; each rank holds
+One pure model (no torch: a command line calls it before it loads torch) for any
+config and layout the course accepts, rank by rank.  Each rank holds
 
 * **weights**: its parameters, counted layer by layer from the model's shapes (TP splits
   attention, dense MLPs, embedding and LM head; EP splits the routed experts; LayerNorms,
   routers, shared experts and row-parallel biases are whole on every rank);
-* **gradients**: one ``.grad`` per parameter, plus the data-parallel bucket buffer
-  (``DataParallel``'s ``main_grad``) when DP or expert-DP is > 1;
-* **optimizer**: Adam's two moments, ``exp_avg`` and ``exp_avg_sq``;
-* **activations**: what autograd keeps for backward in one layer for one microbatch, times
-  the layers of a chunk, times the chunk-microbatches the schedule holds at its peak
-  (:func:`tutorial_lib.pipeline_schedules.expected_peak_activations`), plus the last
-  stage's logits; with context parallelism on this CP rank's ``s / CP`` tokens.  Per layer, in values: LayerNorm inputs and outputs, the TP shard of
-  qkv and of the attention output, the attention probabilities ``heads/TP x s x s`` per
-  sequence (the CPU attention keeps them), the dense MLP's two ``ffn/TP`` tensors, and for
-  an MoE layer the routed copies (``K`` per token on its ``s/TP`` tokens) with their
-  expert intermediates, the router scores and the shared experts' intermediates;
-* **runtime**: a worker process with torch loaded and a gloo group joined,
-  :data:`RUNTIME_BYTES_PER_RANK`.
+* **gradients**: one per parameter, in the precision's gradient bytes (the data-parallel
+  bucket buffer ``main_grad`` when the model is wrapped in ``DataParallel``, else
+  ``.grad``); under the distributed optimizer also the fp32 gradient of this rank's slice
+  (``ShardedBuffer.main_param.grad``);
+* **optimizer**: Adam's two fp32 moments and, where the weights are not fp32 or the
+  optimizer is distributed, an fp32 master copy.  Plain DP keeps them for every parameter;
+  the distributed optimizer (ZeRO-1, ``--use-distributed-optimizer``) for its slice of each
+  gradient domain's flat buffer, ``ceil(numel / group size)`` values (dense weights over
+  ``dp_cp``, routed experts over expert-DP), as :class:`~tutorial_lib.data_parallel.
+  ShardedBuffer` pads it;
+* **activations**: what autograd keeps for backward, layer by layer (:func:`layer_activation_bytes`:
+  attention, dense MLP or MoE with its dispatched copies, LayerNorms, dropout masks), plus
+  the embedding on the first model stage and the final LayerNorm, head and loss on the
+  last, for one microbatch of each chunk; times the chunk-microbatches the schedule holds
+  at its peak (:func:`tutorial_lib.pipeline_schedules.expected_peak_activations`: GPipe
+  ``M``, 1F1B ``PP - rank``, interleaved per chunk), under a recompute setting;
+* **runtime**: a worker process with torch loaded and a process group joined,
+  :data:`RUNTIME_BYTES_PER_RANK` (the course's CPU workers only).
 
-Megatron-LM makes the same kind of estimate before it trains
-(``megatron/training/theoretical_memory_usage.py``, ``report_theoretical_memory``;
-Megatron-Core 0.20.0): 18 bytes per parameter in mixed precision (bf16 weight, fp32
-gradient, fp32 master copy, two fp32 Adam moments), and activations per layer from
-Korthikanti et al. (2022).  In fp32, as here, a parameter costs 16 bytes (20 with the
-data-parallel bucket), and the activations are counted from this course's own layers.
+Precision (``precision``): ``"fp32"`` is the course's runs, every value 4 bytes;
+``"bf16"`` is mixed precision as Megatron-LM trains at scale: bf16 weights (2 bytes), fp32
+gradients (4), an fp32 master and two fp32 moments (12), 18 bytes per parameter with plain
+DP and ``6 + 12 / DP`` with the distributed optimizer (Megatron-Core 0.20.0, d98e8a64,
+``megatron/training/theoretical_memory_usage.py``, ``compute_weight_and_optimizer_memory``),
+activations in bf16.  ``fp8=True`` keeps each matmul's saved input in FP8, one byte per
+value plus one fp32 scale per 128 (DeepSeek-V3's 1x128 tiles, :mod:`tutorial_lib.fp8`).
 
-Left out: the full master tensors each rank draws once while building the model and
-then slices (freed before training starts), allocator slack, the traces.  The numbers are
-meant to be right to within a factor of about two, which is enough to refuse a layout
-that needs ten times the machine.  No torch here: a command line calls this before it
-loads torch.
+The activation terms are counted from this course's own layers and checked against
+autograd's saved tensors in real runs (``tests/dist/test_memory.py``): equal to the byte
+for parameters, gradients and optimizer state, within 5 % for activations.  Megatron's own
+activation estimate (Korthikanti et al. 2022) counts its fused kernels instead.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..pipeline_schedules import expected_peak_activations
+from ..pipeline_schedules import expected_peak_activations, interleaved_one_f_one_b
 
-__all__ = ["BYTES_PER_VALUE", "RUNTIME_BYTES_PER_RANK", "RankMemory", "layer_parameters",
-           "memory_per_rank", "memory_on_this_machine", "available_memory_bytes",
-           "format_bytes"]
+__all__ = ["BYTES_PER_VALUE", "RUNTIME_BYTES_PER_RANK", "PRECISION_BYTES", "Precision",
+           "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "Recompute", "RankMemory",
+           "layer_parameters", "layer_activation_bytes", "stage_activation_bytes",
+           "recomputed_layers", "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
+           "available_memory_bytes", "format_bytes"]
 
 BYTES_PER_VALUE = 4
-"""fp32: weights, gradients, Adam's moments and activations alike."""
+"""fp32: the course's runs keep weights, gradients, Adam's moments and activations in it."""
 
 RUNTIME_BYTES_PER_RANK = 200 * 2**20
 """A worker before it builds its model: Python, torch, the library and a gloo process group.
@@ -54,10 +61,77 @@ Measured: a worker started by :func:`tutorial_lib.launch.launch` holds about 214
 private memory (``RssAnon`` in ``/proc/self/status``; torch 2.13, Python 3.11) before it
 builds its model, some of it shared copy-on-write with the process it was forked from."""
 
+INDEX_BYTES = 8
+"""int64: token ids, labels, routing indices."""
+
+STATS_BYTES = 4
+"""fp32: LayerNorm statistics, attention's log-sum-exp, router scores, the loss's softmax."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per value of each kind of state."""
+
+    name: str
+    weight: int
+    """A parameter as the model computes with it."""
+    gradient: int
+    """Its gradient (Megatron accumulates bf16 models' gradients in fp32: ``main_grad``)."""
+    master: int
+    """The fp32 master copy the optimizer updates (0 where the weights are fp32 already
+    and the optimizer updates them in place)."""
+    moments: int
+    """Adam's two moments, together."""
+    activation: int
+    """A saved activation."""
+
+
+PRECISION_BYTES = {
+    "fp32": Precision("fp32", 4, 4, 0, 8, 4),
+    "bf16": Precision("bf16", 2, 4, 4, 8, 2),
+}
+"""``fp32``: the course's runs.  ``bf16``: Megatron's mixed precision, ``2 + 4 + 4 + 8 = 18``
+bytes per parameter with plain DP (Megatron-Core 0.20.0, d98e8a64,
+``theoretical_memory_usage.py``)."""
+
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron-LM's ``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``.
+
+    * ``full`` + ``uniform``: each chunk's layers in groups of ``num_layers``, each group
+      recomputed whole in backward; a group keeps only its input ``[s, b, h]``;
+    * ``full`` + ``block``: the first ``num_layers`` layers of each chunk keep only their
+      input, the others everything;
+    * ``selective``: every layer drops what core attention keeps inside (here the
+      log-sum-exp of the fused attention; the inputs q, k, v stay, they are the
+      recomputation's inputs).
+    """
+
+    granularity: str | None = None
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def __post_init__(self):
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"recompute granularity {self.granularity!r}: one of "
+                             f"{', '.join(map(str, RECOMPUTE_GRANULARITIES))}")
+        if self.method not in RECOMPUTE_METHODS:
+            raise ValueError(f"recompute method {self.method!r}: one of {', '.join(RECOMPUTE_METHODS)}")
+        if self.num_layers < 1:
+            raise ValueError(f"recompute num_layers ({self.num_layers}) must be >= 1")
+
+
+NO_RECOMPUTE = Recompute()
+
 
 @dataclass(frozen=True)
 class RankMemory:
-    """The estimate for the ranks of one pipeline rank (TP, EP and DP ranks hold the same)."""
+    """The prediction for the ranks of one pipeline rank (their TP, CP, EP and DP ranks hold
+    the same)."""
 
     pipeline_rank: int
     ranks: int
@@ -68,23 +142,40 @@ class RankMemory:
     gradients: int
     optimizer: int
     activations: int
+    """Bytes of saved activations at the schedule's peak."""
     chunk_microbatches: int
     """Chunk-microbatches whose activations are held at the peak."""
     runtime: int = RUNTIME_BYTES_PER_RANK
+    activations_per_microbatch: tuple = ()
+    """Bytes one microbatch keeps for backward in each of this rank's chunks."""
+    expert_parameters: int = 0
+    """Of :attr:`parameters`, those of routed experts (sharded over expert-DP under ZeRO-1)."""
+    parts: dict = field(default_factory=dict, compare=False)
+    """Activation bytes of one microbatch by part, summed over the chunks: ``attention``,
+    ``mlp``, ``moe``, ``embedding``, ``output``, ``recompute_inputs``."""
 
     @property
     def total(self) -> int:
         """Bytes of one such rank."""
         return self.weights + self.gradients + self.optimizer + self.activations + self.runtime
 
+    def as_dict(self) -> dict:
+        """The breakdown as plain numbers (what ``python -m tutorial_lib.memory --json`` prints)."""
+        return {"pipeline_rank": self.pipeline_rank, "parameters": self.parameters,
+                "weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "chunk_microbatches": self.chunk_microbatches,
+                "activations_per_microbatch": list(self.activations_per_microbatch),
+                "runtime": self.runtime, "total": self.total, "activation_parts": dict(self.parts)}
+
     def describe(self) -> str:
         """One line: the breakdown of one rank."""
         held = f"{self.chunk_microbatches} chunk-microbatch{'es' * (self.chunk_microbatches != 1)}"
+        runtime = f" + runtime {format_bytes(self.runtime)}" if self.runtime else ""
         return (f"pipeline rank {self.pipeline_rank} ({self.ranks} rank{'s' * (self.ranks > 1)}, each "
                 f"{self.parameters:,} parameters): weights {format_bytes(self.weights)} + gradients "
-                f"{format_bytes(self.gradients)} + Adam {format_bytes(self.optimizer)} + activations "
-                f"{format_bytes(self.activations)} ({held} in flight) + runtime "
-                f"{format_bytes(self.runtime)} = {format_bytes(self.total)}")
+                f"{format_bytes(self.gradients)} + optimizer {format_bytes(self.optimizer)} + "
+                f"activations {format_bytes(self.activations)} ({held} in flight){runtime} = "
+                f"{format_bytes(self.total)}")
 
 
 def format_bytes(n: float) -> str:
@@ -109,7 +200,7 @@ def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1) -> int:
     if _is_moe(model, layer):
         f = model.moe_ffn_hidden_size or h
         count += model.num_experts * h                                # the router (whole)
-        count += 3 * (model.num_experts // ep) * f * h                # my routed experts
+        count += _expert_parameters(model, ep)                        # my routed experts
         count += 3 * model.num_shared_experts * f * h                 # shared experts (whole)
     else:
         f = model.ffn_hidden_size or 4 * h
@@ -117,77 +208,223 @@ def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1) -> int:
     return count
 
 
-def _layer_activation_values(model, layer: int, rows: int, tp: int, cp: int = 1) -> int:
-    """Values autograd keeps for backward in ``layer`` for one microbatch of ``rows`` sequences
-    (``cp``: context-parallel ranks; each holds ``s / cp`` of every sequence's tokens)."""
-    h, s, b = model.hidden_size, model.seq_length, rows
-    tokens = s // cp * b
-    values = 4 * tokens * h                              # two LayerNorms' inputs and outputs
-    values += tokens * (3 * h + h) // tp                 # qkv and the attention output (my heads)
-    values += 2 * b * (model.num_attention_heads // tp) * (s // cp) * s  # attention probabilities
-    if _is_moe(model, layer):
-        f, k = model.moe_ffn_hidden_size or h, model.moe_router_topk
-        mine = tokens // tp                              # the MoE layer splits the sequence over TP
-        values += mine * 3 * model.num_experts           # router logits, scores, gates
-        values += mine * k * (2 * h + 3 * f)             # routed copies in and out, gate/up/product
-        values += mine * 3 * model.num_shared_experts * f
-    else:
-        values += 2 * tokens * (model.ffn_hidden_size or 4 * h) // tp  # fc1 output, GELU output
-    return values
+def _expert_parameters(model, ep: int) -> int:
+    """One MoE layer's routed-expert parameters on one EP rank (gate, up, down; no bias)."""
+    return 3 * (model.num_experts // ep) * (model.moe_ffn_hidden_size or model.hidden_size) \
+        * model.hidden_size
 
 
-def _moe_layers_in(model, layers: range) -> int:
-    """How many of ``layers`` are MoE layers (those from ``first_k_dense_replace`` on)."""
-    if model.num_experts <= 0:
-        return 0
-    return max(0, layers.stop - max(layers.start, model.first_k_dense_replace))
+def _matmul_input(values: int, a: int, fp8: bool) -> int:
+    """Bytes of a saved matmul input: ``a`` per value, or FP8 (1 byte + an fp32 scale per 128)."""
+    return values + 4 * math.ceil(values / 128) if fp8 else a * values
+
+
+def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 1, *,
+                           precision: str = "fp32", recompute: str | None = None,
+                           moe_capacity_factor: float | None = None, ep: int = 1,
+                           fp8: bool = False) -> dict[str, int]:
+    """Bytes decoder layer ``layer`` keeps for backward for one microbatch of ``rows``
+    sequences, by part: ``{"attention": ..., "mlp": ...}`` (``"moe"`` for an MoE layer).
+
+    ``tp`` / ``cp``: each rank's share (TP splits heads and the MLP's hidden size; CP
+    keeps ``s / CP`` tokens; ``model.sequence_parallel`` splits the LayerNorms' tokens over
+    TP).  ``recompute="selective"`` drops core attention's internals.  Counted from this
+    course's layers (``T`` the rank's tokens, ``a`` bytes per activation, ``n`` heads):
+
+    * attention: LayerNorm input and output (``2 T h``, its two statistics in fp32), the
+      qkv projection's output that core attention keeps (``3 T h / TP``), the attention
+      output the projection keeps (``T h / TP``), the log-sum-exp (``T n / TP``, fp32);
+      under CP what each ``cp_comm_type`` keeps besides (:func:`_context_parallel_attention_bytes`);
+      a dropout mask (``T h``);
+    * dense MLP: LayerNorm as above, fc1's output and GELU's (``2 T f / TP``), a dropout mask;
+    * MoE: LayerNorm; on the rank's ``T / TP`` tokens (the MoE layer splits the sequence
+      over TP) with ``R = K T / TP`` routed copies (``ceil(cf K T / (TP N))`` per expert,
+      padded, under a capacity factor): ``R (3 h + 4 f)`` (the dispatched and combined rows,
+      the experts' gate, up, activation and product), the router's fp32 scores and int64
+      indices (``2 N`` and ``5 K x 8 + 2 K x 4`` bytes per token), three fp32 per token and
+      ``N`` per sequence for the sequence-wise balance loss, the shared experts' ``4 f``
+      per token, the aux loss (one fp32 scalar).
+    """
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISION_BYTES)}")
+    a = PRECISION_BYTES[precision].activation
+    h, s, n = model.hidden_size, model.seq_length // cp, model.num_attention_heads
+    tokens = s * rows
+    norm_tokens = tokens // tp if model.sequence_parallel else tokens
+    norm = 2 * a * norm_tokens * h + 2 * STATS_BYTES * norm_tokens   # input, output; mean, rstd
+    if fp8:  # the LayerNorm's output is the next matmul's input
+        norm += _matmul_input(norm_tokens * h, a, True) - a * norm_tokens * h
+    drop = a * norm_tokens * h if model.dropout else 0
+    attention = norm + a * 3 * tokens * h // tp + _matmul_input(tokens * h // tp, a, fp8) + drop
+    if recompute != "selective":
+        attention += STATS_BYTES * tokens * n // tp
+    if cp > 1:
+        attention += _context_parallel_attention_bytes(model, rows, tp, cp, a)
+    if not _is_moe(model, layer):
+        f = model.ffn_hidden_size or 4 * h
+        mlp = norm + a * tokens * f // tp + _matmul_input(tokens * f // tp, a, fp8) + drop
+        return {"attention": attention, "mlp": mlp}
+    f, k, experts = model.moe_ffn_hidden_size or h, model.moe_router_topk, model.num_experts
+    mine = tokens // tp
+    copies = mine * k
+    routed = copies
+    if moe_capacity_factor is not None:  # each expert's buffer padded to its capacity
+        routed = experts * math.ceil(moe_capacity_factor * copies / experts)
+    moe = norm + drop
+    moe += routed * (a * (2 * h + 3 * f)) + _matmul_input(routed * h, a, fp8) \
+        + _matmul_input(routed * f, a, fp8)             # expert inputs, activation products
+    moe += STATS_BYTES * 2 * mine * experts + (5 * INDEX_BYTES + 2 * STATS_BYTES) * copies
+    moe += STATS_BYTES * (3 * mine + rows * experts) + 4
+    moe += a * 4 * f * mine * model.num_shared_experts
+    return {"attention": attention, "moe": moe}
+
+
+def _context_parallel_attention_bytes(model, rows, tp, cp, a) -> int:
+    """What attention under CP keeps besides the serial layer's tensors, per ``cp_comm_type``.
+
+    ``p2p`` (the ring) and ``a2a`` return the output head by head, so the projection keeps
+    its own reordered copy (``T h / TP``; ``a2a`` also two int64 position vectors of the
+    whole sequence); ``all_gather`` keeps the gathered keys and values of the whole
+    sequence (``2 b s h / TP``) and the causal mask of its rows (``s / CP x s``, fp32).
+    """
+    s, h = model.seq_length, model.hidden_size
+    tokens = s // cp * rows
+    if model.cp_comm_type == "all_gather":
+        return 2 * a * rows * s * h // tp + STATS_BYTES * (s // cp) * s
+    extra = a * tokens * h // tp
+    return extra + (2 * INDEX_BYTES * s if model.cp_comm_type == "a2a" else 0)
+
+
+def recomputed_layers(layers: int, recompute: Recompute) -> tuple[int, int]:
+    """``(checkpointed groups, layers whose activations are dropped)`` in a chunk of ``layers``
+    layers under ``recompute`` (full granularity; ``(0, 0)`` otherwise)."""
+    if recompute.granularity != "full" or layers == 0:
+        return 0, 0
+    if recompute.method == "uniform":
+        return math.ceil(layers / recompute.num_layers), layers
+    dropped = min(recompute.num_layers, layers)
+    return dropped, dropped
+
+
+def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: int = 1,
+                           cp: int = 1, *, precision: str = "fp32",
+                           recompute: Recompute = NO_RECOMPUTE, **layer_options) -> dict[str, int]:
+    """Bytes model stage ``stage`` of ``num_stages`` keeps for backward for one microbatch,
+    by part (:func:`layer_activation_bytes` per layer; ``embedding``: the ids, a mask and
+    the positions; ``output``: the final LayerNorm, the head's input and the loss's fp32
+    softmax over ``V / TP``, the labels; ``recompute_inputs``: each checkpointed group's
+    input under full recomputation)."""
+    a = PRECISION_BYTES[precision].activation
+    per = model.num_layers // num_stages
+    layers = range(stage * per, (stage + 1) * per)
+    s, h = model.seq_length // cp, model.hidden_size
+    tokens = s * rows
+    norm_tokens = tokens // tp if model.sequence_parallel else tokens
+    parts: dict[str, int] = {}
+    groups, dropped = recomputed_layers(len(layers), recompute)
+    selective = "selective" if recompute.granularity == "selective" else None
+    for index, layer in enumerate(layers):
+        if index < dropped:
+            continue
+        for name, value in layer_activation_bytes(model, layer, rows, tp, cp, precision=precision,
+                                                  recompute=selective, **layer_options).items():
+            parts[name] = parts.get(name, 0) + value
+    if groups:
+        parts["recompute_inputs"] = groups * a * norm_tokens * h
+    if stage == 0:
+        parts["embedding"] = (INDEX_BYTES + 1) * tokens + INDEX_BYTES * s
+    if stage == num_stages - 1:
+        parts["output"] = (2 * a * norm_tokens * h + 2 * STATS_BYTES * norm_tokens
+                           + STATS_BYTES * tokens * model.vocab_size // tp
+                           + (INDEX_BYTES + 1) * tokens)
+    return parts
+
+
+def _peak_bytes(schedule: str, pp: int, m: int, rank: int, v: int, per_chunk: list[int]) -> int:
+    """The most bytes the schedule holds at once on ``rank``: with one chunk, the peak count
+    times its bytes; interleaved, the walk over the rank's actions (chunks differ)."""
+    if v == 1 or len(set(per_chunk)) == 1:
+        return expected_peak_activations(schedule, pp, m, rank, v) * per_chunk[0]
+    held = peak = 0
+    for action in interleaved_one_f_one_b(pp, m, rank, v):
+        if action.kind == "forward":
+            held += per_chunk[action.chunk]
+            peak = max(peak, held)
+        elif action.kind == "backward":
+            held -= per_chunk[action.chunk]
+    return peak
 
 
 def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipeline_size: int = 1,
-                    pipeline_ranks=None) -> list[RankMemory]:
-    """The estimate for each pipeline rank of a run (see the module doc), first to last.
+                    pipeline_ranks=None, *, precision: str = "fp32",
+                    use_distributed_optimizer: bool = False, recompute: Recompute = NO_RECOMPUTE,
+                    moe_capacity_factor: float | None = None, fp8: bool = False,
+                    runtime: int = RUNTIME_BYTES_PER_RANK) -> list[RankMemory]:
+    """The prediction for each pipeline rank of a run (see the module doc), first to last.
 
     ``model``, ``parallel``, ``train``: the run's :class:`~tutorial_lib.config.ModelConfig`,
     :class:`~tutorial_lib.config.ParallelConfig`, :class:`~tutorial_lib.config.TrainConfig`,
     already valid (:func:`tutorial_lib.config.validate`).  ``virtual_pipeline_size``: chunks
     per rank (the interleaved schedule's V; 1 otherwise).  ``pipeline_ranks``: only these
-    (default: every pipeline rank).  Constant time per rank, whatever the number of layers.
+    (default: every pipeline rank).  ``runtime``: bytes of the process itself (0 for GPUs).
+    Constant time per layer and rank.
     """
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISION_BYTES)}")
+    bytes_ = PRECISION_BYTES[precision]
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
-    cp = parallel.context_parallel_size  # activations: each CP rank holds s / CP tokens
+    cp = parallel.context_parallel_size
     pp, v = parallel.pipeline_model_parallel_size, virtual_pipeline_size
     dp, edp = parallel.data_parallel_size, parallel.expert_data_parallel_size
     m = train.num_microbatches
     rows = train.global_batch_size // dp // m
     h, vocab, s = model.hidden_size, model.vocab_size, model.seq_length
-    per_stage = model.num_layers // (pp * v)  # stage k holds layers [k per, (k + 1) per) (rule 9)
-    first_moe = max(model.first_k_dense_replace, 0)  # a layer index from which layers are MoE
-    # layer 0 is dense unless every layer is MoE (then no dense layer uses these two)
-    dense_params = layer_parameters(model, 0, tp, ep)
-    dense_acts = _layer_activation_values(model, 0, rows, tp, cp)
-    moe_params = layer_parameters(model, first_moe, tp, ep)
-    moe_acts = _layer_activation_values(model, first_moe, rows, tp, cp)
+    stages = pp * v
+    per_stage = model.num_layers // stages
+    layer_options = {"moe_capacity_factor": moe_capacity_factor, "ep": ep, "fp8": fp8}
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
-        params = activations = 0
+        params = experts = 0
+        per_chunk, parts = [], {}
         for stage in (c * pp + rank for c in range(v)):
             layers = range(stage * per_stage, (stage + 1) * per_stage)
-            moe = _moe_layers_in(model, layers)
-            dense = len(layers) - moe
-            params += dense * dense_params + moe * moe_params
-            chunk = dense * dense_acts + moe * moe_acts
+            params += sum(layer_parameters(model, i, tp, ep) for i in layers)
+            experts += sum(_expert_parameters(model, ep) for i in layers if _is_moe(model, i))
             if stage == 0:
                 params += vocab * h // tp + s * h                    # word and position tables
-                chunk += s // cp * rows * h
-            if stage == pp * v - 1:
+            if stage == stages - 1:
                 params += 2 * h + vocab * h // tp                    # final LayerNorm, LM head
-                chunk += 3 * s // cp * rows * vocab // tp            # logits, softmax, gradient
-            activations = max(activations, chunk)
+            chunk = stage_activation_bytes(model, stage, stages, rows, tp, cp, precision=precision,
+                                           recompute=recompute, **layer_options)
+            per_chunk.append(sum(chunk.values()))
+            for name, value in chunk.items():
+                parts[name] = parts.get(name, 0) + value
+        dense = params - experts
+        gradients = bytes_.gradient * params
+        if use_distributed_optimizer:  # each domain's flat buffer, padded to equal slices
+            mine = math.ceil(dense / (dp * cp)) + (math.ceil(experts / edp) if experts else 0)
+            optimizer = (4 + bytes_.moments) * mine       # fp32 master of the slice + moments
+            gradients += 4 * mine                         # the slice's fp32 gradient
+        else:
+            optimizer = (bytes_.master + bytes_.moments) * params
         in_flight = expected_peak_activations(schedule, pp, m, rank, v)
-        weights = BYTES_PER_VALUE * params
-        gradients = weights * (2 if dp > 1 or edp > 1 else 1)
-        out.append(RankMemory(rank, parallel.world_size // pp, params, weights, gradients,
-                              2 * weights, BYTES_PER_VALUE * activations * in_flight, in_flight))
+        out.append(RankMemory(rank, parallel.world_size // pp, params, bytes_.weight * params,
+                              gradients, optimizer, _peak_bytes(schedule, pp, m, rank, v, per_chunk),
+                              in_flight, runtime, tuple(per_chunk), experts, parts))
+    return out
+
+
+def memory_of_ranks(ranks: list[RankMemory], parallel) -> list[tuple[int, dict, RankMemory]]:
+    """``(global rank, its coordinates, its prediction)`` for every rank of the world, in
+    rank order (Megatron's folded grid, :func:`tutorial_lib.grid.megatron_grids`)."""
+    from ..grid import megatron_grids
+    dense, expert = megatron_grids(parallel)
+    by_stage = {r.pipeline_rank: r for r in ranks}
+    out = []
+    for rank in range(parallel.world_size):
+        coords = dense.coords(rank)
+        coords.update({k: val for k, val in expert.coords(rank).items() if k not in coords})
+        out.append((rank, coords, by_stage[coords["pp"]]))
     return out
 
 

@@ -1,0 +1,226 @@
+"""A rank's memory: the prediction per rank on the command line, and the measurement in a run.
+
+The model itself is :mod:`tutorial_lib.costs.memory` (pure, no torch); this module is
+
+* the command line ``python -m tutorial_lib.memory --world-size 2048 --tp 1 --pp 16 --ep 64
+  --preset deepseek-v3 [--json]``: the breakdown per rank (with ``--json`` one object whose
+  ``ranks`` list has one entry per rank of the world), for the course's model or a preset
+  at published scale (:data:`PRESETS`);
+* :func:`measure_state_bytes`: what a worker holds, read from its tensors (parameters,
+  gradients, optimizer state), which :func:`tutorial_lib.train_4d.train_worker` logs per
+  rank next to the activations the pipeline executor counts.
+
+No torch at import: the measurement only reads tensors it is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field, replace
+
+from .config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from .costs.memory import (PRECISION_BYTES, RECOMPUTE_METHODS, RUNTIME_BYTES_PER_RANK, Recompute,
+                           RankMemory,
+                           format_bytes, memory_of_ranks, memory_per_rank)
+from .pipeline_schedules import SCHEDULE_NAMES
+
+__all__ = ["Preset", "PRESETS", "predict", "measure_state_bytes", "main"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model and its batch at published scale, with the precision it trains in."""
+
+    name: str
+    model: ModelConfig
+    global_batch_size: int
+    num_microbatches: int
+    precision: str = "bf16"
+    note: str = ""
+    layout: dict = field(default_factory=dict)
+    """A layout it was trained on (the command line's defaults for this preset)."""
+
+
+PRESETS = {
+    "deepseek-v3": Preset(
+        "deepseek-v3",
+        # 61 layers in the report; 64 here so that 16 stages divide them (rule 9), the first
+        # 3 dense, 256 routed experts (top 8) and 1 shared, expert hidden 2048, dense 18432.
+        # Attention is counted as plain multi-head attention of 128 heads of 56 (no MLA).
+        ModelConfig(num_layers=64, hidden_size=7168, num_attention_heads=128, seq_length=4096,
+                    vocab_size=129280, num_experts=256, moe_router_topk=8,
+                    ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_shared_experts=1,
+                    first_k_dense_replace=3),
+        global_batch_size=15360, num_microbatches=120,
+        note="DeepSeek-V3-like (arXiv 2412.19437: 2048 H800, PP 16, EP 64, ZeRO-1, no TP)",
+        layout={"world_size": 2048, "tp": 1, "pp": 16, "ep": 64, "cp": 1}),
+    "llama-405b": Preset(
+        "llama-405b",
+        # Llama 3.1 405B: 126 layers (128 here: 16 stages x 8), hidden 16384, 128 heads
+        # (plain multi-head here: no GQA), FFN 53248, vocab 128256, sequence 8192.
+        ModelConfig(num_layers=128, hidden_size=16384, num_attention_heads=128, seq_length=8192,
+                    vocab_size=128256, ffn_hidden_size=53248, sequence_parallel=True),
+        global_batch_size=2048, num_microbatches=16,
+        note="Llama-3-405B-like (arXiv 2407.21783: 16384 H100, TP 8, PP 16, DP 128)",
+        layout={"world_size": 16384, "tp": 8, "pp": 16, "ep": 1, "cp": 1}),
+}
+"""The command line's ``--preset`` choices.  Shapes rounded where a course rule needs it
+(said in each); what the model does not have (MLA, grouped-query attention, SwiGLU's third
+dense matrix) is left out, so these are "-like" configs, not the published models."""
+
+
+def predict(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, *,
+            schedule: str = "1f1b", virtual_pipeline_size: int = 1, **options) -> list[RankMemory]:
+    """Validate the config (:func:`tutorial_lib.config.validate`), then
+    :func:`tutorial_lib.costs.memory_per_rank` with ``options`` (precision, distributed
+    optimizer, recompute, ...)."""
+    validate(parallel, model, train)
+    return memory_per_rank(model, parallel, train, schedule, virtual_pipeline_size, **options)
+
+
+# --- measured in a worker --------------------------------------------------------------
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def measure_state_bytes(module, optimizer) -> dict[str, int]:
+    """``{"weights", "gradients", "optimizer"}``: bytes this rank's tensors hold now.
+
+    ``module``: the model (chunks in a ``ModuleList``); ``optimizer``: ``torch.optim.Adam``,
+    :class:`~tutorial_lib.data_parallel.DistributedOptimizer` or
+    :class:`~tutorial_lib.data_parallel.Float16OptimizerWithFloat16Params`.  Each storage
+    counted once: gradients are every parameter's ``.grad`` and ``main_grad`` (a
+    ``DataParallel`` bucket's views count as the bucket) and a distributed optimizer's
+    slice gradients; the optimizer is the fp32 master copies and each state tensor
+    (Adam's moments; the scalar ``step`` left out).  Call it after the optimizer step.
+    """
+    params = [p for p in module.parameters()]
+    grads = [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
+    masters = []
+    inner = optimizer
+    if hasattr(optimizer, "buffers"):  # ZeRO-1: each buffer's fp32 slice and its gradient
+        masters = [b.main_param for b in optimizer.buffers]
+        grads += [b.main_param.grad for b in optimizer.buffers]
+        inner = optimizer.optimizer
+    elif hasattr(optimizer, "main_params"):  # bf16 weights, fp32 masters
+        masters, inner = list(optimizer.main_params), optimizer.optimizer
+    state = [value for per_param in inner.state.values() for key, value in per_param.items()
+             if key != "step" and hasattr(value, "untyped_storage")]
+    return {"weights": _unique_bytes(params), "gradients": _unique_bytes(grads),
+            "optimizer": _unique_bytes(masters + state)}
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tutorial_lib.memory",
+        description="Predicted memory per rank of a training run (tutorial_lib.costs.memory): "
+                    "weights, gradients, optimizer state and activations at the schedule's peak.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a published-scale model and batch (default: the course's "
+                             "train_4d model and batch, in fp32)")
+    parser.add_argument("--world-size", type=int, default=None)
+    parser.add_argument("--tp", type=int, default=None, help="tensor_model_parallel_size")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline_model_parallel_size")
+    parser.add_argument("--ep", type=int, default=None, help="expert_model_parallel_size")
+    parser.add_argument("--cp", type=int, default=None, help="context_parallel_size")
+    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
+    parser.add_argument("--virtual-pipeline-size", type=int, default=1,
+                        help="chunks per rank (the interleaved schedule's V)")
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    parser.add_argument("--num-microbatches", type=int, default=None)
+    parser.add_argument("--precision", choices=sorted(PRECISION_BYTES), default=None,
+                        help="fp32 (the course's runs) or bf16 (mixed precision; presets' default)")
+    parser.add_argument("--use-distributed-optimizer", action="store_true",
+                        help="ZeRO-1: master weights and Adam's moments sharded over DP")
+    parser.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default="uniform")
+    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--fp8", action="store_true", help="matmul inputs saved in FP8")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object; its 'ranks' list has one entry per rank")
+    return parser
+
+
+def configs_from_args(options) -> tuple:
+    """``(model, parallel, train, precision)`` from the command line's options."""
+    preset = PRESETS.get(options.preset)
+    if preset is not None:
+        model, layout = preset.model, preset.layout
+        batch, micro, precision = preset.global_batch_size, preset.num_microbatches, preset.precision
+    else:
+        from .arguments import TrainingArgs  # the course's defaults (no torch)
+        defaults = TrainingArgs()
+        _, model, train = defaults.configs()
+        layout = {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "cp": 1}
+        batch, micro, precision = train.global_batch_size, train.num_microbatches, "fp32"
+
+    def pick(name):
+        value = getattr(options, name)
+        return layout[name] if value is None else value
+    parallel = ParallelConfig(pick("world_size"), tensor_model_parallel_size=pick("tp"),
+                              pipeline_model_parallel_size=pick("pp"),
+                              expert_model_parallel_size=pick("ep"),
+                              context_parallel_size=pick("cp"))
+    train = TrainConfig(options.global_batch_size or batch, options.num_microbatches or micro)
+    return model, parallel, train, options.precision or precision
+
+
+def main(argv=None) -> int:
+    options = _parser().parse_args(argv)
+    try:
+        model, parallel, train, precision = configs_from_args(options)
+        recompute = Recompute(options.recompute_granularity, options.recompute_method,
+                              options.recompute_num_layers)
+        ranks = predict(model, parallel, train, schedule=options.schedule,
+                        virtual_pipeline_size=options.virtual_pipeline_size, precision=precision,
+                        use_distributed_optimizer=options.use_distributed_optimizer,
+                        recompute=recompute, fp8=options.fp8,
+                        runtime=0 if options.preset else RUNTIME_BYTES_PER_RANK)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    every = memory_of_ranks(ranks, parallel)
+    if options.json:
+        print(json.dumps({
+            "preset": options.preset, "precision": precision,
+            "world_size": parallel.world_size,
+            "layout": {"tp": parallel.tensor_model_parallel_size,
+                       "pp": parallel.pipeline_model_parallel_size,
+                       "ep": parallel.expert_model_parallel_size,
+                       "cp": parallel.context_parallel_size,
+                       "dp": parallel.data_parallel_size},
+            "pipeline_ranks": [r.as_dict() for r in ranks],
+            "ranks": [{"rank": rank, "coords": coords, **r.as_dict()} for rank, coords, r in every]}))
+        return 0
+    name = PRESETS[options.preset].note if options.preset else "the course's train_4d model"
+    print(f"{name}; {precision}; world {parallel.world_size} = TP "
+          f"{parallel.tensor_model_parallel_size} x CP {parallel.context_parallel_size} x PP "
+          f"{parallel.pipeline_model_parallel_size} x DP {parallel.data_parallel_size} "
+          f"(EP {parallel.expert_model_parallel_size})")
+    for r in ranks:
+        print(r.describe())
+    shown = every if len(every) <= 16 else every[:8] + every[-8:]
+    for rank, coords, r in shown:
+        where = " ".join(f"{k}{v}" for k, v in coords.items())
+        print(f"rank {rank:>6} ({where}): {format_bytes(r.total)}")
+    if len(shown) < len(every):
+        print(f"... {len(every) - len(shown)} ranks more (--json lists every rank)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
