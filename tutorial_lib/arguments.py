@@ -11,7 +11,8 @@ rule, the value and a fix, before it loads torch or starts a worker (Megatron's
 What :func:`validate_args` checks, in order: every field's type, the schedule and P2P
 mode, the device's name, the run's own numbers (``steps``, ``seed``, ``lr``, ``clip_grad``, ``timeout``),
 the layout and model rules of :func:`tutorial_lib.config.validate`, the interleaved
-schedule's rules, the precision recipe (a name, or a file that is read and checked), and
+schedule's rules, the recomputation flags (:func:`tutorial_lib.recompute.check_recompute`),
+the precision recipe (a name, or a file that is read and checked), and
 last whether the run fits in this machine's memory (:mod:`tutorial_lib.costs.memory`).
 Whether ``--device cuda`` finds a GPU for every rank needs torch, so it is checked when the
 run starts, before any worker does (:func:`tutorial_lib.launch.choose_backend`).
@@ -31,6 +32,7 @@ from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_
 from .pipeline_schedules import (SCHEDULE_NAMES, TRAINING_P2P_MODES, check_microbatch_groups,
                                  check_schedule_and_mode)
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
+from .recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Recompute, check_recompute
 
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "SEED_RANGE", "DEVICES", "TrainingArgs", "validate_args",
            "resolve_precision_recipe", "check_memory", "load_config_file", "args_from_dict",
@@ -107,6 +109,17 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard Adam's state over the data-parallel ranks of each gradient domain (dense
     weights over ``dp``, routed experts over ``expert_dp``); the same losses as plain Adam."""
+    recompute_granularity: str | None = field(default=None,
+                                              metadata={"choices": RECOMPUTE_GRANULARITIES})
+    """Activation recomputation (Megatron's flag): ``full`` recomputes whole layers (with
+    ``recompute_method`` and ``recompute_num_layers``), ``selective`` every layer's core
+    attention; not set: every activation is kept for backward.  The losses do not change."""
+    recompute_method: str | None = field(default=None, metadata={"choices": RECOMPUTE_METHODS})
+    """With ``full``: ``uniform`` (each chunk's layers in groups of ``recompute_num_layers``,
+    only each group's input kept) or ``block`` (the first ``recompute_num_layers`` layers of
+    each chunk recomputed, the others keep everything)."""
+    recompute_num_layers: int | None = None
+    """With ``full``: N, from 1 to the layers per pipeline rank (``num_layers`` / PP)."""
     device: str = field(default="auto", metadata={"choices": tuple(DEVICES)})
     """Where every rank computes: ``cuda`` (one GPU per rank, NCCL: rank r on ``cuda:r``, or
     under torchrun ``cuda:LOCAL_RANK``), ``cpu`` (gloo), or ``auto``: cuda when every rank on
@@ -117,6 +130,12 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
         def build(cls):
             return cls(**{name: getattr(self, name) for name in CONFIG_FIELDS[cls]})
         return build(ParallelConfig), build(ModelConfig), build(TrainConfig)
+
+    @property
+    def recompute(self) -> Recompute:
+        """The three ``recompute_*`` flags as the model takes them."""
+        return Recompute(self.recompute_granularity, self.recompute_method,
+                         self.recompute_num_layers)
 
     @property
     def chunks_per_rank(self) -> int:
@@ -163,6 +182,7 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
                               f"virtual_pipeline_model_parallel_size >= 2, got {pp} and {v}")
         check_microbatch_groups(pp, args.num_microbatches)  # M a multiple of PP (Megatron's default)
     check_pipeline_layers(args.num_layers, pp, v)
+    check_recompute(args.recompute, args.num_layers, pp)
     resolve_precision_recipe(args.precision_recipe)
     _validate_checkpoint_args(args)
     check_memory(args, local_ranks=local_ranks)
@@ -271,6 +291,11 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
             ("recipe", args.precision_recipe), ("device", device), ("iterations", iterations)]
     if args.use_distributed_optimizer:
         rows.append(("optimizer", "Adam, ZeRO-1 (use_distributed_optimizer)"))
+    if args.recompute_granularity:
+        how = ", ".join(f"{name} {value}" for name, value in
+                        (("method", args.recompute_method), ("N =", args.recompute_num_layers))
+                        if value is not None)
+        rows.append(("recompute", args.recompute_granularity + (f" ({how})" if how else "")))
     if legend and args.num_experts:
         for key in ("sequence_balance_loss", "max_violation"):
             name, meaning = LOG_KEYS[key][1:].split("] ", 1)

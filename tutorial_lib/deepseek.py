@@ -27,12 +27,14 @@ from .devices import cpu_generator, module_device, resolve_device
 from .gpt import FIRST_BLOCK, OUTPUT_LAYER, GPTEmbedding
 from .moe import MoELayer
 from .moe_balance import BalanceConfig
+from .recompute import Recompute, check_recompute, checkpoint, recompute_groups
 from .tensor_parallel import (
     derive_seed,
     ColumnParallelLinear,
     divide,
     vocab_parallel_cross_entropy,
 )
+from .trace import get_tracer
 from .transformer import MLP, SelfAttention
 
 __all__ = ["DeepSeekModel", "DeepSeekBlock", "Microbatch", "layer_range", "attach_aux_loss"]
@@ -141,7 +143,7 @@ class DeepSeekBlock(torch.nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 0,
                  tp_group: str | None = "tp", ep_group: str | None = "ep",
                  cp_group: str | None = None, positions: torch.Tensor | None = None,
-                 device=None):
+                 device=None, checkpoint_core_attention: bool = False):
         super().__init__()
         h, block_seed = config.hidden_size, derive_seed(seed, FIRST_BLOCK + layer_number)
         self.layer_number, self.dropout, self.seed = layer_number, config.dropout, seed
@@ -149,7 +151,8 @@ class DeepSeekBlock(torch.nn.Module):
         device = resolve_device(device)
         self.input_layernorm = torch.nn.LayerNorm(h, device=device)
         self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group,
-                                            cp_group, config.cp_comm_type, device=device)
+                                            cp_group, config.cp_comm_type, device=device,
+                                            checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = torch.nn.LayerNorm(h, device=device)
         self.is_moe = bool(config.num_experts) and layer_number >= config.first_k_dense_replace
         if self.is_moe:
@@ -205,12 +208,20 @@ class DeepSeekModel(torch.nn.Module):
 
     ``device``: where the stage's weights and its per-step statistics live (``ctx.device``
     in a worker; ``None``: torch's default device); the microbatches must be there too.
+
+    ``recompute``: activation recomputation (:class:`~tutorial_lib.recompute.Recompute`,
+    Megatron's ``--recompute-*`` flags) while training: whole layers in the groups of
+    :func:`~tutorial_lib.recompute.recompute_groups` (full), or every layer's core
+    attention (selective).  The numbers are the same; what is kept for backward shrinks.
+    Trace events inside a layer carry ``layer_number`` (its global index).
     """
 
     def __init__(self, config: ModelConfig, stage: int = 0, num_stages: int = 1, seed: int = 0,
                  tp_group: str | None = "tp", ep_group: str | None = "ep",
-                 cp_group: str | None = "cp", device=None):
+                 cp_group: str | None = "cp", device=None, recompute: Recompute | None = None):
         super().__init__()
+        self.recompute = Recompute() if recompute is None else recompute
+        check_recompute(self.recompute)
         if config.sequence_parallel:
             raise ValueError("DeepSeekModel keeps the whole sequence between layers (its MoE layers "
                              "split it over TP themselves); set sequence_parallel=False")
@@ -238,7 +249,8 @@ class DeepSeekModel(torch.nn.Module):
             self.embedding = GPTEmbedding(config, seed, tp_group, device)
         self.layers = torch.nn.ModuleDict(
             {str(i): DeepSeekBlock(config, i, seed, tp_group, ep_group, self.cp_group,
-                                   self.position_ids, device)
+                                   self.position_ids, device,
+                                   checkpoint_core_attention=self.recompute.granularity == "selective")
              for i in layer_range(config.num_layers, num_stages, stage)})
         if self.post_process:
             self.final_layernorm = torch.nn.LayerNorm(h, device=device)
@@ -277,21 +289,44 @@ class DeepSeekModel(torch.nn.Module):
             hidden = self.embedding(batch.input_ids, self.position_ids)  # [s, b, h]
         elif hidden is None:
             raise ValueError(f"stage {self.stage} needs the previous stage's activation")
-        for block in self.layers.values():
-            hidden, info = block(hidden, batch)
-            if info:
-                with torch.no_grad():
-                    self.expert_loads[block.layer_number] += torch.bincount(
-                        info["topk_idx"].reshape(-1), minlength=self.config.num_experts)
-                for name, value in info["aux_losses"].items():
-                    hidden = attach_aux_loss(hidden, value, self.aux_loss_scale)
-                    self.aux_loss_sums[name] = self.aux_loss_sums.get(name, 0.0) + float(value.detach())
+        blocks = list(self.layers.values())
+        for start, end, checkpointed in recompute_groups(len(blocks), self.recompute):
+            if checkpointed and self.training:  # Megatron recomputes only while training
+                # the group's saved input is its first layer's (layer_number tag)
+                with get_tracer().tags(layer_number=blocks[start].layer_number):
+                    hidden, stats = checkpoint(self._run_layers, blocks[start:end], hidden, batch)
+            else:
+                hidden, stats = self._run_layers(blocks[start:end], hidden, batch)
+            # the statistics of the forward, added once (a recomputation's are thrown away)
+            for layer_number, topk_idx, aux_losses in stats:
+                self.expert_loads[layer_number] += torch.bincount(
+                    topk_idx.reshape(-1), minlength=self.config.num_experts)
+                for name, value in aux_losses.items():
+                    self.aux_loss_sums[name] = self.aux_loss_sums.get(name, 0.0) + value
         if not self.post_process:
             return hidden
         if batch.labels is None:
             raise ValueError("the last stage needs batch.labels (sent from the first stage)")
         logits = self.output_layer(self.final_layernorm(hidden))  # [s, b, V/T]
         return vocab_parallel_cross_entropy(logits, batch.labels.t(), self.tp_group).mean()
+
+    def _run_layers(self, blocks, hidden: torch.Tensor, batch: Microbatch):
+        """``blocks`` in order on ``hidden`` -> ``(hidden, stats)``, one recomputable region.
+
+        Each MoE layer's balance losses are attached to the activations inside the region;
+        ``stats`` holds ``(layer_number, topk_idx, {name: loss value})`` per MoE layer for
+        :meth:`forward_stage` to add up, outside, once.
+        """
+        stats = []
+        for block in blocks:
+            with get_tracer().tags(layer_number=block.layer_number):
+                hidden, info = block(hidden, batch)
+                for value in info.get("aux_losses", {}).values():
+                    hidden = attach_aux_loss(hidden, value, self.aux_loss_scale)
+            if info:
+                stats.append((block.layer_number, info["topk_idx"].detach(),
+                              {name: float(value.detach()) for name, value in info["aux_losses"].items()}))
+        return hidden, stats
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, sample_ids=None, step: int = 0):
         """The whole model (``num_stages=1``): mean loss of ``[b, s]`` ids and labels (under

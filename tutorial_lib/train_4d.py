@@ -68,6 +68,12 @@ domain over its own group (dense over ``dp``, routed experts over ``expert_dp``,
 divided by the dense DP size), clips, updates its slice with Adam and all-gathers the
 parameters.  The losses are plain Adam's to fp32 rounding on every layout.
 
+**Activation recomputation** (``recompute_granularity``, ``recompute_method``,
+``recompute_num_layers``, Megatron's flags): each chunk recomputes the layers or the core
+attention :mod:`tutorial_lib.recompute` says, in backward; the losses and gradients are
+the same, less is kept between forward and backward, and the recomputed forward's
+collectives appear a second time in the trace (tagged ``recompute=True``).
+
 **Checkpoints** (``save``, ``save_interval``, ``load``, ``ckpt_step``): after every
 ``save_interval`` steps and after the last, every rank writes its pieces of the model, of
 Adam's state (ZeRO-1 gathers its slices back per parameter), of the expert biases and its
@@ -118,7 +124,7 @@ def build_chunks(args: TrainingArgs, device=None) -> list[DeepSeekModel]:
     pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
     rank = parallel_state.group_rank("pp")
     chunks = [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed,
-                            device=device)
+                            device=device, recompute=args.recompute)
               for c in range(v)]
     if args.precision_recipe != "fp32":  # fp32: the model exactly as built
         recipe = resolve_precision_recipe(args.precision_recipe)

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from . import parallel_state
 from .context_parallel import context_parallel_attention
 from .devices import resolve_device
+from .recompute import checkpoint
 from .tensor_parallel import (
     SP_LINEAR,
     derive_seed,
@@ -82,13 +83,17 @@ class SelfAttention(torch.nn.Module):
     values over the group in the given way (``p2p``, ``all_gather`` or ``a2a``); the
     projections are token-wise and need nothing.  ``cp_group=None`` (the default): serial.
     ``device``: where the weights live (``None``: torch's default device).
+    ``checkpoint_core_attention``: while training, recompute :meth:`core_attention` in
+    backward instead of keeping its output and log-sum-exp (Megatron's selective
+    recomputation, ``--recompute-granularity selective``; :mod:`tutorial_lib.recompute`).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, sequence_parallel: bool = False,
                  seed: int = 0, tp_group: str | None = "tp", cp_group: str | None = None,
-                 cp_comm_type: str = "p2p", device=None):
+                 cp_comm_type: str = "p2p", device=None, checkpoint_core_attention: bool = False):
         super().__init__()
         self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
+        self.checkpoint_core_attention = checkpoint_core_attention
         tp = parallel_state.group_size(tp_group)
         self.head_dim = divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.heads_per_rank = divide(num_attention_heads, tp, "num_attention_heads")
@@ -106,12 +111,19 @@ class SelfAttention(torch.nn.Module):
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
         q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)  # each [b, heads_per_rank, s, head_dim]
-        if parallel_state.group_size(self.cp_group) > 1:  # my tokens; K/V from the CP ranks
-            y = context_parallel_attention(q, k, v, self.cp_comm_type, True, self.cp_group)
+        if self.checkpoint_core_attention and self.training:
+            y = checkpoint(self.core_attention, q, k, v)  # keeps q, k, v only
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = self.core_attention(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.linear_proj(y)  # partial sums over heads, reduced across TP
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(d)) v``, causal, on ``[b, heads, s, head_dim]`` (Megatron's
+        ``core_attention``): what selective recomputation runs again."""
+        if parallel_state.group_size(self.cp_group) > 1:  # my tokens; K/V from the CP ranks
+            return context_parallel_attention(q, k, v, self.cp_comm_type, True, self.cp_group)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(torch.nn.Module):

@@ -160,3 +160,17 @@ def test_errors_name_the_rule():
         _step(tp=8)
     with pytest.raises(ValueError, match="num_microbatches must be a whole number"):
         _step(num_microbatches=0)
+
+
+def test_issue19_megatrons_distributed_optimizer_buffer_is_padded_more_than_the_courses():
+    """Megatron-Core 0.20.0 (d98e8a64) lays the distributed optimizer's buffer out last
+    parameter first, each at a multiple of 64 elements, and pads the bucket to a multiple of
+    lcm(DP, 128) (megatron/core/optimizer/distrib_optimizer.py
+    ``_compute_per_buffer_param_layout``, param_layout.py ``pad_param_start`` and
+    ``pad_bucket_end``); the course pads to a multiple of DP only.  Worked by hand for
+    parameters of 100, 10 and 64 elements on DP 3: 64 at 0, 10 at 64 (ends 74), 100 at 128
+    (ends 228), padded to 384 (= lcm(3, 128)); the course's buffer is 174 -> 174."""
+    assert costs.megatron_distributed_optimizer_numel([100, 10, 64], 3) == 384
+    assert costs.megatron_distributed_optimizer_numel([100, 10, 64], 3, True) == 3 * 2**16
+    rs, ag = costs.distributed_optimizer_collectives(174, 3)
+    assert (rs.bytes_each, ag.bytes_each) == (174 * 4, 58 * 4)

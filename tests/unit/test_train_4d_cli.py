@@ -35,6 +35,8 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 ckpt_step=None, use_distributed_optimizer=False,
                 context_parallel_size=1, cp_comm_type="p2p",  # issue 18: CP, off by default
                 expert_tensor_parallel_size=1,  # issue 17: whole experts (ETP > 1 not built yet)
+                recompute_granularity=None, recompute_method=None,  # issue 19: no recomputation
+                recompute_num_layers=None,
                 device="auto")  # issue 16: the GPUs when every rank has one
 
 
@@ -400,7 +402,8 @@ def test_help_lists_the_choices_of_every_fixed_set(script, monkeypatch):
     text = script.build_parser().format_help()
     with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
     assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type",
-                                              "device"}  # issue 16: --device
+                                              "device",  # issue 16: --device
+                                              "recompute_granularity", "recompute_method"}  # 19
     for f in with_choices:
         flag = "--" + f.name.replace("_", "-")
         assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in text, flag

@@ -60,7 +60,8 @@ from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
                   moe_dedup_rows, moe_rank_all_to_alls, moe_rank_send_splits,
                   moe_send_counts)
 from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
-                         data_parallel_bucket_bytes, gpt_parameter_shapes,
+                         data_parallel_bucket_bytes, distributed_optimizer_collectives,
+                         gpt_parameter_shapes, megatron_distributed_optimizer_numel,
                          step_bytes_by_group, tp_dp_step_collectives,
                          zero1_state_bytes_per_rank)
 
@@ -79,6 +80,7 @@ __all__ = [
     "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
     "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls",
     "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",
+    "distributed_optimizer_collectives", "megatron_distributed_optimizer_numel",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
     "zero1_state_bytes_per_rank",
 ]

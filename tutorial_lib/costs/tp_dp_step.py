@@ -224,15 +224,14 @@ def tp_dp_step_collectives(model_config, tp: int, dp: int, micro_batch_size: int
         if clip_grad and tp > 1:
             add("all_reduce", "tp", "clip_grad", 1, _NORM_BYTES, "global gradient norm: sum over TP shards")
     else:
-        padded = math.ceil(sum(numels) / dp) * dp
-        add("reduce_scatter", "dp", "optimizer", 1, padded * _ZERO1_BYTES,
-            "ZeRO-1: my slice of the averaged gradients")
+        reduce_scatter, all_gather = distributed_optimizer_collectives(
+            sum(numels), dp, param_bytes=bytes_per_element, grad_bytes=_ZERO1_BYTES)
+        rows.append(reduce_scatter)
         if clip_grad and dp > 1:
             add("all_reduce", "dp", "clip_grad", 1, _NORM_BYTES, "global gradient norm: sum over DP slices")
         if clip_grad and tp > 1:
             add("all_reduce", "tp", "clip_grad", 1, _NORM_BYTES, "global gradient norm: sum over TP shards")
-        add("all_gather", "dp", "optimizer", 1, padded // dp * bytes_per_element,
-            "ZeRO-1: every replica gets every updated slice")
+        rows.append(all_gather)
     if log_loss and dp > 1:
         add("all_reduce", "dp", "logging", 1, _NORM_BYTES, "the loss averaged over replicas (logging only)")
     return rows
@@ -247,6 +246,59 @@ def step_bytes_by_group(rows: Iterable[StepCollective]) -> dict[str, int]:
 
 
 # --- ZeRO-1: optimizer state per rank ---------------------------------------------------
+
+
+def distributed_optimizer_collectives(numel: int, data_parallel_size: int, param_bytes: int = 4,
+                                      grad_bytes: int = 4, group_kind: str = "dp"
+                                      ) -> tuple[StepCollective, StepCollective]:
+    """The distributed optimizer's two collectives on one rank in one step, for one buffer.
+
+    A buffer is the flat vector of one gradient domain's parameters (dense over ``dp``,
+    routed experts over ``expert_dp``: ``group_kind``) of one dtype, ``numel`` elements
+    padded to a multiple of the group's size ``data_parallel_size``.  After the last
+    backward each rank reduce-scatters the whole padded gradient buffer (``grad_bytes``
+    an element: fp32 here, whatever the parameters' dtype) and receives the average of
+    its ``padded / DP`` slice; it updates that slice, then all-gathers it (``param_bytes``
+    an element): :class:`tutorial_lib.data_parallel.DistributedOptimizer`.  Bytes in
+    :mod:`tutorial_lib.comm`'s convention: the reduce-scatter's full input, the
+    all-gather's shard.  On the ring each sends ``(DP - 1) x slice``, so with equal
+    dtypes the pair moves what one all-reduce of the gradients would.
+
+    Megatron-Core 0.20.0 (d98e8a64) runs the same pair per bucket of its gradient buffer:
+    megatron/core/distributed/param_and_grad_buffer.py, ``start_grad_sync``
+    (``reduce_scatter_tensor`` of the bucket's gradients into this rank's shard) and
+    ``start_param_sync`` (``all_gather_into_tensor`` of the parameter shards); without
+    ``overlap_grad_reduce`` a buffer is one bucket (distributed_data_parallel.py sets
+    ``bucket_size = None``), as here.  Its buffer is padded more: see
+    :func:`megatron_distributed_optimizer_numel`.
+    """
+    _positive("numel", numel)
+    padded = math.ceil(numel / _positive("data_parallel_size", data_parallel_size)) * data_parallel_size
+    shard = padded // data_parallel_size
+    return (StepCollective("reduce_scatter", group_kind, "optimizer", 1, padded * grad_bytes,
+                           "ZeRO-1: my slice of the averaged gradients"),
+            StepCollective("all_gather", group_kind, "optimizer", 1, shard * param_bytes,
+                           "ZeRO-1: every replica gets every updated slice"))
+
+
+def megatron_distributed_optimizer_numel(param_numels: Sequence[int], data_parallel_size: int,
+                                         pad_buckets_for_high_nccl_busbw: bool = False) -> int:
+    """The padded length of Megatron's one-bucket gradient buffer for these parameters.
+
+    Megatron-Core 0.20.0 (d98e8a64), megatron/core/optimizer/distrib_optimizer.py
+    ``DistributedOptimizer._compute_per_buffer_param_layout`` with param_layout.py's
+    ``pad_param_start`` / ``pad_bucket_end``: the parameters are laid out last to first,
+    each starting at a multiple of 64 elements, and the bucket's end is padded to a
+    multiple of ``lcm(DP, 128)`` (``lcm(DP, 128, 2**16)`` with
+    ``--ddp-pad-buckets-for-high-nccl-busbw``), for aligned GPU memory and faster NCCL.
+    The course pads only to a multiple of DP (:func:`distributed_optimizer_collectives`):
+    the same algorithm, a few elements fewer per parameter.
+    """
+    end = 0
+    for numel in reversed(list(param_numels)):
+        end = math.ceil(end / 64) * 64 + numel
+    divisor = math.lcm(data_parallel_size, 128, *([2**16] if pad_buckets_for_high_nccl_busbw else []))
+    return math.ceil(end / divisor) * divisor
 
 
 def zero1_state_bytes_per_rank(num_params: int, data_parallel_size: int,
