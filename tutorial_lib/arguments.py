@@ -322,7 +322,8 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     pp = parallel.pipeline_model_parallel_size
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
-                                 use_distributed_optimizer=args.use_distributed_optimizer)
+                                 use_distributed_optimizer=args.use_distributed_optimizer,
+                                 recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:

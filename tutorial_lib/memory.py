@@ -20,10 +20,10 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
-from .costs.memory import (PRECISION_BYTES, RECOMPUTE_METHODS, RUNTIME_BYTES_PER_RANK, Recompute,
-                           RankMemory,
+from .costs.memory import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
 from .pipeline_schedules import SCHEDULE_NAMES
+from .recompute import RECOMPUTE_METHODS, Recompute, check_recompute
 
 __all__ = ["Preset", "PRESETS", "predict", "measure_state_bytes", "main"]
 
@@ -147,8 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--use-distributed-optimizer", action="store_true",
                         help="ZeRO-1: master weights and Adam's moments sharded over DP")
     parser.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default="uniform")
-    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None)
+    parser.add_argument("--recompute-num-layers", type=int, default=None)
     parser.add_argument("--fp8", action="store_true", help="matmul inputs saved in FP8")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object; its 'ranks' list has one entry per rank")
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
         model, parallel, train, precision = configs_from_args(options)
         recompute = Recompute(options.recompute_granularity, options.recompute_method,
                               options.recompute_num_layers)
+        check_recompute(recompute, model.num_layers, parallel.pipeline_model_parallel_size)
         ranks = predict(model, parallel, train, schedule=options.schedule,
                         virtual_pipeline_size=options.virtual_pipeline_size, precision=precision,
                         use_distributed_optimizer=options.use_distributed_optimizer,

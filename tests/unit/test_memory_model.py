@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tutorial_lib import costs
-from tutorial_lib.config import ModelConfig, ParallelConfig, TrainConfig
-from tutorial_lib.costs.memory import Recompute
+from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from tutorial_lib.recompute import Recompute, check_recompute
 from tutorial_lib.data import synthetic_batch
 from tutorial_lib.deepseek import DeepSeekModel, Microbatch
 from tutorial_lib.memory import PRESETS, main
@@ -76,8 +76,6 @@ def test_recompute_keeps_only_the_inputs_of_recomputed_layers():
     assert block["attention"] == none["attention"] * 3 // 4 and "mlp" not in block
     # selective drops the log-sum-exp: 4 bytes per token and head in each layer
     assert none["attention"] - selective["attention"] == 4 * 4 * 8 * 3 * model.num_attention_heads
-    with pytest.raises(ValueError, match="granularity"):
-        Recompute("partial")
 
 
 def _cli_json(capsys, *argv) -> dict:
@@ -126,6 +124,31 @@ def test_the_deepseek_preset_shards_the_optimizer_state_as_megatron_counts(capsy
     assert rank["total"] == rank["weights"] + rank["gradients"] + rank["optimizer"] + rank["activations"]
 
 
-def test_the_cli_refuses_an_invalid_layout(capsys):
+def test_the_cli_refuses_an_invalid_layout_or_recompute_setting(capsys):
     assert main(["--world-size", "4", "--tp", "3"]) == 2
     assert "error:" in capsys.readouterr().err
+    assert main(["--recompute-granularity", "full"]) == 2  # Megatron wants a method and N
+    assert "recompute_method" in capsys.readouterr().err
+
+
+RECOMPUTES = [Recompute("full", "uniform", 1), Recompute("full", "uniform", 3),
+              Recompute("full", "block", 2), Recompute("selective")]
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTES, ids=lambda r: f"{r.granularity}-{r.method}-{r.num_layers}")
+def test_recomputation_keeps_what_the_model_predicts_to_the_byte(recompute):
+    """With ``DeepSeekModel(recompute=...)`` (torch.utils.checkpoint, the i19-rec side),
+    autograd's saved tensors seen from outside the stage equal the prediction, which reads
+    the same rule (``tutorial_lib.recompute.kept_per_layer``)."""
+    model, rows = MODELS[0], 3
+    ids, labels = synthetic_batch(1, 0, rows, model.seq_length, model.vocab_size)
+    batch = Microbatch(ids, labels, torch.arange(rows), 0)
+    predicted = costs.memory_per_rank(model, ParallelConfig(1), TrainConfig(rows, 1),
+                                      recompute=recompute)[0]
+    none = costs.memory_per_rank(model, ParallelConfig(1), TrainConfig(rows, 1))[0]
+    chunk = DeepSeekModel(model, seed=1, recompute=recompute)
+    chunk.train()
+    with SavedTensorBytes(chunk.parameters()) as saved:
+        chunk.forward_stage(None, batch)
+    assert saved.bytes == predicted.activations_per_microbatch[0]
+    assert predicted.activations < none.activations

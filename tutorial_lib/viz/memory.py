@@ -16,8 +16,9 @@ import html
 import itertools
 
 from ..config import ConfigError, ParallelConfig, TrainConfig, validate
-from ..costs.memory import Recompute, memory_per_rank
+from ..costs.memory import memory_per_rank
 from ..memory import PRESETS
+from ..recompute import Recompute
 from .widget import Widget
 
 __all__ = ["explorer_data", "MemoryExplorer", "memory_explorer", "GRID", "BUDGETS_GIB", "MIB"]
