@@ -15,9 +15,9 @@ from __future__ import annotations
 import html
 import itertools
 
-from ..config import ConfigError, ParallelConfig, TrainConfig, validate
+from ..config import ConfigError
 from ..costs.memory import memory_per_rank
-from ..memory import PRESETS
+from ..memory import PRESETS, preset_layout
 from ..recompute import Recompute
 from .widget import Widget
 
@@ -31,19 +31,6 @@ BUDGETS_GIB = (40, 80, 141)
 """Memory per GPU to compare with: 40 and 80 GiB (A100 / H100 sizes), 141 (H200)."""
 RECOMPUTE = {"none": Recompute(), "selective": Recompute("selective"),
              "full": Recompute("full", "uniform", 1)}
-
-
-def _layout(preset, tp: int, pp: int, ep: int):
-    """The preset's world with TP, PP, EP; DP what is left; microbatches of one sequence."""
-    world = preset.layout["world_size"]
-    parallel = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep)
-    dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
-    m = preset.global_batch_size // dp if dp and preset.global_batch_size % dp == 0 else 0
-    if not m:
-        raise ConfigError("batch", f"the global batch ({preset.global_batch_size}) does not split "
-                                   f"into sequences over DP = {world} / (TP {tp} x PP {pp})")
-    return parallel, TrainConfig(preset.global_batch_size, m)
 
 
 def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
@@ -63,8 +50,7 @@ def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
                                                       GRID["recompute"]):
             key = f"{name}|{tp}|{pp}|{ep}|{zero}|{rc}"
             try:
-                parallel, train = _layout(preset, tp, pp, ep)
-                validate(parallel, preset.model, train)
+                parallel, train = preset_layout(preset, tp, pp, ep)
                 ranks = memory_per_rank(preset.model, parallel, train, precision=preset.precision,
                                         use_distributed_optimizer=bool(zero),
                                         recompute=RECOMPUTE[rc], runtime=0)
