@@ -218,28 +218,26 @@ def saved_tensor_bytes(parameters=()):
     ``kept[layer_number]`` is the bytes autograd keeps for backward from that layer
     (``kept[None]``: outside the layers: embedding, head, loss).
 
-    Counted by storage, each once (a saved view keeps its whole storage alive), the
-    ``parameters`` left out; attributed by the ``layer_number`` trace tag that
+    :class:`~tutorial_lib.tensor_parallel.SavedTensorBytes` (each storage once, the
+    ``parameters`` left out), split by the ``layer_number`` trace tag that
     :class:`~tutorial_lib.deepseek.DeepSeekModel` sets while a layer (or a checkpointed
     group, for its saved input) runs.  Enter it outside any checkpointed region (see the
     module doc), around a whole forward.
     """
-    import torch
-
+    from .tensor_parallel import SavedTensorBytes
     from .trace import get_tracer
 
     tracer = get_tracer()
-    weights = {p.untyped_storage().data_ptr() for p in parameters}
     kept: dict = {}
-    seen: set = set()
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            layer = tracer.current_tags().get("layer_number")
-            kept[layer] = kept.get(layer, 0) + storage.nbytes()
-        return tensor
+    class ByLayer(SavedTensorBytes):
+        def pack(self, tensor):
+            before = self.bytes
+            tensor = super().pack(tensor)
+            if self.bytes != before:
+                layer = tracer.current_tags().get("layer_number")
+                kept[layer] = kept.get(layer, 0) + self.bytes - before
+            return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with ByLayer(parameters):
         yield kept
