@@ -143,10 +143,11 @@ def recompute_groups(layers: int, recompute: Recompute) -> list[tuple[int, int, 
     """How a chunk of ``layers`` layers runs: ``(start, end, checkpointed)`` runs of layers.
 
     Megatron-Core 0.20.0 (d98e8a64), megatron/core/recompute.py ``checkpointed_forward``
-    (``TransformerBlock._checkpointed_forward`` before 0.16): *uniform* checkpoints layers
-    ``[0, N)``, ``[N, 2N)``, ... (the last group may be shorter); *block* runs each layer
-    alone and checkpoints the first N (all of them when N >= ``layers``).  Without full
-    granularity the chunk is one run, not checkpointed (selective works inside layers).
+    (``TransformerBlock._checkpointed_forward`` until commit 118933a8, May 2026):
+    *uniform* checkpoints layers ``[0, N)``, ``[N, 2N)``, ... (the last group may be
+    shorter); *block* runs each layer alone and checkpoints the first N (all of them when
+    N >= ``layers``).  Without full granularity the chunk is one run, not checkpointed
+    (selective works inside layers).
     """
     if recompute.granularity != "full":
         return [(0, layers, False)] if layers else []
