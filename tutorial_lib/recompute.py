@@ -194,7 +194,8 @@ def checkpoint(function, *args):
     ``torch.utils.checkpoint.checkpoint`` in its non-reentrant form (``use_reentrant=False``,
     torch's recommendation; Megatron's own ``tensor_parallel.checkpoint`` is the reentrant
     kind), with early stop off so the whole region runs again (see the module doc), and the
-    recomputation's trace events tagged ``recompute=True``.  ``function`` must compute the
+    recomputation's trace events tagged as the forward's were (its layer, say), plus
+    ``recompute=True``.  ``function`` must compute the
     same thing twice: here every random choice (dropout masks) is drawn from the batch's
     row indices, not from a generator's state.  Non-tensor arguments are held, not saved.
     """
@@ -202,8 +203,9 @@ def checkpoint(function, *args):
 
     from .trace import get_tracer
 
-    def contexts():
-        return nullcontext(), get_tracer().tags(recompute=True)
+    def contexts():  # called by the forward; the second context wraps the recomputation
+        tracer = get_tracer()
+        return nullcontext(), tracer.tags(**tracer.current_tags(), recompute=True)
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, early_stop=False)
