@@ -31,7 +31,7 @@ import torch
 
 from tutorial_lib import moe_balance
 from tutorial_lib.context_parallel import held_chunks
-from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, kit
+from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, kit
 from tutorial_lib.grid import build_grid
 from tutorial_lib.pipeline_schedules import Action, one_f_one_b
 
@@ -418,6 +418,24 @@ def _ring_forbidden(name, detail, fn):
                             own(fn, b, h, s, d, size, e))
 
 
+# --- chapter 10 -----------------------------------------------------------------------------
+
+
+def _layer_forbidden(name, detail, fn):
+    case = next(c for c in ch10.LAYER_CASES
+                if name == f"s={c[0]}, b={c[1]}, h={c[2]}, heads={c[3]}, ffn={c[4]}, TP={c[5]}")
+    return number_forbidden(ch10.reference_dense_layer_bytes(*case), own(fn, *case))
+
+
+def _layout_forbidden(name, detail, fn):
+    budget = int(re.match(r"budget (\d+) GiB", name).group(1))
+    tp, pp = ch10.reference_smallest_layout(budget)
+    mine = own(fn, budget)
+    if kit.as_whole_numbers(mine) == [tp, pp]:
+        return set()
+    return {f"TP {tp} x PP {pp}", f"({tp}, {pp})", f"tp={tp}, pp={pp}"}
+
+
 # --- every exercise -------------------------------------------------------------------------
 
 
@@ -570,8 +588,19 @@ KEYS = [
         "steps": lambda b, h, s, d, c, e: c * 2 * b * h * (s // c) * d * e,
         "bits": lambda b, h, s, d, c, e: 8 * (c - 1) * 2 * b * h * (s // c) * d * e,
     }, _ring_forbidden, ch09.RING_HINTS),
+    AnswerKey("10.1", ch10.check_dense_layer_bytes, {
+        "empty": lambda *a: None,
+        "constant": lambda *a: 1,
+        "values": lambda *a: ch10.reference_dense_layer_bytes(*a) // 4,
+        "norms_split": lambda *a: ch10._layer_mistakes(*a)["norms_split"],
+    }, _layer_forbidden, ch10.LAYER_HINTS),
+    AnswerKey("10.2", ch10.check_smallest_layout, {
+        "empty": lambda budget: None,
+        "largest": lambda budget: (8, 16),
+        "first_tp": lambda budget: (1, 16),
+    }, _layout_forbidden, ch10.FIT_HINTS),
 ]
-"""Every exercise of chapters 1-9, in order."""
+"""Every exercise of chapters 1-10, in order."""
 
 
 def key_params(*, launching: bool):

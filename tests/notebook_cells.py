@@ -22,7 +22,10 @@ import torch.nn.functional as F
 
 from tutorial_lib import comm, moe_balance, p2p
 from tutorial_lib.deepseek import layer_range
-from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09
+from tutorial_lib.config import ConfigError
+from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10
+from tutorial_lib.memory import heaviest_rank_bytes
+from tutorial_lib.recompute import Recompute
 from tutorial_lib.pipeline_schedules import Action
 from tutorial_lib.viz.table import table
 
@@ -123,6 +126,11 @@ CHAPTERS = [
         Exercise("ring_pass_bytes", ch09.check_ring_pass_bytes),
         Exercise("ring_work", ch09.check_ring_work, launches=("solution",)),
     ), {"torch": torch}, min_cases=4),
+    Chapter("10_memory.ipynb", (
+        Exercise("dense_layer_bytes", ch10.check_dense_layer_bytes),
+        Exercise("smallest_layout", ch10.check_smallest_layout),
+    ), {"heaviest_rank_bytes": heaviest_rank_bytes, "Recompute": Recompute,
+        "ConfigError": ConfigError}, min_cases=4),
 ]
 
 

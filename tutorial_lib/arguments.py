@@ -321,7 +321,9 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
-                                 args.chunks_per_rank)
+                                 args.chunks_per_rank,
+                                 use_distributed_optimizer=args.use_distributed_optimizer,
+                                 recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:
@@ -342,8 +344,8 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     raise ConfigError(
         "memory",
         f"this run needs {amount} on this machine ({who}), more than the "
-        f"{format_bytes(available)} available ({source}). Estimate per rank (fp32, "
-        f"tutorial_lib.costs.memory; rough, within about 2x):\n  {breakdown}\n"
+        f"{format_bytes(available)} available ({source}). Prediction per rank (fp32, "
+        f"tutorial_lib.costs.memory; python -m tutorial_lib.memory prints it):\n  {breakdown}\n"
         f"Fix: a smaller model (hidden_size, num_layers, num_experts, vocab_size), fewer "
         f"ranks on this machine, more pipeline stages or TP / EP ranks to split the "
         f"weights, or fewer microbatches in flight (1f1b instead of gpipe, smaller "

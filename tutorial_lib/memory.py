@@ -20,12 +20,13 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
-from .costs.memory import (PRECISION_BYTES, RECOMPUTE_METHODS, RUNTIME_BYTES_PER_RANK, Recompute,
-                           RankMemory,
+from .costs.memory import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
 from .pipeline_schedules import SCHEDULE_NAMES
+from .recompute import RECOMPUTE_METHODS, Recompute, check_recompute
 
-__all__ = ["Preset", "PRESETS", "predict", "measure_state_bytes", "main"]
+__all__ = ["Preset", "PRESETS", "predict", "preset_layout", "heaviest_rank_bytes",
+           "measure_state_bytes", "main"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,35 @@ def predict(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, *,
     optimizer, recompute, ...)."""
     validate(parallel, model, train)
     return memory_per_rank(model, parallel, train, schedule, virtual_pipeline_size, **options)
+
+
+def preset_layout(preset: Preset | str, tp: int, pp: int, ep: int = 1) -> tuple:
+    """``(parallel, train)``: the preset's world with TP, PP and EP (DP what the world leaves),
+    microbatches of one sequence (``M = global batch / DP``); a :class:`ConfigError` where the
+    batch does not split or a rule refuses the grid."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    world = preset.layout["world_size"]
+    parallel = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+    dp = world // (tp * pp) if world % (tp * pp) == 0 else 0
+    if not dp or preset.global_batch_size % dp:
+        raise ConfigError("batch", f"the global batch ({preset.global_batch_size} sequences) does "
+                                   f"not split over DP = {world} / (TP {tp} x PP {pp}); take more "
+                                   f"TP or PP ranks")
+    train = TrainConfig(preset.global_batch_size, preset.global_batch_size // dp)
+    validate(parallel, preset.model, train)
+    return parallel, train
+
+
+def heaviest_rank_bytes(preset: Preset | str, tp: int, pp: int, ep: int = 1, **options) -> int:
+    """Bytes of the preset's heaviest rank on that layout (:func:`preset_layout`), in the
+    preset's precision, GPU ranks (no process runtime); ``options`` as
+    :func:`tutorial_lib.costs.memory_per_rank` takes them (``use_distributed_optimizer``,
+    ``recompute``, ...)."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    parallel, train = preset_layout(preset, tp, pp, ep)
+    options.setdefault("precision", preset.precision)
+    return max(r.total for r in memory_per_rank(preset.model, parallel, train, runtime=0, **options))
 
 
 # --- measured in a worker --------------------------------------------------------------
@@ -147,8 +177,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--use-distributed-optimizer", action="store_true",
                         help="ZeRO-1: master weights and Adam's moments sharded over DP")
     parser.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default="uniform")
-    parser.add_argument("--recompute-num-layers", type=int, default=1)
+    parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None)
+    parser.add_argument("--recompute-num-layers", type=int, default=None)
     parser.add_argument("--fp8", action="store_true", help="matmul inputs saved in FP8")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object; its 'ranks' list has one entry per rank")
@@ -185,6 +215,7 @@ def main(argv=None) -> int:
         model, parallel, train, precision = configs_from_args(options)
         recompute = Recompute(options.recompute_granularity, options.recompute_method,
                               options.recompute_num_layers)
+        check_recompute(recompute, model.num_layers, parallel.pipeline_model_parallel_size)
         ranks = predict(model, parallel, train, schedule=options.schedule,
                         virtual_pipeline_size=options.virtual_pipeline_size, precision=precision,
                         use_distributed_optimizer=options.use_distributed_optimizer,

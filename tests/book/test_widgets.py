@@ -407,3 +407,48 @@ def test_the_fp8_legs_figure_reads_at_every_width(fragment_page, width):
     assert [legs.nth(i).get_attribute("data-op") for i in range(4)] == \
         ["dispatch", "combine", "combine", "dispatch"]
     view.assert_clean()
+
+
+# --- the memory explorer (chapter 10) ------------------------------------------------------
+
+
+def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page):
+    """Issue 19: every click shows what ``costs.memory_per_rank`` computed for that layout
+    (the bars' MiB are the island's numbers, the heaviest rank and the verdict follow), a
+    refused layout says why, and the second copy on the page does not move."""
+    from tutorial_lib.viz.memory import explorer_data, memory_explorer
+    data = explorer_data()
+    a, b = memory_explorer(), memory_explorer()
+    view = fragment_page(a.to_html(), b.to_html())
+    root, other = view.page.locator(".tl-memory-explorer").nth(0), view.page.locator(".tl-memory-explorer").nth(1)
+    first_key = root.get_attribute("data-key")
+    assert first_key == "deepseek-v3|1|16|64|1|none"
+
+    def shown(key):
+        bars = root.locator("rect.tl-mem-bar").evaluate_all("rs => rs.map(r => +r.dataset.mib)")
+        expected = [v for rank in data["results"][key]["ranks"] for v in rank]
+        assert bars == expected, key
+        totals = [sum(r) for r in data["results"][key]["ranks"]]
+        assert int(root.get_attribute("data-heaviest")) == totals.index(max(totals))
+        return max(totals)
+
+    heaviest = shown(first_key)
+    assert root.get_attribute("data-fits") == ("yes" if heaviest <= 80 * 1024 else "no")
+    root.locator(".tl-mem-recompute button", has_text="full").click()
+    assert root.get_attribute("data-key") == "deepseek-v3|1|16|64|1|full"
+    assert shown("deepseek-v3|1|16|64|1|full") < heaviest  # recomputation frees activations
+    root.locator(".tl-mem-budget button", has_text="141 GiB").click()
+    root.locator(".tl-mem-preset button", has_text="llama-405b").click()
+    assert root.locator(".tl-mem-ep button").count() == 1  # a dense model: EP 1 only
+    root.locator(".tl-mem-tp button", has_text="8").click()
+    key = root.get_attribute("data-key")
+    assert key == "llama-405b|8|16|1|1|full"
+    total = shown(key)
+    assert root.get_attribute("data-fits") == ("yes" if total <= 141 * 1024 else "no")
+    root.locator(".tl-mem-tp button", has_text="1").click()
+    root.locator(".tl-mem-pp button", has_text="4").click()  # DP 4096: 2048 sequences do not split
+    refused = data["results"][root.get_attribute("data-key")]
+    assert root.get_attribute("data-fits") == "refused" and "error" in refused
+    assert data["errors"][refused["error"]] in root.locator(".tl-mem-summary").inner_text()
+    assert other.get_attribute("data-key") == first_key  # the second copy did not move
+    view.assert_clean()

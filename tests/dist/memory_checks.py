@@ -6,24 +6,27 @@ and ``test_memory.py``: no launch of its own.
 from tutorial_lib import costs
 from tutorial_lib.grid import megatron_grids
 
-#: Saved activations: the MoE layers' routed copies per EP rank follow the routing (the
-#: model assumes the balanced ``K T / EP``): one microbatch of a few sequences may be 7 %
-#: off, the step's peak and mean were at most 2.7 % off on the sweep's layouts.
-ACTIVATION_RTOL = 0.05
+#: Saved activations per rank with EP: a rank's experts receive as many routed copies as
+#: the routing sends them, the model assumes the balanced ``K T / EP``.  Over a step the
+#: peak is within 5 % on most layouts, 5.3 % off with one expert per EP rank (EP 4, 4
+#: experts); a freshly drawn router is that unbalanced.  The EP group's mean is exact.
+ACTIVATION_RTOL = 0.10
 
 
 def predicted_memory(args):
     """The model's prediction for ``args`` (a ``TrainingArgs``), one entry per pipeline rank."""
     parallel, model, train = args.configs()
     return costs.memory_per_rank(model, parallel, train, args.schedule, args.chunks_per_rank,
-                                 use_distributed_optimizer=args.use_distributed_optimizer)
+                                 use_distributed_optimizer=args.use_distributed_optimizer,
+                                 recompute=args.recompute)
 
 
 def assert_memory_as_predicted(args, results) -> None:
     """Every rank's logged ``memory`` (each step) against the prediction: weights,
     gradients and optimizer state equal to the byte; saved activations of each microbatch
     and their peak equal to the byte without EP; with EP the peak and the mean over the
-    step's microbatches within :data:`ACTIVATION_RTOL`."""
+    step's microbatches within :data:`ACTIVATION_RTOL` on each rank, and each microbatch's
+    mean over the EP group to the byte."""
     parallel = args.configs()[0]
     parallel.world_size = args.world_size
     predicted = predicted_memory(args)
@@ -50,3 +53,22 @@ def assert_memory_as_predicted(args, results) -> None:
                       for chunk, values in per_chunk.items()]
             for measured, model in pairs:
                 assert abs(measured - model) <= ACTIVATION_RTOL * model, (where, measured, model)
+    if not exact:
+        _assert_the_ep_groups_mean_is_exact(parallel, predicted, results, dense)
+
+
+def _assert_the_ep_groups_mean_is_exact(parallel, predicted, results, dense) -> None:
+    """The all-to-all moves every copy somewhere: an EP group's ranks receive together
+    exactly the ``K T`` copies each sends, so their mean bytes per microbatch are the
+    prediction's to the byte."""
+    _, expert = megatron_grids(parallel)
+    for group in expert.groups("ep"):
+        stage = {dense.coords(rank)["pp"] for rank in group}
+        assert len(stage) == 1
+        expected = predicted[stage.pop()]
+        for step in range(len(results[group[0]])):
+            keys = results[group[0]][step]["memory"]["activations_per_microbatch"]
+            for key in keys:
+                total = sum(results[r][step]["memory"]["activations_per_microbatch"][key] for r in group)
+                chunk = int(key.split(",")[1])
+                assert total == len(group) * expected.activations_per_microbatch[chunk], (group, key)

@@ -63,8 +63,10 @@ def test_the_key_tables_are_the_library_s():
     assert wire["fp8"][1] == "7,392" and wire["fp8"][2] == "51.6 %"
     losses = {row[0]: row[1:3] for row in cheatsheet.key_table(5).rows}
     assert losses == {"expert": ["1", "4"], "device": ["1", "4"], "communication": ["1", "2"]}
-    with pytest.raises(ValueError, match="chapters are 1 to 9"):
-        cheatsheet.key_table(10)
+    memory = {tuple(row[:2]): row[2:] for row in cheatsheet.key_table(10).rows}
+    assert memory["bf16", "plain DP"] == ["18.00"] * 3  # Megatron's 18 bytes per parameter
+    with pytest.raises(ValueError, match="chapters are 1 to 10"):
+        cheatsheet.key_table(11)
 
 
 def test_plain_spells_tex_and_markdown():

@@ -209,11 +209,13 @@ def test_train_4d_takes_megatrons_cp_flags():
 
 
 def test_the_memory_estimate_splits_activations_over_cp():
-    """Each CP rank keeps the activations of s/CP tokens (the weights are whole)."""
+    """Each CP rank keeps the activations of s/CP tokens (the weights are whole), and a
+    little more than half at CP 2: the ring's attention output reaches the projection head
+    by head, which keeps its own reordered copy (chapter 9's first table)."""
     model = ModelConfig(seq_length=64, num_experts=0)
     one, two = (costs.memory_per_rank(model, ParallelConfig(c, context_parallel_size=c),
                                       TrainConfig(global_batch_size=4))[0] for c in (1, 2))
-    assert two.weights == one.weights and 0.4 < two.activations / one.activations <= 0.5
+    assert two.weights == one.weights and 0.5 < two.activations / one.activations < 0.6
 
 
 # --- the bytes: closed forms ---------------------------------------------------------------

@@ -18,15 +18,17 @@ module             chapters  what it holds
 ``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
                              optimizer state per rank
 ``moe``            4         the MoE dispatch / combine all-to-alls: bytes, send splits
-``memory``         --        a 4D run's memory per rank (weights, gradients, Adam,
-                             activations), checked before ``train_4d`` starts workers
+``memory``         10        every rank's memory (weights, gradients, optimizer state,
+                             saved activations per layer and schedule, recomputation),
+                             checked against runs; ``train_4d`` checks it before it starts
 =================  ========  ============================================================
 
 And ``context_parallel`` (chapter 9): context-parallel attention's messages and bytes per
 rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all).
 
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
-(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules`); ``collectives``,
+(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules` and the
+recomputation rule from :mod:`tutorial_lib.recompute`); ``collectives``,
 ``measure``, ``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``measure`` and
 ``context_parallel`` through ``collectives``) and none of them imports torch when it is
 loaded, so ``import tutorial_lib.costs`` loads no torch.  Two functions reach torch through
@@ -54,8 +56,9 @@ from .measure import (ALPHA_BETA_OPS, ALPHA_BETA_RANKS, ALPHA_BETA_SIZES, DEFAUL
                       MEASURABLE_OPS, MEASURE_DEVICES, TimedRounds, bandwidth_rows,
                       measure_alpha_beta, measure_collective, rounds_by_size,
                       samples_from_trace)
-from .memory import (RankMemory, available_memory_bytes, format_bytes, layer_parameters,
-                     memory_on_this_machine, memory_per_rank)
+from .memory import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
+                     layer_activation_bytes, layer_parameters, memory_of_ranks,
+                     memory_on_this_machine, memory_per_rank, stage_activation_bytes)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
                   moe_dedup_rows, moe_rank_all_to_alls, moe_rank_send_splits,
                   moe_send_counts)
@@ -83,4 +86,7 @@ __all__ = [
     "distributed_optimizer_collectives", "megatron_distributed_optimizer_numel",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
     "zero1_state_bytes_per_rank",
+    "PRECISION_BYTES", "RankMemory", "available_memory_bytes", "format_bytes",
+    "layer_activation_bytes", "layer_parameters", "memory_of_ranks", "memory_on_this_machine",
+    "memory_per_rank", "stage_activation_bytes",
 ]

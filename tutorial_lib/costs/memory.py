@@ -45,11 +45,12 @@ import os
 from dataclasses import dataclass, field
 
 from ..pipeline_schedules import expected_peak_activations, interleaved_one_f_one_b
+from ..recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, Recompute,
+                         kept_per_layer)
 
 __all__ = ["BYTES_PER_VALUE", "RUNTIME_BYTES_PER_RANK", "PRECISION_BYTES", "Precision",
-           "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "Recompute", "RankMemory",
-           "layer_parameters", "layer_activation_bytes", "stage_activation_bytes",
-           "recomputed_layers", "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
+           "RankMemory", "layer_parameters", "layer_activation_bytes", "stage_activation_bytes",
+           "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
            "available_memory_bytes", "format_bytes"]
 
 BYTES_PER_VALUE = 4
@@ -93,37 +94,6 @@ PRECISION_BYTES = {
 """``fp32``: the course's runs.  ``bf16``: Megatron's mixed precision, ``2 + 4 + 4 + 8 = 18``
 bytes per parameter with plain DP (Megatron-Core 0.20.0, d98e8a64,
 ``theoretical_memory_usage.py``)."""
-
-RECOMPUTE_GRANULARITIES = (None, "full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Megatron-LM's ``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``.
-
-    * ``full`` + ``uniform``: each chunk's layers in groups of ``num_layers``, each group
-      recomputed whole in backward; a group keeps only its input ``[s, b, h]``;
-    * ``full`` + ``block``: the first ``num_layers`` layers of each chunk keep only their
-      input, the others everything;
-    * ``selective``: every layer drops what core attention keeps inside (here the
-      log-sum-exp of the fused attention; the inputs q, k, v stay, they are the
-      recomputation's inputs).
-    """
-
-    granularity: str | None = None
-    method: str = "uniform"
-    num_layers: int = 1
-
-    def __post_init__(self):
-        if self.granularity not in RECOMPUTE_GRANULARITIES:
-            raise ValueError(f"recompute granularity {self.granularity!r}: one of "
-                             f"{', '.join(map(str, RECOMPUTE_GRANULARITIES))}")
-        if self.method not in RECOMPUTE_METHODS:
-            raise ValueError(f"recompute method {self.method!r}: one of {', '.join(RECOMPUTE_METHODS)}")
-        if self.num_layers < 1:
-            raise ValueError(f"recompute num_layers ({self.num_layers}) must be >= 1")
-
 
 NO_RECOMPUTE = Recompute()
 
@@ -295,17 +265,6 @@ def _context_parallel_attention_bytes(model, rows, tp, cp, a) -> int:
     return extra + (2 * INDEX_BYTES * s if model.cp_comm_type == "a2a" else 0)
 
 
-def recomputed_layers(layers: int, recompute: Recompute) -> tuple[int, int]:
-    """``(checkpointed groups, layers whose activations are dropped)`` in a chunk of ``layers``
-    layers under ``recompute`` (full granularity; ``(0, 0)`` otherwise)."""
-    if recompute.granularity != "full" or layers == 0:
-        return 0, 0
-    if recompute.method == "uniform":
-        return math.ceil(layers / recompute.num_layers), layers
-    dropped = min(recompute.num_layers, layers)
-    return dropped, dropped
-
-
 def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: int = 1,
                            cp: int = 1, *, precision: str = "fp32",
                            recompute: Recompute = NO_RECOMPUTE, **layer_options) -> dict[str, int]:
@@ -313,7 +272,8 @@ def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: in
     by part (:func:`layer_activation_bytes` per layer; ``embedding``: the ids, a mask and
     the positions; ``output``: the final LayerNorm, the head's input and the loss's fp32
     softmax over ``V / TP``, the labels; ``recompute_inputs``: each checkpointed group's
-    input under full recomputation)."""
+    input under full recomputation).  Which layers keep what under ``recompute`` is
+    :func:`tutorial_lib.recompute.kept_per_layer`'s rule (Megatron's flags)."""
     a = PRECISION_BYTES[precision].activation
     per = model.num_layers // num_stages
     layers = range(stage * per, (stage + 1) * per)
@@ -321,16 +281,16 @@ def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: in
     tokens = s * rows
     norm_tokens = tokens // tp if model.sequence_parallel else tokens
     parts: dict[str, int] = {}
-    groups, dropped = recomputed_layers(len(layers), recompute)
-    selective = "selective" if recompute.granularity == "selective" else None
-    for index, layer in enumerate(layers):
-        if index < dropped:
+    kept = kept_per_layer(len(layers), recompute)  # tutorial_lib.recompute's rule, per layer
+    for layer, keeps in zip(layers, kept):
+        if keeps == KEEP_INPUT:  # a checkpointed group's input [s, b, h]
+            parts["recompute_inputs"] = parts.get("recompute_inputs", 0) + a * norm_tokens * h
+        if keeps not in (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION):
             continue
+        selective = "selective" if keeps == KEEP_ALL_BUT_CORE_ATTENTION else None
         for name, value in layer_activation_bytes(model, layer, rows, tp, cp, precision=precision,
                                                   recompute=selective, **layer_options).items():
             parts[name] = parts.get(name, 0) + value
-    if groups:
-        parts["recompute_inputs"] = groups * a * norm_tokens * h
     if stage == 0:
         parts["embedding"] = (INDEX_BYTES + 1) * tokens + INDEX_BYTES * s
     if stage == num_stages - 1:

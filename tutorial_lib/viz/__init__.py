@@ -6,6 +6,7 @@
 * :mod:`.moe_flow`: tokens moving between expert-parallel ranks, from recorded splits;
 * :mod:`.fp8_tiles`: one FP8 tile's values, scale and error;
 * :mod:`.context_parallel`: the ring of context-parallel attention, step by step, from its trace;
+* :mod:`.memory`: the memory explorer, every pipeline rank's memory for a grid of layouts;
 * :mod:`.table`: a plain HTML table for chapter cells.
 * :mod:`.cheatsheet`: each chapter's key table and its one-page cheat sheet, a standalone
   page for slides (``scripts/cheat_sheets.py`` writes them at the book build).

@@ -178,15 +178,36 @@ def _cp_table() -> KeyTable:
                     ["CP", *modes], rows)
 
 
+def _memory_table() -> KeyTable:
+    from ..config import ModelConfig, ParallelConfig, TrainConfig
+    from ..costs.memory import memory_per_rank
+    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
+                        vocab_size=128)
+    rows = []
+    for precision in ("fp32", "bf16"):
+        for zero in (False, True):
+            per = []
+            for dp in (1, 8, 64):
+                rank = memory_per_rank(model, ParallelConfig(dp), TrainConfig(dp, 1),
+                                       precision=precision, use_distributed_optimizer=zero)[0]
+                per.append(f"{(rank.weights + rank.gradients + rank.optimizer) / rank.parameters:.2f}")
+            rows.append([precision, "distributed (ZeRO-1)" if zero else "plain DP", *per])
+    return KeyTable("Bytes per parameter a rank holds for weights, gradients and optimizer "
+                    "state (Adam), by precision and optimizer (the course's distributed "
+                    "optimizer also keeps its slice's fp32 gradient)",
+                    ["precision", "optimizer", "DP 1", "DP 8", "DP 64"], rows)
+
+
 KEY_TABLES: dict[int, Callable[[], KeyTable]] = {
     1: _groups_table, 2: _collectives_table, 3: _zero_table, 4: _moe_table,
     5: _losses_table, 6: _bubble_table, 7: _modes_table, 8: _wire_table, 9: _cp_table,
+    10: _memory_table,
 }
 """Chapter number -> its key table's builder."""
 
 
 def key_table(chapter: int) -> KeyTable:
-    """The key table of a chapter (1 to 9), computed by the library."""
+    """The key table of a chapter (1 to 10), computed by the library."""
     if chapter not in KEY_TABLES:
         raise ValueError(f"no cheat sheet for chapter {chapter}: chapters are "
                          f"{min(KEY_TABLES)} to {max(KEY_TABLES)}")

@@ -1,0 +1,154 @@
+"""Issue 19: the memory model (``tutorial_lib.costs.memory``) and its command line.
+
+Serial activations are checked here against autograd in this process (no workers); every
+layout's are checked in real runs by ``tests/dist/test_memory.py`` and the equivalence tests.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from tutorial_lib import costs
+from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from tutorial_lib.recompute import Recompute, check_recompute
+from tutorial_lib.data import synthetic_batch
+from tutorial_lib.deepseek import DeepSeekModel, Microbatch
+from tutorial_lib.memory import PRESETS, main
+from tutorial_lib.tensor_parallel import SavedTensorBytes
+
+MODELS = [ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=8,
+                      vocab_size=32, num_experts=4, moe_router_topk=2),
+          ModelConfig(num_layers=2, hidden_size=24, num_attention_heads=3, seq_length=10,
+                      vocab_size=50, num_experts=0, dropout=0.1),
+          ModelConfig(num_layers=3, hidden_size=16, num_attention_heads=2, seq_length=8,
+                      vocab_size=32, num_experts=8, moe_router_topk=3, num_shared_experts=2,
+                      moe_ffn_hidden_size=24, first_k_dense_replace=0)]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=range(len(MODELS)))
+def test_a_stage_saves_what_the_model_predicts_to_the_byte(model):
+    """Serial (TP = EP = CP = 1, one microbatch of 3 rows): autograd's saved tensors of
+    each stage of a 1- and a 2-stage cut equal ``activations_per_microbatch``."""
+    rows = 3
+    ids, labels = synthetic_batch(1, 0, rows, model.seq_length, model.vocab_size)
+    batch = Microbatch(ids, labels, torch.arange(rows), 0)
+    for stages in (1, model.num_layers):
+        predicted = costs.memory_per_rank(model, ParallelConfig(stages, pipeline_model_parallel_size=stages),
+                                          TrainConfig(rows, 1))
+        hidden = None
+        for stage in range(stages):
+            chunk = DeepSeekModel(model, stage=stage, num_stages=stages, seed=1)
+            chunk.train()
+            with SavedTensorBytes(chunk.parameters()) as saved:
+                out = chunk.forward_stage(hidden, batch)
+            assert saved.bytes == predicted[stage].activations_per_microbatch[0], (stages, stage)
+            hidden = out.detach().requires_grad_()
+
+
+def test_megatron_bytes_per_parameter_in_mixed_precision():
+    """Megatron-Core 0.20.0, d98e8a64, ``megatron/training/theoretical_memory_usage.py``,
+    ``compute_weight_and_optimizer_memory``: 18 bytes per parameter in bf16 mixed precision
+    without the distributed optimizer, ``6 + 12 / DP`` with it (one dense domain here)."""
+    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
+                        vocab_size=128)
+    for dp in (1, 2, 4, 8):
+        parallel, train = ParallelConfig(dp), TrainConfig(dp, 1)
+        plain = costs.memory_per_rank(model, parallel, train, precision="bf16")[0]
+        zero = costs.memory_per_rank(model, parallel, train, precision="bf16",
+                                     use_distributed_optimizer=True)[0]
+        p = plain.parameters
+        assert plain.weights + plain.gradients + plain.optimizer == 18 * p
+        # the slice's fp32 gradient (4 / DP) is the course's own copy, counted as a gradient
+        assert zero.weights + zero.gradients - 4 * math.ceil(p / dp) == 6 * p
+        assert zero.optimizer == 12 * math.ceil(p / dp)
+
+
+def test_recompute_keeps_only_the_inputs_of_recomputed_layers():
+    model, parallel, train = MODELS[0], ParallelConfig(1), TrainConfig(6, 2)
+    none = costs.memory_per_rank(model, parallel, train)[0].parts
+    full = costs.memory_per_rank(model, parallel, train, recompute=Recompute("full", "uniform", 2))[0].parts
+    block = costs.memory_per_rank(model, parallel, train, recompute=Recompute("full", "block", 1))[0].parts
+    selective = costs.memory_per_rank(model, parallel, train, recompute=Recompute("selective"))[0].parts
+    token_h = 4 * model.seq_length * 3 * model.hidden_size   # one [s, b, h] fp32, b = 3
+    assert full["recompute_inputs"] == 2 * token_h and "attention" not in full  # 2 groups of 2
+    assert block["recompute_inputs"] == token_h  # layer 0 (dense) recomputed, 1..3 kept
+    assert block["attention"] == none["attention"] * 3 // 4 and "mlp" not in block
+    # selective drops the log-sum-exp: 4 bytes per token and head in each layer
+    assert none["attention"] - selective["attention"] == 4 * 4 * 8 * 3 * model.num_attention_heads
+
+
+def _cli_json(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_cli_lists_every_rank_and_the_llama_preset_matches_a_hand_count(capsys):
+    """Llama-like preset, TP 8 x PP 16 x DP 128 (16384 ranks), bf16, sequence parallel,
+    1F1B with 16 microbatches of 1 sequence: pipeline rank 1 (8 layers, no embedding or
+    head), counted here per token from the layer's tensors."""
+    out = _cli_json(capsys, "--preset", "llama-405b")
+    assert len(out["ranks"]) == 16384 == out["world_size"]
+    assert [r["rank"] for r in out["ranks"][:3]] == [0, 1, 2]
+    h, f, t, tp, heads = 16384, 53248, 8192, 8, 128
+    per_layer_params = 4 * h + (4 * h * h + 3 * h) // tp + h + (2 * h * f + f) // tp + h
+    params = 8 * per_layer_params
+    # per layer, bf16 = 2 bytes; LayerNorms on the t / TP tokens sequence parallelism leaves
+    norms = 2 * (2 * 2 * (t // tp) * h + 2 * 4 * (t // tp))
+    attention = 2 * 3 * t * h // tp + 2 * t * h // tp + 4 * t * heads // tp
+    mlp = 2 * 2 * t * f // tp
+    in_flight = 16 - 1  # 1F1B: min(PP - rank, M)
+    expected = 18 * params + in_flight * 8 * (norms + attention + mlp)
+    rank_one = [r for r in out["ranks"] if r["coords"]["pp"] == 1]
+    assert len(rank_one) == 1024 and {r["total"] for r in rank_one} == {expected}
+    assert {r["parameters"] for r in rank_one} == {params}
+
+
+def test_the_deepseek_preset_shards_the_optimizer_state_as_megatron_counts(capsys):
+    """DeepSeek-V3-like preset, PP 16 x EP 64 on 2048 ranks (DP 128, expert-DP 2), bf16 with
+    the distributed optimizer: a middle rank holds 4 MoE layers of 4 local experts; its
+    weights, gradients and optimizer state by hand (6 + 12 / DP bytes per dense parameter,
+    6 + 12 / EDP per expert parameter, Megatron-Core 0.20.0's rule, plus the course's fp32
+    slice gradient)."""
+    out = _cli_json(capsys, "--preset", "deepseek-v3", "--use-distributed-optimizer")
+    assert len(out["ranks"]) == 2048
+    h, f, experts, local = 7168, 2048, 256, 4
+    dense = 4 * (4 * h + 4 * h * h + 4 * h + experts * h + 3 * f * h)  # norms, attention, router, shared
+    expert = 4 * local * 3 * f * h
+    slices = math.ceil(dense / 128) + math.ceil(expert / 2)
+    rank = next(r for r in out["ranks"] if r["coords"]["pp"] == 5)
+    assert rank["parameters"] == dense + expert
+    assert rank["weights"] == 2 * (dense + expert)
+    assert rank["gradients"] == 4 * (dense + expert) + 4 * slices
+    assert rank["optimizer"] == 12 * slices
+    assert rank["total"] == rank["weights"] + rank["gradients"] + rank["optimizer"] + rank["activations"]
+
+
+def test_the_cli_refuses_an_invalid_layout_or_recompute_setting(capsys):
+    assert main(["--world-size", "4", "--tp", "3"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert main(["--recompute-granularity", "full"]) == 2  # Megatron wants a method and N
+    assert "recompute_method" in capsys.readouterr().err
+
+
+RECOMPUTES = [Recompute("full", "uniform", 1), Recompute("full", "uniform", 3),
+              Recompute("full", "block", 2), Recompute("selective")]
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTES, ids=lambda r: f"{r.granularity}-{r.method}-{r.num_layers}")
+def test_recomputation_keeps_what_the_model_predicts_to_the_byte(recompute):
+    """With ``DeepSeekModel(recompute=...)`` (torch.utils.checkpoint, the i19-rec side),
+    autograd's saved tensors seen from outside the stage equal the prediction, which reads
+    the same rule (``tutorial_lib.recompute.kept_per_layer``)."""
+    model, rows = MODELS[0], 3
+    ids, labels = synthetic_batch(1, 0, rows, model.seq_length, model.vocab_size)
+    batch = Microbatch(ids, labels, torch.arange(rows), 0)
+    predicted = costs.memory_per_rank(model, ParallelConfig(1), TrainConfig(rows, 1),
+                                      recompute=recompute)[0]
+    none = costs.memory_per_rank(model, ParallelConfig(1), TrainConfig(rows, 1))[0]
+    chunk = DeepSeekModel(model, seed=1, recompute=recompute)
+    chunk.train()
+    with SavedTensorBytes(chunk.parameters()) as saved:
+        chunk.forward_stage(None, batch)
+    assert saved.bytes == predicted.activations_per_microbatch[0]
+    assert predicted.activations < none.activations

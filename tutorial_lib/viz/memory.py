@@ -1,0 +1,100 @@
+"""The memory explorer: every pipeline rank's memory for a grid of layouts, played in the page.
+
+    memory_explorer()           # the presets of tutorial_lib.memory, TP x PP x EP x ZeRO x recompute
+
+The reader picks a preset (a DeepSeek-V3-like and a Llama-like model at thousands of
+GPUs), the TP, PP and EP sizes (DP is what the world leaves), the distributed optimizer
+(ZeRO-1) on or off, a recomputation setting and a memory budget per GPU.  The widget draws
+one stacked bar per pipeline rank: weights, gradients, optimizer state, activations at the
+schedule's peak, and the budget as a line.  Every number was computed in Python by
+:func:`tutorial_lib.costs.memory_per_rank` when the widget was built (:func:`explorer_data`);
+the page only picks and draws them, so it works in the static book without a kernel.
+"""
+from __future__ import annotations
+
+import html
+import itertools
+
+from ..config import ConfigError
+from ..costs.memory import memory_per_rank
+from ..memory import PRESETS, preset_layout
+from ..recompute import Recompute
+from .widget import Widget
+
+__all__ = ["explorer_data", "MemoryExplorer", "memory_explorer", "GRID", "BUDGETS_GIB", "MIB"]
+
+MIB = 2**20
+GRID = {"tp": (1, 2, 4, 8), "pp": (1, 4, 8, 16), "ep": (1, 8, 64), "zero": (0, 1),
+        "recompute": ("none", "selective", "full")}
+"""The settings the explorer offers (EP only where the preset has experts)."""
+BUDGETS_GIB = (40, 80, 141)
+"""Memory per GPU to compare with: 40 and 80 GiB (A100 / H100 sizes), 141 (H200)."""
+RECOMPUTE = {"none": Recompute(), "selective": Recompute("selective"),
+             "full": Recompute("full", "uniform", 1)}
+
+
+def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
+    """Everything the widget draws: per preset and setting, each pipeline rank's
+    ``[weights, gradients, optimizer, activations]`` in MiB (rounded up), or why the
+    layout is refused."""
+    errors: list[str] = []
+    out = {"presets": [], "grid": {k: list(v) for k, v in GRID.items()},
+           "budgets": list(BUDGETS_GIB), "parts": ["weights", "gradients", "optimizer", "activations"],
+           "results": {}, "errors": errors}
+    for name in presets:
+        preset = PRESETS[name]
+        eps = GRID["ep"] if preset.model.num_experts else (1,)
+        out["presets"].append({"name": name, "note": preset.note, "world": preset.layout["world_size"],
+                               "ep": list(eps), "precision": preset.precision})
+        for tp, pp, ep, zero, rc in itertools.product(GRID["tp"], GRID["pp"], eps, GRID["zero"],
+                                                      GRID["recompute"]):
+            key = f"{name}|{tp}|{pp}|{ep}|{zero}|{rc}"
+            try:
+                parallel, train = preset_layout(preset, tp, pp, ep)
+                ranks = memory_per_rank(preset.model, parallel, train, precision=preset.precision,
+                                        use_distributed_optimizer=bool(zero),
+                                        recompute=RECOMPUTE[rc], runtime=0)
+            except (ConfigError, ValueError) as err:
+                message = str(err)
+                if message not in errors:
+                    errors.append(message)
+                out["results"][key] = {"error": errors.index(message)}
+                continue
+            out["results"][key] = {"dp": parallel.data_parallel_size, "m": train.num_microbatches,
+                                   "ranks": [[-(-v // MIB) for v in (r.weights, r.gradients,
+                                                                      r.optimizer, r.activations)]
+                                             for r in ranks]}
+    return out
+
+
+class MemoryExplorer(Widget):
+    """The widget: ``data`` is :func:`explorer_data`'s; ``to_html()``, ``_repr_html_()``, ``save()``."""
+
+    styles = ("memory.css",)
+    scripts = ("memory.js",)
+    start = "startMemoryExplorer"
+    id_prefix = "tl-mem-"
+    data_class = "tl-mem-data"
+
+    def __init__(self, data: dict, title: str = ""):
+        self.data = data
+        self.title = title or "Memory per pipeline rank: pick a layout"
+
+    def parts(self, uid: str) -> tuple[str, str, object]:
+        rows = "".join(f'<div class="tl-mem-row"><span class="tl-mem-label">{label}</span>'
+                       f'<span class="tl-mem-{key} tl-mem-row"></span></div>'
+                       for key, label in (("preset", "model"), ("tp", "TP"), ("pp", "PP"),
+                                          ("ep", "EP"), ("zero", "optimizer"),
+                                          ("recompute", "recompute"), ("budget", "GPU memory")))
+        markup = (f'<div class="tl-mem-title">{html.escape(self.title)}</div>{rows}'
+                  f'<div class="tl-mem-summary"></div>'
+                  f'<svg width="720" height="200" role="img" '
+                  f'aria-label="memory of each pipeline rank"></svg>'
+                  f'<div class="tl-mem-legend"></div>')
+        attributes = f'class="tl-memory-explorer" id="{uid}" data-key="" data-fits=""'
+        return attributes, markup, self.data
+
+
+def memory_explorer(presets=("deepseek-v3", "llama-405b"), title: str = "") -> MemoryExplorer:
+    """The explorer over :data:`GRID` for ``presets`` (names in :data:`tutorial_lib.memory.PRESETS`)."""
+    return MemoryExplorer(explorer_data(presets), title)
