@@ -281,7 +281,10 @@ class DeepSeekModel(torch.nn.Module):
         its layers.  Last stage: returns the mean next-token loss over the microbatch's
         tokens (a scalar, the same on every TP rank); the others return ``[s, b, h]``.
         Each MoE layer's balance losses are attached to the activations (their gradient
-        is ``aux_loss_scale``) and summed into ``aux_loss_sums`` for the log.
+        is ``aux_loss_scale``) and summed into ``aux_loss_sums`` for the log.  While
+        training, the layers run in the groups of
+        :func:`~tutorial_lib.recompute.recompute_groups`, each checkpointed group through
+        :func:`~tutorial_lib.recompute.checkpoint` (Megatron's ``checkpointed_forward``).
         """
         if self.pre_process:
             if batch.input_ids is None:

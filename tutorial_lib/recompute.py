@@ -143,10 +143,11 @@ def recompute_groups(layers: int, recompute: Recompute) -> list[tuple[int, int, 
     """How a chunk of ``layers`` layers runs: ``(start, end, checkpointed)`` runs of layers.
 
     Megatron-Core 0.20.0 (d98e8a64), megatron/core/recompute.py ``checkpointed_forward``
-    (``TransformerBlock._checkpointed_forward`` before 0.16): *uniform* checkpoints layers
-    ``[0, N)``, ``[N, 2N)``, ... (the last group may be shorter); *block* runs each layer
-    alone and checkpoints the first N (all of them when N >= ``layers``).  Without full
-    granularity the chunk is one run, not checkpointed (selective works inside layers).
+    (``TransformerBlock._checkpointed_forward`` until commit 118933a8, May 2026):
+    *uniform* checkpoints layers ``[0, N)``, ``[N, 2N)``, ... (the last group may be
+    shorter); *block* runs each layer alone and checkpoints the first N (all of them when
+    N >= ``layers``).  Without full granularity the chunk is one run, not checkpointed
+    (selective works inside layers).
     """
     if recompute.granularity != "full":
         return [(0, layers, False)] if layers else []
@@ -193,7 +194,8 @@ def checkpoint(function, *args):
     ``torch.utils.checkpoint.checkpoint`` in its non-reentrant form (``use_reentrant=False``,
     torch's recommendation; Megatron's own ``tensor_parallel.checkpoint`` is the reentrant
     kind), with early stop off so the whole region runs again (see the module doc), and the
-    recomputation's trace events tagged ``recompute=True``.  ``function`` must compute the
+    recomputation's trace events tagged as the forward's were (its layer, say), plus
+    ``recompute=True``.  ``function`` must compute the
     same thing twice: here every random choice (dropout masks) is drawn from the batch's
     row indices, not from a generator's state.  Non-tensor arguments are held, not saved.
     """
@@ -201,8 +203,9 @@ def checkpoint(function, *args):
 
     from .trace import get_tracer
 
-    def contexts():
-        return nullcontext(), get_tracer().tags(recompute=True)
+    def contexts():  # called by the forward; the second context wraps the recomputation
+        tracer = get_tracer()
+        return nullcontext(), tracer.tags(**tracer.current_tags(), recompute=True)
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, early_stop=False)
@@ -218,28 +221,26 @@ def saved_tensor_bytes(parameters=()):
     ``kept[layer_number]`` is the bytes autograd keeps for backward from that layer
     (``kept[None]``: outside the layers: embedding, head, loss).
 
-    Counted by storage, each once (a saved view keeps its whole storage alive), the
-    ``parameters`` left out; attributed by the ``layer_number`` trace tag that
+    :class:`~tutorial_lib.tensor_parallel.SavedTensorBytes` (each storage once, the
+    ``parameters`` left out), split by the ``layer_number`` trace tag that
     :class:`~tutorial_lib.deepseek.DeepSeekModel` sets while a layer (or a checkpointed
     group, for its saved input) runs.  Enter it outside any checkpointed region (see the
     module doc), around a whole forward.
     """
-    import torch
-
+    from .tensor_parallel import SavedTensorBytes
     from .trace import get_tracer
 
     tracer = get_tracer()
-    weights = {p.untyped_storage().data_ptr() for p in parameters}
     kept: dict = {}
-    seen: set = set()
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            layer = tracer.current_tags().get("layer_number")
-            kept[layer] = kept.get(layer, 0) + storage.nbytes()
-        return tensor
+    class ByLayer(SavedTensorBytes):
+        def pack(self, tensor):
+            before = self.bytes
+            tensor = super().pack(tensor)
+            if self.bytes != before:
+                layer = tracer.current_tags().get("layer_number")
+                kept[layer] = kept.get(layer, 0) + self.bytes - before
+            return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with ByLayer(parameters):
         yield kept

@@ -30,6 +30,9 @@ ARGS = TrainingArgs(world_size=6, tensor_model_parallel_size=2, pipeline_model_p
 SETTINGS = {"none": Recompute(), "full-uniform-2": Recompute("full", "uniform", 2),
             "full-block-1": Recompute("full", "block", 1), "selective": Recompute("selective")}
 ROWS = ARGS.global_batch_size // ARGS.num_microbatches  # rows of a microbatch (DP = 1)
+#: The same model on CP 2 x PP 3, with and without selective recomputation.
+CP_ARGS = replace(ARGS, tensor_model_parallel_size=1, context_parallel_size=2)
+CP_SETTINGS = {"cp/none": Recompute(), "cp/selective": Recompute("selective")}
 
 
 def _step_under_each_setting(ctx):
@@ -43,9 +46,12 @@ def _step_under_each_setting(ctx):
     from tutorial_lib.tp_dp_step import finish_step
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
     out = {}
-    for name, recompute in SETTINGS.items():
-        args = replace(ARGS, recompute_granularity=recompute.granularity,
+    runs = [(ARGS, name, r) for name, r in SETTINGS.items()]
+    runs += [(CP_ARGS, name, r) for name, r in CP_SETTINGS.items()]
+    for base, name, recompute in runs:
+        args = replace(base, recompute_granularity=recompute.granularity,
                        recompute_method=recompute.method, recompute_num_layers=recompute.num_layers)
+        cp = args.context_parallel_size
         with ctx.tracer.tags(setting=name):
             parallel_state.initialize_model_parallel(args.configs()[0])
             chunks = build_chunks(args)
@@ -58,11 +64,12 @@ def _step_under_each_setting(ctx):
                     return result
                 chunk.forward_stage = measured
                 chunk.reset_step_stats()
-                chunk.aux_loss_scale = moe_aux_loss_scale(args.num_microbatches)
+                chunk.aux_loss_scale = moe_aux_loss_scale(args.num_microbatches, cp)
             first = parallel_state.get_rank_in("pp") == 0
-            shape = (args.seq_length, ROWS, args.hidden_size)
+            shape = (args.seq_length // cp, ROWS, args.hidden_size)
             modules = torch.nn.ModuleList(chunks)
-            model = DataParallel(modules, group="dp")  # experts: summed over expert-DP (= TP)
+            # experts: summed over expert-DP (the TP pair; under CP the CP pair)
+            model = DataParallel(modules, group="dp_cp" if cp > 1 else "dp")
             with model.no_sync():
                 step = forward_backward_pipelining(chunks, _microbatches(args, 0, first, None),
                                                    args.schedule, args.p2p_mode, shape)
@@ -195,3 +202,21 @@ def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
             m = ARGS.num_microbatches
             want_ops = {("all_reduce", "tp"): m * (2 * dense + 3 * moe), ("all_gather", "tp"): m * moe}
             assert ops == Counter({k: v for k, v in want_ops.items() if v}), (name, rank, ops)
+
+
+def test_selective_recomputation_under_context_parallelism_repeats_the_kv_ring():
+    """Under context parallelism the core attention is where the CP ranks talk (the K/V ring
+    of ``cp_comm_type="p2p"``, Megatron-Core 0.20.0's ``AttnFuncWithCPAndKVP2P``, d98e8a64,
+    megatron/core/extensions/transformer_engine.py via TE): selective recomputation reruns
+    it, so every ring message of a layer's forward is sent a second time in backward,
+    tagged ``recompute=True``, and nothing else is.  The gradients are bit for bit those of
+    the run without recomputation on CP 2 x PP 3."""
+    result = run()
+    for rank, res in enumerate(result.results):
+        for param, grad in res["cp/selective"]["grads"].items():
+            assert torch.equal(grad, res["cp/none"]["grads"][param]), (rank, param)
+        events = result.trace.filter(rank=rank, comm_only=True, setting="cp/selective")
+        again = _in_layers(e for e in events if e.tags.get("recompute"))
+        ring = _in_layers(e for e in events if not e.tags.get("recompute")
+                          and e.group_kind == "cp" and e.op in ("send", "recv"))
+        assert again == ring and sum(ring.values()) > 0, rank
