@@ -69,6 +69,7 @@ from .trace import get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
            "helper_name", "group_actions", "combined_helpers", "schedule_steps",
+           "WeightGradWork", "backward_input", "backward_weight",
            "check_schedule_and_mode",
            "SyntheticStage",
            "synthetic_microbatches", "synthetic_run_name",
@@ -181,6 +182,124 @@ def helper_name(run: list[Action]) -> str:
     return _HELPERS[key]
 
 
+# --- the backward in two parts: B (input gradient) and W (weight gradients) -----------
+
+
+def _grad_node(t: torch.Tensor):
+    """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or for a leaf
+    its gradient accumulator (made on demand, through a view)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _reaching(parents: dict, targets) -> set:
+    """The nodes from which one of ``targets`` is reached in the backward graph."""
+    found, todo = set(targets), list(targets)
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent not in found:
+                found.add(parent)
+                todo.append(parent)
+    return found
+
+
+@dataclass
+class WeightGradWork:
+    """What B leaves for W: where the weight gradients leave the input gradient's path.
+
+    ``junctions``: for every node on the path from the stage's output to its input that
+    also feeds a weight, the gradient it received in B and the edges towards the weights
+    (``(node, grad_outputs, edges)``).  ``output`` / ``output_grad``: the stage's output
+    and its gradient, for a stage without an input gradient (the first), whose whole
+    backward is W.
+    """
+
+    junctions: list = field(default_factory=list)
+    output: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+
+
+def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None,
+                   stage_input: torch.Tensor | None) -> tuple:
+    """B: the gradient of the stage's input only; returns ``(input_grad, work for W)``.
+
+    Autograd runs from ``output`` (with ``output_grad``; ``None`` for a scalar loss) to
+    ``stage_input`` alone, so it visits only the nodes on that path (the MoE all-to-alls
+    included) and skips every weight gradient; the graph is kept.  A hook on each
+    *junction* (a node of that path with an edge towards a weight) records the gradient
+    that reached it, where :func:`backward_weight` starts later.  The same split as
+    ``torch.distributed.pipelining``'s ``stage_backward_input`` /
+    ``stage_backward_weight`` (torch 2.13.0, ``torch/distributed/pipelining/_backward.py``),
+    with two differences: W re-runs each junction for its weight-side outputs only (one
+    junction at a time, so a junction below another is not counted twice), and W's last
+    pass runs through the parameters' gradient accumulators, so gradient hooks fire as in
+    a plain backward (:class:`~tutorial_lib.data_parallel.DataParallel`'s ``main_grad``
+    buckets, ZeRO-1's fp32 accumulation).  With no ``stage_input`` (the first model
+    stage: nothing to send back) B does nothing and W is the whole backward, as in torch's
+    ``PipelineStage.backward_one_chunk``.
+    """
+    if stage_input is None:
+        return None, WeightGradWork(output=output, output_grad=output_grad)
+    root, target = output.grad_fn, _grad_node(stage_input)
+    parents: dict = {}  # the backward graph reversed: node -> the nodes with an edge to it
+    seen, todo = {root}, [root]
+    while todo:
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents.setdefault(child, []).append(node)
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    on_path = _reaching(parents, [target])
+    accumulators = [n for n in seen if not n.next_functions and n is not target
+                    and type(n).__name__ == "AccumulateGrad"]
+    feeds_weight = _reaching(parents, accumulators)
+    junctions = []
+    for node in on_path:
+        edges = [(child, nr) for child, nr in node.next_functions
+                 if child is not None and child not in on_path and child in feeds_weight]
+        if edges:
+            junctions.append([node, None, edges])
+    handles = []
+    for junction in junctions:
+        def record(grad_outputs, junction=junction):
+            junction[1] = grad_outputs
+        handles.append(junction[0].register_prehook(record))
+    try:
+        (input_grad,) = torch.autograd.grad(output, stage_input, output_grad, retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return input_grad, WeightGradWork([j for j in junctions if j[1] is not None])
+
+
+def backward_weight(work: WeightGradWork) -> None:
+    """W: the weight gradients B deferred, accumulated into ``.grad`` (hooks fire).
+
+    For each junction: its gradients towards the weights, from the gradient it received
+    in B; then one backward from all those edges into the parameters.
+    """
+    from torch.autograd.graph import GradientEdge
+
+    if work.output is not None:  # the first stage: the whole backward
+        torch.autograd.backward(work.output, work.output_grad)
+        return
+    roots, grads = [], []
+    for node, grad_outputs, edges in work.junctions:
+        outputs = [GradientEdge(node, k) for k, g in enumerate(grad_outputs) if g is not None]
+        seeds = [g for g in grad_outputs if g is not None]
+        targets = [GradientEdge(child, nr) for child, nr in edges]
+        found = torch.autograd.grad(outputs, targets, seeds, retain_graph=True,
+                                    allow_unused=True)
+        roots += [t for t, g in zip(targets, found) if g is not None]
+        grads += [g for g in found if g is not None]
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
 # --- the executor ---------------------------------------------------------------------
 
 
@@ -210,7 +329,7 @@ class PipelineExecutor:
 
     def __init__(self, chunks: list, microbatches: list[Microbatch], rank: int, pp: int,
                  p2p_mode: str, tensor_shape: tuple | None, dtype: torch.dtype,
-                 defer_sends: bool, device=None):
+                 defer_sends: bool, device=None, split_backward: bool = False):
         self.chunks, self.microbatches = chunks, microbatches
         self.device = module_device(chunks[0]) if device is None else torch.device(device)
         self.rank, self.pp = rank, pp
@@ -229,6 +348,8 @@ class PipelineExecutor:
         self.defer_sends = defer_sends
         self.deferred_sends: list = []  # with defer_sends: P2P sends not waited on yet
         self.keep_alive: list = []  # what those sends read: it must outlive them
+        self.split_backward = split_backward
+        self.weight_work: dict[tuple, WeightGradWork] = {}  # B done, W still to come
 
     def run_forward(self, action: Action) -> None:
         """Chunk ``c``'s forward of microbatch ``i``; keep the output."""
@@ -244,10 +365,24 @@ class PipelineExecutor:
             self.losses[i] = float(output.detach())
             output = output / len(self.microbatches)
         self.outputs[(i, c)] = output
-        self.peak_activations = max(self.peak_activations, len(self.outputs))
+        self.peak_activations = max(self.peak_activations, self.activations_held)
+
+    @property
+    def activations_held(self) -> int:
+        """(microbatch, chunk) pairs whose activations autograd keeps: from the forward
+        to the backward, or to the W of a split backward (B keeps the graph for W)."""
+        return len(self.outputs) + len(self.weight_work)
 
     def run_backward(self, action: Action) -> None:
-        """Backward from the kept output: from the loss or the gradient received."""
+        """Backward from the kept output: from the loss or the gradient received.
+
+        With ``split_backward``: B then W at once (:meth:`run_backward_input`,
+        :meth:`run_backward_weight`), the same gradients in another order of work.
+        """
+        if self.split_backward:
+            self.run_backward_input(action)
+            self.run_backward_weight(action)
+            return
         i, c = action.microbatch, action.chunk
         stage = action.model_stage(self.rank, self.pp)
         output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
@@ -260,6 +395,26 @@ class PipelineExecutor:
                 torch.autograd.backward(output, grad_tensors=grad)
         if stage > 0:  # the gradient to send back to the previous model stage
             self.input_grads[(i, c)] = stage_input.grad
+
+    def run_backward_input(self, action: Action) -> None:
+        """B: the gradient of the stage's input (to send back); W's work is kept."""
+        i, c = action.microbatch, action.chunk
+        stage = action.model_stage(self.rank, self.pp)
+        output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
+        grad = None if stage == self.last_stage else self.output_grads.pop((i, c))
+        with self.tracer.tags(microbatch=i, chunk=c), \
+                self.tracer.span("backward_input", microbatch=i, chunk=c):
+            input_grad, self.weight_work[(i, c)] = backward_input(
+                output, grad, stage_input if stage > 0 else None)
+        if stage > 0:
+            self.input_grads[(i, c)] = input_grad
+
+    def run_backward_weight(self, action: Action) -> None:
+        """W: the weight gradients of a microbatch whose B has run."""
+        i, c = action.microbatch, action.chunk
+        with self.tracer.tags(microbatch=i, chunk=c), \
+                self.tracer.span("backward_weight", microbatch=i, chunk=c):
+            backward_weight(self.weight_work.pop((i, c)))
 
     def run_p2p(self, messages: list[Action]) -> None:
         """One Megatron P2P helper: at most one send, then at most one receive."""
@@ -308,7 +463,8 @@ class PipelineExecutor:
 def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 schedule: str = "1f1b", p2p_mode: str = "batched",
                                 tensor_shape: tuple | None = None,
-                                dtype: torch.dtype = torch.float32, device=None) -> StepOutput:
+                                dtype: torch.dtype = torch.float32, device=None,
+                                split_backward: bool = False) -> StepOutput:
     """Run one step's forwards and backwards on this pipeline rank; every rank calls it.
 
     ``chunks``: this rank's model chunks (a ``DeepSeekModel`` of one model stage each):
@@ -319,6 +475,8 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     ``tensor_shape``: the activation ``[s, b, h]`` that crosses model stage boundaries.
     ``device``: where received activations, gradients and labels land (``None``: the first
     chunk's device).  Gradients accumulate in the parameters (each loss is divided by ``M``).
+    ``split_backward``: run every ``backward`` as B then W (:func:`backward_input`,
+    :func:`backward_weight`): the same gradients, the work in another order.
     """
     pp = parallel_state.group_size("pp")
     check_schedule_and_mode(schedule, p2p_mode, pp)
@@ -339,7 +497,8 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     # rank r's send to r + 1 and rank r + 1's send to r (another chunk's tensor) can
     # each wait for a receive the other posts only later.  1F1B and GPipe wait at once.
     executor = PipelineExecutor(chunks, microbatches, rank, pp, p2p_mode, tensor_shape,
-                                dtype, defer_sends=schedule == "interleaved", device=device)
+                                dtype, defer_sends=schedule == "interleaved", device=device,
+                                split_backward=split_backward)
     for step in steps:
         action = step[0]
         if action.kind == "forward":
@@ -375,7 +534,8 @@ class _Busy(torch.autograd.Function):
 
 class SyntheticStage(torch.nn.Module):
     """A stand-in for model stage ``stage`` of ``num_stages``: its forward takes
-    ``forward_seconds``, its backward ``backward_seconds``.
+    ``forward_seconds``, its backward ``backward_seconds``, of which ``weight_seconds``
+    are the weight gradient (W) and the rest the input gradient (B).
 
     To see a schedule's bubble, every stage must cost the same, and on a laptop the
     ranks share a few cores, so real layers slow each other down.  This stage waits
@@ -383,24 +543,34 @@ class SyntheticStage(torch.nn.Module):
     messages and the labels are the real ones: the recorded timeline is the
     schedule's, not the CPU scheduler's.  It has one weight so that autograd has a
     backward to run, and the same ``forward_stage`` interface as
-    :class:`~tutorial_lib.deepseek.DeepSeekModel`.
+    :class:`~tutorial_lib.deepseek.DeepSeekModel`.  The input's path waits in the
+    backward of an identity on the activation, the weight's path in the backward of an
+    identity on the weight: :func:`backward_input` runs only the first,
+    :func:`backward_weight` only the second (on the first stage, which has no input
+    gradient, W runs both).
     """
 
     def __init__(self, stage: int, num_stages: int, tensor_shape: tuple,
-                 forward_seconds: float = 0.01, backward_seconds: float = 0.02, device=None):
+                 forward_seconds: float = 0.01, backward_seconds: float = 0.02,
+                 weight_seconds: float = 0.0, device=None):
         super().__init__()
+        if not 0 <= weight_seconds <= backward_seconds:
+            raise ValueError(f"weight_seconds ({weight_seconds}) is part of the backward: "
+                             f"it must be in 0..backward_seconds ({backward_seconds})")
         self.stage, self.num_stages = stage, num_stages
         self.tensor_shape = tuple(tensor_shape)
         self.forward_seconds, self.backward_seconds = forward_seconds, backward_seconds
+        self.weight_seconds = weight_seconds
         self.weight = torch.nn.Parameter(torch.ones((), device=resolve_device(device)))
 
     def forward_stage(self, hidden: torch.Tensor | None,
                       batch: Microbatch) -> torch.Tensor:
+        weight = _Busy.apply(self.weight, 0.0, self.weight_seconds)
         if hidden is None:
-            x = self.weight.expand(self.tensor_shape)
+            x = weight.expand(self.tensor_shape)
         else:
-            x = hidden * self.weight
-        y = _Busy.apply(x, self.forward_seconds, self.backward_seconds)
+            x = hidden * weight
+        y = _Busy.apply(x, self.forward_seconds, self.backward_seconds - self.weight_seconds)
         return y.mean() if self.stage == self.num_stages - 1 else y
 
 
