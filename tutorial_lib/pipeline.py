@@ -64,7 +64,8 @@ from .deepseek import Microbatch
 from .devices import module_device, resolve_device
 from .p2p import communicate
 from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
-                                 num_warmup_microbatches)
+                                 num_model_stages, num_warmup_microbatches, split_backwards,
+                                 stage_holder)
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
@@ -108,7 +109,13 @@ COMBINED_HELPERS = {
     "gpipe": (),
     "1f1b": ("send_forward_recv_backward", "send_backward_recv_forward"),
     "interleaved": None,
+    # issue 20's schedules (Megatron has none of them): every message its own call,
+    # every send posted at once and waited on at the end of the step
+    "zb-h1": (), "zbv": (), "dualpipev": (), "dualpipe": (),
 }
+
+#: The schedules whose ranks hold two chunks, placed in a V or as two model copies.
+TWO_CHUNK_SCHEDULES = ("zbv", "dualpipev", "dualpipe")
 
 
 def combined_helpers(schedule: str) -> tuple[str, ...] | None:
@@ -329,13 +336,17 @@ class PipelineExecutor:
 
     def __init__(self, chunks: list, microbatches: list[Microbatch], rank: int, pp: int,
                  p2p_mode: str, tensor_shape: tuple | None, dtype: torch.dtype,
-                 defer_sends: bool, device=None, split_backward: bool = False):
+                 defer_sends: bool, device=None, split_backward: bool = False,
+                 placement: str = "loop", split=()):
         self.chunks, self.microbatches = chunks, microbatches
         self.device = module_device(chunks[0]) if device is None else torch.device(device)
         self.rank, self.pp = rank, pp
         self.p2p_mode, self.tensor_shape, self.dtype = p2p_mode, tensor_shape, dtype
         self.pp_ranks = parallel_state.get_group_ranks("pp") if pp > 1 else [0]
-        self.last_stage = pp * len(chunks) - 1  # the model stage with the loss
+        self.placement = placement
+        # the model stage with the loss (of each copy, in DualPipe's two copies)
+        self.last_stage = num_model_stages(placement, pp, len(chunks)) - 1
+        self.split = set(split)  # (microbatch, chunk): the backwards split into B and W
         self.tracer = get_tracer()
         self.inputs: dict[tuple, torch.Tensor] = {}  # received activations
         self.outputs: dict[tuple, torch.Tensor] = {}  # forward outputs (last: loss / M)
@@ -364,6 +375,10 @@ class PipelineExecutor:
         if is_last:
             self.losses[i] = float(output.detach())
             output = output / len(self.microbatches)
+        else:  # the V's turn: the next stage is this rank's other chunk, no message
+            local = self._local_chunk(action, +1)
+            if local is not None:
+                self.inputs[(i, local)] = output.detach().requires_grad_()
         self.outputs[(i, c)] = output
         self.peak_activations = max(self.peak_activations, self.activations_held)
 
@@ -372,6 +387,36 @@ class PipelineExecutor:
         """(microbatch, chunk) pairs whose activations autograd keeps: from the forward
         to the backward, or to the W of a split backward (B keeps the graph for W)."""
         return len(self.outputs) + len(self.weight_work)
+
+    def _local_chunk(self, action: Action, step: int) -> int | None:
+        """This rank's chunk that runs the model stage ``step`` after (``+1``) or before
+        (``-1``) the action's, when this rank holds it (the V's turn); else ``None``."""
+        stage = action.model_stage(self.rank, self.pp) + step
+        if not 0 <= stage <= self.last_stage:
+            return None
+        copy = action.chunk if self.placement == "dual" else 0
+        rank, chunk = stage_holder(self.placement, stage, self.pp, copy)
+        return chunk if rank == self.rank else None
+
+    def _input_grad(self, action: Action, grad: torch.Tensor) -> None:
+        """The input's gradient: to send, or to hand to this rank's previous stage."""
+        key = (action.microbatch, action.chunk)
+        local = self._local_chunk(action, -1)
+        if local is None:
+            self.input_grads[key] = grad
+        else:
+            self.output_grads[(action.microbatch, local)] = grad
+
+    def run_compute(self, action: Action) -> None:
+        """A ``forward``, a ``backward`` (B where the schedule splits it), a ``weight`` (W)."""
+        if action.kind == "forward":
+            self.run_forward(action)
+        elif action.kind == "weight":
+            self.run_backward_weight(action)
+        elif (action.microbatch, action.chunk) in self.split:
+            self.run_backward_input(action)
+        else:
+            self.run_backward(action)
 
     def run_backward(self, action: Action) -> None:
         """Backward from the kept output: from the loss or the gradient received.
@@ -394,7 +439,7 @@ class PipelineExecutor:
                 grad = self.output_grads.pop((i, c))
                 torch.autograd.backward(output, grad_tensors=grad)
         if stage > 0:  # the gradient to send back to the previous model stage
-            self.input_grads[(i, c)] = stage_input.grad
+            self._input_grad(action, stage_input.grad)
 
     def run_backward_input(self, action: Action) -> None:
         """B: the gradient of the stage's input (to send back); W's work is kept."""
@@ -407,7 +452,7 @@ class PipelineExecutor:
             input_grad, self.weight_work[(i, c)] = backward_input(
                 output, grad, stage_input if stage > 0 else None)
         if stage > 0:
-            self.input_grads[(i, c)] = input_grad
+            self._input_grad(action, input_grad)
 
     def run_backward_weight(self, action: Action) -> None:
         """W: the weight gradients of a microbatch whose B has run."""
@@ -460,6 +505,21 @@ class PipelineExecutor:
                                                            tag=TAGS["labels"])
 
 
+def check_chunks(schedule: str, num_chunks: int) -> None:
+    """Refuse a number of model chunks per rank the schedule cannot run."""
+    if schedule == "interleaved":
+        if num_chunks < 2:
+            raise ValueError("the interleaved schedule needs at least 2 chunks per rank "
+                             "(virtual_pipeline_model_parallel_size >= 2)")
+    elif schedule in TWO_CHUNK_SCHEDULES:
+        if num_chunks != 2:
+            raise ValueError(f"{schedule!r} runs 2 chunks per rank (a V, or DualPipe's two "
+                             f"model copies), got {num_chunks}")
+    elif num_chunks != 1:
+        raise ValueError(f"{schedule!r} runs one chunk per rank, got {num_chunks}; "
+                         f"use schedule='interleaved'")
+
+
 def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 schedule: str = "1f1b", p2p_mode: str = "batched",
                                 tensor_shape: tuple | None = None,
@@ -481,30 +541,28 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     pp = parallel_state.group_size("pp")
     check_schedule_and_mode(schedule, p2p_mode, pp)
     rank = parallel_state.get_rank_in("pp") if pp > 1 else 0
-    if schedule != "interleaved" and len(chunks) != 1:
-        raise ValueError(f"{schedule!r} runs one chunk per rank, got {len(chunks)}; "
-                         f"use schedule='interleaved'")
-    if schedule == "interleaved" and len(chunks) < 2:
-        raise ValueError("the interleaved schedule needs at least 2 chunks per rank "
-                         "(virtual_pipeline_model_parallel_size >= 2)")
+    check_chunks(schedule, len(chunks))
     if pp > 1 and tensor_shape is None:
         raise ValueError("tensor_shape ([s, b, h] of the activations between stages) "
                          "is needed with PP > 1")
 
-    steps = schedule_steps(schedule, pp, len(microbatches), rank, len(chunks))
+    steps = schedule_steps(schedule, pp, len(microbatches), rank,
+                           len(chunks) if schedule == "interleaved" else 1)
+    actions = [a for step in steps for a in step]
     # The interleaved schedule posts each send as soon as its tensor exists and waits
     # for it only at the end (Megatron runs it with overlap_p2p_comm): waiting at once,
     # rank r's send to r + 1 and rank r + 1's send to r (another chunk's tensor) can
     # each wait for a receive the other posts only later.  1F1B and GPipe wait at once.
+    # Issue 20's schedules post every send as the simulator assumes (buffered sends).
     executor = PipelineExecutor(chunks, microbatches, rank, pp, p2p_mode, tensor_shape,
-                                dtype, defer_sends=schedule == "interleaved", device=device,
-                                split_backward=split_backward)
+                                dtype, defer_sends=schedule not in ("gpipe", "1f1b"),
+                                device=device, split_backward=split_backward,
+                                placement=actions[0].placement if actions else "loop",
+                                split=split_backwards(actions))
     for step in steps:
         action = step[0]
-        if action.kind == "forward":
-            executor.run_forward(action)
-        elif action.kind == "backward":
-            executor.run_backward(action)
+        if action.is_compute:
+            executor.run_compute(action)
         elif action.kind in LABEL_KINDS:
             executor.move_labels(action)
         else:  # sends/receives with a neighbour: one Megatron P2P helper
