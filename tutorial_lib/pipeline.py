@@ -64,15 +64,16 @@ from .deepseek import Microbatch
 from .devices import module_device, resolve_device
 from .p2p import communicate
 from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
-                                 num_model_stages, num_warmup_microbatches, split_backwards,
-                                 stage_holder)
+                                 model_stage, num_model_stages, num_warmup_microbatches,
+                                 split_backwards, stage_holder)
 from .trace import get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
            "helper_name", "group_actions", "combined_helpers", "schedule_steps",
            "WeightGradWork", "backward_input", "backward_weight",
            "check_schedule_and_mode",
-           "SyntheticStage",
+           "SyntheticStage", "synthetic_chunks", "check_chunks",
+           "MODEL_COPY_ATTR", "mark_model_copies", "sum_model_copy_gradients",
            "synthetic_microbatches", "synthetic_run_name",
            "measure_synthetic_schedules"]
 
@@ -81,7 +82,7 @@ LABEL_KINDS = ("send_labels", "recv_labels")
 #: One message stream per payload: gloo and NCCL match messages between two ranks in
 #: order (per tag), so activations, gradients and labels that share a pair of ranks
 #: (PP = 2, or the interleaved schedule's wrap-around) must not queue behind each other.
-TAGS = {"activation": 1, "grad": 2, "labels": 3}
+TAGS = {"activation": 1, "grad": 2, "labels": 3, "model_copy": 4}
 
 _HELPERS = {
     (("send", "activation"),): "send_forward",
@@ -116,6 +117,9 @@ COMBINED_HELPERS = {
 
 #: The schedules whose ranks hold two chunks, placed in a V or as two model copies.
 TWO_CHUNK_SCHEDULES = ("zbv", "dualpipev", "dualpipe")
+#: Where each schedule places its stages (:data:`~tutorial_lib.pipeline_schedules.PLACEMENTS`;
+#: the others: ``loop``).
+SCHEDULE_PLACEMENT = {"zbv": "v", "dualpipev": "v", "dualpipe": "dual"}
 
 
 def combined_helpers(schedule: str) -> tuple[str, ...] | None:
@@ -448,7 +452,7 @@ class PipelineExecutor:
         output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
         grad = None if stage == self.last_stage else self.output_grads.pop((i, c))
         with self.tracer.tags(microbatch=i, chunk=c), \
-                self.tracer.span("backward_input", microbatch=i, chunk=c):
+                self.tracer.span("backward", microbatch=i, chunk=c, part="input"):
             input_grad, self.weight_work[(i, c)] = backward_input(
                 output, grad, stage_input if stage > 0 else None)
         if stage > 0:
@@ -458,7 +462,7 @@ class PipelineExecutor:
         """W: the weight gradients of a microbatch whose B has run."""
         i, c = action.microbatch, action.chunk
         with self.tracer.tags(microbatch=i, chunk=c), \
-                self.tracer.span("backward_weight", microbatch=i, chunk=c):
+                self.tracer.span("weight", microbatch=i, chunk=c):
             backward_weight(self.weight_work.pop((i, c)))
 
     def run_p2p(self, messages: list[Action]) -> None:
@@ -572,6 +576,83 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                       actions=sum(len(step) for step in steps))
 
 
+# --- DualPipe's two model copies --------------------------------------------------------
+
+
+#: The attribute that marks the parameters of DualPipe's second model copy: the clip's
+#: global norm leaves them out (:func:`~tutorial_lib.data_parallel.counts_in_grad_norm`),
+#: since their twins in the first copy hold the same gradient.
+MODEL_COPY_ATTR = "model_copy"
+
+
+def mark_model_copies(chunks: list) -> None:
+    """Tag each parameter of DualPipe's two chunks with its copy (0 or 1): chunk ``c``
+    of every rank is copy ``c`` (:data:`MODEL_COPY_ATTR`)."""
+    for copy, chunk in enumerate(chunks):
+        for p in chunk.parameters():
+            setattr(p, MODEL_COPY_ATTR, copy)
+
+
+def sum_model_copy_gradients(chunks: list, expert_loads: bool = True) -> None:
+    """DualPipe: add each weight's gradient from its twin in the other model copy.
+
+    Rank ``r``'s chunk 0 (stage ``r`` of copy 0) and rank ``PP - 1 - r``'s chunk 1
+    (stage ``r`` of copy 1) are the same layers, fed different halves of the
+    microbatches; after the step's last backward both take the sum of the two
+    gradients, so the copies, equal at the start, stay equal after every optimizer step.
+    DeepSeek's DualPipe does the same in its example (deepseek-ai/DualPipe,
+    examples/example_dualpipe.py, ``main``, "Check grads": each copy's gradient plus the
+    twin's, from rank ``PP - 1 - rank``; 3da1bbea).  Here the pair exchanges its
+    gradients with one batched send and receive over the pipeline group (the gradient
+    of the step so far: ``main_grad`` inside :class:`~tutorial_lib.data_parallel.DataParallel`,
+    before its data-parallel sync).  ``expert_loads``: also add the MoE layers' expert
+    loads of the step (:class:`~tutorial_lib.deepseek.DeepSeekModel`), so both copies'
+    expert biases take the same auxiliary-loss-free update.  The two sums are the
+    same floating-point additions on both ranks of a pair, so the copies stay equal bit
+    for bit.
+    """
+    from .data_parallel import main_grad_of
+
+    pp = parallel_state.group_size("pp")
+    rank = parallel_state.get_rank_in("pp")
+    partner = parallel_state.get_group_ranks("pp")[pp - 1 - rank]
+
+    def flat(chunk):
+        parts = [main_grad_of(p) for p in chunk.parameters()]
+        parts = [torch.zeros_like(p) if g is None else g
+                 for p, g in zip(chunk.parameters(), parts)]
+        if expert_loads and hasattr(chunk, "expert_loads"):
+            parts += [chunk.expert_loads[i].to(parts[0].dtype) for i in sorted(chunk.expert_loads)]
+        return torch.cat([t.reshape(-1) for t in parts])
+
+    mine = [flat(chunk) for chunk in chunks]
+    # theirs[c]: the partner's copy c (its own tag), the twin of my copy 1 - c
+    theirs = [torch.empty_like(mine[1]), torch.empty_like(mine[0])]
+    tags = (TAGS["model_copy"], TAGS["model_copy"] + 1)
+    with get_tracer().tags(phase="model_copies"):
+        works = comm.batch_isend_irecv(
+            [("send", mine[0], partner, tags[0]), ("send", mine[1], partner, tags[1]),
+             ("recv", theirs[0], partner, tags[0]), ("recv", theirs[1], partner, tags[1])],
+            group="pp")
+        comm.wait_all(works)
+    for copy, chunk in enumerate(chunks):
+        total = mine[copy] + theirs[1 - copy]
+        offset = 0
+        targets = [main_grad_of(p) for p in chunk.parameters()]
+        for p, g in zip(chunk.parameters(), targets):
+            piece = total[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if g is None:
+                p.grad = piece.clone()
+            else:
+                g.copy_(piece)
+        if expert_loads and hasattr(chunk, "expert_loads"):
+            for i in sorted(chunk.expert_loads):
+                load = chunk.expert_loads[i]
+                load.copy_(total[offset:offset + load.numel()].round().to(load.dtype))
+                offset += load.numel()
+
+
 # --- a stage with a known cost, for measuring schedules -------------------------------
 
 
@@ -653,20 +734,51 @@ def synthetic_run_name(schedule: str, num_microbatches: int,
     return f"{schedule} M={num_microbatches}{chunks}"
 
 
+def synthetic_chunks(schedule: str, rank: int, pp: int, tensor_shape: tuple,
+                     forward_seconds: float, backward_seconds: float,
+                     weight_seconds: float | None = None, virtual_pipeline_size: int = 1,
+                     device=None) -> list[SyntheticStage]:
+    """Pipeline rank ``rank``'s :class:`SyntheticStage` chunks for ``schedule``, placed as
+    the schedule places its stages (:func:`~tutorial_lib.pipeline_schedules.model_stage`).
+
+    The costs are one stage's (``PP`` ranks each running ``1 / PP`` of the model): a
+    chunk of ``V`` per rank (interleaved: ``V``; ZBV and DualPipeV: 2) costs ``1/V`` of
+    them, a chunk of DualPipe (a whole stage of one of its two model copies) all of them.
+    ``weight_seconds``: the W part of the backward (``None``: half of it, the course's
+    costs ``F 1, B 2, W 1``).
+    """
+    v = 2 if schedule in TWO_CHUNK_SCHEDULES else virtual_pipeline_size
+    placement = SCHEDULE_PLACEMENT.get(schedule, "loop")
+    stages = num_model_stages(placement, pp, v)
+    scale = pp / stages  # the share of one of PP stages' work each chunk runs
+    weight = backward_seconds / 2 if weight_seconds is None else weight_seconds
+    return [SyntheticStage(model_stage(placement, rank, c, pp), stages, tensor_shape,
+                           forward_seconds * scale, backward_seconds * scale, weight * scale,
+                           device=device)
+            for c in range(v)]
+
+
 def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float = 0.01,
                                 backward_seconds: float = 0.02, repeats: int = 1,
-                                p2p_mode: str | None = None) -> dict:
+                                p2p_mode: str | None = None,
+                                weight_seconds: float | None = None) -> dict:
     """Worker: run each ``(schedule, M, V)`` of ``runs`` on a pure pipeline of
     :class:`SyntheticStage`.
 
     Every rank of the launch is one pipeline stage (``PP = world size``).  With ``V``
-    chunks a chunk costs ``1/V`` of a stage, so every schedule does the same work.
+    chunks a chunk costs ``1/V`` of a stage, so every schedule does the same work
+    (:func:`synthetic_chunks`; ZBV and DualPipeV have 2 chunks in a V, DualPipe two model
+    copies of ``PP`` stages: ``V`` is ignored for them).  ``weight_seconds``: the W part
+    of ``backward_seconds`` where a schedule splits the backward (``None``: half).
     One untraced interleaved step first opens every connection (neighbours, the
     wrap-around, the labels); then each run is traced ``repeats`` times, its events
     tagged ``run=synthetic_run_name(schedule, M, V)`` and ``repeat``, with a barrier
     before each step.  ``p2p_mode``: one mode for every run (default: overlapped for the
     interleaved schedule, as Megatron runs it, batched for the others).  Returns
-    ``{run name: [the executor's peak_activations, per repeat]}``.
+    ``{run name: [the executor's peak_activations, per repeat]}``; with ``trace=True``
+    the launch's trace holds every run's compute spans, named by their action's kind
+    (``forward``, ``backward``: B, tagged ``part="input"``, where the schedule splits
+    it, ``weight``: W) and tagged ``microbatch`` and ``chunk``, and its messages.
     """
     import torch.distributed as dist
 
@@ -679,10 +791,11 @@ def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float =
     shape = (4, 2, 8)  # [s, b, h]: small, the messages cost little next to the stage
 
     def step(schedule, m, v):
-        chunks = [SyntheticStage(c * pp + rank, pp * v, shape, forward_seconds / v,
-                                 backward_seconds / v, device=ctx.device) for c in range(v)]
+        chunks = synthetic_chunks(schedule, rank, pp, shape, forward_seconds,
+                                  backward_seconds, weight_seconds, v, ctx.device)
         mode = p2p_mode or ("overlapped" if schedule == "interleaved" else "batched")
-        microbatches = synthetic_microbatches(m, rank == 0, shape[1], shape[0], ctx.device)
+        first = any(c.stage == 0 for c in chunks)  # DualPipe: both ends read a batch
+        microbatches = synthetic_microbatches(m, first, shape[1], shape[0], ctx.device)
         return forward_backward_pipelining(chunks, microbatches, schedule, mode, shape)
 
     tracer = get_tracer()

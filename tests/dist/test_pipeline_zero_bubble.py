@@ -76,3 +76,49 @@ def test_b_then_w_gives_the_plain_backwards_synced_gradients_bit_for_bit():
         kinds |= set(out["domains"].values())
         assert out["losses"][0] == out["losses"][1]
     assert kinds == {"dp", "expert_dp"}  # both gradient domains were compared
+
+
+# --- item 2: train_4d --schedule zb-h1 | zbv | dualpipev | dualpipe ----------------------
+
+#: The schedules that split the backward, each run by train_4d on every layout below.
+NEW_SCHEDULES = ("zb-h1",)
+#: The model: 8 layers (7 MoE), so that PP 4's V has 8 stages of one layer.
+SCHEDULE_ARGS = TrainingArgs(steps=2, num_layers=8, global_batch_size=16, seq_length=8,
+                             hidden_size=16, num_attention_heads=4, vocab_size=32, num_experts=4,
+                             moe_router_topk=2, expert_model_parallel_size=2, timeout=240)
+#: (PP, world, M): PP 2 and PP 4, each x DP 2 with EP 2; M >= 2 PP, even (DualPipe's rule).
+SCHEDULE_LAYOUTS = [(2, 4, 4), (4, 8, 8)]
+
+
+def _layout(pp, world, m):
+    return replace(SCHEDULE_ARGS, pipeline_model_parallel_size=pp, world_size=world,
+                   num_microbatches=m)
+
+
+def _schedules_worker(ctx, args, schedules):
+    from tutorial_lib.train_4d import train_worker
+    return {name: [r["loss"] for r in train_worker(ctx, replace(args, schedule=name))]
+            for name in schedules}
+
+
+@launch_once
+def schedules_run(pp, world, m):
+    from tutorial_lib.train_4d import validate_args
+    args = _layout(pp, world, m)
+    for name in NEW_SCHEDULES:
+        validate_args(replace(args, schedule=name))
+    return launch(_schedules_worker, world, args=(args, NEW_SCHEDULES), timeout=args.timeout)
+
+
+@pytest.mark.parametrize("pp,world,m", SCHEDULE_LAYOUTS)
+@pytest.mark.parametrize("schedule", NEW_SCHEDULES)
+def test_each_split_backward_schedule_trains_like_world_size_one(schedule, pp, world, m):
+    """train_4d with ``--schedule zb-h1 / zbv / dualpipev / dualpipe`` on PP 2 and PP 4
+    (x DP 2, EP 2) gives the plain serial loop's losses over 2 steps, the loop
+    test_pipeline_training.py shows equal to the world-size-1 run (``ATOL`` 1e-5 there
+    too: only the order of fp32 sums differs)."""
+    from .test_pipeline_training import ATOL, plain_serial_losses
+    expected = plain_serial_losses(_layout(pp, world, m))
+    got = schedules_run(pp, world, m).results[0][schedule]
+    assert len(got) == SCHEDULE_ARGS.steps
+    assert max(abs(a - b) for a, b in zip(got, expected)) < ATOL, (got, expected)
