@@ -386,42 +386,6 @@ class PipelineExecutor:
         self.outputs[(i, c)] = output
         self.peak_activations = max(self.peak_activations, self.activations_held)
 
-    @property
-    def activations_held(self) -> int:
-        """(microbatch, chunk) pairs whose activations autograd keeps: from the forward
-        to the backward, or to the W of a split backward (B keeps the graph for W)."""
-        return len(self.outputs) + len(self.weight_work)
-
-    def _local_chunk(self, action: Action, step: int) -> int | None:
-        """This rank's chunk that runs the model stage ``step`` after (``+1``) or before
-        (``-1``) the action's, when this rank holds it (the V's turn); else ``None``."""
-        stage = action.model_stage(self.rank, self.pp) + step
-        if not 0 <= stage <= self.last_stage:
-            return None
-        copy = action.chunk if self.placement == "dual" else 0
-        rank, chunk = stage_holder(self.placement, stage, self.pp, copy)
-        return chunk if rank == self.rank else None
-
-    def _input_grad(self, action: Action, grad: torch.Tensor) -> None:
-        """The input's gradient: to send, or to hand to this rank's previous stage."""
-        key = (action.microbatch, action.chunk)
-        local = self._local_chunk(action, -1)
-        if local is None:
-            self.input_grads[key] = grad
-        else:
-            self.output_grads[(action.microbatch, local)] = grad
-
-    def run_compute(self, action: Action) -> None:
-        """A ``forward``, a ``backward`` (B where the schedule splits it), a ``weight`` (W)."""
-        if action.kind == "forward":
-            self.run_forward(action)
-        elif action.kind == "weight":
-            self.run_backward_weight(action)
-        elif (action.microbatch, action.chunk) in self.split:
-            self.run_backward_input(action)
-        else:
-            self.run_backward(action)
-
     def run_backward(self, action: Action) -> None:
         """Backward from the kept output: from the loss or the gradient received.
 
@@ -464,6 +428,42 @@ class PipelineExecutor:
         with self.tracer.tags(microbatch=i, chunk=c), \
                 self.tracer.span("weight", microbatch=i, chunk=c):
             backward_weight(self.weight_work.pop((i, c)))
+
+    @property
+    def activations_held(self) -> int:
+        """(microbatch, chunk) pairs whose activations autograd keeps: from the forward
+        to the backward, or to the W of a split backward (B keeps the graph for W)."""
+        return len(self.outputs) + len(self.weight_work)
+
+    def _local_chunk(self, action: Action, step: int) -> int | None:
+        """This rank's chunk that runs the model stage ``step`` after (``+1``) or before
+        (``-1``) the action's, when this rank holds it (the V's turn); else ``None``."""
+        stage = action.model_stage(self.rank, self.pp) + step
+        if not 0 <= stage <= self.last_stage:
+            return None
+        copy = action.chunk if self.placement == "dual" else 0
+        rank, chunk = stage_holder(self.placement, stage, self.pp, copy)
+        return chunk if rank == self.rank else None
+
+    def _input_grad(self, action: Action, grad: torch.Tensor) -> None:
+        """The input's gradient: to send, or to hand to this rank's previous stage."""
+        key = (action.microbatch, action.chunk)
+        local = self._local_chunk(action, -1)
+        if local is None:
+            self.input_grads[key] = grad
+        else:
+            self.output_grads[(action.microbatch, local)] = grad
+
+    def run_compute(self, action: Action) -> None:
+        """A ``forward``, a ``backward`` (B where the schedule splits it), a ``weight`` (W)."""
+        if action.kind == "forward":
+            self.run_forward(action)
+        elif action.kind == "weight":
+            self.run_backward_weight(action)
+        elif (action.microbatch, action.chunk) in self.split:
+            self.run_backward_input(action)
+        else:
+            self.run_backward(action)
 
     def run_p2p(self, messages: list[Action]) -> None:
         """One Megatron P2P helper: at most one send, then at most one receive."""

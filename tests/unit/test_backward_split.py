@@ -120,3 +120,22 @@ def test_b_runs_no_weight_gradient_node_and_w_runs_no_input_gradient_node():
 def test_a_synthetic_weight_cost_must_fit_in_the_backward():
     with pytest.raises(ValueError, match="weight_seconds"):
         SyntheticStage(0, 2, (2, 2, 2), backward_seconds=0.1, weight_seconds=0.2)
+
+
+def test_synthetic_chunks_sit_where_each_schedule_places_its_stages_and_share_the_work():
+    """The chapter's SyntheticStage runs (pipeline.measure_synthetic_schedules): a V's two
+    chunks are stages r and 2PP-1-r at half a stage's cost, DualPipe's two chunks are
+    stage r of copy 0 and PP-1-r of copy 1 at a whole stage's cost (each copy is the
+    whole model), W half the backward unless told."""
+    from tutorial_lib.pipeline import synthetic_chunks
+    shape = (2, 2, 2)
+    v = synthetic_chunks("zbv", 1, 4, shape, 0.1, 0.2)
+    assert [(c.stage, c.num_stages) for c in v] == [(1, 8), (6, 8)]
+    assert [(c.forward_seconds, c.backward_seconds, c.weight_seconds) for c in v] == \
+        [(0.05, 0.1, 0.05)] * 2
+    dual = synthetic_chunks("dualpipe", 1, 4, shape, 0.1, 0.2, weight_seconds=0.08)
+    assert [(c.stage, c.num_stages) for c in dual] == [(1, 4), (2, 4)]
+    assert [(c.forward_seconds, c.backward_seconds, c.weight_seconds) for c in dual] == \
+        [(0.1, 0.2, 0.08)] * 2
+    loop = synthetic_chunks("interleaved", 3, 4, shape, 0.1, 0.2, virtual_pipeline_size=2)
+    assert [(c.stage, c.num_stages) for c in loop] == [(3, 8), (7, 8)]
