@@ -53,6 +53,7 @@ timeline draws next to the planned schedule.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -66,11 +67,11 @@ from .p2p import communicate
 from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
                                  model_stage, num_model_stages, num_warmup_microbatches,
                                  split_backwards, stage_holder)
-from .trace import get_tracer
+from .trace import TraceEvent, get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
            "helper_name", "group_actions", "combined_helpers", "schedule_steps",
-           "WeightGradWork", "backward_input", "backward_weight",
+           "WeightGradWork", "backward_input", "backward_weight", "Turns",
            "check_schedule_and_mode",
            "SyntheticStage", "synthetic_chunks", "check_chunks",
            "MODEL_COPY_ATTR", "mark_model_copies", "sum_model_copy_gradients",
@@ -311,6 +312,71 @@ def backward_weight(work: WeightGradWork) -> None:
         torch.autograd.backward(roots, grads)
 
 
+# --- an overlapped forward-backward pair: two threads taking turns --------------------
+
+
+class Turns:
+    """Two halves of an overlapped pair (0: the forward, 1: the backward), one thread
+    each, of which exactly one runs at any time.
+
+    A half runs until it issues an all-to-all (:func:`tutorial_lib.comm.overlap_switch`),
+    then :meth:`switch` hands the turn to the other half and waits for it to come back;
+    the all-to-all proceeds on gloo's own threads (NCCL: its own stream) meanwhile, and is
+    waited on only when the turn returns.  The order of everything a rank issues is then
+    fixed (forward first; then each half up to its next all-to-all, in turn), the same on
+    every rank of an EP group, so their collectives pair up as without overlap.  Each
+    stretch a half holds the turn is recorded as a ``compute`` span named ``turn``
+    (tagged ``half``: ``forward`` / ``backward``, ``microbatch``, ``chunk``, ``piece``).
+    """
+
+    def __init__(self, actions: tuple):
+        self.actions = actions
+        self.condition = threading.Condition()
+        self.turn = 0
+        self.done = [False, False]
+        self.pieces = [0, 0]
+        self.started: list = [None, None]
+        self.tracer = get_tracer()
+
+    def _begin(self, me: int) -> None:
+        self.started[me] = time.time()
+
+    def _end(self, me: int) -> None:
+        action = self.actions[me]
+        event = TraceEvent(rank=self.tracer.rank, op="compute", t_start=self.started[me],
+                           t_end=time.time(),
+                           tags={**self.tracer.current_tags(), "name": "turn",
+                                 "half": ("forward", "backward")[me],
+                                 "microbatch": action.microbatch, "chunk": action.chunk,
+                                 "piece": self.pieces[me]})
+        self.pieces[me] += 1
+        if self.tracer.enabled:
+            self.tracer.events.append(event)
+
+    def wait_for_turn(self, me: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.turn == me)
+        self._begin(me)
+
+    def switch(self, me: int) -> None:
+        """Give the turn to the other half (unless it has finished) and wait for it back."""
+        with self.condition:
+            if self.done[1 - me]:
+                return
+            self._end(me)
+            self.turn = 1 - me
+            self.condition.notify_all()
+            self.condition.wait_for(lambda: self.turn == me)
+        self._begin(me)
+
+    def finish(self, me: int) -> None:
+        with self.condition:
+            self._end(me)
+            self.done[me] = True
+            self.turn = 1 - me
+            self.condition.notify_all()
+
+
 # --- the executor ---------------------------------------------------------------------
 
 
@@ -454,6 +520,38 @@ class PipelineExecutor:
         else:
             self.output_grads[(action.microbatch, local)] = grad
 
+    def run_overlapped(self, forward: Action, backward: Action) -> None:
+        """DualPipe's ``F&B``: ``forward`` and ``backward`` (of other microbatches) as one
+        step, each all-to-all of one issued asynchronously while the other computes.
+
+        The forward runs in this thread, the backward in a second one; :class:`Turns`
+        lets one run at a time, switching at each all-to-all (where DualPipe switches
+        between its two streams' kernels).  The gradients are the same as running the
+        two one after the other: the same operations on the same tensors."""
+        turns = Turns((forward, backward))
+        tags = self.tracer.current_tags()
+        errors: list = []
+
+        def half(me: int, action: Action) -> None:
+            if me:
+                self.tracer.adopt_tags(tags)
+            try:
+                turns.wait_for_turn(me)
+                with comm.overlap_switch(lambda: turns.switch(me)), \
+                        self.tracer.tags(overlapped=True):
+                    self.run_compute(action)
+            except BaseException as error:  # noqa: BLE001 - raised below, in this thread
+                errors.append(error)
+            finally:
+                turns.finish(me)
+
+        other = threading.Thread(target=half, args=(1, backward), daemon=True)
+        other.start()
+        half(0, forward)
+        other.join()
+        if errors:
+            raise errors[0]
+
     def run_compute(self, action: Action) -> None:
         """A ``forward``, a ``backward`` (B where the schedule splits it), a ``weight`` (W)."""
         if action.kind == "forward":
@@ -563,9 +661,14 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 device=device, split_backward=split_backward,
                                 placement=actions[0].placement if actions else "loop",
                                 split=split_backwards(actions))
-    for step in steps:
+    index = 0
+    while index < len(steps):
+        step, index = steps[index], index + 1
         action = step[0]
-        if action.is_compute:
+        if action.is_compute and action.overlapped and action.kind == "forward":
+            executor.run_overlapped(action, steps[index][0])  # the pair's backward
+            index += 1
+        elif action.is_compute:
             executor.run_compute(action)
         elif action.kind in LABEL_KINDS:
             executor.move_labels(action)
@@ -686,13 +789,16 @@ class SyntheticStage(torch.nn.Module):
     backward of an identity on the activation, the weight's path in the backward of an
     identity on the weight: :func:`backward_input` runs only the first,
     :func:`backward_weight` only the second (on the first stage, which has no input
-    gradient, W runs both).
+    gradient, W runs both).  ``ep_group`` (of more than one rank): halfway through the
+    forward, a dispatch and a combine all-to-all over it, as a MoE layer's (their
+    reverses halfway through B): what DualPipe's overlapped pairs hide.
     """
 
     def __init__(self, stage: int, num_stages: int, tensor_shape: tuple,
                  forward_seconds: float = 0.01, backward_seconds: float = 0.02,
-                 weight_seconds: float = 0.0, device=None):
+                 weight_seconds: float = 0.0, ep_group: str | None = None, device=None):
         super().__init__()
+        self.ep_group = ep_group
         if not 0 <= weight_seconds <= backward_seconds:
             raise ValueError(f"weight_seconds ({weight_seconds}) is part of the backward: "
                              f"it must be in 0..backward_seconds ({backward_seconds})")
@@ -709,8 +815,23 @@ class SyntheticStage(torch.nn.Module):
             x = weight.expand(self.tensor_shape)
         else:
             x = hidden * weight
-        y = _Busy.apply(x, self.forward_seconds, self.backward_seconds - self.weight_seconds)
+        forward, backward = self.forward_seconds, self.backward_seconds - self.weight_seconds
+        if parallel_state.group_size(self.ep_group) > 1:  # a MoE layer's two all-to-alls
+            x = _Busy.apply(x, forward / 2, backward / 2)
+            x = self._exchange(self._exchange(x, "dispatch"), "combine")
+            y = _Busy.apply(x, forward / 2, backward / 2)
+        else:
+            y = _Busy.apply(x, forward, backward)
         return y.mean() if self.stage == self.num_stages - 1 else y
+
+    def _exchange(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
+        """An all-to-all over ``ep_group`` that swaps equal shares of the rows (its
+        backward: the reverse one), as a MoE layer's dispatch and combine."""
+        from .moe import all_to_all
+        n = parallel_state.group_size(self.ep_group)
+        rows = x.reshape(-1, x.shape[-1])
+        splits = [rows.shape[0] // n] * n
+        return all_to_all(rows, self.ep_group, splits, splits, op_name).view_as(x)
 
 
 def synthetic_microbatches(num_microbatches: int, first_stage: bool, rows: int = 2,
@@ -737,7 +858,7 @@ def synthetic_run_name(schedule: str, num_microbatches: int,
 def synthetic_chunks(schedule: str, rank: int, pp: int, tensor_shape: tuple,
                      forward_seconds: float, backward_seconds: float,
                      weight_seconds: float | None = None, virtual_pipeline_size: int = 1,
-                     device=None) -> list[SyntheticStage]:
+                     ep_group: str | None = None, device=None) -> list[SyntheticStage]:
     """Pipeline rank ``rank``'s :class:`SyntheticStage` chunks for ``schedule``, placed as
     the schedule places its stages (:func:`~tutorial_lib.pipeline_schedules.model_stage`).
 
@@ -754,18 +875,22 @@ def synthetic_chunks(schedule: str, rank: int, pp: int, tensor_shape: tuple,
     weight = backward_seconds / 2 if weight_seconds is None else weight_seconds
     return [SyntheticStage(model_stage(placement, rank, c, pp), stages, tensor_shape,
                            forward_seconds * scale, backward_seconds * scale, weight * scale,
-                           device=device)
+                           ep_group=ep_group, device=device)
             for c in range(v)]
 
 
 def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float = 0.01,
                                 backward_seconds: float = 0.02, repeats: int = 1,
                                 p2p_mode: str | None = None,
-                                weight_seconds: float | None = None) -> dict:
+                                weight_seconds: float | None = None,
+                                expert_parallel_size: int = 1) -> dict:
     """Worker: run each ``(schedule, M, V)`` of ``runs`` on a pure pipeline of
     :class:`SyntheticStage`.
 
-    Every rank of the launch is one pipeline stage (``PP = world size``).  With ``V``
+    Every rank of the launch is one pipeline stage (``PP = world size``; with
+    ``expert_parallel_size = E > 1``, ``PP = world size / E`` and ``E`` pipelines side by
+    side, data-parallel, whose stages exchange rows with two all-to-alls over the EP
+    group in every forward and B, as a MoE layer: :class:`SyntheticStage`).  With ``V``
     chunks a chunk costs ``1/V`` of a stage, so every schedule does the same work
     (:func:`synthetic_chunks`; ZBV and DualPipeV have 2 chunks in a V, DualPipe two model
     copies of ``PP`` stages: ``V`` is ignored for them).  ``weight_seconds``: the W part
@@ -784,15 +909,18 @@ def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float =
 
     from .config import ParallelConfig
 
-    pp = ctx.world_size
-    config = ParallelConfig(pp, pipeline_model_parallel_size=pp)
+    ep = expert_parallel_size
+    pp = ctx.world_size // ep
+    config = ParallelConfig(ctx.world_size, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep)
     parallel_state.initialize_model_parallel(config)
     rank = parallel_state.get_rank_in("pp")
     shape = (4, 2, 8)  # [s, b, h]: small, the messages cost little next to the stage
 
     def step(schedule, m, v):
         chunks = synthetic_chunks(schedule, rank, pp, shape, forward_seconds,
-                                  backward_seconds, weight_seconds, v, ctx.device)
+                                  backward_seconds, weight_seconds, v,
+                                  "ep" if ep > 1 else None, ctx.device)
         mode = p2p_mode or ("overlapped" if schedule == "interleaved" else "batched")
         first = any(c.stage == 0 for c in chunks)  # DualPipe: both ends read a batch
         microbatches = synthetic_microbatches(m, first, shape[1], shape[0], ctx.device)

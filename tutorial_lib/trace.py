@@ -25,6 +25,7 @@ anchor event recorded on an idle GPU at :meth:`Tracer.use_device`; such events s
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -114,7 +115,7 @@ class Tracer:
         self.capture_values = capture_values
         """Record tensor values for tensors with at most this many elements (0: never)."""
         self.events: list[TraceEvent] = []
-        self._tags: dict[str, Any] = {}
+        self._local = threading.local()  # the tags of each thread (see _tags)
         self.pending: TraceEvent | None = None
         """The op this rank is blocked in right now, if any (read by the deadlock report)."""
         self.finished = False
@@ -128,6 +129,22 @@ class Tracer:
         """This rank's tensors live on ``device``; on ``cuda:N``, time with CUDA events."""
         if str(device).startswith("cuda") and self.enabled:
             self.cuda_clock = CudaClock(device)
+
+    @property
+    def _tags(self) -> dict[str, Any]:
+        """The tags in force in the calling thread: a thread sees only its own ``with
+        tracer.tags(...)`` blocks (the pipeline runs an overlapped forward and backward
+        in two threads, each with its microbatch's tags); a new thread starts with none
+        (:meth:`adopt_tags`)."""
+        return getattr(self._local, "tags", {})
+
+    @_tags.setter
+    def _tags(self, tags: dict[str, Any]) -> None:
+        self._local.tags = tags
+
+    def adopt_tags(self, tags: dict[str, Any]) -> None:
+        """Start the calling thread with ``tags`` (another thread's :meth:`current_tags`)."""
+        self._tags = dict(tags)
 
     @contextmanager
     def tags(self, **tags: Any) -> Iterator[None]:
