@@ -289,13 +289,15 @@ def check_schedule_and_mode(schedule: str, p2p_mode: str, pp_size: int | None = 
       ``PP > 2``: Megatron-LM's ``validate_args`` asserts it, because at ``PP = 2`` one
       batch would hold two sends and two receives between the same two ranks.
     * ``gpipe`` is the course's schedule (Megatron has none); it runs with Megatron's
-      two modes.
+      two modes.  So do issue 20's (:data:`SPLIT_BACKWARD_SCHEDULES`; Megatron has none
+      of them either): the executor posts every one of their sends at once and waits
+      for it at the end of the step, in either mode.
 
     ``pp_size``: the pipeline size, for the last rule (``None``: not checked).
     """
-    if schedule not in SCHEDULE_NAMES:
+    if schedule not in ALL_SCHEDULES:
         raise ConfigError("malformed", f"schedule must be one of "
-                                       f"{', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+                                       f"{', '.join(ALL_SCHEDULES)}, got {schedule!r}")
     if p2p_mode not in P2P_MODES:
         raise ConfigError("malformed", f"p2p_mode must be one of {', '.join(P2P_MODES)}, "
                                        f"got {p2p_mode!r}")
