@@ -24,6 +24,29 @@ Three schedules are built, each for one ``rank`` of the pipeline group:
     order is Megatron-Core 0.20.0's (the schedule table of 0.10 and later, for every
     ``M`` it accepts, ``M == PP`` included).
 
+Four more split each backward in two (chapter 11): B, the gradient of the stage's
+input, which the previous stage waits for, and W, the gradient of its weights, which
+nobody waits for and which can run any time later (an action of kind ``weight``).
+
+:func:`zb_h1`
+    ZB-H1 (Qi et al., 2024): 1F1B's order of forwards and B's, the W's deferred to
+    fill the cool-down.  1F1B's memory, a bubble of ``(PP - 1)(F + B - 2W)``.
+:func:`zbv`
+    ZBV: two chunks per rank folded in a V (rank ``r`` runs stages ``r`` and
+    ``2 PP - 1 - r``), W's filling the gaps; 1F1B's memory, half of ZB-H1's bubble.
+:func:`dualpipev`
+    DualPipeV: the same V, in DualPipe's order, which overlaps the forward of one
+    chunk with the backward of the other (``F&B`` pairs, :attr:`Action.overlapped`).
+:func:`dualpipe`
+    DualPipe (DeepSeek-V3): two copies of the model, one per direction, microbatches
+    entering at both ends; the same steps as DualPipeV, each half of the ranks
+    mirroring the other.  Twice the parameters, ``PP + 1`` activations.
+
+Where each stage lives is the actions' :attr:`Action.placement` (:data:`PLACEMENTS`,
+:func:`model_stage`): a stage whose neighbour runs on the same rank (the bottom of a V;
+the first and the last stage on rank 0 of a V) hands its tensor over without a message.
+:func:`expected_bubble_time` holds the DualPipe README's table of bubbles.
+
 Messages (the ``peer`` is a rank of the pipeline group):
 
 * activations go forward, from model stage ``s`` to ``s + 1``: rank ``r`` sends to
@@ -576,7 +599,225 @@ def zb_h1(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
     return actions
 
 
-BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+def _check_v(pp_size: int, num_microbatches: int, rank: int, name: str, minimum: int = 1,
+             even: bool = False) -> None:
+    _check(pp_size, num_microbatches, rank)
+    if num_microbatches < minimum:
+        raise ConfigError(name, f"num_microbatches ({num_microbatches}) must be at least "
+                                f"{minimum} for {name} with pp_size {pp_size}: the schedule's "
+                                f"steady state needs that many; run {minimum} or more")
+    if even and pp_size % 2:
+        raise ConfigError(name, f"pp_size ({pp_size}) must be even for {name}: each half of "
+                                f"the ranks mirrors the other; try {pp_size - 1 or 2} or {pp_size + 1}")
+    if even and num_microbatches % 2:
+        raise ConfigError(name, f"num_microbatches ({num_microbatches}) must be even for "
+                                f"{name}: half enter from each end; try {num_microbatches + 1}")
+
+
+class _Program:
+    """Turns a rank's sequence of compute steps into actions, numbering the microbatches.
+
+    Each stream of computes (forwards of chunk 0, B's of chunk 1, ...) takes its
+    microbatches in order, as the DualPipe and torch schedules count them; a W takes
+    the oldest backward still owing one."""
+
+    def __init__(self, rank: int, pp: int, placement: str, first_microbatch=lambda chunk: 0,
+                 num_microbatches: int | None = None):
+        self.rank, self.pp, self.placement = rank, pp, placement
+        self.first, self.m = first_microbatch, num_microbatches
+        self.count: dict[tuple[str, int], int] = defaultdict(int)
+        self.owed: list[tuple[int, int]] = []
+        self.actions: list[Action] = []
+
+    def _next(self, kind: str, chunk: int) -> int:
+        i = self.count[(kind, chunk)]
+        self.count[(kind, chunk)] += 1
+        return self.first(chunk) + i
+
+    def _keep(self, microbatch: int) -> bool:
+        return self.m is None or microbatch < self.m
+
+    def forward(self, chunk: int, overlapped: bool = False) -> list[Action]:
+        i = self._next("forward", chunk)
+        return _forward(self.rank, self.pp, 2, i, chunk, self.placement, overlapped) \
+            if self._keep(i) else []
+
+    def backward(self, chunk: int, split: bool, overlapped: bool = False) -> list[Action]:
+        i = self._next("backward", chunk)
+        if split:
+            self.owed.append((i, chunk))
+        return _backward(self.rank, self.pp, 2, i, chunk, None, self.placement, overlapped) \
+            if self._keep(i) else []
+
+    def weight(self, chunk: int | None = None) -> list[Action]:
+        """The oldest W owed (of ``chunk`` only, if given); nothing if none is owed."""
+        for k, (i, c) in enumerate(self.owed):
+            if chunk is None or c == chunk:
+                del self.owed[k]
+                return _weight(i, c, self.placement) if self._keep(i) else []
+        return []
+
+    def pair(self, forward_chunk: int, backward_chunk: int) -> list[Action]:
+        """An overlapped ``F&B``: both receives, the two computes, both sends."""
+        f = self.forward(forward_chunk, overlapped=True)
+        b = self.backward(backward_chunk, split=False, overlapped=True)
+        fi = next(k for k, a in enumerate(f) if a.is_compute)
+        bi = next(k for k, a in enumerate(b) if a.is_compute)
+        return f[:fi] + b[:bi] + [f[fi], b[bi]] + f[fi + 1:] + b[bi + 1:]
+
+    def run(self, *steps: list[Action]) -> None:
+        for step in steps:
+            self.actions += step
+
+
+def zbv(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
+    """ZBV: the V-shaped zero-bubble schedule (Qi et al., 2024, section 6), two chunks
+    per rank.
+
+    Rank ``r`` runs model stages ``r`` (chunk 0) and ``2 PP - 1 - r`` (chunk 1), the
+    ``v`` placement: the last rank turns the V, so a microbatch's forward runs down
+    the ranks and back up, and the loss (and the first backward) lands on rank 0,
+    where the batch entered.  Each backward is split into B and W.  Counting ``n =
+    max(M, 2 PP - 1)`` microbatches (fewer cannot fill the V; the ones past ``M`` are
+    dropped at the end), rank ``r`` runs:
+
+    1. ``2 (PP - r) - 1`` forwards of chunk 0;
+    2. ``r`` times: a forward of chunk 1, a forward of chunk 0;
+    3. ``PP - r`` times: forward, B, W of chunk 1;
+    4. until every forward has run: a forward of chunk 0 (while any is left), B and W
+       of chunk 0, forward, B and W of chunk 1;
+    5. ``r`` times: B of chunk 0, B of chunk 1 (their W's wait);
+    6. ``PP - r`` times: B of chunk 0 and the oldest W owed by chunk 0;
+    7. the W's still owed, chunk 1's first.
+
+    With ``F = B = W`` (input backward and weight part equal, forward as long) the
+    steady state has no bubble at all.  The order is torch's ``ScheduleZBVZeroBubble``
+    (torch 2.13.0).
+    """
+    _check_v(pp_size, num_microbatches, rank, "zbv")
+    pp, r = pp_size, rank
+    n = max(num_microbatches, 2 * pp - 1)
+    go = _Program(r, pp, "v", num_microbatches=num_microbatches)
+    for _ in range(2 * (pp - r) - 1):
+        go.run(go.forward(0))
+    for _ in range(r):
+        go.run(go.forward(1), go.forward(0))
+    for _ in range(pp - r):
+        go.run(go.forward(1), go.backward(1, split=True), go.weight(1))
+    while go.count[("forward", 1)] < go.count[("forward", 0)] or go.count[("forward", 0)] < n:
+        if go.count[("forward", 0)] < n:
+            go.run(go.forward(0))
+        go.run(go.backward(0, split=True), go.weight(0),
+               go.forward(1), go.backward(1, split=True), go.weight(1))
+    for _ in range(r):
+        go.run(go.backward(0, split=True), go.backward(1, split=True))
+    for _ in range(pp - r):
+        go.run(go.backward(0, split=True), go.weight(0))
+    for chunk in (1, 0):
+        while any(c == chunk for _, c in go.owed):
+            go.run(go.weight(chunk))
+    return go.actions
+
+
+def _dualpipe_program(go: _Program, ranks: int, rank: int, microbatches: int,
+                      chunk_of_phase, turning: bool) -> list[Action]:
+    """The step sequence DualPipe's and DualPipeV's ``step`` share.
+
+    ``ranks``, ``rank``, ``microbatches``: DualPipeV's ``PP``, ``r``, ``M``; for DualPipe
+    the half of the pipeline a rank is in: ``PP / 2``, ``min(r, PP - 1 - r)``, ``M / 2``.
+    A *phase* is 0 for the chunk that is nearer the start of its pipe (DualPipeV: the
+    way down; DualPipe: the direction that enters on this rank's side), 1 for the
+    other; ``chunk_of_phase`` maps it.  ``turning``: the rank where the two phases
+    meet (DualPipeV's last rank, DualPipe's two middle ranks)."""
+    n, h, c0, c1 = ranks, rank, chunk_of_phase(0), chunk_of_phase(1)
+    for _ in range(2 * (n - h - 1)):                         # 1: forwards of phase 0
+        go.run(go.forward(c0))
+    for _ in range(h + 1):                                   # 2: F0 F1
+        go.run(go.forward(c0), go.forward(c1))
+    for _ in range(n - h - 1):                               # 3: B1 W1 F1, zero bubble
+        go.run(go.backward(c1, split=True), go.weight(), go.forward(c1))
+    for i in range(microbatches - 2 * n + h + 1):            # 4: F0&B1, F1&B0
+        if i == 0 and turning:  # the first pair runs apart: it shortens the bubble
+            go.run(go.forward(c0), go.backward(c1, split=False))
+        else:
+            go.run(go.pair(c0, c1))
+        go.run(go.pair(c1, c0))
+    for _ in range(n - h - 1):                               # 5: B1, F1&B0
+        go.run(go.backward(c1, split=False), go.pair(c1, c0))
+    split = False
+    for i in range(h + 1):                                   # 6: B1 B0, split from the middle
+        if i == (h + 1) // 2 and h % 2 == 1:
+            split = True
+        go.run(go.backward(c1, split=split))
+        if i == (h + 1) // 2 and h % 2 == 0:
+            split = True
+        go.run(go.backward(c0, split=split))
+    for _ in range(n - h - 1):                               # 7: W, B0
+        go.run(go.weight(), go.backward(c0, split=split))
+    for _ in range(h + 1):                                   # 8: the W's left
+        go.run(go.weight())
+    assert not go.owed
+    return go.actions
+
+
+def dualpipev(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
+    """DualPipeV: DualPipe cut in half (Sea AI Lab's "cut-in-half"), one model copy in a V.
+
+    ``PP`` ranks hold ``2 PP`` stages in the ``v`` placement (as :func:`zbv`): chunk 0
+    on the way down, chunk 1 on the way back up.  It is DualPipe's schedule for the
+    first half of DualPipe's ranks, with the other direction folded onto the same
+    ranks: where DualPipe's rank ``r`` overlaps a forward of one direction with a
+    backward of the other, DualPipeV's overlaps chunk 0 with chunk 1.  Rank ``r``
+    (``n = PP``, ``M >= 2 PP``):
+
+    1. ``2 (n - r - 1)`` forwards of chunk 0;
+    2. ``r + 1`` times: F of chunk 0, F of chunk 1;
+    3. ``n - r - 1`` times: B (split) of chunk 1, a W, F of chunk 1;
+    4. ``M - 2n + r + 1`` times: the pairs ``F0&B1`` and ``F1&B0`` (overlapped, whole
+       backwards; the last rank runs its very first pair one after the other);
+    5. ``n - r - 1`` times: B of chunk 1, the pair ``F1&B0``;
+    6. ``r + 1`` times: B of chunk 1, B of chunk 0, split from the middle on;
+    7. ``n - r - 1`` times: a W, B of chunk 0;
+    8. the ``r + 1`` W's left.
+
+    A W is always the oldest one owed.  deepseek-ai/DualPipe, dualpipe/dualpipev.py
+    (``DualPipeV.step``, commit 3da1bbea); the order is torch's ``ScheduleDualPipeV``
+    (torch 2.13.0).
+    """
+    _check_v(pp_size, num_microbatches, rank, "dualpipev", minimum=2 * pp_size)
+    go = _Program(rank, pp_size, "v")
+    return _dualpipe_program(go, pp_size, rank, num_microbatches, lambda phase: phase,
+                             turning=rank == pp_size - 1)
+
+
+def dualpipe(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
+    """DualPipe (DeepSeek-V3 technical report, section 3.2.1): two model copies, the
+    microbatches entering from both ends.
+
+    The ``dual`` placement: chunk 0 of rank ``r`` is stage ``r`` of copy 0, whose
+    microbatches ``0 .. M/2 - 1`` enter on rank 0 and go down; chunk 1 is stage
+    ``PP - 1 - r`` of copy 1, whose microbatches ``M/2 .. M - 1`` enter on rank
+    ``PP - 1`` and go up.  Each stage exists twice (on ranks ``r`` and ``PP - 1 - r``),
+    so a rank holds twice the parameters, and the two copies' gradients are summed
+    before the optimizer step.  Rank ``r`` runs DualPipeV's steps
+    (:func:`dualpipev`) for its half of the pipeline: ``n = PP / 2`` ranks, position
+    ``h = min(r, PP - 1 - r)``, ``M / 2`` microbatches per direction; its phase 0 is
+    the direction that enters on its side (copy 0 for the first half, copy 1 for the
+    second), and the two middle ranks are where the directions meet.  ``PP`` and
+    ``M`` even, ``M >= 2 PP``.  deepseek-ai/DualPipe, dualpipe/dualpipe.py
+    (``DualPipe.step``, commit 3da1bbea).
+    """
+    _check_v(pp_size, num_microbatches, rank, "dualpipe", minimum=2 * pp_size, even=True)
+    pp, m = pp_size, num_microbatches
+    second_half = rank >= pp // 2
+    go = _Program(rank, pp, "dual", first_microbatch=lambda chunk: chunk * (m // 2))
+    return _dualpipe_program(go, pp // 2, min(rank, pp - 1 - rank), m // 2,
+                             lambda phase: phase ^ second_half,
+                             turning=rank in (pp // 2 - 1, pp // 2))
+
+
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zbv": zbv,
+            "dualpipev": dualpipev, "dualpipe": dualpipe}
 """Each one-rank builder by schedule name (the interleaved one takes ``V`` too)."""
 
 
@@ -879,6 +1120,72 @@ def expected_bubble(pp: int, m: int, v: int = 1) -> float:
     return (pp - 1) / (v * m + pp - 1)
 
 
+def idle_time(timelines: dict[int, list[TimedAction]], rank: int | None = None) -> float:
+    """A rank's idle time in the step: the makespan minus its compute (forwards, B's and
+    W's).  ``rank=None``: the largest over the ranks, the step's *bubble* in the sense of
+    the DualPipe table (:func:`expected_bubble_time`): the time a step takes beyond the
+    busiest rank's work."""
+    total = makespan(timelines)
+    ranks = list(timelines) if rank is None else [rank]
+    return max(total - sum(t.end - t.start for t in timelines[r] if t.action.is_compute)
+               for r in ranks)
+
+
+def expected_bubble_time(name: str, pp_size: int, forward_cost: float = 1.0,
+                         backward_cost: float = 2.0, weight_cost: float | None = None,
+                         overlapped_cost: float | None = None) -> float:
+    """The bubble (:func:`idle_time`) as a formula of the chunk costs ``F``, ``B`` (the
+    whole backward), ``W`` (its weight part; default ``B / 2``) and ``F&B``
+    (``overlapped_cost``, default ``F + B``).
+
+    The rows of deepseek-ai/DualPipe's README table, with its ``PP`` the number of
+    pipeline *stages* (``pp_size`` ranks hold ``pp_size`` stages, ``2 pp_size`` for
+    the V's; DualPipe holds two copies of ``pp_size`` stages):
+
+    ==================  ====================================  ==========================
+    ``gpipe``, ``1f1b``  ``(PP - 1)(F + B)``                  any costs
+    ``interleaved``      ``(PP - 1)(F + B)``, F, B per chunk  any costs
+    ``zb-h1``            ``(PP - 1)(F + B - 2W)``             ``M >= PP``, ``W <= F``,
+                                                               ``W <= B - W``
+    ``zbv``              ``(PP - 1)(F + B - 2W)``, ``PP``     ``M >= 2 PP - 1``,
+                         ranks                                 ``F = B - W = W``
+    ``dualpipev``        ``(PP/2 - 1)(F&B + B - 3W)``,        ``M >= 2 PP``,
+                         ``PP = 2 pp_size`` stages             ``F = B - W``, ``W <= F``
+    ``dualpipe``         ``(PP/2 - 1)(F&B + B - 3W)``         the same
+    ==================  ====================================  ==========================
+
+    Each holds exactly under :func:`simulate` (free messages) where its last column
+    says; outside, the schedule's fixed order no longer fits the costs and the
+    simulated bubble differs (the DualPipe figure draws ``F`` and ``B - W`` equal).
+    The ZBV row is not in the DualPipe table: it is ZB-H1's expression over ``PP``
+    ranks of two chunks each, checked by simulation where ZBV's paper draws it (all
+    three costs equal).  ``F&B`` below ``F + B`` models communication hidden behind
+    the other half's compute; with overlapped pairs the ranks idle unequally, and the
+    formula is the busiest (turning) rank's.
+    """
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(ALL_SCHEDULES)}")
+    _check_positive("pp_size", pp_size, "a pipeline has at least one stage")
+    f, b = forward_cost, backward_cost
+    w = b / 2 if weight_cost is None else weight_cost
+    fb = f + b if overlapped_cost is None else overlapped_cost
+    if name in ("gpipe", "1f1b", "interleaved"):
+        return (pp_size - 1) * (f + b)
+    if name in ("zb-h1", "zbv"):
+        return (pp_size - 1) * (f + b - 2 * w)
+    if name == "dualpipe" and pp_size % 2:
+        raise ConfigError("dualpipe", f"pp_size ({pp_size}) must be even for dualpipe")
+    stages = 2 * pp_size if name == "dualpipev" else pp_size
+    return (stages // 2 - 1) * (fb + b - 3 * w)
+
+
+PARAMETER_COPIES = {name: 1 for name in ALL_SCHEDULES} | {"dualpipe": 2}
+"""How many copies of its stages' parameters a rank holds (DualPipe: both directions'),
+counted on the same ``pp_size`` ranks.  The DualPipe table's "2x" for DualPipeV compares
+it with 1F1B at the same number of *stages* (DualPipeV puts them on half as many ranks);
+on the same ranks, each of DualPipeV's ranks holds ``1 / pp_size`` of the model, as 1F1B's."""
+
+
 def peak_activations_in_flight(actions: list[Action]) -> int:
     """The most (microbatch, chunk) pairs whose forward ran and whose backward has not
     yet, counting a split backward as done only at its W.
@@ -902,7 +1209,7 @@ def peak_activations_in_flight(actions: list[Action]) -> int:
 def expected_peak_activations(name: str, pp_size: int, num_microbatches: int, rank: int,
                               virtual_pipeline_size: int = 1,
                               microbatch_group_size_per_vp_stage: int | None = None) -> int:
-    """The formula for :func:`peak_activations_in_flight`, per schedule.
+    """The formula for :func:`peak_activations_in_flight`, per schedule, in chunks.
 
     * GPipe: ``M``.
     * 1F1B: ``min(PP - rank, M)``: the warm-up forwards plus the steady state's one.
@@ -913,9 +1220,20 @@ def expected_peak_activations(name: str, pp_size: int, num_microbatches: int, ra
       factor of Korthikanti et al. (2022) for interleaving.  With ``M == PP`` the
       cap ``V M`` binds on the first ranks only: at ``PP = 8, V = 2`` the ranks hold
       ``16, 16, 16, 16, 15, 13, 11, 9`` (Megatron-Core >= 0.10; up to 0.9, 16 each).
+    * ZB-H1: ``min(PP, M)`` on every rank (held until the W: the deferred W's keep the
+      last ranks' activations as long as rank 0's).
+    * ZBV: ``min(M + rank + 1, 2 M, 2 PP)`` chunks of half a stage: ``2 PP`` on every
+      rank once ``M >= 2 PP - 1``, 1F1B's ``PP`` stages.
+    * DualPipeV: ``2 PP + 1`` chunks of half a stage; DualPipe: ``PP + 1`` chunks (of
+      a whole stage, of either copy): the table's ``PP + 1``.
     """
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(SCHEDULE_NAMES)}")
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(ALL_SCHEDULES)}")
+    if name in SPLIT_BACKWARD_SCHEDULES:
+        _check(pp_size, num_microbatches, rank)
+        pp, m = pp_size, num_microbatches
+        return {"zb-h1": min(pp, m), "zbv": min(m + rank + 1, 2 * m, 2 * pp),
+                "dualpipev": 2 * pp + 1, "dualpipe": pp + 1}[name]
     _check(pp_size, num_microbatches, rank, virtual_pipeline_size, microbatch_group_size_per_vp_stage)
     if name == "gpipe":
         return num_microbatches
