@@ -185,7 +185,7 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:
     """Issue 20's schedules: ZBV and DualPipeV fold ``2 PP`` stages in a V over ``PP >= 2``
-    ranks; DualPipe sends half the microbatches from each end of ``PP`` ranks, paired
+    ranks (DualPipeV runs ``M >= 2 PP`` microbatches); DualPipe sends half the microbatches from each end of ``PP`` ranks, paired
     rank ``r`` with ``PP - 1 - r`` (DeepSeek's DualPipe asserts an even ``PP`` and an
     even number of microbatches, at least ``2 PP``: deepseek-ai/DualPipe,
     dualpipe/dualpipe.py, ``DualPipe.step``, 3da1bbea) and holds two copies of the
@@ -196,6 +196,13 @@ def _check_split_backward_schedule(args: TrainingArgs) -> None:
                           f"--schedule {name} needs pipeline_model_parallel_size >= 2, got "
                           f"{pp}: it places two chunks per rank across a pipeline; use "
                           f"--pipeline-model-parallel-size 2 or more, or --schedule 1f1b")
+    if name == "dualpipev" and m < 2 * pp:
+        raise ConfigError("dualpipev schedule",
+                          f"--schedule dualpipev needs num_microbatches >= 2 x PP, got M = {m} "
+                          f"with PP = {pp}: its steady state pairs a forward with a backward "
+                          f"only after 2 PP forwards (deepseek-ai/DualPipe, "
+                          f"dualpipe/dualpipev.py, DualPipeV.step); e.g. --num-microbatches "
+                          f"{2 * pp}")
     if name == "dualpipe" and (pp % 2 or m % 2 or m < 2 * pp):
         raise ConfigError("dualpipe schedule",
                           f"--schedule dualpipe needs an even pipeline_model_parallel_size "

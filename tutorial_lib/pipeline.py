@@ -326,11 +326,13 @@ class Turns:
     fixed (forward first; then each half up to its next all-to-all, in turn), the same on
     every rank of an EP group, so their collectives pair up as without overlap.  Each
     stretch a half holds the turn is recorded as a ``compute`` span named ``turn``
-    (tagged ``half``: ``forward`` / ``backward``, ``microbatch``, ``chunk``, ``piece``).
+    (tagged ``half``: ``forward`` / ``backward``, ``microbatch``, ``chunk``, ``piece``,
+    and, as every event of the pair, ``pair``: ``"F5.1&B2.0"``).
     """
 
     def __init__(self, actions: tuple):
         self.actions = actions
+        self.pair = f"{actions[0].label}&{actions[1].label}"
         self.condition = threading.Condition()
         self.turn = 0
         self.done = [False, False]
@@ -348,7 +350,7 @@ class Turns:
                            tags={**self.tracer.current_tags(), "name": "turn",
                                  "half": ("forward", "backward")[me],
                                  "microbatch": action.microbatch, "chunk": action.chunk,
-                                 "piece": self.pieces[me]})
+                                 "pair": self.pair, "piece": self.pieces[me]})
         self.pieces[me] += 1
         if self.tracer.enabled:
             self.tracer.events.append(event)
@@ -538,7 +540,8 @@ class PipelineExecutor:
             try:
                 turns.wait_for_turn(me)
                 with comm.overlap_switch(lambda: turns.switch(me)), \
-                        self.tracer.tags(overlapped=True):
+                        self.tracer.tags(overlapped=True, pair=turns.pair,
+                                         half=("forward", "backward")[me]):
                     self.run_compute(action)
             except BaseException as error:  # noqa: BLE001 - raised below, in this thread
                 errors.append(error)

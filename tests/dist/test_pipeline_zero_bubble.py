@@ -81,7 +81,7 @@ def test_b_then_w_gives_the_plain_backwards_synced_gradients_bit_for_bit():
 # --- item 2: train_4d --schedule zb-h1 | zbv | dualpipev | dualpipe ----------------------
 
 #: The schedules that split the backward, each run by train_4d on every layout below.
-NEW_SCHEDULES = ("zb-h1",)
+NEW_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "dualpipe")
 #: The model: 8 layers (7 MoE), so that PP 4's V has 8 stages of one layer.
 SCHEDULE_ARGS = TrainingArgs(steps=2, num_layers=8, global_batch_size=16, seq_length=8,
                              hidden_size=16, num_attention_heads=4, vocab_size=32, num_experts=4,
@@ -97,8 +97,11 @@ def _layout(pp, world, m):
 
 def _schedules_worker(ctx, args, schedules):
     from tutorial_lib.train_4d import train_worker
-    return {name: [r["loss"] for r in train_worker(ctx, replace(args, schedule=name))]
-            for name in schedules}
+    out = {}
+    for name in schedules:
+        with ctx.tracer.tags(run=name):
+            out[name] = [r["loss"] for r in train_worker(ctx, replace(args, schedule=name))]
+    return out
 
 
 @launch_once
@@ -122,3 +125,60 @@ def test_each_split_backward_schedule_trains_like_world_size_one(schedule, pp, w
     got = schedules_run(pp, world, m).results[0][schedule]
     assert len(got) == SCHEDULE_ARGS.steps
     assert max(abs(a - b) for a, b in zip(got, expected)) < ATOL, (got, expected)
+
+
+# --- item 3: DualPipe's overlapped pairs hide each all-to-all behind the other half -------
+
+
+def _hidden_and_exposed(events, run=None):
+    """Each overlapped all-to-all of ``events`` (one run), sorted: hidden (its interval,
+    from issue to wait, holds a whole ``turn`` of the other half of its pair, on its rank)
+    or exposed, which it may only be when every turn of the other half had ended before
+    it was issued (nothing was left to hide it behind)."""
+    if run is not None:
+        events = [e for e in events if e.tags.get("run") == run]
+
+    def key(e):
+        return (e.rank, e.tags.get("repeat"), e.tags.get("step"), e.tags["pair"])
+
+    turns = [e for e in events if e.op == "compute" and e.tags.get("name") == "turn"]
+    hidden, exposed = [], []
+    for a in (e for e in events if e.op == "all_to_all" and e.tags.get("overlapped")):
+        others = [t for t in turns if key(t) == key(a) and t.tags["half"] != a.tags["half"]]
+        assert others, a  # the other half computed at least once
+        if any(a.t_start <= t.t_start and t.t_end <= a.t_end for t in others):
+            hidden.append(a)
+        else:
+            assert all(t.t_end <= a.t_start for t in others), a
+            exposed.append(a)
+    assert hidden, "no all-to-all ran under the other microbatch's compute"
+    return hidden, exposed
+
+
+def test_dualpipe_runs_the_real_models_all_to_alls_under_the_other_microbatchs_compute():
+    """Item 3 with the real model (the PP 2 x DP 2, EP 2 run above): in DualPipe's and
+    DualPipeV's overlapped pairs each MoE dispatch / combine all-to-all (and the count
+    exchange before a dispatch) is issued asynchronously, and from its issue to its wait
+    the other microbatch of the pair computes: the recorded interval of the all-to-all
+    holds a whole compute turn of the other half.  Deterministic: the turn starts after
+    the issue and ends before the wait in program order (pipeline.Turns), whatever the
+    timings.  The only exceptions are all-to-alls issued after the other half had
+    finished."""
+    trace = schedules_run(2, 4, 4).trace
+    for run in ("dualpipe", "dualpipev"):
+        hidden, exposed = _hidden_and_exposed(list(trace), run)
+        assert {a.tags["half"] for a in hidden} == {"forward", "backward"}
+        assert {a.tags.get("op_name") for a in hidden} >= {"dispatch", "combine"}
+        assert len(hidden) > len(exposed)
+
+
+def test_dualpipe_with_synthetic_stages_hides_their_all_to_alls_too():
+    """Item 3 with SyntheticStage costs (pipeline.measure_synthetic_schedules on PP 2 x EP 2):
+    each stage's dispatch and combine all-to-all of an overlapped pair runs under the
+    other half's compute."""
+    from tutorial_lib.pipeline import measure_synthetic_schedules
+    result = launch(measure_synthetic_schedules, 4, args=([("dualpipe", 4, 1)],),
+                    kwargs={"expert_parallel_size": 2}, timeout=120)
+    hidden, _ = _hidden_and_exposed(list(result.trace))
+    assert {a.tags.get("op_name") for a in hidden} == {"dispatch", "combine"}
+    assert {a.tags["half"] for a in hidden} == {"forward", "backward"}
