@@ -14,9 +14,24 @@ actions of one training step; :mod:`tutorial_lib.p2p` moves tensors between neig
     send_activation i c  -> the output to the next model stage
     recv_grad i c        -> the gradient of that output, from the next model stage
     backward i c         -> autograd from the output (with that gradient, or from the
-                            loss)
+                            loss); B alone where the list also holds weight i c
+    weight i c           -> W: the weight gradients that B left (issue 20)
     send_grad i c        -> the gradient of the input, to the previous model stage
     send_labels i        -> the first model stage sends i's labels to the last
+
+**B and W** (chapter 11).  A schedule that splits a backward runs B, the gradient of the
+stage's input (what the previous stage waits for), and later W, the weights' gradients
+(what nobody waits for): :func:`backward_input` and :func:`backward_weight`, the same
+autograd nodes on the same tensors as one backward, so the same gradients bit for bit.
+Where a schedule places two stages on one rank (the V of ZBV and DualPipeV; the
+placement is the action's, :func:`~tutorial_lib.pipeline_schedules.model_stage`), the
+activation and its gradient pass between the rank's two chunks without a message.
+DualPipe's two chunks are two copies of the model: after the last backward each weight's
+gradient is summed with its twin's (:func:`sum_model_copy_gradients`).  An overlapped
+pair (DualPipe's ``F&B``: a forward directly followed by a backward, both marked
+``overlapped``) runs in two threads that take turns at every all-to-all
+(:class:`Turns`): one half's MoE dispatch or combine is in flight while the other half
+computes.
 
 Consecutive sends and receives of activations and gradients become the calls of
 Megatron's P2P helpers (``send_forward_recv_backward`` and so on) that the schedule
@@ -42,14 +57,16 @@ with ``isend``, waited on at the end of the step.  (Megatron avoids the message
 altogether: its first and last stages both read the batch from the data loader.
 This course sends them to show the path.)
 
-After the last backward every parameter gradient is complete; the caller syncs them
+After the last backward (or W) every parameter gradient is complete; the caller syncs them
 once over the data-parallel groups (:class:`~tutorial_lib.data_parallel.DataParallel`
 with every backward inside ``no_sync``).
 
 Trace: each forward and backward is a ``compute`` span named ``forward``/``backward``
-tagged ``microbatch`` and ``chunk``; every P2P op carries ``p2p_op`` (the helper
-name), ``p2p_mode``, ``microbatch`` and ``chunk``.  That is what the chapter's
-timeline draws next to the planned schedule.
+tagged ``microbatch`` and ``chunk`` (a B also ``part="input"``; a W is named
+``weight``; the two halves of an overlapped pair are tagged ``overlapped``, ``pair`` and
+``half``, and each stretch a half computes is a ``turn`` span); every P2P op carries
+``p2p_op`` (the helper name), ``p2p_mode``, ``microbatch`` and ``chunk``.  That is what
+the chapter's timeline draws next to the planned schedule.
 """
 from __future__ import annotations
 

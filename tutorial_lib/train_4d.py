@@ -5,7 +5,10 @@ it directly.  One step on every rank::
 
     global batch (synthetic, from the seed)  -> my DP replica's rows -> M microbatches
         (CP > 1: each row cut to my CP rank's chunks)                 context_parallel.split_for_cp_rank
-    pipeline schedule (GPipe / 1F1B / interleaved) over my chunks    pipeline.forward_backward_pipelining
+    pipeline schedule (GPipe / 1F1B / interleaved; ZB-H1 / ZBV / DualPipeV / DualPipe, whose
+        backwards split into B and W) over my chunks                 pipeline.forward_backward_pipelining
+    DualPipe: each weight's gradient summed with its twin's in the other model copy
+                                                                      pipeline.sum_model_copy_gradients
         activations and gradients between stages                     P2P in the chosen mode
         labels from the first stage to the last                      isend / recv
         TP collectives inside each layer, EP all-to-alls in each MoE layer,
