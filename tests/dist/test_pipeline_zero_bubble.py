@@ -105,6 +105,14 @@ def _schedules_worker(ctx, args, schedules):
 
 
 @launch_once
+def serial_losses():
+    """The plain loop's losses: the whole model on the whole batch (no PP, no M), the same
+    for every layout here."""
+    from .test_pipeline_training import plain_serial_losses
+    return plain_serial_losses(SCHEDULE_ARGS)
+
+
+@launch_once
 def schedules_run(pp, world, m):
     from tutorial_lib.train_4d import validate_args
     args = _layout(pp, world, m)
@@ -120,8 +128,8 @@ def test_each_split_backward_schedule_trains_like_world_size_one(schedule, pp, w
     (x DP 2, EP 2) gives the plain serial loop's losses over 2 steps, the loop
     test_pipeline_training.py shows equal to the world-size-1 run (``ATOL`` 1e-5 there
     too: only the order of fp32 sums differs)."""
-    from .test_pipeline_training import ATOL, plain_serial_losses
-    expected = plain_serial_losses(_layout(pp, world, m))
+    from .test_pipeline_training import ATOL
+    expected = serial_losses()
     got = schedules_run(pp, world, m).results[0][schedule]
     assert len(got) == SCHEDULE_ARGS.steps
     assert max(abs(a - b) for a, b in zip(got, expected)) < ATOL, (got, expected)
