@@ -139,3 +139,23 @@ def test_synthetic_chunks_sit_where_each_schedule_places_its_stages_and_share_th
         [(0.1, 0.2, 0.08)] * 2
     loop = synthetic_chunks("interleaved", 3, 4, shape, 0.1, 0.2, virtual_pipeline_size=2)
     assert [(c.stage, c.num_stages) for c in loop] == [(3, 8), (7, 8)]
+
+
+def test_the_split_works_under_non_reentrant_activation_checkpointing():
+    """Issue 19 recomputes layers with ``torch.utils.checkpoint``: its non-reentrant form
+    (torch's default advice; the reentrant one refuses ``autograd.grad``, so B) re-runs
+    the layer's forward when B, then W, unpack what it did not keep; the gradients are
+    still the plain backward's bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x, g = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    torch.autograd.backward(checkpoint(net, x, use_reentrant=False), g)
+    reference = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    input_grad, work = backward_input(checkpoint(net, x2, use_reentrant=False), g, x2)
+    assert all(p.grad is None for p in net.parameters())
+    backward_weight(work)
+    assert torch.equal(input_grad, x.grad)
+    assert all(torch.equal(a, p.grad) for a, p in zip(reference, net.parameters()))
