@@ -547,6 +547,9 @@ class PipelineExecutor:
         lets one run at a time, switching at each all-to-all (where DualPipe switches
         between its two streams' kernels).  The gradients are the same as running the
         two one after the other: the same operations on the same tensors."""
+        # while the pair runs, the forward's new activations and the backward's (freed
+        # only once its B is done) are alive together: count the pair as the list orders it
+        self.peak_activations = max(self.peak_activations, self.activations_held + 1)
         turns = Turns((forward, backward))
         tags = self.tracer.current_tags()
         errors: list = []
