@@ -159,3 +159,27 @@ def test_the_split_works_under_non_reentrant_activation_checkpointing():
     backward_weight(work)
     assert torch.equal(input_grad, x.grad)
     assert all(torch.equal(a, p.grad) for a, p in zip(reference, net.parameters()))
+
+
+def test_overlapped_all_to_alls_counts_the_time_the_other_half_computed():
+    """pipeline.overlapped_all_to_alls on a hand-made trace: an all-to-all of the forward
+    half from 1.0 to 2.0 s, while the backward half computed from 1.2 to 1.5 and from 1.8
+    to 2.4 (and the forward itself, which hides nothing, from 0.5 to 1.0): 0.3 + 0.2 s
+    hidden.  A turn of another pair or another step hides nothing."""
+    from tutorial_lib.pipeline import overlapped_all_to_alls
+    from tutorial_lib.trace import TraceEvent
+
+    def turn(half, start, end, pair="F1&B0", step=0):
+        return TraceEvent(0, "compute", t_start=start, t_end=end,
+                          tags={"name": "turn", "half": half, "pair": pair, "step": step})
+
+    a2a = TraceEvent(0, "all_to_all", t_start=1.0, t_end=2.0,
+                     tags={"overlapped": True, "half": "forward", "pair": "F1&B0", "step": 0,
+                           "op_name": "dispatch", "microbatch": 1, "chunk": 0})
+    events = [turn("forward", 0.5, 1.0), a2a, turn("backward", 1.2, 1.5),
+              turn("backward", 1.8, 2.4), turn("backward", 1.0, 2.0, pair="F2&B1"),
+              turn("backward", 1.0, 2.0, step=1),
+              TraceEvent(0, "all_to_all", t_start=0.0, t_end=3.0)]  # not in a pair
+    (row,) = overlapped_all_to_alls(events)
+    assert row["hidden_seconds"] == pytest.approx(0.5)
+    assert row["seconds"] == 1.0 and row["op_name"] == "dispatch" and row["half"] == "forward"
