@@ -82,6 +82,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from fractions import Fraction
 
 from .config import ConfigError
 
@@ -1037,7 +1038,10 @@ def simulate(schedules: dict[int, list[Action]], forward_cost: float = 1.0, back
                     if a.overlapped and overlapped_cost is not None:
                         pair = (costs[r][i] + costs[r][i + 1] if a.kind == "forward"
                                 else costs[r][i - 1] + costs[r][i])
-                        cost = cost * overlapped_cost / pair if pair else 0
+                        exact = all(isinstance(x, (int, Fraction)) for x in (overlapped_cost, pair))
+                        ratio = (Fraction(overlapped_cost) / pair if exact else overlapped_cost / pair) \
+                            if pair else 0
+                        cost = cost * ratio
                     end = start + cost
                     computed[r].add((a.kind, a.microbatch, a.chunk))
                 elif a.kind in SEND_KINDS:
