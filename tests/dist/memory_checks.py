@@ -6,11 +6,12 @@ and ``test_memory.py``: no launch of its own.
 from tutorial_lib import costs
 from tutorial_lib.grid import megatron_grids
 
-#: Saved activations per rank with EP: a rank's experts receive as many routed copies as
-#: the routing sends them, the model assumes the balanced ``K T / EP``.  Over a step the
-#: peak is within 5 % on most layouts, 5.3 % off with one expert per EP rank (EP 4, 4
-#: experts); a freshly drawn router is that unbalanced.  The EP group's mean is exact.
-ACTIVATION_RTOL = 0.10
+#: Saved activations per rank with EP: a rank's experts hold as many routed copies as the
+#: router sends them, the model assumes the balanced ``K T / EP``.  Measured on the
+#: equivalence tests' EP layouts (the peak over each of 3 steps): within 5 % except with one
+#: expert per EP rank (EP 4 of 4 experts), 5.9 % on PP 2 x EP 4 and 5.0 % on TP 2 x EP 4; a
+#: freshly drawn router is that unbalanced.  The EP group's mean is exact (checked below).
+ACTIVATION_RTOL = 0.07
 
 
 def predicted_memory(args):

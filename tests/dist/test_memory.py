@@ -2,7 +2,7 @@
 
 The equivalence tests (``test_pipeline_training.py``) check every run they launch with
 :func:`memory_checks.assert_memory_as_predicted`; this file holds one layout of its own
-(PP 3 x DP 2 with EP 2, 1F1B; ZeRO-1, or plain Adam with recomputation), so that the check can be run alone, and
+(PP 3 x DP 2, 1F1B; EP 2 with ZeRO-1, or EP 1 with plain Adam and recomputation), so that the check can be run alone, and
 what the record carries.
 """
 from dataclasses import replace
@@ -24,11 +24,13 @@ ARGS = TrainingArgs(world_size=6, pipeline_model_parallel_size=3, expert_model_p
 
 @launch_once
 def run(zero1: bool):
-    """ZeRO-1; or plain Adam with each chunk's first layer recomputed (``--recompute-granularity
-    full --recompute-method block --recompute-num-layers 1``)."""
+    """ZeRO-1 (EP 2); or plain Adam, EP 1, with each chunk's first layer recomputed
+    (``--recompute-granularity full --recompute-method block --recompute-num-layers 1``):
+    without EP every byte is predicted exactly."""
     changes = ({"use_distributed_optimizer": True} if zero1 else
-               {"use_distributed_optimizer": False, "recompute_granularity": "full",
-                "recompute_method": "block", "recompute_num_layers": 1})
+               {"use_distributed_optimizer": False, "expert_model_parallel_size": 1,
+                "recompute_granularity": "full", "recompute_method": "block",
+                "recompute_num_layers": 1})
     args = replace(ARGS, **changes)
     return args, train(args).results
 
