@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from tutorial_lib import comm, moe_balance, p2p
 from tutorial_lib.deepseek import layer_range
 from tutorial_lib.config import ConfigError
-from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10
+from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
+                                    ch10, ch11)
 from tutorial_lib.memory import heaviest_rank_bytes
 from tutorial_lib.recompute import Recompute
-from tutorial_lib.pipeline_schedules import Action
+from tutorial_lib.pipeline_schedules import Action, one_f_one_b
 from tutorial_lib.viz.table import table
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -131,6 +132,10 @@ CHAPTERS = [
         Exercise("smallest_layout", ch10.check_smallest_layout),
     ), {"heaviest_rank_bytes": heaviest_rank_bytes, "Recompute": Recompute,
         "ConfigError": ConfigError}, min_cases=4),
+    Chapter("11_zero_bubble_dualpipe.ipynb", (
+        Exercise("place_weights", ch11.check_place_weights),
+        Exercise("idle_times", ch11.check_idle_times),
+    ), {"Action": Action, "one_f_one_b": one_f_one_b}, min_cases=5),
 ]
 
 
