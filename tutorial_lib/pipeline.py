@@ -561,6 +561,7 @@ class PipelineExecutor:
         with self.tracer.tags(microbatch=i, chunk=c), \
                 self.tracer.span("weight", microbatch=i, chunk=c):
             backward_weight(self.weight_work.pop((i, c)))
+        self.held_bytes -= self.activation_bytes[(i, c)]  # B kept the graph for W
 
     @property
     def activations_held(self) -> int:

@@ -11,7 +11,9 @@ torch's default device) and ``tests/unit/test_devices.py``.
   floating-point values within :data:`RTOL` / :data:`ATOL` (another summation order,
   cuBLAS instead of the CPU's kernels) and, for low-precision values (bf16, float8),
   within :data:`LOW_PRECISION_RTOL`;
-* ``train_4d`` on ``cuda`` gives the CPU's losses within :data:`LOSS_RTOL` per step;
+* ``train_4d`` on ``cuda`` gives the CPU's losses within :data:`LOSS_RTOL` per step, the
+  same weight, gradient and optimizer bytes, and an allocator peak
+  (``torch.cuda.max_memory_allocated``) at least what the step held at its activations' peak;
 * CUDA-event timings in the trace are positive, ordered on each rank, and measure the GPU's
   work (a compute span around a large matmul lasts longer than its host-side queueing);
 * with ``fp8_gemm="scaled_mm"`` (Ada / Hopper and newer) a module's forward equals the
@@ -101,10 +103,18 @@ def test_nccl_on_gpus_gives_the_chapters_results_of_gloo_on_the_cpu(world):
                  marks=needs_gpus(8))])
 def test_train_4d_on_cuda_gives_the_cpu_losses(world, layout):
     args = TrainingArgs(**{**TRAIN_BASE, "world_size": world, "steps": 3, **layout})
-    cuda = train(replace(args, device="cuda")).results[0]
-    cpu = train(replace(args, device="cpu")).results[0]
+    cuda_ranks = train(replace(args, device="cuda")).results
+    cpu_ranks = train(replace(args, device="cpu")).results
+    cuda, cpu = cuda_ranks[0], cpu_ranks[0]
     for on_gpu, on_cpu in zip(cuda, cpu, strict=True):
         assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], rel=LOSS_RTOL), on_gpu
+    # issue 19: the same bytes on the GPU, and the allocator's peak covers what the step held
+    # at its activations' peak (from step 2 on Adam's state exists during the forwards)
+    for on_gpu, on_cpu in zip(cuda_ranks, cpu_ranks, strict=True):
+        gpu, host = on_gpu[-1]["memory"], on_cpu[-1]["memory"]
+        assert all(gpu[k] == host[k] for k in ("weights", "gradients", "optimizer"))
+        held = gpu["weights"] + gpu["optimizer"] + gpu["peak_activations"]
+        assert gpu["cuda_max_memory_allocated"] >= held, gpu
 
 
 def _timed_work(ctx):

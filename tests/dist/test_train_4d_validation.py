@@ -45,7 +45,7 @@ BAD = [
     (["--timeout", "nan"], ["timeout must be a finite number > 0, got nan"]),
     (["--world-size", "2", "--tensor-model-parallel-size", "2", "--seq-length", "15"],
      ["[rule 6]", "seq_length (15)", "14 or 16"]),
-    (["--hidden-size", "65536", "--num-layers", "64"], ["[memory]", "pipeline rank 0", "Adam", "Fix:"]),
+    (["--hidden-size", "65536", "--num-layers", "64"], ["[memory]", "pipeline rank 0", "optimizer", "Fix:"]),
     (["--config", "{dir}/fast.json"], ["fast.json: lr must be a number, got 'fast' (str)"]),
     (["--config", "{dir}/list.json"], ["list.json' holds an array ([1, 2]), not an object of options"]),
     (["--config", "{dir}/string.json"], ["string.json' holds a string"]),

@@ -44,7 +44,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..pipeline_schedules import expected_peak_activations, interleaved_one_f_one_b
+from ..pipeline_schedules import SCHEDULE_NAMES, expected_peak_activations, interleaved_one_f_one_b
 from ..recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, Recompute,
                          kept_per_layer)
 
@@ -331,6 +331,11 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISION_BYTES)}")
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"the memory model places stages as {', '.join(SCHEDULE_NAMES)} do (chunk c "
+                         f"of rank r is stage c PP + r), not as {schedule!r}; for issue 20's "
+                         f"schedules bound it by 'gpipe' with their chunks per rank, as "
+                         f"arguments.check_memory does")
     bytes_ = PRECISION_BYTES[precision]
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     cp = parallel.context_parallel_size
