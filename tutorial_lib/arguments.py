@@ -29,8 +29,8 @@ from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, chec
                      check_number, check_pipeline_layers, config_fields, validate)
 from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
-from .pipeline_schedules import (ALL_SCHEDULES, TRAINING_P2P_MODES, check_microbatch_groups,
-                                 check_schedule_and_mode)
+from .pipeline_schedules import (ALL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, TRAINING_P2P_MODES,
+                                 check_microbatch_groups, check_schedule_and_mode)
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 from .recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Recompute, check_recompute
 
@@ -198,6 +198,13 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
     _check_split_backward_schedule(args)
     check_pipeline_layers(args.num_layers, pp, args.stages_per_rank)
     check_recompute(args.recompute, args.num_layers, pp)
+    if args.recompute_granularity and args.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError("recompute", f"activation recomputation (--recompute-granularity "
+                          f"{args.recompute_granularity}) does not run with --schedule "
+                          f"{args.schedule}: its backward is split into B and W, separate "
+                          f"autograd passes, and every pass that reaches a checkpointed region "
+                          f"recomputes it again, its collectives out of step between the ranks; "
+                          f"use --schedule 1f1b, interleaved or gpipe, or no recomputation")
     resolve_precision_recipe(args.precision_recipe)
     _validate_checkpoint_args(args)
     check_memory(args, local_ranks=local_ranks)

@@ -557,6 +557,7 @@ class PipelineExecutor:
     def run_backward_weight(self, action: Action) -> None:
         """W: the weight gradients of a microbatch whose B has run."""
         i, c = action.microbatch, action.chunk
+        self.held_bytes -= self.activation_bytes[(i, c)]  # B kept the graph until W
         with self.tracer.tags(microbatch=i, chunk=c), \
                 self.tracer.span("weight", microbatch=i, chunk=c):
             backward_weight(self.weight_work.pop((i, c)))

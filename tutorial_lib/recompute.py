@@ -33,6 +33,11 @@ recomputed, as Megatron's ``tensor_parallel.checkpoint`` does: with early stop t
 halts the recomputation once it has rebuilt the last tensor backward needs, and a layer's
 final all-reduce would not be repeated.
 
+Not with a backward split into B and W (chapter 11's zero-bubble schedules):
+:func:`tutorial_lib.arguments.validate_args` refuses the pair, since each autograd pass
+that reaches a checkpointed region recomputes it, and W's passes do so out of step
+between the ranks whose collectives the recomputation repeats.
+
 A measurement of saved tensors must wrap a region from outside (around a whole stage's
 forward, say): ``torch.autograd.graph.saved_tensors_hooks`` entered *inside* a
 checkpointed region takes precedence over the checkpoint's own hooks and would keep every
@@ -203,13 +208,29 @@ def checkpoint(function, *args):
 
     from .trace import get_tracer
 
-    def contexts():  # called by the forward; the second context wraps the recomputation
-        tracer = get_tracer()
-        return nullcontext(), tracer.tags(**tracer.current_tags(), recompute=True)
+    def contexts():  # called by the forward; the second context wraps each recomputation
+        return nullcontext(), _RecomputeTags(get_tracer().current_tags())
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
                                              context_fn=contexts, early_stop=False)
 
+
+
+class _RecomputeTags:
+    """The forward's trace tags plus ``recompute=True``, around each recomputation of a
+    region: entered again for every backward pass that needs its tensors (a split
+    backward's B and W are two passes, and each recomputes)."""
+
+    def __init__(self, tags: dict):
+        self.tags, self.entered = tags, []
+
+    def __enter__(self):
+        from .trace import get_tracer
+        self.entered.append(get_tracer().tags(**self.tags, recompute=True))
+        self.entered[-1].__enter__()
+
+    def __exit__(self, *exc):
+        return self.entered.pop().__exit__(*exc)
 
 
 # --- measuring what is kept -----------------------------------------------------------------

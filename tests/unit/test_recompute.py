@@ -65,6 +65,10 @@ def test_train_4d_takes_megatrons_recompute_flags_and_refuses_bad_ones_before_st
         parser.parse_args(["--recompute-granularity", "partial"])
     with pytest.raises(ConfigError, match=r"num_layers_per_pipeline_rank \(2\), got 3"):
         validate_args(replace(args, recompute_num_layers=3))
+    # issue 20's split backward (B, then W) would recompute a region in each pass
+    for schedule in ("zb-h1", "zbv"):
+        with pytest.raises(ConfigError, match=f"does not run with --schedule {schedule}"):
+            validate_args(replace(args, schedule=schedule))
 
 
 def test_the_layers_recomputed_follow_megatrons_checkpointed_forward():

@@ -197,6 +197,8 @@ def _memory_table() -> KeyTable:
                     "state (Adam), by precision and optimizer (the course's distributed "
                     "optimizer also keeps its slice's fp32 gradient)",
                     ["precision", "optimizer", "DP 1", "DP 8", "DP 64"], rows)
+
+
 def _zero_bubble_table() -> KeyTable:
     from .. import pipeline_schedules as ps
     pp, m = 4, 8
