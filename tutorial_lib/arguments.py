@@ -300,6 +300,12 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     schedule = f"{args.schedule}, M = {args.num_microbatches} microbatches per replica"
     if args.schedule == "interleaved":
         schedule += f", V = {args.virtual_pipeline_model_parallel_size} chunks per rank"
+    elif args.schedule == "dualpipe":
+        schedule += ", two model copies (a stage of each per rank), backwards split in B and W"
+    elif args.schedule in TWO_CHUNK_SCHEDULES:
+        schedule += ", 2 chunks per rank in a V, backwards split in B and W"
+    elif args.schedule == "zb-h1":
+        schedule += ", backwards split in B and W"
     if pp == 1:
         schedule += " (one stage: no pipeline)"
     if args.load:

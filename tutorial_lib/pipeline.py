@@ -89,6 +89,7 @@ from .trace import TraceEvent, get_tracer
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
            "helper_name", "group_actions", "combined_helpers", "schedule_steps",
            "WeightGradWork", "backward_input", "backward_weight", "Turns",
+           "overlapped_all_to_alls",
            "check_schedule_and_mode",
            "SyntheticStage", "synthetic_chunks", "check_chunks",
            "MODEL_COPY_ATTR", "mark_model_copies", "sum_model_copy_gradients",
@@ -396,6 +397,39 @@ class Turns:
             self.condition.notify_all()
 
 
+def overlapped_all_to_alls(events) -> list[dict]:
+    """Each all-to-all run inside an overlapped pair, from a recorded trace (pure).
+
+    ``events``: a :class:`~tutorial_lib.trace.Trace` or its events.  One row per
+    all-to-all tagged ``overlapped``: ``rank``, ``pair``, ``half`` (whose it is),
+    ``op_name`` (``dispatch`` / ``combine``, ...), ``microbatch``, ``chunk``, ``seconds``
+    (issue to wait) and ``hidden_seconds``: the part of that interval during which the
+    pair's other half was computing (its ``turn`` spans on the same rank), the time the
+    all-to-all cost nobody.  The other tags that tell steps and runs apart (``run``,
+    ``repeat``, ``step``) must match too.
+    """
+    def key(e):
+        return (e.rank, e.tags.get("run"), e.tags.get("repeat"), e.tags.get("step"),
+                e.tags.get("pair"))
+
+    turns: dict = {}
+    for e in events:
+        if e.op == "compute" and e.tags.get("name") == "turn":
+            turns.setdefault((key(e), e.tags["half"]), []).append(e)
+    rows = []
+    for e in events:
+        if e.op != "all_to_all" or not e.tags.get("overlapped"):
+            continue
+        other = "backward" if e.tags["half"] == "forward" else "forward"
+        hidden = sum(max(0.0, min(e.t_end, t.t_end) - max(e.t_start, t.t_start))
+                     for t in turns.get((key(e), other), ()))
+        rows.append({"rank": e.rank, "pair": e.tags["pair"], "half": e.tags["half"],
+                     "op_name": e.tags.get("op_name"), "microbatch": e.tags.get("microbatch"),
+                     "chunk": e.tags.get("chunk"), "seconds": e.t_end - e.t_start,
+                     "hidden_seconds": hidden})
+    return rows
+
+
 # --- the executor ---------------------------------------------------------------------
 
 
@@ -547,6 +581,9 @@ class PipelineExecutor:
         lets one run at a time, switching at each all-to-all (where DualPipe switches
         between its two streams' kernels).  The gradients are the same as running the
         two one after the other: the same operations on the same tensors."""
+        # while the pair runs, the forward's new activations and the backward's (freed
+        # only once its B is done) are alive together: count the pair as the list orders it
+        self.peak_activations = max(self.peak_activations, self.activations_held + 1)
         turns = Turns((forward, backward))
         tags = self.tracer.current_tags()
         errors: list = []

@@ -115,7 +115,8 @@ class Tracer:
         self.capture_values = capture_values
         """Record tensor values for tensors with at most this many elements (0: never)."""
         self.events: list[TraceEvent] = []
-        self._local = threading.local()  # the tags of each thread (see _tags)
+        self._shared_tags: dict[str, Any] = {}
+        self._local = threading.local()  # a thread's own tags (see _tags)
         self.pending: TraceEvent | None = None
         """The op this rank is blocked in right now, if any (read by the deadlock report)."""
         self.finished = False
@@ -132,19 +133,24 @@ class Tracer:
 
     @property
     def _tags(self) -> dict[str, Any]:
-        """The tags in force in the calling thread: a thread sees only its own ``with
-        tracer.tags(...)`` blocks (the pipeline runs an overlapped forward and backward
-        in two threads, each with its microbatch's tags); a new thread starts with none
-        (:meth:`adopt_tags`)."""
-        return getattr(self._local, "tags", {})
+        """The tags in force in the calling thread: those of the process (every thread's,
+        autograd's device threads included), or a thread's own once it has called
+        :meth:`adopt_tags` (the pipeline runs an overlapped backward in a second thread,
+        with its own microbatch's tags)."""
+        own = getattr(self._local, "tags", None)
+        return self._shared_tags if own is None else own
 
     @_tags.setter
     def _tags(self, tags: dict[str, Any]) -> None:
-        self._local.tags = tags
+        if getattr(self._local, "tags", None) is None:
+            self._shared_tags = tags
+        else:
+            self._local.tags = tags
 
     def adopt_tags(self, tags: dict[str, Any]) -> None:
-        """Start the calling thread with ``tags`` (another thread's :meth:`current_tags`)."""
-        self._tags = dict(tags)
+        """Give the calling thread tags of its own, starting from ``tags`` (another
+        thread's :meth:`current_tags`); the other threads no longer see its changes."""
+        self._local.tags = dict(tags)
 
     @contextmanager
     def tags(self, **tags: Any) -> Iterator[None]:

@@ -105,6 +105,14 @@ def _schedules_worker(ctx, args, schedules):
 
 
 @launch_once
+def serial_losses():
+    """The plain loop's losses: the whole model on the whole batch (no PP, no M), the same
+    for every layout here."""
+    from .test_pipeline_training import plain_serial_losses
+    return plain_serial_losses(SCHEDULE_ARGS)
+
+
+@launch_once
 def schedules_run(pp, world, m):
     from tutorial_lib.train_4d import validate_args
     args = _layout(pp, world, m)
@@ -120,8 +128,8 @@ def test_each_split_backward_schedule_trains_like_world_size_one(schedule, pp, w
     (x DP 2, EP 2) gives the plain serial loop's losses over 2 steps, the loop
     test_pipeline_training.py shows equal to the world-size-1 run (``ATOL`` 1e-5 there
     too: only the order of fp32 sums differs)."""
-    from .test_pipeline_training import ATOL, plain_serial_losses
-    expected = plain_serial_losses(_layout(pp, world, m))
+    from .test_pipeline_training import ATOL
+    expected = serial_losses()
     got = schedules_run(pp, world, m).results[0][schedule]
     assert len(got) == SCHEDULE_ARGS.steps
     assert max(abs(a - b) for a, b in zip(got, expected)) < ATOL, (got, expected)
@@ -172,13 +180,43 @@ def test_dualpipe_runs_the_real_models_all_to_alls_under_the_other_microbatchs_c
         assert len(hidden) > len(exposed)
 
 
+#: SyntheticStage runs on PP 2 x EP 2 (two pipelines side by side, exchanging rows with a
+#: MoE layer's two all-to-alls in every forward and B), each of the four schedules, M 4.
+SYNTHETIC_RUNS = [(name, 4, 1) for name in NEW_SCHEDULES]
+
+
+@launch_once
+def synthetic_run():
+    from tutorial_lib.pipeline import measure_synthetic_schedules
+    return launch(measure_synthetic_schedules, 4, args=(SYNTHETIC_RUNS,),
+                  kwargs={"expert_parallel_size": 2, "forward_seconds": 0.004,
+                          "backward_seconds": 0.008}, timeout=120)
+
+
 def test_dualpipe_with_synthetic_stages_hides_their_all_to_alls_too():
     """Item 3 with SyntheticStage costs (pipeline.measure_synthetic_schedules on PP 2 x EP 2):
     each stage's dispatch and combine all-to-all of an overlapped pair runs under the
     other half's compute."""
-    from tutorial_lib.pipeline import measure_synthetic_schedules
-    result = launch(measure_synthetic_schedules, 4, args=([("dualpipe", 4, 1)],),
-                    kwargs={"expert_parallel_size": 2}, timeout=120)
-    hidden, _ = _hidden_and_exposed(list(result.trace))
-    assert {a.tags.get("op_name") for a in hidden} == {"dispatch", "combine"}
-    assert {a.tags["half"] for a in hidden} == {"forward", "backward"}
+    from tutorial_lib.pipeline import synthetic_run_name
+    events = list(synthetic_run().trace)
+    for name in ("dualpipe", "dualpipev"):
+        hidden, _ = _hidden_and_exposed(events, synthetic_run_name(name, 4))
+        assert {a.tags.get("op_name") for a in hidden} == {"dispatch", "combine"}
+        assert {a.tags["half"] for a in hidden} == {"forward", "backward"}
+
+
+def test_the_executor_holds_the_activations_the_simulator_counts_on_every_rank():
+    """The executor's peak of (microbatch, chunk) activations kept (from the forward to
+    the backward, or to the W of a split one) equals the pure count of the same action
+    list (pipeline_schedules.peak_activations_in_flight) on every rank, for each of the
+    four schedules: the executor keeps what the schedule says, no more."""
+    from tutorial_lib.grid import build_grid
+    from tutorial_lib.pipeline import synthetic_run_name
+    from tutorial_lib.pipeline_schedules import build_schedules, peak_activations_in_flight
+    result = synthetic_run()
+    for pipeline in build_grid(4, pp=2, ep=2).groups("pp"):
+        for name, m, v in SYNTHETIC_RUNS:
+            lists = build_schedules(name, 2, m)
+            measured = [result.results[rank][synthetic_run_name(name, m, v)]
+                        for rank in pipeline]
+            assert measured == [[peak_activations_in_flight(lists[r])] for r in range(2)], name

@@ -139,3 +139,47 @@ def test_synthetic_chunks_sit_where_each_schedule_places_its_stages_and_share_th
         [(0.1, 0.2, 0.08)] * 2
     loop = synthetic_chunks("interleaved", 3, 4, shape, 0.1, 0.2, virtual_pipeline_size=2)
     assert [(c.stage, c.num_stages) for c in loop] == [(3, 8), (7, 8)]
+
+
+def test_the_split_works_under_non_reentrant_activation_checkpointing():
+    """Issue 19 recomputes layers with ``torch.utils.checkpoint``: its non-reentrant form
+    (torch's default advice; the reentrant one refuses ``autograd.grad``, so B) re-runs
+    the layer's forward when B, then W, unpack what it did not keep; the gradients are
+    still the plain backward's bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x, g = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    torch.autograd.backward(checkpoint(net, x, use_reentrant=False), g)
+    reference = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    input_grad, work = backward_input(checkpoint(net, x2, use_reentrant=False), g, x2)
+    assert all(p.grad is None for p in net.parameters())
+    backward_weight(work)
+    assert torch.equal(input_grad, x.grad)
+    assert all(torch.equal(a, p.grad) for a, p in zip(reference, net.parameters()))
+
+
+def test_overlapped_all_to_alls_counts_the_time_the_other_half_computed():
+    """pipeline.overlapped_all_to_alls on a hand-made trace: an all-to-all of the forward
+    half from 1.0 to 2.0 s, while the backward half computed from 1.2 to 1.5 and from 1.8
+    to 2.4 (and the forward itself, which hides nothing, from 0.5 to 1.0): 0.3 + 0.2 s
+    hidden.  A turn of another pair or another step hides nothing."""
+    from tutorial_lib.pipeline import overlapped_all_to_alls
+    from tutorial_lib.trace import TraceEvent
+
+    def turn(half, start, end, pair="F1&B0", step=0):
+        return TraceEvent(0, "compute", t_start=start, t_end=end,
+                          tags={"name": "turn", "half": half, "pair": pair, "step": step})
+
+    a2a = TraceEvent(0, "all_to_all", t_start=1.0, t_end=2.0,
+                     tags={"overlapped": True, "half": "forward", "pair": "F1&B0", "step": 0,
+                           "op_name": "dispatch", "microbatch": 1, "chunk": 0})
+    events = [turn("forward", 0.5, 1.0), a2a, turn("backward", 1.2, 1.5),
+              turn("backward", 1.8, 2.4), turn("backward", 1.0, 2.0, pair="F2&B1"),
+              turn("backward", 1.0, 2.0, step=1),
+              TraceEvent(0, "all_to_all", t_start=0.0, t_end=3.0)]  # not in a pair
+    (row,) = overlapped_all_to_alls(events)
+    assert row["hidden_seconds"] == pytest.approx(0.5)
+    assert row["seconds"] == 1.0 and row["op_name"] == "dispatch" and row["half"] == "forward"
