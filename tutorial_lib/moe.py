@@ -16,8 +16,10 @@ Read it top to bottom, like the chapter:
    rank keeps its ``N/EP`` of them, so the EP layer *is* the serial layer, cut up.
 3. **The dispatcher** (:class:`AllToAllDispatcher`, on the ``"ep"`` group).  Count tokens
    per expert, exchange the counts (an all-to-all of int64 metadata), permute the token
-   copies by destination rank, one uneven all-to-all, sort what arrived by local expert;
-   after the experts, the exact mirror: un-sort, all-to-all with the splits swapped,
+   copies by destination rank, one uneven all-to-all, (with ETP > 1: gather the counts and
+   rows over the ``"expert_tp"`` group, as Megatron's ``dispatch_postprocess``), sort what
+   arrived by local expert; after the experts, the exact mirror: un-sort, (reduce-scatter
+   the partial outputs over ``"expert_tp"``), all-to-all with the splits swapped,
    un-permute.  The all-to-all is an autograd function whose backward is the reverse
    all-to-all.  Optional capacity: drop the lowest-gate copies over
    ``ceil(capacity_factor * T * K / N)`` per expert (or V2's budget per device,
@@ -765,11 +767,14 @@ class MoELayer(torch.nn.Module):
     carries whatever tokens each rank holds); the balance losses then sum their counts
     over the CP group as well (over TP and CP when both split the tokens).
 
-    TP and EP together (Megatron's folded grids, with each expert whole: ETP = 1): after the
-    sequence scatter every TP rank holds different tokens, so the all-to-all over the expert
-    grid's EP group needs nothing more (that group may span dense TP and DP ranks).  The
-    dist tests run TP 2 x EP 2 against the serial layer, and ``train_4d`` with TP 2 x EP 2
-    (x PP 2) and TP 2 x EP 4 against the serial model.
+    TP and EP together (Megatron's folded grids): after the sequence scatter every TP rank
+    holds different tokens, so the all-to-all over the expert grid's EP group needs nothing
+    more (that group may span dense TP and DP ranks).  With ETP > 1 (``etp_group``, default
+    ``"expert_tp"``; ``None`` whenever ``ep_group`` is ``None``: serial) each expert is split
+    over the expert-TP group (:class:`RoutedExperts`) and the dispatcher gathers the received
+    rows over that group and reduce-scatters the partial outputs (:meth:`AllToAllDispatcher.dispatch`,
+    :meth:`~AllToAllDispatcher.combine`).  The dist tests run ``train_4d`` on every TP x EP
+    layout of at most 8 ranks, ETP 1 and ETP = TP, against the serial model.
 
     Arguments beyond the sizes: ``num_shared_experts`` (merged into one SwiGLU of
     ``num_shared_experts * ffn_hidden_size``); ``score_function``, ``routed_scaling_factor``,
