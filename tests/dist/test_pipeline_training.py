@@ -292,7 +292,8 @@ def _tp_ep_gradients(ctx, args: TrainingArgs) -> dict:
     from tutorial_lib.tp_dp_step import finish_step
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
     parallel, _, _ = args.configs()
-    parallel_state.initialize_model_parallel(parallel)
+    if parallel_state.get_state().grid.config != parallel:  # train_worker built these
+        parallel_state.initialize_model_parallel(parallel)
     chunks = build_chunks(args)
     modules = torch.nn.ModuleList(chunks)
     model = DataParallel(modules, group="dp")
