@@ -46,9 +46,9 @@ for arg in "$@"; do
     prev="$arg"
 done
 # One cheat sheet per chapter for slides (issue 14): a standalone page each, beside the
-# chapters (only for this book: another book folder has other chapters).
-if [ "$BOOK" = "$ROOT" ]; then
-    python "$ROOT/scripts/cheat_sheets.py" --out "$OUT/_build/html/cheatsheets" >/dev/null
+# chapters (only for this book or a copy of it: another book folder has other chapters).
+if [ -f "$BOOK/scripts/cheat_sheets.py" ]; then
+    python "$BOOK/scripts/cheat_sheets.py" --out "$OUT/_build/html/cheatsheets" >/dev/null
     echo "Cheat sheets: $(cd "$OUT" && pwd)/_build/html/cheatsheets/index.html"
 fi
 echo "HTML: $(cd "$OUT" && pwd)/_build/html/index.html"

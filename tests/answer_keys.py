@@ -24,6 +24,7 @@ import html
 import itertools
 import math
 import re
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,9 +32,10 @@ import torch
 
 from tutorial_lib import moe_balance
 from tutorial_lib.context_parallel import held_chunks
-from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, kit
+from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
+                                    ch11, kit)
 from tutorial_lib.grid import build_grid
-from tutorial_lib.pipeline_schedules import Action, one_f_one_b
+from tutorial_lib.pipeline_schedules import Action, one_f_one_b, zb_h1
 
 # --- how a reference could be printed -----------------------------------------------------
 
@@ -339,6 +341,41 @@ def _holdings_forbidden(name, detail, fn):
     return (listed(want["layers"]) - (listed(mine_layers) if mine_layers else set())) | {repr(want)}
 
 
+# --- chapter 11 -----------------------------------------------------------------------------
+
+
+def _place_weights_forbidden(name, detail, fn):
+    """ZB-H1's compute order of the rank named, unless it is the student's own."""
+    pp, m = (int(v) for v in re.match(r"PP=(\d+), M=(\d+)", name).groups())
+    rank = _rank_in(detail)
+    ranks = range(pp) if rank is None else [rank]
+    out = set()
+    for r in ranks:
+        want = " ".join(a.label for a in zb_h1(pp, m, r) if a.is_compute)
+        mine = own(fn, pp, m, r)
+        mine = " ".join(a.label for a in mine if isinstance(a, Action) and a.is_compute) \
+            if isinstance(mine, list) else None
+        if want != mine:
+            out.add(want)
+    return out
+
+
+def _idle_forbidden(name, detail, fn):
+    """The simulated idle time of the schedule the case names (not the student's value)."""
+    pp, f, b, w = re.match(r"pp=(\d+), f=([\d/]+), b=([\d/]+), w=([\d/]+)", name).groups()
+    costs = [Fraction(x) for x in (f, b, w)]
+    want = ch11.simulated_idle_times(int(pp), *costs)
+    schedule = name.split(": ")[-1] if ": " in name else None
+    mine = own(fn, int(pp), *costs)
+    out = set()
+    for key, value in want.items():
+        if schedule not in (None, key):
+            continue
+        theirs = mine.get(key) if isinstance(mine, dict) else None
+        out |= number_forbidden(float(value), kit.as_number(theirs))
+    return {t for t in out if t not in ("0", "0.0", "0.00", "0.000", "0.0000")}
+
+
 # --- chapter 7 ------------------------------------------------------------------------------
 
 
@@ -570,8 +607,24 @@ KEYS = [
         "steps": lambda b, h, s, d, c, e: c * 2 * b * h * (s // c) * d * e,
         "bits": lambda b, h, s, d, c, e: 8 * (c - 1) * 2 * b * h * (s // c) * d * e,
     }, _ring_forbidden, ch09.RING_HINTS),
+    AnswerKey("11.1", ch11.check_place_weights, {
+        "empty": lambda pp, m, rank: [],
+        "plain_1f1b": lambda pp, m, rank: one_f_one_b(pp, m, rank),
+        "right_after": lambda pp, m, rank: [x for a in one_f_one_b(pp, m, rank) for x in (
+            [a, Action("weight", a.microbatch)] if a.kind == "backward" else [a])],
+        "all_at_the_end": lambda pp, m, rank: one_f_one_b(pp, m, rank)
+        + [Action("weight", i) for i in range(m)],
+    }, _place_weights_forbidden, ch11.PLACE_HINTS),
+    AnswerKey("11.2", ch11.check_idle_times, {
+        "empty": lambda *a: None,
+        "constant": lambda *a: {k: 1 for k in ("1f1b", "zb-h1", "dualpipev", "dualpipe")},
+        "stages_as_ranks": lambda pp, f, b, w: {
+            "1f1b": (pp - 1) * (f + b), "zb-h1": (pp - 1) * (f + b),
+            "dualpipev": (pp - 1) * (f + b + b - 3 * w),
+            "dualpipe": (pp - 1) * (f + b + b - 3 * w)},
+    }, _idle_forbidden, ch11.IDLE_HINTS),
 ]
-"""Every exercise of chapters 1-9, in order."""
+"""Every exercise of chapters 1-9 and 11, in order."""
 
 
 def key_params(*, launching: bool):

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from tutorial_lib import comm, moe_balance, p2p
 from tutorial_lib.deepseek import layer_range
-from tutorial_lib.exercises import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09
-from tutorial_lib.pipeline_schedules import Action
+from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
+                                    ch11)
+from tutorial_lib.pipeline_schedules import Action, one_f_one_b
 from tutorial_lib.viz.table import table
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -123,6 +124,10 @@ CHAPTERS = [
         Exercise("ring_pass_bytes", ch09.check_ring_pass_bytes),
         Exercise("ring_work", ch09.check_ring_work, launches=("solution",)),
     ), {"torch": torch}, min_cases=4),
+    Chapter("11_zero_bubble_dualpipe.ipynb", (
+        Exercise("place_weights", ch11.check_place_weights),
+        Exercise("idle_times", ch11.check_idle_times),
+    ), {"Action": Action, "one_f_one_b": one_f_one_b}, min_cases=5),
 ]
 
 

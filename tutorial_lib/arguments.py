@@ -28,7 +28,7 @@ from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, chec
                      check_number, check_pipeline_layers, config_fields, validate)
 from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
-from .pipeline_schedules import (SCHEDULE_NAMES, TRAINING_P2P_MODES, check_microbatch_groups,
+from .pipeline_schedules import (ALL_SCHEDULES, TRAINING_P2P_MODES, check_microbatch_groups,
                                  check_schedule_and_mode)
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 
@@ -81,8 +81,10 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     """Adam learning rate (finite, >= 0)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
-    schedule: str = field(default="1f1b", metadata={"choices": SCHEDULE_NAMES})
-    """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved``."""
+    schedule: str = field(default="1f1b", metadata={"choices": ALL_SCHEDULES})
+    """Pipeline schedule: ``1f1b``, ``gpipe``, ``interleaved``, or one that splits the
+    backward into B and W (chapter 11): ``zb-h1``, ``zbv`` and ``dualpipev`` (two chunks
+    per rank in a V), ``dualpipe`` (two model copies, even PP and M)."""
     p2p_mode: str = field(default="batched", metadata={"choices": TRAINING_P2P_MODES})
     """P2P mode, one of Megatron's two: ``batched`` (its default, ``batch_p2p_comm``) or
     ``overlapped`` (``batch_p2p_comm=False``; Megatron-LM's default with interleaving). The
@@ -120,7 +122,19 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
 
     @property
     def chunks_per_rank(self) -> int:
+        if self.schedule in TWO_CHUNK_SCHEDULES:  # a V, or DualPipe's two model copies
+            return 2
         return self.virtual_pipeline_model_parallel_size if self.schedule == "interleaved" else 1
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model stages of one model copy per rank: DualPipe's two chunks are one stage
+        of each of its two copies, so its model is cut in ``PP`` stages."""
+        return 1 if self.schedule == "dualpipe" else self.chunks_per_rank
+
+
+#: The schedules whose ranks hold two chunks (``pipeline.TWO_CHUNK_SCHEDULES``).
+TWO_CHUNK_SCHEDULES = ("zbv", "dualpipev", "dualpipe")
 
 
 def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
@@ -162,10 +176,45 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
                               f"the interleaved schedule needs pipeline_model_parallel_size >= 2 and "
                               f"virtual_pipeline_model_parallel_size >= 2, got {pp} and {v}")
         check_microbatch_groups(pp, args.num_microbatches)  # M a multiple of PP (Megatron's default)
-    check_pipeline_layers(args.num_layers, pp, v)
+    _check_split_backward_schedule(args)
+    check_pipeline_layers(args.num_layers, pp, args.stages_per_rank)
     resolve_precision_recipe(args.precision_recipe)
     _validate_checkpoint_args(args)
     check_memory(args, local_ranks=local_ranks)
+
+
+def _check_split_backward_schedule(args: TrainingArgs) -> None:
+    """Issue 20's schedules: ZBV and DualPipeV fold ``2 PP`` stages in a V over ``PP >= 2``
+    ranks (DualPipeV runs ``M >= 2 PP`` microbatches); DualPipe sends half the microbatches from each end of ``PP`` ranks, paired
+    rank ``r`` with ``PP - 1 - r`` (DeepSeek's DualPipe asserts an even ``PP`` and an
+    even number of microbatches, at least ``2 PP``: deepseek-ai/DualPipe,
+    dualpipe/dualpipe.py, ``DualPipe.step``, 3da1bbea) and holds two copies of the
+    weights, which this course does not checkpoint."""
+    pp, m, name = args.pipeline_model_parallel_size, args.num_microbatches, args.schedule
+    if name in TWO_CHUNK_SCHEDULES and pp < 2:
+        raise ConfigError(f"{name} schedule",
+                          f"--schedule {name} needs pipeline_model_parallel_size >= 2, got "
+                          f"{pp}: it places two chunks per rank across a pipeline; use "
+                          f"--pipeline-model-parallel-size 2 or more, or --schedule 1f1b")
+    if name == "dualpipev" and m < 2 * pp:
+        raise ConfigError("dualpipev schedule",
+                          f"--schedule dualpipev needs num_microbatches >= 2 x PP, got M = {m} "
+                          f"with PP = {pp}: its steady state pairs a forward with a backward "
+                          f"only after 2 PP forwards (deepseek-ai/DualPipe, "
+                          f"dualpipe/dualpipev.py, DualPipeV.step); e.g. --num-microbatches "
+                          f"{2 * pp}")
+    if name == "dualpipe" and (pp % 2 or m % 2 or m < 2 * pp):
+        raise ConfigError("dualpipe schedule",
+                          f"--schedule dualpipe needs an even pipeline_model_parallel_size "
+                          f"and an even num_microbatches of at least 2 x PP, got PP = {pp} "
+                          f"and M = {m}: half the microbatches enter at each end and rank r "
+                          f"pairs with rank PP - 1 - r; e.g. --pipeline-model-parallel-size "
+                          f"{pp + pp % 2} --num-microbatches {max(2 * (pp + pp % 2), m + m % 2)}")
+    if name == "dualpipe" and (args.save or args.load):
+        raise ConfigError("dualpipe schedule",
+                          "--schedule dualpipe holds two copies of every weight; this course "
+                          "does not save or load them: drop --save / --load, or train with "
+                          "--schedule dualpipev (one copy, the same V-shaped overlap)")
 
 
 def _validate_checkpoint_args(args: TrainingArgs) -> None:
@@ -251,6 +300,12 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     schedule = f"{args.schedule}, M = {args.num_microbatches} microbatches per replica"
     if args.schedule == "interleaved":
         schedule += f", V = {args.virtual_pipeline_model_parallel_size} chunks per rank"
+    elif args.schedule == "dualpipe":
+        schedule += ", two model copies (a stage of each per rank), backwards split in B and W"
+    elif args.schedule in TWO_CHUNK_SCHEDULES:
+        schedule += ", 2 chunks per rank in a V, backwards split in B and W"
+    elif args.schedule == "zb-h1":
+        schedule += ", backwards split in B and W"
     if pp == 1:
         schedule += " (one stage: no pipeline)"
     if args.load:
@@ -291,8 +346,13 @@ def check_memory(args: TrainingArgs, available: int | None = None,
         available, source = found if found is not None else (None, "")
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
-    estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
-                                 args.chunks_per_rank)
+    schedule, chunks = args.schedule, args.chunks_per_rank
+    if schedule in TWO_CHUNK_SCHEDULES + ("zb-h1",):
+        # issue 20's schedules: bounded by GPipe's every-microbatch-in-flight, with the
+        # per-rank layers of two chunks (DualPipe: of one copy, whose stages hold twice
+        # the layers; its second copy of the weights is not counted)
+        schedule, chunks = "gpipe", args.stages_per_rank
+    estimate = functools.partial(memory_per_rank, model, parallel, train, schedule, chunks)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:

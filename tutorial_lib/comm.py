@@ -29,6 +29,9 @@ clock (an NCCL op returns before it has run): see :mod:`tutorial_lib.trace`.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -225,11 +228,39 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group="world",
     if sum(ins) != input.shape[0] or sum(outs) != output.shape[0] or len(ins) != n or len(outs) != n:
         raise ValueError(f"all_to_all: splits input={ins} output={outs} do not match shapes "
                          f"{tuple(input.shape)} -> {tuple(output.shape)} over {n} ranks")
+    switch = getattr(_OVERLAP, "switch", None)
     event = _begin("all_to_all", input, kind, ranks, nbytes=sum(ins) * row_bytes,
-                   splits={"input": ins, "output": outs})
-    dist.all_to_all_single(_wire(output), _wire(input.contiguous()), outs, ins, group=pg)
-    _finish(event, output)
+                   splits={"input": ins, "output": outs}, blocking=switch is None,
+                   **({"tags": {"overlapped": True}} if switch is not None else {}))
+    if switch is None:
+        dist.all_to_all_single(_wire(output), _wire(input.contiguous()), outs, ins, group=pg)
+        _finish(event, output)
+        return output
+    # inside an overlapped forward-backward pair: issue, let the other half compute, wait
+    work = dist.all_to_all_single(_wire(output), _wire(input.contiguous()), outs, ins,
+                                  group=pg, async_op=True)
+    switch()
+    TracedWork(work, event, output).wait()
     return output
+
+
+#: Per thread: ``switch``, set while the thread runs one half of an overlapped
+#: forward-backward pair (:func:`overlap_switch`).
+_OVERLAP = threading.local()
+
+
+@contextmanager
+def overlap_switch(switch):
+    """Inside the block, :func:`all_to_all` issues each all-to-all asynchronously, calls
+    ``switch()`` (which returns when this thread may go on: the pipeline's overlapped
+    pair lets the other microbatch compute meanwhile, :class:`tutorial_lib.pipeline.Turns`),
+    and only then waits for it.  Its event is tagged ``overlapped``: from issue to wait."""
+    saved = getattr(_OVERLAP, "switch", None)
+    _OVERLAP.switch = switch
+    try:
+        yield
+    finally:
+        _OVERLAP.switch = saved
 
 
 def broadcast(tensor: torch.Tensor, src: int, group="world") -> torch.Tensor:

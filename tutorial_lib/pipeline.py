@@ -14,9 +14,24 @@ actions of one training step; :mod:`tutorial_lib.p2p` moves tensors between neig
     send_activation i c  -> the output to the next model stage
     recv_grad i c        -> the gradient of that output, from the next model stage
     backward i c         -> autograd from the output (with that gradient, or from the
-                            loss)
+                            loss); B alone where the list also holds weight i c
+    weight i c           -> W: the weight gradients that B left (issue 20)
     send_grad i c        -> the gradient of the input, to the previous model stage
     send_labels i        -> the first model stage sends i's labels to the last
+
+**B and W** (chapter 11).  A schedule that splits a backward runs B, the gradient of the
+stage's input (what the previous stage waits for), and later W, the weights' gradients
+(what nobody waits for): :func:`backward_input` and :func:`backward_weight`, the same
+autograd nodes on the same tensors as one backward, so the same gradients bit for bit.
+Where a schedule places two stages on one rank (the V of ZBV and DualPipeV; the
+placement is the action's, :func:`~tutorial_lib.pipeline_schedules.model_stage`), the
+activation and its gradient pass between the rank's two chunks without a message.
+DualPipe's two chunks are two copies of the model: after the last backward each weight's
+gradient is summed with its twin's (:func:`sum_model_copy_gradients`).  An overlapped
+pair (DualPipe's ``F&B``: a forward directly followed by a backward, both marked
+``overlapped``) runs in two threads that take turns at every all-to-all
+(:class:`Turns`): one half's MoE dispatch or combine is in flight while the other half
+computes.
 
 Consecutive sends and receives of activations and gradients become the calls of
 Megatron's P2P helpers (``send_forward_recv_backward`` and so on) that the schedule
@@ -42,17 +57,20 @@ with ``isend``, waited on at the end of the step.  (Megatron avoids the message
 altogether: its first and last stages both read the batch from the data loader.
 This course sends them to show the path.)
 
-After the last backward every parameter gradient is complete; the caller syncs them
+After the last backward (or W) every parameter gradient is complete; the caller syncs them
 once over the data-parallel groups (:class:`~tutorial_lib.data_parallel.DataParallel`
 with every backward inside ``no_sync``).
 
 Trace: each forward and backward is a ``compute`` span named ``forward``/``backward``
-tagged ``microbatch`` and ``chunk``; every P2P op carries ``p2p_op`` (the helper
-name), ``p2p_mode``, ``microbatch`` and ``chunk``.  That is what the chapter's
-timeline draws next to the planned schedule.
+tagged ``microbatch`` and ``chunk`` (a B also ``part="input"``; a W is named
+``weight``; the two halves of an overlapped pair are tagged ``overlapped``, ``pair`` and
+``half``, and each stretch a half computes is a ``turn`` span); every P2P op carries
+``p2p_op`` (the helper name), ``p2p_mode``, ``microbatch`` and ``chunk``.  That is what
+the chapter's timeline draws next to the planned schedule.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -64,13 +82,17 @@ from .deepseek import Microbatch
 from .devices import module_device, resolve_device
 from .p2p import communicate
 from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
-                                 num_warmup_microbatches)
-from .trace import get_tracer
+                                 model_stage, num_model_stages, num_warmup_microbatches,
+                                 split_backwards, stage_holder)
+from .trace import TraceEvent, get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
            "helper_name", "group_actions", "combined_helpers", "schedule_steps",
+           "WeightGradWork", "backward_input", "backward_weight", "Turns",
+           "overlapped_all_to_alls",
            "check_schedule_and_mode",
-           "SyntheticStage",
+           "SyntheticStage", "synthetic_chunks", "check_chunks",
+           "MODEL_COPY_ATTR", "mark_model_copies", "sum_model_copy_gradients",
            "synthetic_microbatches", "synthetic_run_name",
            "measure_synthetic_schedules"]
 
@@ -79,7 +101,7 @@ LABEL_KINDS = ("send_labels", "recv_labels")
 #: One message stream per payload: gloo and NCCL match messages between two ranks in
 #: order (per tag), so activations, gradients and labels that share a pair of ranks
 #: (PP = 2, or the interleaved schedule's wrap-around) must not queue behind each other.
-TAGS = {"activation": 1, "grad": 2, "labels": 3}
+TAGS = {"activation": 1, "grad": 2, "labels": 3, "model_copy": 4}
 
 _HELPERS = {
     (("send", "activation"),): "send_forward",
@@ -107,7 +129,16 @@ COMBINED_HELPERS = {
     "gpipe": (),
     "1f1b": ("send_forward_recv_backward", "send_backward_recv_forward"),
     "interleaved": None,
+    # issue 20's schedules (Megatron has none of them): every message its own call,
+    # every send posted at once and waited on at the end of the step
+    "zb-h1": (), "zbv": (), "dualpipev": (), "dualpipe": (),
 }
+
+#: The schedules whose ranks hold two chunks, placed in a V or as two model copies.
+TWO_CHUNK_SCHEDULES = ("zbv", "dualpipev", "dualpipe")
+#: Where each schedule places its stages (:data:`~tutorial_lib.pipeline_schedules.PLACEMENTS`;
+#: the others: ``loop``).
+SCHEDULE_PLACEMENT = {"zbv": "v", "dualpipev": "v", "dualpipe": "dual"}
 
 
 def combined_helpers(schedule: str) -> tuple[str, ...] | None:
@@ -181,6 +212,224 @@ def helper_name(run: list[Action]) -> str:
     return _HELPERS[key]
 
 
+# --- the backward in two parts: B (input gradient) and W (weight gradients) -----------
+
+
+def _grad_node(t: torch.Tensor):
+    """The autograd node that receives ``t``'s gradient: its ``grad_fn``, or for a leaf
+    its gradient accumulator (made on demand, through a view)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _reaching(parents: dict, targets) -> set:
+    """The nodes from which one of ``targets`` is reached in the backward graph."""
+    found, todo = set(targets), list(targets)
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent not in found:
+                found.add(parent)
+                todo.append(parent)
+    return found
+
+
+@dataclass
+class WeightGradWork:
+    """What B leaves for W: where the weight gradients leave the input gradient's path.
+
+    ``junctions``: for every node on the path from the stage's output to its input that
+    also feeds a weight, the gradient it received in B and the edges towards the weights
+    (``(node, grad_outputs, edges)``).  ``output`` / ``output_grad``: the stage's output
+    and its gradient, for a stage without an input gradient (the first), whose whole
+    backward is W.
+    """
+
+    junctions: list = field(default_factory=list)
+    output: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+
+
+def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None,
+                   stage_input: torch.Tensor | None) -> tuple:
+    """B: the gradient of the stage's input only; returns ``(input_grad, work for W)``.
+
+    Autograd runs from ``output`` (with ``output_grad``; ``None`` for a scalar loss) to
+    ``stage_input`` alone, so it visits only the nodes on that path (the MoE all-to-alls
+    included) and skips every weight gradient; the graph is kept.  A hook on each
+    *junction* (a node of that path with an edge towards a weight) records the gradient
+    that reached it, where :func:`backward_weight` starts later.  The same split as
+    ``torch.distributed.pipelining``'s ``stage_backward_input`` /
+    ``stage_backward_weight`` (torch 2.13.0, ``torch/distributed/pipelining/_backward.py``),
+    with two differences: W re-runs each junction for its weight-side outputs only (one
+    junction at a time, so a junction below another is not counted twice), and W's last
+    pass runs through the parameters' gradient accumulators, so gradient hooks fire as in
+    a plain backward (:class:`~tutorial_lib.data_parallel.DataParallel`'s ``main_grad``
+    buckets, ZeRO-1's fp32 accumulation).  With no ``stage_input`` (the first model
+    stage: nothing to send back) B does nothing and W is the whole backward, as in torch's
+    ``PipelineStage.backward_one_chunk``.
+    """
+    if stage_input is None:
+        return None, WeightGradWork(output=output, output_grad=output_grad)
+    root, target = output.grad_fn, _grad_node(stage_input)
+    parents: dict = {}  # the backward graph reversed: node -> the nodes with an edge to it
+    seen, todo = {root}, [root]
+    while todo:
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents.setdefault(child, []).append(node)
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    on_path = _reaching(parents, [target])
+    accumulators = [n for n in seen if not n.next_functions and n is not target
+                    and type(n).__name__ == "AccumulateGrad"]
+    feeds_weight = _reaching(parents, accumulators)
+    junctions = []
+    for node in on_path:
+        edges = [(child, nr) for child, nr in node.next_functions
+                 if child is not None and child not in on_path and child in feeds_weight]
+        if edges:
+            junctions.append([node, None, edges])
+    handles = []
+    for junction in junctions:
+        def record(grad_outputs, junction=junction):
+            junction[1] = grad_outputs
+        handles.append(junction[0].register_prehook(record))
+    try:
+        (input_grad,) = torch.autograd.grad(output, stage_input, output_grad, retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return input_grad, WeightGradWork([j for j in junctions if j[1] is not None])
+
+
+def backward_weight(work: WeightGradWork) -> None:
+    """W: the weight gradients B deferred, accumulated into ``.grad`` (hooks fire).
+
+    For each junction: its gradients towards the weights, from the gradient it received
+    in B; then one backward from all those edges into the parameters.
+    """
+    from torch.autograd.graph import GradientEdge
+
+    if work.output is not None:  # the first stage: the whole backward
+        torch.autograd.backward(work.output, work.output_grad)
+        return
+    roots, grads = [], []
+    for node, grad_outputs, edges in work.junctions:
+        outputs = [GradientEdge(node, k) for k, g in enumerate(grad_outputs) if g is not None]
+        seeds = [g for g in grad_outputs if g is not None]
+        targets = [GradientEdge(child, nr) for child, nr in edges]
+        found = torch.autograd.grad(outputs, targets, seeds, retain_graph=True,
+                                    allow_unused=True)
+        roots += [t for t, g in zip(targets, found) if g is not None]
+        grads += [g for g in found if g is not None]
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
+# --- an overlapped forward-backward pair: two threads taking turns --------------------
+
+
+class Turns:
+    """Two halves of an overlapped pair (0: the forward, 1: the backward), one thread
+    each, of which exactly one runs at any time.
+
+    A half runs until it issues an all-to-all (:func:`tutorial_lib.comm.overlap_switch`),
+    then :meth:`switch` hands the turn to the other half and waits for it to come back;
+    the all-to-all proceeds on gloo's own threads (NCCL: its own stream) meanwhile, and is
+    waited on only when the turn returns.  The order of everything a rank issues is then
+    fixed (forward first; then each half up to its next all-to-all, in turn), the same on
+    every rank of an EP group, so their collectives pair up as without overlap.  Each
+    stretch a half holds the turn is recorded as a ``compute`` span named ``turn``
+    (tagged ``half``: ``forward`` / ``backward``, ``microbatch``, ``chunk``, ``piece``,
+    and, as every event of the pair, ``pair``: ``"F5.1&B2.0"``).
+    """
+
+    def __init__(self, actions: tuple):
+        self.actions = actions
+        self.pair = f"{actions[0].label}&{actions[1].label}"
+        self.condition = threading.Condition()
+        self.turn = 0
+        self.done = [False, False]
+        self.pieces = [0, 0]
+        self.started: list = [None, None]
+        self.tracer = get_tracer()
+
+    def _begin(self, me: int) -> None:
+        self.started[me] = time.time()
+
+    def _end(self, me: int) -> None:
+        action = self.actions[me]
+        event = TraceEvent(rank=self.tracer.rank, op="compute", t_start=self.started[me],
+                           t_end=time.time(),
+                           tags={**self.tracer.current_tags(), "name": "turn",
+                                 "half": ("forward", "backward")[me],
+                                 "microbatch": action.microbatch, "chunk": action.chunk,
+                                 "pair": self.pair, "piece": self.pieces[me]})
+        self.pieces[me] += 1
+        if self.tracer.enabled:
+            self.tracer.events.append(event)
+
+    def wait_for_turn(self, me: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.turn == me)
+        self._begin(me)
+
+    def switch(self, me: int) -> None:
+        """Give the turn to the other half (unless it has finished) and wait for it back."""
+        with self.condition:
+            if self.done[1 - me]:
+                return
+            self._end(me)
+            self.turn = 1 - me
+            self.condition.notify_all()
+            self.condition.wait_for(lambda: self.turn == me)
+        self._begin(me)
+
+    def finish(self, me: int) -> None:
+        with self.condition:
+            self._end(me)
+            self.done[me] = True
+            self.turn = 1 - me
+            self.condition.notify_all()
+
+
+def overlapped_all_to_alls(events) -> list[dict]:
+    """Each all-to-all run inside an overlapped pair, from a recorded trace (pure).
+
+    ``events``: a :class:`~tutorial_lib.trace.Trace` or its events.  One row per
+    all-to-all tagged ``overlapped``: ``rank``, ``pair``, ``half`` (whose it is),
+    ``op_name`` (``dispatch`` / ``combine``, ...), ``microbatch``, ``chunk``, ``seconds``
+    (issue to wait) and ``hidden_seconds``: the part of that interval during which the
+    pair's other half was computing (its ``turn`` spans on the same rank), the time the
+    all-to-all cost nobody.  The other tags that tell steps and runs apart (``run``,
+    ``repeat``, ``step``) must match too.
+    """
+    def key(e):
+        return (e.rank, e.tags.get("run"), e.tags.get("repeat"), e.tags.get("step"),
+                e.tags.get("pair"))
+
+    turns: dict = {}
+    for e in events:
+        if e.op == "compute" and e.tags.get("name") == "turn":
+            turns.setdefault((key(e), e.tags["half"]), []).append(e)
+    rows = []
+    for e in events:
+        if e.op != "all_to_all" or not e.tags.get("overlapped"):
+            continue
+        other = "backward" if e.tags["half"] == "forward" else "forward"
+        hidden = sum(max(0.0, min(e.t_end, t.t_end) - max(e.t_start, t.t_start))
+                     for t in turns.get((key(e), other), ()))
+        rows.append({"rank": e.rank, "pair": e.tags["pair"], "half": e.tags["half"],
+                     "op_name": e.tags.get("op_name"), "microbatch": e.tags.get("microbatch"),
+                     "chunk": e.tags.get("chunk"), "seconds": e.t_end - e.t_start,
+                     "hidden_seconds": hidden})
+    return rows
+
+
 # --- the executor ---------------------------------------------------------------------
 
 
@@ -210,13 +459,17 @@ class PipelineExecutor:
 
     def __init__(self, chunks: list, microbatches: list[Microbatch], rank: int, pp: int,
                  p2p_mode: str, tensor_shape: tuple | None, dtype: torch.dtype,
-                 defer_sends: bool, device=None):
+                 defer_sends: bool, device=None, split_backward: bool = False,
+                 placement: str = "loop", split=()):
         self.chunks, self.microbatches = chunks, microbatches
         self.device = module_device(chunks[0]) if device is None else torch.device(device)
         self.rank, self.pp = rank, pp
         self.p2p_mode, self.tensor_shape, self.dtype = p2p_mode, tensor_shape, dtype
         self.pp_ranks = parallel_state.get_group_ranks("pp") if pp > 1 else [0]
-        self.last_stage = pp * len(chunks) - 1  # the model stage with the loss
+        self.placement = placement
+        # the model stage with the loss (of each copy, in DualPipe's two copies)
+        self.last_stage = num_model_stages(placement, pp, len(chunks)) - 1
+        self.split = set(split)  # (microbatch, chunk): the backwards split into B and W
         self.tracer = get_tracer()
         self.inputs: dict[tuple, torch.Tensor] = {}  # received activations
         self.outputs: dict[tuple, torch.Tensor] = {}  # forward outputs (last: loss / M)
@@ -229,6 +482,8 @@ class PipelineExecutor:
         self.defer_sends = defer_sends
         self.deferred_sends: list = []  # with defer_sends: P2P sends not waited on yet
         self.keep_alive: list = []  # what those sends read: it must outlive them
+        self.split_backward = split_backward
+        self.weight_work: dict[tuple, WeightGradWork] = {}  # B done, W still to come
 
     def run_forward(self, action: Action) -> None:
         """Chunk ``c``'s forward of microbatch ``i``; keep the output."""
@@ -243,11 +498,23 @@ class PipelineExecutor:
         if is_last:
             self.losses[i] = float(output.detach())
             output = output / len(self.microbatches)
+        else:  # the V's turn: the next stage is this rank's other chunk, no message
+            local = self._local_chunk(action, +1)
+            if local is not None:
+                self.inputs[(i, local)] = output.detach().requires_grad_()
         self.outputs[(i, c)] = output
-        self.peak_activations = max(self.peak_activations, len(self.outputs))
+        self.peak_activations = max(self.peak_activations, self.activations_held)
 
     def run_backward(self, action: Action) -> None:
-        """Backward from the kept output: from the loss or the gradient received."""
+        """Backward from the kept output: from the loss or the gradient received.
+
+        With ``split_backward``: B then W at once (:meth:`run_backward_input`,
+        :meth:`run_backward_weight`), the same gradients in another order of work.
+        """
+        if self.split_backward:
+            self.run_backward_input(action)
+            self.run_backward_weight(action)
+            return
         i, c = action.microbatch, action.chunk
         stage = action.model_stage(self.rank, self.pp)
         output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
@@ -259,7 +526,99 @@ class PipelineExecutor:
                 grad = self.output_grads.pop((i, c))
                 torch.autograd.backward(output, grad_tensors=grad)
         if stage > 0:  # the gradient to send back to the previous model stage
-            self.input_grads[(i, c)] = stage_input.grad
+            self._input_grad(action, stage_input.grad)
+
+    def run_backward_input(self, action: Action) -> None:
+        """B: the gradient of the stage's input (to send back); W's work is kept."""
+        i, c = action.microbatch, action.chunk
+        stage = action.model_stage(self.rank, self.pp)
+        output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
+        grad = None if stage == self.last_stage else self.output_grads.pop((i, c))
+        with self.tracer.tags(microbatch=i, chunk=c), \
+                self.tracer.span("backward", microbatch=i, chunk=c, part="input"):
+            input_grad, self.weight_work[(i, c)] = backward_input(
+                output, grad, stage_input if stage > 0 else None)
+        if stage > 0:
+            self._input_grad(action, input_grad)
+
+    def run_backward_weight(self, action: Action) -> None:
+        """W: the weight gradients of a microbatch whose B has run."""
+        i, c = action.microbatch, action.chunk
+        with self.tracer.tags(microbatch=i, chunk=c), \
+                self.tracer.span("weight", microbatch=i, chunk=c):
+            backward_weight(self.weight_work.pop((i, c)))
+
+    @property
+    def activations_held(self) -> int:
+        """(microbatch, chunk) pairs whose activations autograd keeps: from the forward
+        to the backward, or to the W of a split backward (B keeps the graph for W)."""
+        return len(self.outputs) + len(self.weight_work)
+
+    def _local_chunk(self, action: Action, step: int) -> int | None:
+        """This rank's chunk that runs the model stage ``step`` after (``+1``) or before
+        (``-1``) the action's, when this rank holds it (the V's turn); else ``None``."""
+        stage = action.model_stage(self.rank, self.pp) + step
+        if not 0 <= stage <= self.last_stage:
+            return None
+        copy = action.chunk if self.placement == "dual" else 0
+        rank, chunk = stage_holder(self.placement, stage, self.pp, copy)
+        return chunk if rank == self.rank else None
+
+    def _input_grad(self, action: Action, grad: torch.Tensor) -> None:
+        """The input's gradient: to send, or to hand to this rank's previous stage."""
+        key = (action.microbatch, action.chunk)
+        local = self._local_chunk(action, -1)
+        if local is None:
+            self.input_grads[key] = grad
+        else:
+            self.output_grads[(action.microbatch, local)] = grad
+
+    def run_overlapped(self, forward: Action, backward: Action) -> None:
+        """DualPipe's ``F&B``: ``forward`` and ``backward`` (of other microbatches) as one
+        step, each all-to-all of one issued asynchronously while the other computes.
+
+        The forward runs in this thread, the backward in a second one; :class:`Turns`
+        lets one run at a time, switching at each all-to-all (where DualPipe switches
+        between its two streams' kernels).  The gradients are the same as running the
+        two one after the other: the same operations on the same tensors."""
+        # while the pair runs, the forward's new activations and the backward's (freed
+        # only once its B is done) are alive together: count the pair as the list orders it
+        self.peak_activations = max(self.peak_activations, self.activations_held + 1)
+        turns = Turns((forward, backward))
+        tags = self.tracer.current_tags()
+        errors: list = []
+
+        def half(me: int, action: Action) -> None:
+            if me:
+                self.tracer.adopt_tags(tags)
+            try:
+                turns.wait_for_turn(me)
+                with comm.overlap_switch(lambda: turns.switch(me)), \
+                        self.tracer.tags(overlapped=True, pair=turns.pair,
+                                         half=("forward", "backward")[me]):
+                    self.run_compute(action)
+            except BaseException as error:  # noqa: BLE001 - raised below, in this thread
+                errors.append(error)
+            finally:
+                turns.finish(me)
+
+        other = threading.Thread(target=half, args=(1, backward), daemon=True)
+        other.start()
+        half(0, forward)
+        other.join()
+        if errors:
+            raise errors[0]
+
+    def run_compute(self, action: Action) -> None:
+        """A ``forward``, a ``backward`` (B where the schedule splits it), a ``weight`` (W)."""
+        if action.kind == "forward":
+            self.run_forward(action)
+        elif action.kind == "weight":
+            self.run_backward_weight(action)
+        elif (action.microbatch, action.chunk) in self.split:
+            self.run_backward_input(action)
+        else:
+            self.run_backward(action)
 
     def run_p2p(self, messages: list[Action]) -> None:
         """One Megatron P2P helper: at most one send, then at most one receive."""
@@ -305,10 +664,26 @@ class PipelineExecutor:
                                                            tag=TAGS["labels"])
 
 
+def check_chunks(schedule: str, num_chunks: int) -> None:
+    """Refuse a number of model chunks per rank the schedule cannot run."""
+    if schedule == "interleaved":
+        if num_chunks < 2:
+            raise ValueError("the interleaved schedule needs at least 2 chunks per rank "
+                             "(virtual_pipeline_model_parallel_size >= 2)")
+    elif schedule in TWO_CHUNK_SCHEDULES:
+        if num_chunks != 2:
+            raise ValueError(f"{schedule!r} runs 2 chunks per rank (a V, or DualPipe's two "
+                             f"model copies), got {num_chunks}")
+    elif num_chunks != 1:
+        raise ValueError(f"{schedule!r} runs one chunk per rank, got {num_chunks}; "
+                         f"use schedule='interleaved'")
+
+
 def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 schedule: str = "1f1b", p2p_mode: str = "batched",
                                 tensor_shape: tuple | None = None,
-                                dtype: torch.dtype = torch.float32, device=None) -> StepOutput:
+                                dtype: torch.dtype = torch.float32, device=None,
+                                split_backward: bool = False) -> StepOutput:
     """Run one step's forwards and backwards on this pipeline rank; every rank calls it.
 
     ``chunks``: this rank's model chunks (a ``DeepSeekModel`` of one model stage each):
@@ -319,33 +694,39 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     ``tensor_shape``: the activation ``[s, b, h]`` that crosses model stage boundaries.
     ``device``: where received activations, gradients and labels land (``None``: the first
     chunk's device).  Gradients accumulate in the parameters (each loss is divided by ``M``).
+    ``split_backward``: run every ``backward`` as B then W (:func:`backward_input`,
+    :func:`backward_weight`): the same gradients, the work in another order.
     """
     pp = parallel_state.group_size("pp")
     check_schedule_and_mode(schedule, p2p_mode, pp)
     rank = parallel_state.get_rank_in("pp") if pp > 1 else 0
-    if schedule != "interleaved" and len(chunks) != 1:
-        raise ValueError(f"{schedule!r} runs one chunk per rank, got {len(chunks)}; "
-                         f"use schedule='interleaved'")
-    if schedule == "interleaved" and len(chunks) < 2:
-        raise ValueError("the interleaved schedule needs at least 2 chunks per rank "
-                         "(virtual_pipeline_model_parallel_size >= 2)")
+    check_chunks(schedule, len(chunks))
     if pp > 1 and tensor_shape is None:
         raise ValueError("tensor_shape ([s, b, h] of the activations between stages) "
                          "is needed with PP > 1")
 
-    steps = schedule_steps(schedule, pp, len(microbatches), rank, len(chunks))
+    steps = schedule_steps(schedule, pp, len(microbatches), rank,
+                           len(chunks) if schedule == "interleaved" else 1)
+    actions = [a for step in steps for a in step]
     # The interleaved schedule posts each send as soon as its tensor exists and waits
     # for it only at the end (Megatron runs it with overlap_p2p_comm): waiting at once,
     # rank r's send to r + 1 and rank r + 1's send to r (another chunk's tensor) can
     # each wait for a receive the other posts only later.  1F1B and GPipe wait at once.
+    # Issue 20's schedules post every send as the simulator assumes (buffered sends).
     executor = PipelineExecutor(chunks, microbatches, rank, pp, p2p_mode, tensor_shape,
-                                dtype, defer_sends=schedule == "interleaved", device=device)
-    for step in steps:
+                                dtype, defer_sends=schedule not in ("gpipe", "1f1b"),
+                                device=device, split_backward=split_backward,
+                                placement=actions[0].placement if actions else "loop",
+                                split=split_backwards(actions))
+    index = 0
+    while index < len(steps):
+        step, index = steps[index], index + 1
         action = step[0]
-        if action.kind == "forward":
-            executor.run_forward(action)
-        elif action.kind == "backward":
-            executor.run_backward(action)
+        if action.is_compute and action.overlapped and action.kind == "forward":
+            executor.run_overlapped(action, steps[index][0])  # the pair's backward
+            index += 1
+        elif action.is_compute:
+            executor.run_compute(action)
         elif action.kind in LABEL_KINDS:
             executor.move_labels(action)
         else:  # sends/receives with a neighbour: one Megatron P2P helper
@@ -353,6 +734,83 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     comm.wait_all(executor.label_sends + executor.deferred_sends)
     return StepOutput(executor.losses, executor.peak_activations,
                       actions=sum(len(step) for step in steps))
+
+
+# --- DualPipe's two model copies --------------------------------------------------------
+
+
+#: The attribute that marks the parameters of DualPipe's second model copy: the clip's
+#: global norm leaves them out (:func:`~tutorial_lib.data_parallel.counts_in_grad_norm`),
+#: since their twins in the first copy hold the same gradient.
+MODEL_COPY_ATTR = "model_copy"
+
+
+def mark_model_copies(chunks: list) -> None:
+    """Tag each parameter of DualPipe's two chunks with its copy (0 or 1): chunk ``c``
+    of every rank is copy ``c`` (:data:`MODEL_COPY_ATTR`)."""
+    for copy, chunk in enumerate(chunks):
+        for p in chunk.parameters():
+            setattr(p, MODEL_COPY_ATTR, copy)
+
+
+def sum_model_copy_gradients(chunks: list, expert_loads: bool = True) -> None:
+    """DualPipe: add each weight's gradient from its twin in the other model copy.
+
+    Rank ``r``'s chunk 0 (stage ``r`` of copy 0) and rank ``PP - 1 - r``'s chunk 1
+    (stage ``r`` of copy 1) are the same layers, fed different halves of the
+    microbatches; after the step's last backward both take the sum of the two
+    gradients, so the copies, equal at the start, stay equal after every optimizer step.
+    DeepSeek's DualPipe does the same in its example (deepseek-ai/DualPipe,
+    examples/example_dualpipe.py, ``main``, "Check grads": each copy's gradient plus the
+    twin's, from rank ``PP - 1 - rank``; 3da1bbea).  Here the pair exchanges its
+    gradients with one batched send and receive over the pipeline group (the gradient
+    of the step so far: ``main_grad`` inside :class:`~tutorial_lib.data_parallel.DataParallel`,
+    before its data-parallel sync).  ``expert_loads``: also add the MoE layers' expert
+    loads of the step (:class:`~tutorial_lib.deepseek.DeepSeekModel`), so both copies'
+    expert biases take the same auxiliary-loss-free update.  The two sums are the
+    same floating-point additions on both ranks of a pair, so the copies stay equal bit
+    for bit.
+    """
+    from .data_parallel import main_grad_of
+
+    pp = parallel_state.group_size("pp")
+    rank = parallel_state.get_rank_in("pp")
+    partner = parallel_state.get_group_ranks("pp")[pp - 1 - rank]
+
+    def flat(chunk):
+        parts = [main_grad_of(p) for p in chunk.parameters()]
+        parts = [torch.zeros_like(p) if g is None else g
+                 for p, g in zip(chunk.parameters(), parts)]
+        if expert_loads and hasattr(chunk, "expert_loads"):
+            parts += [chunk.expert_loads[i].to(parts[0].dtype) for i in sorted(chunk.expert_loads)]
+        return torch.cat([t.reshape(-1) for t in parts])
+
+    mine = [flat(chunk) for chunk in chunks]
+    # theirs[c]: the partner's copy c (its own tag), the twin of my copy 1 - c
+    theirs = [torch.empty_like(mine[1]), torch.empty_like(mine[0])]
+    tags = (TAGS["model_copy"], TAGS["model_copy"] + 1)
+    with get_tracer().tags(phase="model_copies"):
+        works = comm.batch_isend_irecv(
+            [("send", mine[0], partner, tags[0]), ("send", mine[1], partner, tags[1]),
+             ("recv", theirs[0], partner, tags[0]), ("recv", theirs[1], partner, tags[1])],
+            group="pp")
+        comm.wait_all(works)
+    for copy, chunk in enumerate(chunks):
+        total = mine[copy] + theirs[1 - copy]
+        offset = 0
+        targets = [main_grad_of(p) for p in chunk.parameters()]
+        for p, g in zip(chunk.parameters(), targets):
+            piece = total[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if g is None:
+                p.grad = piece.clone()
+            else:
+                g.copy_(piece)
+        if expert_loads and hasattr(chunk, "expert_loads"):
+            for i in sorted(chunk.expert_loads):
+                load = chunk.expert_loads[i]
+                load.copy_(total[offset:offset + load.numel()].round().to(load.dtype))
+                offset += load.numel()
 
 
 # --- a stage with a known cost, for measuring schedules -------------------------------
@@ -375,7 +833,8 @@ class _Busy(torch.autograd.Function):
 
 class SyntheticStage(torch.nn.Module):
     """A stand-in for model stage ``stage`` of ``num_stages``: its forward takes
-    ``forward_seconds``, its backward ``backward_seconds``.
+    ``forward_seconds``, its backward ``backward_seconds``, of which ``weight_seconds``
+    are the weight gradient (W) and the rest the input gradient (B).
 
     To see a schedule's bubble, every stage must cost the same, and on a laptop the
     ranks share a few cores, so real layers slow each other down.  This stage waits
@@ -383,25 +842,53 @@ class SyntheticStage(torch.nn.Module):
     messages and the labels are the real ones: the recorded timeline is the
     schedule's, not the CPU scheduler's.  It has one weight so that autograd has a
     backward to run, and the same ``forward_stage`` interface as
-    :class:`~tutorial_lib.deepseek.DeepSeekModel`.
+    :class:`~tutorial_lib.deepseek.DeepSeekModel`.  The input's path waits in the
+    backward of an identity on the activation, the weight's path in the backward of an
+    identity on the weight: :func:`backward_input` runs only the first,
+    :func:`backward_weight` only the second (on the first stage, which has no input
+    gradient, W runs both).  ``ep_group`` (of more than one rank): halfway through the
+    forward, a dispatch and a combine all-to-all over it, as a MoE layer's (their
+    reverses halfway through B): what DualPipe's overlapped pairs hide.
     """
 
     def __init__(self, stage: int, num_stages: int, tensor_shape: tuple,
-                 forward_seconds: float = 0.01, backward_seconds: float = 0.02, device=None):
+                 forward_seconds: float = 0.01, backward_seconds: float = 0.02,
+                 weight_seconds: float = 0.0, ep_group: str | None = None, device=None):
         super().__init__()
+        self.ep_group = ep_group
+        if not 0 <= weight_seconds <= backward_seconds:
+            raise ValueError(f"weight_seconds ({weight_seconds}) is part of the backward: "
+                             f"it must be in 0..backward_seconds ({backward_seconds})")
         self.stage, self.num_stages = stage, num_stages
         self.tensor_shape = tuple(tensor_shape)
         self.forward_seconds, self.backward_seconds = forward_seconds, backward_seconds
+        self.weight_seconds = weight_seconds
         self.weight = torch.nn.Parameter(torch.ones((), device=resolve_device(device)))
 
     def forward_stage(self, hidden: torch.Tensor | None,
                       batch: Microbatch) -> torch.Tensor:
+        weight = _Busy.apply(self.weight, 0.0, self.weight_seconds)
         if hidden is None:
-            x = self.weight.expand(self.tensor_shape)
+            x = weight.expand(self.tensor_shape)
         else:
-            x = hidden * self.weight
-        y = _Busy.apply(x, self.forward_seconds, self.backward_seconds)
+            x = hidden * weight
+        forward, backward = self.forward_seconds, self.backward_seconds - self.weight_seconds
+        if parallel_state.group_size(self.ep_group) > 1:  # a MoE layer's two all-to-alls
+            x = _Busy.apply(x, forward / 2, backward / 2)
+            x = self._exchange(self._exchange(x, "dispatch"), "combine")
+            y = _Busy.apply(x, forward / 2, backward / 2)
+        else:
+            y = _Busy.apply(x, forward, backward)
         return y.mean() if self.stage == self.num_stages - 1 else y
+
+    def _exchange(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
+        """An all-to-all over ``ep_group`` that swaps equal shares of the rows (its
+        backward: the reverse one), as a MoE layer's dispatch and combine."""
+        from .moe import all_to_all
+        n = parallel_state.group_size(self.ep_group)
+        rows = x.reshape(-1, x.shape[-1])
+        splits = [rows.shape[0] // n] * n
+        return all_to_all(rows, self.ep_group, splits, splits, op_name).view_as(x)
 
 
 def synthetic_microbatches(num_microbatches: int, first_stage: bool, rows: int = 2,
@@ -425,36 +912,75 @@ def synthetic_run_name(schedule: str, num_microbatches: int,
     return f"{schedule} M={num_microbatches}{chunks}"
 
 
+def synthetic_chunks(schedule: str, rank: int, pp: int, tensor_shape: tuple,
+                     forward_seconds: float, backward_seconds: float,
+                     weight_seconds: float | None = None, virtual_pipeline_size: int = 1,
+                     ep_group: str | None = None, device=None) -> list[SyntheticStage]:
+    """Pipeline rank ``rank``'s :class:`SyntheticStage` chunks for ``schedule``, placed as
+    the schedule places its stages (:func:`~tutorial_lib.pipeline_schedules.model_stage`).
+
+    The costs are one stage's (``PP`` ranks each running ``1 / PP`` of the model): a
+    chunk of ``V`` per rank (interleaved: ``V``; ZBV and DualPipeV: 2) costs ``1/V`` of
+    them, a chunk of DualPipe (a whole stage of one of its two model copies) all of them.
+    ``weight_seconds``: the W part of the backward (``None``: half of it, the course's
+    costs ``F 1, B 2, W 1``).
+    """
+    v = 2 if schedule in TWO_CHUNK_SCHEDULES else virtual_pipeline_size
+    placement = SCHEDULE_PLACEMENT.get(schedule, "loop")
+    stages = num_model_stages(placement, pp, v)
+    scale = pp / stages  # the share of one of PP stages' work each chunk runs
+    weight = backward_seconds / 2 if weight_seconds is None else weight_seconds
+    return [SyntheticStage(model_stage(placement, rank, c, pp), stages, tensor_shape,
+                           forward_seconds * scale, backward_seconds * scale, weight * scale,
+                           ep_group=ep_group, device=device)
+            for c in range(v)]
+
+
 def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float = 0.01,
                                 backward_seconds: float = 0.02, repeats: int = 1,
-                                p2p_mode: str | None = None) -> dict:
+                                p2p_mode: str | None = None,
+                                weight_seconds: float | None = None,
+                                expert_parallel_size: int = 1) -> dict:
     """Worker: run each ``(schedule, M, V)`` of ``runs`` on a pure pipeline of
     :class:`SyntheticStage`.
 
-    Every rank of the launch is one pipeline stage (``PP = world size``).  With ``V``
-    chunks a chunk costs ``1/V`` of a stage, so every schedule does the same work.
+    Every rank of the launch is one pipeline stage (``PP = world size``; with
+    ``expert_parallel_size = E > 1``, ``PP = world size / E`` and ``E`` pipelines side by
+    side, data-parallel, whose stages exchange rows with two all-to-alls over the EP
+    group in every forward and B, as a MoE layer: :class:`SyntheticStage`).  With ``V``
+    chunks a chunk costs ``1/V`` of a stage, so every schedule does the same work
+    (:func:`synthetic_chunks`; ZBV and DualPipeV have 2 chunks in a V, DualPipe two model
+    copies of ``PP`` stages: ``V`` is ignored for them).  ``weight_seconds``: the W part
+    of ``backward_seconds`` where a schedule splits the backward (``None``: half).
     One untraced interleaved step first opens every connection (neighbours, the
     wrap-around, the labels); then each run is traced ``repeats`` times, its events
     tagged ``run=synthetic_run_name(schedule, M, V)`` and ``repeat``, with a barrier
     before each step.  ``p2p_mode``: one mode for every run (default: overlapped for the
     interleaved schedule, as Megatron runs it, batched for the others).  Returns
-    ``{run name: [the executor's peak_activations, per repeat]}``.
+    ``{run name: [the executor's peak_activations, per repeat]}``; with ``trace=True``
+    the launch's trace holds every run's compute spans, named by their action's kind
+    (``forward``, ``backward``: B, tagged ``part="input"``, where the schedule splits
+    it, ``weight``: W) and tagged ``microbatch`` and ``chunk``, and its messages.
     """
     import torch.distributed as dist
 
     from .config import ParallelConfig
 
-    pp = ctx.world_size
-    config = ParallelConfig(pp, pipeline_model_parallel_size=pp)
+    ep = expert_parallel_size
+    pp = ctx.world_size // ep
+    config = ParallelConfig(ctx.world_size, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep)
     parallel_state.initialize_model_parallel(config)
     rank = parallel_state.get_rank_in("pp")
     shape = (4, 2, 8)  # [s, b, h]: small, the messages cost little next to the stage
 
     def step(schedule, m, v):
-        chunks = [SyntheticStage(c * pp + rank, pp * v, shape, forward_seconds / v,
-                                 backward_seconds / v, device=ctx.device) for c in range(v)]
+        chunks = synthetic_chunks(schedule, rank, pp, shape, forward_seconds,
+                                  backward_seconds, weight_seconds, v,
+                                  "ep" if ep > 1 else None, ctx.device)
         mode = p2p_mode or ("overlapped" if schedule == "interleaved" else "batched")
-        microbatches = synthetic_microbatches(m, rank == 0, shape[1], shape[0], ctx.device)
+        first = any(c.stage == 0 for c in chunks)  # DualPipe: both ends read a batch
+        microbatches = synthetic_microbatches(m, first, shape[1], shape[0], ctx.device)
         return forward_backward_pipelining(chunks, microbatches, schedule, mode, shape)
 
     tracer = get_tracer()

@@ -25,6 +25,7 @@ anchor event recorded on an idle GPU at :meth:`Tracer.use_device`; such events s
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -114,7 +115,8 @@ class Tracer:
         self.capture_values = capture_values
         """Record tensor values for tensors with at most this many elements (0: never)."""
         self.events: list[TraceEvent] = []
-        self._tags: dict[str, Any] = {}
+        self._shared_tags: dict[str, Any] = {}
+        self._local = threading.local()  # a thread's own tags (see _tags)
         self.pending: TraceEvent | None = None
         """The op this rank is blocked in right now, if any (read by the deadlock report)."""
         self.finished = False
@@ -128,6 +130,27 @@ class Tracer:
         """This rank's tensors live on ``device``; on ``cuda:N``, time with CUDA events."""
         if str(device).startswith("cuda") and self.enabled:
             self.cuda_clock = CudaClock(device)
+
+    @property
+    def _tags(self) -> dict[str, Any]:
+        """The tags in force in the calling thread: those of the process (every thread's,
+        autograd's device threads included), or a thread's own once it has called
+        :meth:`adopt_tags` (the pipeline runs an overlapped backward in a second thread,
+        with its own microbatch's tags)."""
+        own = getattr(self._local, "tags", None)
+        return self._shared_tags if own is None else own
+
+    @_tags.setter
+    def _tags(self, tags: dict[str, Any]) -> None:
+        if getattr(self._local, "tags", None) is None:
+            self._shared_tags = tags
+        else:
+            self._local.tags = tags
+
+    def adopt_tags(self, tags: dict[str, Any]) -> None:
+        """Give the calling thread tags of its own, starting from ``tags`` (another
+        thread's :meth:`current_tags`); the other threads no longer see its changes."""
+        self._local.tags = dict(tags)
 
     @contextmanager
     def tags(self, **tags: Any) -> Iterator[None]:

@@ -5,7 +5,10 @@ it directly.  One step on every rank::
 
     global batch (synthetic, from the seed)  -> my DP replica's rows -> M microbatches
         (CP > 1: each row cut to my CP rank's chunks)                 context_parallel.split_for_cp_rank
-    pipeline schedule (GPipe / 1F1B / interleaved) over my chunks    pipeline.forward_backward_pipelining
+    pipeline schedule (GPipe / 1F1B / interleaved; ZB-H1 / ZBV / DualPipeV / DualPipe, whose
+        backwards split into B and W) over my chunks                 pipeline.forward_backward_pipelining
+    DualPipe: each weight's gradient summed with its twin's in the other model copy
+                                                                      pipeline.sum_model_copy_gradients
         activations and gradients between stages                     P2P in the chosen mode
         labels from the first stage to the last                      isend / recv
         TP collectives inside each layer, EP all-to-alls in each MoE layer,
@@ -97,7 +100,9 @@ from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
 from .devices import synchronize
 from .moe_balance import max_violation, update_expert_bias
-from .pipeline import forward_backward_pipelining
+from .pipeline import (SCHEDULE_PLACEMENT, forward_backward_pipelining, mark_model_copies,
+                       sum_model_copy_gradients)
+from .pipeline_schedules import model_stage, num_model_stages
 from .tp_dp_step import finish_step
 from .trace import get_tracer
 
@@ -112,13 +117,20 @@ __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "ar
 
 
 def build_chunks(args: TrainingArgs, device=None) -> list[DeepSeekModel]:
-    """This rank's model chunks on ``device``: chunk ``c`` is model stage ``c * PP + pp_rank``."""
+    """This rank's model chunks on ``device``: chunk ``c`` is model stage ``c * PP + pp_rank``
+    (issue 20's V: stages ``pp_rank`` and ``2 PP - 1 - pp_rank``; DualPipe: stage
+    ``pp_rank`` of copy 0 and ``PP - 1 - pp_rank`` of copy 1, each copy the whole model
+    with the same weights)."""
     _, model, _ = args.configs()
     pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
     rank = parallel_state.group_rank("pp")
-    chunks = [DeepSeekModel(model, stage=c * pp + rank, num_stages=pp * v, seed=args.seed,
+    placement = SCHEDULE_PLACEMENT.get(args.schedule, "loop")  # issue 20: a V, two copies
+    chunks = [DeepSeekModel(model, stage=model_stage(placement, rank, c, pp),
+                            num_stages=num_model_stages(placement, pp, v), seed=args.seed,
                             device=device)
               for c in range(v)]
+    if placement == "dual":
+        mark_model_copies(chunks)
     if args.precision_recipe != "fp32":  # fp32: the model exactly as built
         recipe = resolve_precision_recipe(args.precision_recipe)
         for chunk in chunks:
@@ -192,7 +204,6 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
     torch.manual_seed(args.seed)
     device = ctx.device
     chunks = build_chunks(args, device)
-    pp_rank = parallel_state.get_rank_in("pp")
     modules = torch.nn.ModuleList(chunks)
     cp = parallel_state.get_size("cp")
     dense_group = "dp_cp" if cp > 1 else "dp"  # the dense weights' replicas: DP, times CP
@@ -220,9 +231,12 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
             chunk.aux_loss_scale = moe_aux_loss_scale(m, cp)
         with tracer.tags(step=step):
             with model.no_sync() if sync else nullcontext():  # sync once, after the last backward
+                first_stage = any(chunk.pre_process for chunk in chunks)  # DualPipe: 2 ends
                 out = forward_backward_pipelining(
-                    chunks, _microbatches(args, step, pp_rank == 0, device), args.schedule,
+                    chunks, _microbatches(args, step, first_stage, device), args.schedule,
                     args.p2p_mode, shape, device=device)
+            if args.schedule == "dualpipe":  # the two copies' gradients and loads, summed
+                sum_model_copy_gradients(chunks)
             grad_norm = finish_step(model, optimizer, args.clip_grad if args.clip_grad > 0 else None)
             violations = _update_expert_biases(chunks, args)
             # the log: LM loss (last stage), aux losses and MaxVio (every stage), over PP then

@@ -1,8 +1,10 @@
 """Fixtures for the book tests: build the book, serve it on 127.0.0.1, drive it in chromium.
 
 * ``book_html``: the real book, built once per session with ``scripts/build_book.sh``
-  into a temporary folder; or, when ``TUTORIAL_BOOK_HTML`` names a folder with an
-  ``index.html`` (say ``_build/html`` after ``bash scripts/build_book.sh``), that build.
+  into a temporary folder (the chapters nbval already ran in this session are built from
+  that run, not executed again: tests/executed_chapters.py); or, when ``TUTORIAL_BOOK_HTML``
+  names a folder with an ``index.html`` (say ``_build/html`` after
+  ``bash scripts/build_book.sh``), that build.
 * ``book_server``: that folder served by ``http.server`` on 127.0.0.1 (a free port).
 * ``toc_docname``: a test taking it runs once per document in ``_toc.yml``.
 * ``build_book``, ``serve``, ``open_book_page``: the same machinery for a book of
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -97,7 +100,7 @@ def run_build(book_dir: Path, *extra: str, timeout: float = 3600) -> subprocess.
 
 
 @pytest.fixture(scope="session")
-def book_html(tmp_path_factory) -> Path:
+def book_html(tmp_path_factory, request) -> Path:
     """Folder holding the built book's HTML (``index.html`` at its top)."""
     given = os.environ.get("TUTORIAL_BOOK_HTML")
     if given:
@@ -108,14 +111,45 @@ def book_html(tmp_path_factory) -> Path:
         return html
     out = tmp_path_factory.mktemp("book_build")
     started = time.monotonic()
-    result = run_build(REPO, "--path-output", str(out))
+    book, reused = book_with_executed_chapters(request.config, out / "source")
+    result = run_build(book, "--path-output", str(out))
     if result.returncode != 0:
         pytest.fail(f"building the book failed (exit {result.returncode}); end of the log:\n"
                     + result.stdout[-6000:], pytrace=False)
     html = out / "_build" / "html"
     assert (html / "index.html").is_file(), result.stdout[-3000:]
-    print(f"book built in {time.monotonic() - started:.1f} s into {html}", file=sys.stderr)
+    print(f"book built in {time.monotonic() - started:.1f} s into {html}; chapters run by "
+          f"nbval and not again: {', '.join(reused) or 'none'}", file=sys.stderr)
     return html
+
+
+COPY_IGNORED = shutil.ignore_patterns(".git", "_build", "__pycache__", "*.egg-info",
+                                      ".benchmarks", ".ipynb_checkpoints")
+
+
+def book_with_executed_chapters(config, folder: Path) -> tuple[Path, list[str]]:
+    """The book to build: the repository itself, or, when nbval already ran chapters in this
+    session (tests/executed_chapters.py), a copy of it in ``folder`` whose chapters carry
+    those outputs and are excluded from execution; the other chapters run in the build.
+    Returns the book's folder and the names of the chapters taken from nbval."""
+    from tests.executed_chapters import executed_chapters
+
+    import nbformat
+    import yaml
+
+    executed = {path: nb for path, nb in executed_chapters(config).items()
+                if path.parent == REPO / "notebooks"}
+    if not executed:
+        return REPO, []
+    shutil.copytree(REPO, folder, ignore=COPY_IGNORED)
+    names = sorted(path.name for path in executed)
+    for path, notebook in executed.items():
+        nbformat.write(notebook, folder / "notebooks" / path.name)
+    config_path = folder / "_config.yml"
+    book_config = yaml.safe_load(config_path.read_text())
+    book_config["execute"]["exclude_patterns"] = [f"notebooks/{name}" for name in names]
+    config_path.write_text(yaml.safe_dump(book_config, sort_keys=False))
+    return folder, names
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -213,6 +213,41 @@ def test_the_timeline_plays_and_explains_itself_in_chromium(tmp_path, fragment_p
     view.assert_clean()
 
 
+def test_a_dualpipe_timeline_keeps_its_pair_outlines_and_explains_its_bars_in_chromium(
+        tmp_path, fragment_page):
+    """Chapter 11's figures: overlapped pairs outlined (after a zoom too), W's drawn, the
+    tooltip of a pair's half and of a split B saying what they are."""
+    from tutorial_lib import pipeline_schedules as ps
+    plan = ps.simulate(ps.build_schedules("dualpipe", 4, 8))
+    drawn = tlmod.timeline_from_spans(tlmod.plan_spans(plan), scale=1, unit="F", bubble=True,
+                                      title="DualPipe, PP = 4, M = 8")
+    view = fragment_page(drawn.to_html(), width=1000, height=700)
+    page = view.page
+    pairs = sum(1 for ts in plan.values() for t in ts if t.action.overlapped)
+    outlined = "rs => rs.filter(r => r.getAttribute('stroke') === '%s').length" % tlmod.PAIR_EDGE
+    assert page.locator(".tl-solid").evaluate_all(outlined) == pairs > 0
+    assert page.locator(".tl-bar[data-kind='weight']").count() == sum(
+        1 for ts in plan.values() for t in ts if t.action.kind == "weight")
+    tip = page.locator(".tl-tooltip")
+    first_pair = next(i for i, b in enumerate(drawn.data["bars"]) if b["outline"])
+    page.locator(f".tl-bar[data-i='{first_pair}']").hover()
+    assert "with the other half of its pair" in tip.inner_text()
+    split_b = next(i for i, b in enumerate(drawn.data["bars"]) if "computes" in b["tip"])
+    page.locator(f".tl-bar[data-i='{split_b}']").hover()
+    assert "input's gradient only" in tip.inner_text()
+    page.mouse.move(2, 2)
+    chart = page.locator("svg.tl-chart").bounding_box()
+    scale = chart["width"] / drawn.data["width"]
+    y = chart["y"] + 60 * scale
+    page.mouse.move(chart["x"] + (tlmod.LEFT + 300) * scale, y)
+    page.mouse.down()
+    page.mouse.move(chart["x"] + (tlmod.LEFT + 600) * scale, y, steps=4)
+    page.mouse.up()
+    assert page.locator(".tl-solid").evaluate_all(outlined) == pairs  # zoom keeps them
+    page.screenshot(path=str(tmp_path / "dualpipe.png"), full_page=True)
+    view.assert_clean()
+
+
 # --- MoE token flow ----------------------------------------------------------------------------
 
 

@@ -213,6 +213,9 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
              ("06 measure_synthetic_schedules", pipeline.measure_synthetic_schedules,
               ([("1f1b", 4, 1), ("interleaved", 8, 2)], 0.001, 0.002, 1), _no_timings),
              ("07 one_round_per_mode", ch["07"]["one_round_per_mode"], (64,), None),
+             ("11 measure_synthetic_schedules", pipeline.measure_synthetic_schedules,
+              ([("zb-h1", 4, 1), ("zbv", 4, 1), ("dualpipe", 8, 1)], 0.001, 0.002, 1),
+              _no_timings),
              ("07 measure_p2p_modes' worker", p2p_timing._timing_worker,
               (("sequential", "overlapped", "batched"), (64, 1024), 1, 0), None),
              ("08 moe_in_every_precision", ch["08"]["moe_in_every_precision"], (), None),
@@ -284,9 +287,9 @@ def test_every_chapter_function_and_train_4d_step_keeps_its_tensors_on_ctx_devic
 
 
 def test_the_strict_runs_cover_every_chapter_and_three_train_4d_layouts(strict_runs):
-    """Chapters 1 to 9 each have at least one job, and train_4d its three layouts."""
+    """Chapters 1 to 9 and 11 each have at least one job, and train_4d its three layouts."""
     jobs, _ = strict_runs
     labels = [label for world in jobs.values() for label, *_ in world]
-    assert {label[:2] for label in labels} >= {f"0{k}" for k in range(1, 10)}
+    assert {label[:2] for label in labels} >= {f"{k:02d}" for k in (*range(1, 10), 11)}
     assert [label for label in labels if label.startswith("train_4d")] == [
         *TRAIN_LAYOUTS, *TRAIN_EXTRAS]

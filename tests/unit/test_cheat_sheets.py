@@ -63,8 +63,12 @@ def test_the_key_tables_are_the_library_s():
     assert wire["fp8"][1] == "7,392" and wire["fp8"][2] == "51.6 %"
     losses = {row[0]: row[1:3] for row in cheatsheet.key_table(5).rows}
     assert losses == {"expert": ["1", "4"], "device": ["1", "4"], "communication": ["1", "2"]}
-    with pytest.raises(ValueError, match="chapters are 1 to 9"):
-        cheatsheet.key_table(10)
+    zero_bubble = {row[0]: row for row in cheatsheet.key_table(11).rows}
+    assert [zero_bubble[n][1] for n in ("1f1b", "zb-h1", "zbv", "dualpipev", "dualpipe")] \
+        == ["9", "3", "1.5", "3", "2"]
+    assert zero_bubble["dualpipe"][3:] == ["5", "2x"]
+    with pytest.raises(ValueError, match="chapters are 1 to 11"):
+        cheatsheet.key_table(12)
 
 
 def test_plain_spells_tex_and_markdown():

@@ -102,3 +102,59 @@ def test_a_recorded_pipeline_step_is_drawn_as_its_schedule():
     assert tl.note.startswith("Forwards blue, backwards orange; each rank's idle time (the "
                               "bubble) hatched; a send posted before a compute and waited on")
     assert plain.note.startswith("A bar runs from when the op was issued")
+
+
+# --- chapter 11: W's, overlapped pairs, chunks named by direction -------------------------------
+
+
+def test_a_split_schedule_draws_its_ws_green_and_its_pairs_outlined():
+    from tutorial_lib import pipeline_schedules as ps
+    plan = ps.simulate(ps.build_schedules("dualpipev", 2, 4))
+    spans = tlmod.plan_spans(plan)
+    tl = timeline_from_spans(spans, scale=1, unit="F")
+    weights = [b for b in tl.data["bars"] if b["kind"] == "weight"]
+    assert weights and {b["color"] for b in weights if not b["chunk"]} == {
+        tlmod.SCHEDULE_COLORS["weight"]}
+    pairs = [b for b in tl.data["bars"] if b["outline"]]
+    want = sum(1 for ts in plan.values() for t in ts if t.action.overlapped)
+    assert want and len(pairs) == want  # every half of every F&B pair, and nothing else
+    html = tl.to_html()
+    assert html.count(f'stroke="{tlmod.PAIR_EDGE}" stroke-width="1.8"') == want
+    legend = [text for _, _, text in tl.data["legend"]]
+    assert "forward, down" in legend and "weight, up" in legend
+    assert "outlined: an overlapped F&B pair" in legend
+    split_b = [s for s in spans if s.kind == "backward" and "computes" in s.info]
+    assert split_b and all(s.info["computes"] == tlmod.PART_NAMES["input"] for s in split_b)
+
+
+def test_dualpipe_names_its_chunks_by_copy_and_direction():
+    from tutorial_lib import pipeline_schedules as ps
+    spans = tlmod.plan_spans(ps.simulate(ps.build_schedules("dualpipe", 2, 4)))
+    assert {s.chunk_name for s in spans} == {"down (copy 0)", "up (copy 1)"}
+    assert {s.chunk_name for s in tlmod.plan_spans(_plan("interleaved", 2, 2, 2))} == {""}
+
+
+def _recorded(actions_by_rank):
+    """A trace whose compute spans are the lists' computes, one slot each, as the
+    executor records them (named by kind, tagged microbatch and chunk)."""
+    events = []
+    for rank, actions in actions_by_rank.items():
+        for k, a in enumerate(x for x in actions if x.is_compute):
+            events.append(ev(rank, "compute", k, k + 1, name=a.kind, microbatch=a.microbatch,
+                             chunk=a.chunk))
+    return Trace(events)
+
+
+def test_a_recorded_step_takes_its_pairs_from_its_schedule_and_must_follow_it():
+    from tutorial_lib import pipeline_schedules as ps
+    lists = ps.build_schedules("dualpipe", 2, 4)
+    spans = tlmod.pipeline_spans(_recorded(lists), schedules=lists)
+    outlined = [(s.rank, s.label) for s in spans if s.outline]
+    want = [(r, a.label) for r, acts in lists.items() for a in acts if a.overlapped]
+    assert sorted(outlined) == sorted(want) and want
+    swapped = dict(lists)
+    computes = [a for a in lists[1] if a.is_compute]
+    i = next(k for k, a in enumerate(computes) if a.kind == "weight")
+    swapped[1] = computes[:i - 1] + [computes[i], computes[i - 1]] + computes[i + 1:]
+    with pytest.raises(ValueError, match="rank 1 recorded"):
+        tlmod.pipeline_spans(_recorded(swapped), schedules=lists)

@@ -503,3 +503,50 @@ def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(scr
     error = capsys.readouterr().err
     assert "one GPU per rank" in error and "train_4d.py: error:" in error
     assert "--device cpu" in error
+
+
+#: Issue 20's layouts: 8 layers so that a V of PP 4 has 8 stages.
+SPLIT_LAYOUT = dict(num_layers=8, global_batch_size=16)
+
+
+@pytest.mark.parametrize("changes,rule,fragments", [
+    (dict(world_size=3, pipeline_model_parallel_size=3, num_microbatches=6, num_layers=6,
+          global_batch_size=6, schedule="dualpipe"),
+     "dualpipe schedule", ["even pipeline_model_parallel_size", "got PP = 3 and M = 6",
+                           "--pipeline-model-parallel-size 4 --num-microbatches 8"]),
+    (dict(world_size=2, pipeline_model_parallel_size=2, num_microbatches=5, schedule="dualpipe",
+          global_batch_size=10), "dualpipe schedule", ["M = 5", "--num-microbatches 6"]),
+    (dict(world_size=4, pipeline_model_parallel_size=4, num_microbatches=4, schedule="dualpipe"),
+     "dualpipe schedule", ["at least 2 x PP", "M = 4", "--num-microbatches 8"]),
+    (dict(world_size=4, pipeline_model_parallel_size=4, num_microbatches=4, schedule="dualpipev"),
+     "dualpipev schedule", ["num_microbatches >= 2 x PP, got M = 4 with PP = 4",
+                            "--num-microbatches 8"]),
+    (dict(schedule="zbv"), "zbv schedule", ["pipeline_model_parallel_size >= 2, got 1"]),
+    (dict(world_size=2, pipeline_model_parallel_size=2, num_microbatches=4, schedule="dualpipe",
+          save="ckpt"), "dualpipe schedule", ["two copies of every weight", "--schedule dualpipev"]),
+    (dict(world_size=4, pipeline_model_parallel_size=4, num_microbatches=4, num_layers=4,
+          schedule="zbv"), "rule 9", ["8"]),
+], ids=["dualpipe-odd-pp", "dualpipe-odd-m", "dualpipe-few-m", "dualpipev-few-m", "zbv-pp1",
+        "dualpipe-save", "zbv-layers"])
+def test_validate_args_refuses_what_the_split_backward_schedules_cannot_run(changes, rule, fragments):
+    """Issue 20: ``--schedule zb-h1 | zbv | dualpipev | dualpipe`` with the layouts their
+    schedules refuse, before any worker starts.  DeepSeek's rules (deepseek-ai/DualPipe,
+    3da1bbea): ``DualPipe.step`` (dualpipe/dualpipe.py) asserts an even number of
+    microbatches, at least twice the ranks, and its ranks pair up as ``r`` and
+    ``PP - 1 - r`` (an even PP); ``DualPipeV.step`` (dualpipe/dualpipev.py) asserts at
+    least twice the ranks.  A V of ``PP`` ranks has ``2 PP`` stages, so the layers divide
+    by ``2 PP`` (rule 9)."""
+    with pytest.raises(ConfigError) as info:
+        validate_args(replace(TrainingArgs(**SPLIT_LAYOUT), **changes))
+    assert info.value.rule == rule, str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "dualpipev", "dualpipe"])
+def test_the_split_backward_schedules_are_accepted_on_the_tested_layouts(schedule):
+    args = TrainingArgs(**SPLIT_LAYOUT, world_size=8, pipeline_model_parallel_size=4,
+                        num_microbatches=8, expert_model_parallel_size=2, num_experts=4)
+    validate_args(replace(args, schedule=schedule))
+    assert args.chunks_per_rank == 1
+    assert replace(args, schedule=schedule).chunks_per_rank == (1 if schedule == "zb-h1" else 2)

@@ -14,6 +14,7 @@ is computed here from the library, as the chapter computes it, at sizes a slide 
  7    which (schedule, P2P mode) pairs Megatron runs
  8    the bytes of a token copy on the wire, per precision
  9    the bytes a CP rank sends per attention layer, per ``cp_comm_type``
+11    1F1B, ZB-H1, ZBV, DualPipeV, DualPipe: simulated bubble, formula, memory
 ====  ==========================================================================
 
 The text (title, objectives, takeaways) comes from the notebook: ``scripts/cheat_sheets.py``
@@ -178,15 +179,35 @@ def _cp_table() -> KeyTable:
                     ["CP", *modes], rows)
 
 
+def _zero_bubble_table() -> KeyTable:
+    from .. import pipeline_schedules as ps
+    pp, m = 4, 8
+    f, b, w = ps.COSTS["F"], ps.COSTS["B"], ps.COSTS["W"]
+    rows = []
+    for name in ("1f1b", "zb-h1", "zbv", "dualpipev", "dualpipe"):
+        scale = 0.5 if name in ("zbv", "dualpipev") else 1  # a V chunk is half a stage
+        schedules = ps.build_schedules(name, pp, m)
+        timed = ps.simulate(schedules, f * scale, b * scale, 0, w * scale)
+        held = max(ps.peak_activations_in_flight(a) for a in schedules.values()) * scale
+        formula = ps.expected_bubble_time(name, pp, f * scale, b * scale, w * scale)
+        rows.append([name, f"{ps.idle_time(timed):g}", f"{formula:g}",
+                     f"{held:g}", f"{ps.PARAMETER_COPIES[name]}x"])
+    return KeyTable(f"The same model on PP = {pp} ranks, M = {m}, F = 1, B = 2 of which W = 1 "
+                    "per stage (a V chunk half of it), free messages",
+                    ["schedule", "bubble (simulated)", "the DualPipe table's formula",
+                     "activations held (stages)", "parameters per rank"], rows)
+
+
 KEY_TABLES: dict[int, Callable[[], KeyTable]] = {
     1: _groups_table, 2: _collectives_table, 3: _zero_table, 4: _moe_table,
     5: _losses_table, 6: _bubble_table, 7: _modes_table, 8: _wire_table, 9: _cp_table,
+    11: _zero_bubble_table,
 }
 """Chapter number -> its key table's builder."""
 
 
 def key_table(chapter: int) -> KeyTable:
-    """The key table of a chapter (1 to 9), computed by the library."""
+    """The key table of a chapter (one of :data:`KEY_TABLES`), computed by the library."""
     if chapter not in KEY_TABLES:
         raise ValueError(f"no cheat sheet for chapter {chapter}: chapters are "
                          f"{min(KEY_TABLES)} to {max(KEY_TABLES)}")

@@ -121,6 +121,12 @@ class Span:
     short_label: str = ""
     """Drawn instead of ``label`` where the bar is too narrow for it (``"3"`` for
     ``"F3.1"``: the colour says forward, the shade the chunk)."""
+    chunk_name: str = ""
+    """How the legend names this bar's chunk (``"up (copy 1)"`` for DualPipe's second
+    direction); ``""``: ``chunk c``."""
+    outline: bool = False
+    """Drawn with a dark border: one half of an overlapped pair (DualPipe's ``F&B``), the
+    two halves side by side inside one border, as in the DualPipe README's figure."""
 
     @classmethod
     def coerce(cls, span: "Span | Sequence") -> "Span":
@@ -402,10 +408,18 @@ def bubble_fraction(trace: Trace, ranks: Iterable[int] | None = None, count: str
 #: Colours of a pipeline schedule's bars: forwards blue, backwards orange (each chunk
 #: ``c > 0`` of an interleaved rank :data:`CHUNK_DARKEN` x ``c`` darker), the bubble
 #: (idle time inside the step) hatched in red.  None of them is a group kind's colour.
-SCHEDULE_COLORS = {"forward": "#6a9fd8", "backward": "#e8a04a", "bubble": "#d1495b"}
+SCHEDULE_COLORS = {"forward": "#6a9fd8", "backward": "#e8a04a", "weight": "#9bbf3f",
+                   "bubble": "#d1495b"}
 
-#: The kinds of a schedule's compute bars (:func:`schedule_span`).
-SCHEDULE_KINDS = ("forward", "backward")
+#: The kinds of a schedule's compute bars (:func:`schedule_span`): ``weight`` is W, the
+#: weight-gradient half of a backward a zero-bubble schedule splits (chapter 11), in green.
+SCHEDULE_KINDS = ("forward", "backward", "weight")
+
+#: Where a schedule splits the backward (``part="input"``), its B's tooltip says so.
+PART_NAMES = {"input": "B: the input's gradient only (its W comes later)"}
+
+#: The outline of an overlapped pair's halves.
+PAIR_EDGE = "#1b1f24"
 
 #: The kind of the idle bars :func:`bubble_spans` adds.
 BUBBLE = "bubble"
@@ -418,31 +432,59 @@ SHORT_PAD = 3.0
 
 
 def schedule_span(rank: int, start: float, end: float, kind: str, microbatch: int,
-                  chunk: int = 0, lane: str = "") -> Span:
-    """One forward or backward of a pipeline schedule, planned or recorded.
+                  chunk: int = 0, lane: str = "", *, overlapped: bool = False,
+                  chunk_name: str = "", part: str = "") -> Span:
+    """One forward, backward or W of a pipeline schedule, planned or recorded.
 
     Labelled like :attr:`tutorial_lib.pipeline_schedules.Action.label` (``F3``, ``B3.1``
-    for chunk 1), the microbatch alone where the bar is narrow; coloured by ``kind``
-    (:data:`SCHEDULE_COLORS`) and shaded by ``chunk``.
+    for chunk 1, ``W3``), the microbatch alone where the bar is narrow; coloured by
+    ``kind`` (:data:`SCHEDULE_COLORS`) and shaded by ``chunk``.  ``overlapped``: one half
+    of an overlapped pair, outlined.  ``chunk_name``: the chunk's name in the legend and
+    tooltip (a direction, for the V and DualPipe).  ``part``: ``"input"`` for a B whose
+    W runs later (:data:`PART_NAMES`).
     """
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"a schedule span is one of {SCHEDULE_KINDS}, got {kind!r}")
     suffix = f".{chunk}" if chunk else ""
     label = f"{kind[0].upper()}{microbatch}{suffix}"
-    where = f"microbatch {microbatch}, chunk {chunk}"
-    return Span(rank, start, end, label, kind, lane,
-                info={"microbatch": str(microbatch), "chunk": str(chunk)},
+    where = f"microbatch {microbatch}, " + (chunk_name or f"chunk {chunk}")
+    info = {"microbatch": str(microbatch), "chunk": chunk_name or str(chunk)}
+    if part:
+        info["computes"] = PART_NAMES.get(part, part)
+    if overlapped:
+        info["overlapped"] = "with the other half of its pair (F&B)"
+    return Span(rank, float(start), float(end), label, kind, lane, info=info,
                 title=f"{kind} of {where} (rank {rank})",
                 caption=f"{kind} mb{microbatch}" + (f" chunk {chunk}" if chunk else ""),
-                chunk=int(chunk), short_label=str(microbatch))
+                chunk=int(chunk), short_label=str(microbatch), chunk_name=chunk_name,
+                outline=overlapped)
+
+
+def chunk_names(placement: str) -> dict[int, str]:
+    """The legend's names of a placement's chunks: ``loop`` none (``chunk c``); the V's
+    chunk 0 runs down the ranks and chunk 1 back up; DualPipe's chunks are its two copies,
+    one per direction."""
+    return {"v": {0: "down", 1: "up"},
+            "dual": {0: "down (copy 0)", 1: "up (copy 1)"}}.get(placement, {})
 
 
 def plan_spans(plan: dict, lane: str = "planned") -> list[Span]:
-    """The forwards and backwards of a simulated schedule
-    (:func:`tutorial_lib.pipeline_schedules.simulate`), as :func:`schedule_span` bars."""
-    return [schedule_span(t.rank, t.start, t.end, t.action.kind, t.action.microbatch,
-                          t.action.chunk, lane)
-            for timed in plan.values() for t in timed if t.action.is_compute]
+    """The forwards, backwards and W's of a simulated schedule
+    (:func:`tutorial_lib.pipeline_schedules.simulate`), as :func:`schedule_span` bars:
+    overlapped pairs outlined, a split backward's B marked, the V's and DualPipe's
+    chunks named by direction."""
+    from ..pipeline_schedules import split_backwards
+    out = []
+    for timed in plan.values():
+        split = split_backwards([t.action for t in timed])
+        for t in timed:
+            a = t.action
+            if a.is_compute:
+                part = "input" if a.kind == "backward" and (a.microbatch, a.chunk) in split else ""
+                out.append(schedule_span(t.rank, t.start, t.end, a.kind, a.microbatch, a.chunk,
+                                         lane, overlapped=a.overlapped, part=part,
+                                         chunk_name=chunk_names(a.placement).get(a.chunk, "")))
+    return out
 
 
 def _posted_and_waited_later(e: TraceEvent, computes: dict[int, list[tuple[float, float]]]) -> bool:
@@ -453,15 +495,22 @@ def _posted_and_waited_later(e: TraceEvent, computes: dict[int, list[tuple[float
 
 
 def pipeline_spans(trace: Trace, ranks: Iterable[int] | None = None,
-                   kinds: Iterable[str] | None = None, split: bool | None = None) -> list[Span]:
+                   kinds: Iterable[str] | None = None, split: bool | None = None,
+                   schedules: dict | None = None) -> list[Span]:
     """The spans of a recorded pipeline step, drawn as a schedule.
 
-    Compute spans named ``forward`` / ``backward`` (tagged ``microbatch`` and ``chunk``,
-    as :mod:`tutorial_lib.pipeline` records them) become :func:`schedule_span` bars; the
-    other events are :func:`trace_spans`'.  A send posted before a compute and waited on
-    after it (the labels' ``isend``, waited at the end of the step) becomes a tick at the
-    moment it was posted, its wait in the tooltip: its bar would cover the whole step.
-    ``ranks``, ``kinds`` and ``split`` select and place them as in :func:`trace_spans`.
+    Compute spans named ``forward`` / ``backward`` / ``weight`` (tagged ``microbatch``
+    and ``chunk``, as :mod:`tutorial_lib.pipeline` records them; a B tagged
+    ``part="input"``) become :func:`schedule_span` bars; the other events are
+    :func:`trace_spans`'.  A send posted before a compute and waited on after it (the
+    labels' ``isend``, waited at the end of the step) becomes a tick at the moment it
+    was posted, its wait in the tooltip: its bar would cover the whole step.  ``ranks``,
+    ``kinds`` and ``split`` select and place them as in :func:`trace_spans`.
+    ``schedules``: the step's action lists (``build_schedules``), keyed by the ranks of
+    the trace; each rank's recorded computes, in the order they started, must be its
+    list's computes (else ``ValueError``), and take from them their pair outlines and
+    chunk names.  (An overlapped pair's two halves run in turns, recorded as well as
+    ``turn`` spans; drawn, they stack under the pair.)
     """
     spans = trace_spans(trace, ranks=ranks, kinds=kinds, split=split)
     rel = trace.relative()
@@ -475,12 +524,40 @@ def pipeline_spans(trace: Trace, ranks: Iterable[int] | None = None,
     for e in rel:
         if e.op == "compute":
             computes.setdefault(e.rank, []).append((e.t_start, e.t_end))
+    def scheduled(e: TraceEvent) -> bool:
+        return e.op == "compute" and e.tags.get("name") in SCHEDULE_KINDS and "microbatch" in e.tags
+
+    planned: dict[int, object] = {}  # id of a recorded compute -> its action
+    if schedules is not None:
+        for rank, actions in schedules.items():
+            mine = sorted((e for e in events if e.rank == rank and scheduled(e)),
+                          key=lambda e: e.t_start)  # the order the rank started them in
+            todo = iter([a for a in actions if a.is_compute])
+            for e in mine:
+                a = next(todo, None)
+                chunk = e.tags.get("chunk") or 0
+                if a is None or (a.kind, a.microbatch, a.chunk) != (
+                        e.tags["name"], e.tags["microbatch"], chunk):
+                    raise ValueError(f"rank {rank} recorded {e.tags['name']} of microbatch "
+                                     f"{e.tags['microbatch']}, chunk {chunk} where its schedule "
+                                     f"has {a.label if a else 'nothing more'}")
+                planned[id(e)] = a
+            left = next(todo, None)
+            if mine and left is not None:
+                raise ValueError(f"rank {rank}'s schedule has {left.label} and more after its "
+                                 f"last recorded compute: the trace misses part of the step")
     out = []
     for e, span in zip(events, spans):
         name = e.tags.get("name")
-        if e.op == "compute" and name in SCHEDULE_KINDS and "microbatch" in e.tags:
+        if scheduled(e):
+            chunk = e.tags.get("chunk") or 0
+            overlapped, chunk_name = False, ""
+            if id(e) in planned:
+                a = planned[id(e)]
+                overlapped, chunk_name = a.overlapped, chunk_names(a.placement).get(a.chunk, "")
             out.append(schedule_span(e.rank, e.t_start, e.t_end, name, e.tags["microbatch"],
-                                     e.tags.get("chunk") or 0, span.lane))
+                                     chunk, span.lane, overlapped=overlapped,
+                                     chunk_name=chunk_name, part=e.tags.get("part", "")))
         elif _posted_and_waited_later(e, computes):
             info = dict(span.info)
             info["waited on"] = (f"{e.t_end * 1e3:.3f} ms, {e.duration * 1e3:.3f} ms after "
@@ -614,7 +691,8 @@ class Timeline(Widget):
         frame_attrs = f' data-frame="0" data-frames="{n}"' if self.playable else ""
         legend = "".join(
             f'<span class="tl-legend-item"><span class="tl-swatch" style="background:'
-            f'{_hatch_css(color) if kind == BUBBLE else color}">'
+            f'{_hatch_css(color) if kind == BUBBLE else color}'
+            f'{f"; box-shadow: inset 0 0 0 2px {PAIR_EDGE}" if kind == "pair" else ""}">'
             f"</span>{html.escape(text)}</span>" for kind, color, text in d["legend"])
         controls = ""
         if self.playable:
@@ -701,7 +779,8 @@ class Timeline(Widget):
         out.append(f'<g class="tl-bars" clip-path="url(#{uid}-clip)">')
         for i, b in enumerate(d["bars"]):
             ink = text_color(b["color"])
-            edge = darken(b["color"], 0.25)
+            edge = PAIR_EDGE if b.get("outline") else darken(b["color"], 0.25)
+            edge_w = 1.8 if b.get("outline") else 0.6
             fill = f"url(#{uid}-hatch)" if b["kind"] == BUBBLE else b["color"]
             inset = 1.5 if b.get("short_fits") else 4
             label = html.escape(b.get("shown_label", b["label"]) or b["label"])
@@ -717,7 +796,7 @@ class Timeline(Widget):
                        f'data-e="{b["end"]!r}"{short}>{ghost}'
                        f'<rect class="tl-solid" x="{b["x"]:.2f}" y="{b["y"]:.1f}" width="{b["w"]:.2f}" '
                        f'height="{b["h"]:.1f}" rx="2" fill="{fill}" stroke="{edge}" '
-                       f'stroke-width="0.6"/>'
+                       f'stroke-width="{edge_w}"/>'
                        f'<text class="tl-label" x="{max(b["x"], x0) + inset:.2f}" '
                        f'y="{b["y"] + b["h"] / 2 + 3.7:.1f}" font-size="10.5" fill="{ink}" '
                        f'pointer-events="none"{shown}>{label}</text></g>')
@@ -782,15 +861,19 @@ def _doing_caption(doing: dict[int, list[str]]) -> str:
 
 
 def _schedule_legend(bars: list[dict], color_of) -> list[tuple[str, str, str]]:
-    """Legend entries for forwards and backwards: one per kind, or per (kind, chunk) when
-    a rank runs several chunks."""
+    """Legend entries for forwards, backwards and W's: one per kind, or per (kind, chunk)
+    when a rank runs several chunks (named by :attr:`Span.chunk_name` when set); one for
+    the overlapped pairs' outline."""
+    names = {b["chunk"] or 0: b.get("chunk_name") for b in bars if b["kind"] in SCHEDULE_KINDS}
     drawn = {(b["kind"], b["chunk"] or 0) for b in bars if b["kind"] in SCHEDULE_KINDS}
     chunked = any(chunk for _, chunk in drawn)
     out = []
     for kind in SCHEDULE_KINDS:
         for chunk in sorted(c for k, c in drawn if k == kind):
-            text = f"{kind}, chunk {chunk}" if chunked else kind
+            text = f"{kind}, {names.get(chunk) or f'chunk {chunk}'}" if chunked else kind
             out.append((kind, _chunk_color(color_of(kind), chunk), text))
+    if any(b.get("outline") for b in bars):
+        out.append(("pair", "#ffffff", "outlined: an overlapped F&B pair"))
     return out
 
 
@@ -800,8 +883,11 @@ def _schedule_note(spans: list[Span]) -> str:
     parts = []
     if any(s.kind in SCHEDULE_KINDS for s in spans):
         chunked = any(s.chunk for s in spans if s.kind in SCHEDULE_KINDS)
-        parts.append("forwards blue, backwards orange"
+        weights = any(s.kind == "weight" for s in spans)
+        parts.append("forwards blue, backwards orange" + (", W's green" if weights else "")
                      + (" (each further chunk a darker shade)" if chunked else ""))
+    if any(s.outline for s in spans):
+        parts.append("the two halves of an overlapped pair share a dark outline")
     if any(s.kind == BUBBLE for s in spans):
         parts.append("each rank's idle time (the bubble) hatched")
     if any(s.end == s.start and "waited on" in s.info for s in spans):
@@ -937,6 +1023,7 @@ def timeline_from_spans(spans: Iterable[Span | Sequence], title: str | None = No
             "x": xa, "y": lane_top[(s.rank, s.lane)] + row_of[i] * (ROW_H + ROW_GAP),
             "w": w, "h": ROW_H, "label": s.label, "kind": s.kind,
             "color": _chunk_color(color_of(s.kind), s.chunk), "chunk": s.chunk,
+            "chunk_name": s.chunk_name, "outline": s.outline,
             "short_label": s.short_label, "label_fits": fits, "short_fits": short_fits,
             "shown_label": s.label if fits else s.short_label if short_fits else "",
             "caption": s.caption or s.label, "tip_title": s.title or s.label, "tip": info,
@@ -1027,5 +1114,5 @@ __all__ = ["Span", "Timeline", "timeline", "timeline_from_spans", "trace_spans",
            "format_bytes", "overlap_seconds", "overlap_fraction", "overlap_breakdown",
            "collective_instances", "COLLECTIVE_OPS", "busy_fraction",
            "bubble_fraction", "KIND_NAMES"]
-__all__ += ["schedule_span", "plan_spans", "pipeline_spans", "bubble_spans",
-            "SCHEDULE_COLORS", "SCHEDULE_KINDS", "BUBBLE"]
+__all__ += ["schedule_span", "plan_spans", "pipeline_spans", "bubble_spans", "chunk_names",
+            "SCHEDULE_COLORS", "SCHEDULE_KINDS", "BUBBLE", "PART_NAMES"]
