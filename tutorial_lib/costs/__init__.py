@@ -57,6 +57,7 @@ from .measure import (ALPHA_BETA_OPS, ALPHA_BETA_RANKS, ALPHA_BETA_SIZES, DEFAUL
 from .memory import (RankMemory, available_memory_bytes, format_bytes, layer_parameters,
                      memory_on_this_machine, memory_per_rank)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
+                  moe_expert_tp_bytes,
                   moe_dedup_rows, moe_rank_all_to_alls, moe_rank_send_splits,
                   moe_send_counts)
 from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
@@ -77,7 +78,7 @@ __all__ = [
     "DEFAULT_SIZES", "MEASURABLE_OPS", "MEASURE_DEVICES", "TimedRounds", "bandwidth_rows",
     "measure_collective", "rounds_by_size", "samples_from_trace",
     "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
-    "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls",
+    "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls", "moe_expert_tp_bytes",
     "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
     "zero1_state_bytes_per_rank",

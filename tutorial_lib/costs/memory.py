@@ -5,8 +5,9 @@ allocator error a minute into a run teaches nothing).  Everything is fp32 (4 byt
 the course's runs; each rank holds
 
 * **weights**: its parameters, counted layer by layer from the model's shapes (TP splits
-  attention, dense MLPs, embedding and LM head; EP splits the routed experts; LayerNorms,
-  routers, shared experts and row-parallel biases are whole on every rank);
+  attention, dense MLPs, embedding and LM head; EP splits the routed experts, ETP each
+  expert; LayerNorms, routers, shared experts and row-parallel biases are whole on every
+  rank);
 * **gradients**: one ``.grad`` per parameter, plus the data-parallel bucket buffer
   (``DataParallel``'s ``main_grad``) when DP or expert-DP is > 1;
 * **optimizer**: Adam's two moments, ``exp_avg`` and ``exp_avg_sq``;
@@ -100,16 +101,16 @@ def _is_moe(model, layer: int) -> bool:
     return model.num_experts > 0 and layer >= model.first_k_dense_replace
 
 
-def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1) -> int:
+def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> int:
     """Parameters one rank holds of decoder layer ``layer`` (a ``DeepSeekBlock``) at TP
-    ``tp`` and EP ``ep``."""
+    ``tp``, EP ``ep`` and ETP ``etp`` (each routed expert split over ``etp`` ranks)."""
     h = model.hidden_size
     count = 2 * 2 * h                                   # two LayerNorms, weight and bias
     count += (3 * h * h + 3 * h) // tp + h * h // tp + h  # qkv (column), proj (row, whole bias)
     if _is_moe(model, layer):
         f = model.moe_ffn_hidden_size or h
         count += model.num_experts * h                                # the router (whole)
-        count += 3 * (model.num_experts // ep) * f * h                # my routed experts
+        count += 3 * (model.num_experts // ep) * f * h // etp         # my routed experts' shards
         count += 3 * model.num_shared_experts * f * h                 # shared experts (whole)
     else:
         f = model.ffn_hidden_size or 4 * h
@@ -163,9 +164,10 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     per_stage = model.num_layers // (pp * v)  # stage k holds layers [k per, (k + 1) per) (rule 9)
     first_moe = max(model.first_k_dense_replace, 0)  # a layer index from which layers are MoE
     # layer 0 is dense unless every layer is MoE (then no dense layer uses these two)
-    dense_params = layer_parameters(model, 0, tp, ep)
+    etp = parallel.expert_tensor_parallel_size
+    dense_params = layer_parameters(model, 0, tp, ep, etp)
     dense_acts = _layer_activation_values(model, 0, rows, tp, cp)
-    moe_params = layer_parameters(model, first_moe, tp, ep)
+    moe_params = layer_parameters(model, first_moe, tp, ep, etp)
     moe_acts = _layer_activation_values(model, first_moe, rows, tp, cp)
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
