@@ -425,6 +425,13 @@ def validate(
     if model.num_experts < 0:
         raise ConfigError("malformed", f"num_experts must be >= 0, got {model.num_experts}; "
                                        f"0 means a dense model")
+    if ep > 1 and not model.num_experts:
+        raise ConfigError(
+            "rule 4",
+            f"expert_model_parallel_size ({ep}) splits routed experts over ranks, but the "
+            f"model is dense (num_experts 0); use expert_model_parallel_size 1, or "
+            f"num_experts {_nearest_multiples(ep, ep)}",
+        )
     if model.num_experts:
         _check_positive_int("num_experts", model.num_experts)
         _check_positive_int("moe_router_topk", model.moe_router_topk)

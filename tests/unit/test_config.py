@@ -86,6 +86,15 @@ def test_rule4_experts_divide_over_ep():
            parallel=pc(8, ep=4), model=ModelConfig(num_experts=6))
 
 
+def test_rule4_expert_parallelism_needs_routed_experts():
+    """Megatron-LM 0.20.0 (d98e8a64, ``megatron/training/arguments.py``, ``validate_args``,
+    the expert-parallelism check) refuses expert_model_parallel_size > 1 without
+    ``num_experts``; a dense model with EP 1 passes."""
+    expect("rule 4", "expert_model_parallel_size (2)", "dense (num_experts 0)",
+           "expert_model_parallel_size 1", parallel=pc(4, ep=2), model=ModelConfig(num_experts=0))
+    validate(pc(4, tp=2), ModelConfig(num_experts=0))
+
+
 def test_rule5_each_expert_width_divides_over_etp():
     """Issue 17: rule 5 is no longer "ETP must be 1" but what splitting an expert needs: its
     width (``moe_ffn_hidden_size``, default ``hidden_size``) divides over the ETP ranks.
