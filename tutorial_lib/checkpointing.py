@@ -340,6 +340,21 @@ def tensor_sharding(tensor_model_parallel: bool, partition_dim: int | None,
     return None
 
 
+def expert_tp_sharding(tensor_model_parallel: bool, partition_dim: int | None,
+                       domain: str) -> tuple[str, int] | None:
+    """The second split of a routed-expert weight: ``("expert_tp", partition_dim)`` when the
+    experts are split over ETP > 1 ranks (the weight is then marked tensor-parallel), else
+    ``None``.
+
+    Such a weight is split over ``ep`` along dim 0 (:func:`tensor_sharding`) *and* over
+    ``expert_tp`` along its channels: dim 1 for the gate and up projections, dim 2 for the
+    down projection.  Its chunk is :func:`local_chunk` along dim 0, then along that dim.
+    """
+    if domain == "expert_dp" and tensor_model_parallel:
+        return ("expert_tp", partition_dim)
+    return None
+
+
 def local_chunk(global_shape: tuple[int, ...], dim: int | None, index: int,
                 parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, sizes)`` of piece ``index`` of ``parts`` equal pieces along ``dim``.

@@ -125,13 +125,30 @@ def all_reduce(tensor: torch.Tensor, group="world", op: str = "sum", async_op: b
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group="world",
-                   op: str = "sum", async_op: bool = False):
+                   op: str = "sum", async_op: bool = False,
+                   input_split_sizes: list[int] | None = None):
     """Rank i of ``group`` receives the reduction of every rank's i-th slice (dim 0) of ``input``.
 
     ``async_op=True`` returns a :class:`TracedWork` at once, as :func:`all_reduce` does.
+    ``input_split_sizes`` (uneven slices, rank i's ``output`` holding
+    ``input_split_sizes[i]`` rows; sum only, never async): see :func:`_uneven_exchange`.
     """
     _refuse_float8_reduction(input, "reduce_scatter")
     kind, pg, ranks = _resolve(group)
+    if input_split_sizes is not None:
+        sizes = list(input_split_sizes)
+        me = ranks.index(dist.get_rank())
+        if op != "sum" or async_op or len(sizes) != len(ranks) or sum(sizes) != input.shape[0] \
+                or output.shape[0] != sizes[me]:
+            raise ValueError(f"reduce_scatter: uneven splits {sizes} (sum only, not async) do "
+                             f"not match input dim 0 ({input.shape[0]}), output dim 0 "
+                             f"({output.shape[0]}) over {len(ranks)} ranks")
+        event = _begin("reduce_scatter", input, kind, ranks, tags={"reduce_op": op},
+                       splits={"input": sizes})
+        pieces = _uneven_exchange(input, pg, sizes, [sizes[me]] * len(ranks))
+        torch.sum(pieces.view(len(ranks), *output.shape), dim=0, out=output)
+        _finish(event, output)
+        return output
     if input.shape[0] != output.shape[0] * len(ranks):
         raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be output dim 0 "
                          f"({output.shape[0]}) x group size ({len(ranks)})")
@@ -144,12 +161,29 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group="world",
     return output
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group="world", async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group="world", async_op: bool = False,
+               output_split_sizes: list[int] | None = None):
     """Concatenate every rank's ``input`` along dim 0 into ``output``, on every rank.
 
     ``async_op=True`` returns a :class:`TracedWork` at once, as :func:`all_reduce` does.
+    ``output_split_sizes``: rank i contributes ``output_split_sizes[i]`` rows (uneven, as
+    Megatron's ``gather_from_sequence_parallel_region(..., output_split_sizes)``; never
+    async): see :func:`_uneven_exchange`.
     """
     kind, pg, ranks = _resolve(group)
+    if output_split_sizes is not None:
+        sizes = list(output_split_sizes)
+        me = ranks.index(dist.get_rank())
+        if async_op or len(sizes) != len(ranks) or sum(sizes) != output.shape[0] \
+                or input.shape[0] != sizes[me]:
+            raise ValueError(f"all_gather: uneven splits {sizes} (not async) do not match "
+                             f"input dim 0 ({input.shape[0]}), output dim 0 "
+                             f"({output.shape[0]}) over {len(ranks)} ranks")
+        event = _begin("all_gather", input, kind, ranks, splits={"output": sizes})
+        output.copy_(_uneven_exchange(input.repeat(len(ranks), *[1] * (input.dim() - 1)), pg,
+                                      [sizes[me]] * len(ranks), sizes))
+        _finish(event, output)
+        return output
     if output.shape[0] != input.shape[0] * len(ranks):
         raise ValueError(f"all_gather: output dim 0 ({output.shape[0]}) must be input dim 0 "
                          f"({input.shape[0]}) x group size ({len(ranks)})")
@@ -159,6 +193,23 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group="world", async_o
         return TracedWork(work, event, output)
     _finish(event, output)
     return output
+
+
+def _uneven_exchange(input: torch.Tensor, pg, input_splits: list[int],
+                     output_splits: list[int]) -> torch.Tensor:
+    """The untraced uneven all-to-all under :func:`all_gather` and :func:`reduce_scatter`
+    with uneven splits.
+
+    gloo's all-gather and reduce-scatter need equal pieces (NCCL's grouped sends do not),
+    and an uneven all-gather is an all-to-all in which each rank sends its own rows to
+    every rank; an uneven reduce-scatter one in which rank i is sent slice i of every
+    input, summed on arrival.  The event records the collective it stands for, with that
+    collective's byte count (the module's convention).
+    """
+    out = input.new_empty((sum(output_splits), *input.shape[1:]))
+    dist.all_to_all_single(_wire(out), _wire(input.contiguous()), list(output_splits),
+                           list(input_splits), group=pg)
+    return out
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group="world",

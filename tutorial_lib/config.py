@@ -19,13 +19,13 @@ them on purpose):
 
 1. the world divides into the model-parallel grid;
 2. (lifted) this course's former guard, which refused TP > 1 together with EP > 1; the
-   method allows it, and with whole experts (rule 5) the course now trains it: each TP
-   rank routes its own sequence-parallel tokens over the expert grid's EP group;
+   method allows it and so does the course: each TP rank routes its own sequence-parallel
+   tokens over the expert grid's EP group, and the experts may be split over ETP ranks;
 3. microbatches: ``num_microbatches >= 1`` and they divide the batch;
 4. routed experts divide evenly over expert-parallel ranks;
-5. routed experts stay whole (``expert_tensor_parallel_size == 1``): splitting them over
-   expert-tensor-parallel ranks is not implemented here yet (Megatron-Core 0.20.0
-   defaults ETP to TP);
+5. each routed expert's width (``moe_ffn_hidden_size``, default ``hidden_size``) divides
+   over the expert-tensor-parallel ranks (its gate and up projections are split by output
+   channels, its down projection by input channels);
 6. the sequence divides over TP ranks when sequence parallelism is on, and in a model
    with MoE layers under TP (each MoE layer splits the sequence over the TP ranks);
 7. no dropout with tensor or expert parallelism;
@@ -97,15 +97,18 @@ class ParallelConfig:
     """CP: ranks that split every sequence; attention exchanges keys and values between them,
     the other layers work on each rank's own tokens (rule 12; :mod:`tutorial_lib.context_parallel`)."""
 
-    expert_tensor_parallel_size: int = 1
-    """ETP: ranks that split each routed expert's weights.
+    expert_tensor_parallel_size: int | None = None
+    """ETP: ranks that split each routed expert's weights (rule 5); 1 keeps experts whole.
 
-    1 by default: the only value this course's training code runs (rule 5: splitting an
-    expert over ETP ranks is not implemented yet), also with TP > 1, where each expert
-    stays whole on its EP rank.  Megatron-Core (0.20.0) defaults it to TP, and so do
-    :func:`~tutorial_lib.grid.build_grid` and ``python -m tutorial_lib.grid`` in the
-    megatron layout.
+    Not set: TP, as Megatron-LM 0.20.0 (``validate_args`` in ``megatron/training/arguments.py``
+    sets an unset ``expert_tensor_parallel_size`` to ``tensor_model_parallel_size``), and as
+    :func:`~tutorial_lib.grid.build_grid` and ``python -m tutorial_lib.grid`` in the megatron
+    layout; the dataclass fills it in when it is built.
     """
+
+    def __post_init__(self):
+        if self.expert_tensor_parallel_size is None:  # Megatron's default: ETP = TP
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
@@ -377,18 +380,10 @@ def validate(
     etp = parallel.expert_tensor_parallel_size
 
     # Rule 2, the course's guard against TP > 1 with EP > 1, is lifted: Megatron runs both
-    # on its folded grids, and with whole experts (ETP = 1) so does the course (each TP rank
-    # routes its own sequence-parallel tokens; the all-to-all runs over the expert grid's
-    # EP group).  The number stays retired so that the other rules keep theirs.
-    if etp != 1:
-        raise ConfigError(
-            "rule 5",
-            f"expert_tensor_parallel_size ({etp}) must be 1: splitting each routed expert "
-            f"over expert-tensor-parallel ranks (ETP > 1) is not implemented in this course "
-            f"yet, so experts stay whole on their EP rank, with any TP "
-            f"(Megatron-Core 0.20.0 defaults ETP to TP, {tp} here); set "
-            f"expert_tensor_parallel_size=1",
-        )
+    # on its folded grids, and so does the course (each TP rank routes its own
+    # sequence-parallel tokens; the all-to-all runs over the expert grid's EP group, the
+    # expert shards over its expert-TP group).  The number stays retired so that the other
+    # rules keep theirs.
 
     if train is not None:
         _check_positive_int("global_batch_size", train.global_batch_size)
@@ -430,6 +425,13 @@ def validate(
     if model.num_experts < 0:
         raise ConfigError("malformed", f"num_experts must be >= 0, got {model.num_experts}; "
                                        f"0 means a dense model")
+    if ep > 1 and not model.num_experts:
+        raise ConfigError(
+            "rule 4",
+            f"expert_model_parallel_size ({ep}) splits routed experts over ranks, but the "
+            f"model is dense (num_experts 0); use expert_model_parallel_size 1, or "
+            f"num_experts {_nearest_multiples(ep, ep)}",
+        )
     if model.num_experts:
         _check_positive_int("num_experts", model.num_experts)
         _check_positive_int("moe_router_topk", model.moe_router_topk)
@@ -439,6 +441,18 @@ def validate(
                 f"num_experts ({model.num_experts}) must be divisible by "
                 f"expert_model_parallel_size ({ep}) so every EP rank holds the same number "
                 f"of experts; try {_nearest_multiples(model.num_experts, ep)} experts",
+            )
+        width = model.moe_ffn_hidden_size or model.hidden_size
+        if width % etp:
+            raise ConfigError(
+                "rule 5",
+                f"each routed expert's width (moe_ffn_hidden_size {width}"
+                f"{'' if model.moe_ffn_hidden_size else ', from hidden_size'}) must be "
+                f"divisible by expert_tensor_parallel_size ({etp}): its gate and up projections "
+                f"are split over the ETP ranks by output channels and its down projection by "
+                f"input channels, the same number on each; use expert_tensor_parallel_size "
+                f"{_one_of_divisors(width, etp)}, or moe_ffn_hidden_size "
+                f"{_nearest_multiples(width, etp)}",
             )
         if model.moe_router_topk > model.num_experts:
             raise ConfigError(

@@ -17,7 +17,8 @@ over as a :class:`~torch.distributed.tensor.DTensor` on a one-dimensional
 :class:`~torch.distributed.device_mesh.DeviceMesh` made from that live group
 (``DeviceMesh.from_group``, no new process group), placed ``Shard(dim)``: TP shards over
 ``tp`` along their ``partition_dim`` (:func:`~tutorial_lib.data_parallel.mark_tensor_parallel`),
-routed experts over ``ep`` along dim 0 (each EP rank stacks its ``N/EP`` experts).  DCP
+routed experts over ``ep`` along dim 0 (each EP rank stacks its ``N/EP`` experts), and with
+ETP > 1 over a two-dimensional ``ep`` x ``expert_tp`` mesh, also along their channels.  DCP
 computes each piece's offset from the mesh coordinate and records ``(offsets, sizes)`` in
 ``.metadata`` (:func:`tutorial_lib.checkpointing.tensor_sharding` and
 :func:`~tutorial_lib.checkpointing.local_chunk` predict them).  A tensor every holder has
@@ -98,21 +99,34 @@ def _meshes(device_type: str) -> dict[str, DeviceMesh]:
         meshes[kind] = DeviceMesh.from_group(parallel_state.get_group(kind), device_type,
                                              mesh=torch.tensor(ranks, device="cpu"),
                                              mesh_dim_names=(kind,))
+    if parallel_state.group_size("expert_tp") > 1:
+        # experts split over EP and ETP: a two-dimensional mesh, row i the ETP group of my
+        # EP group's i-th rank.  Ranks are sums of coordinate x stride in every layout, so
+        # that rank is (EP rank i) + (ETP rank j) - me.
+        me, ep_ranks = dist.get_rank(), parallel_state.get_group_ranks("ep")
+        etp_ranks = parallel_state.get_group_ranks("expert_tp")
+        grid = torch.tensor([[r + t - me for t in etp_ranks] for r in ep_ranks], device="cpu")
+        meshes["ep", "expert_tp"] = DeviceMesh.from_group(
+            [parallel_state.get_group("ep"), parallel_state.get_group("expert_tp")], device_type,
+            mesh=grid, mesh_dim_names=("ep", "expert_tp"))
     return meshes
 
 
-def _sharding(tensor: torch.Tensor):
-    return checkpointing.tensor_sharding(is_tensor_parallel(tensor), getattr(tensor, "partition_dim", None),
-                                         grad_domain(tensor) if isinstance(tensor, torch.nn.Parameter)
-                                         else "dp")
+def _sharding(tensor: torch.Tensor) -> list[tuple[str, int]]:
+    """The ``(group kind, dim)`` splits of ``tensor``: none, one, or two (experts under ETP)."""
+    domain = grad_domain(tensor) if isinstance(tensor, torch.nn.Parameter) else "dp"
+    found = [sharding(is_tensor_parallel(tensor), getattr(tensor, "partition_dim", None), domain)
+             for sharding in (checkpointing.tensor_sharding, checkpointing.expert_tp_sharding)]
+    return [split for split in found if split is not None]
 
 
-def _describe(local: torch.Tensor, sharding, meshes):
-    """``local`` as DCP should see it: a DTensor if split over a group, else the plain tensor."""
-    if sharding is None:
+def _describe(local: torch.Tensor, shardings, meshes):
+    """``local`` as DCP should see it: a DTensor if split over groups, else the plain tensor."""
+    if not shardings:
         return local
-    kind, dim = sharding
-    return DTensor.from_local(local, meshes[kind], [Shard(dim)], run_check=False)
+    kinds = tuple(kind for kind, _ in shardings)
+    mesh = meshes[kinds[0] if len(kinds) == 1 else kinds]
+    return DTensor.from_local(local, mesh, [Shard(dim) for _, dim in shardings], run_check=False)
 
 
 def _optimizer_state(optimizer, params: dict[str, torch.Tensor]) -> dict[str, dict]:

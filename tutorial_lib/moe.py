@@ -16,8 +16,10 @@ Read it top to bottom, like the chapter:
    rank keeps its ``N/EP`` of them, so the EP layer *is* the serial layer, cut up.
 3. **The dispatcher** (:class:`AllToAllDispatcher`, on the ``"ep"`` group).  Count tokens
    per expert, exchange the counts (an all-to-all of int64 metadata), permute the token
-   copies by destination rank, one uneven all-to-all, sort what arrived by local expert;
-   after the experts, the exact mirror: un-sort, all-to-all with the splits swapped,
+   copies by destination rank, one uneven all-to-all, (with ETP > 1: gather the counts and
+   rows over the ``"expert_tp"`` group, as Megatron's ``dispatch_postprocess``), sort what
+   arrived by local expert; after the experts, the exact mirror: un-sort, (reduce-scatter
+   the partial outputs over ``"expert_tp"``), all-to-all with the splits swapped,
    un-permute.  The all-to-all is an autograd function whose backward is the reverse
    all-to-all.  Optional capacity: drop the lowest-gate copies over
    ``ceil(capacity_factor * T * K / N)`` per expert (or V2's budget per device,
@@ -54,13 +56,14 @@ import torch.nn.functional as F
 
 from . import comm, fp8, moe_balance, parallel_state
 from .config import ConfigError
-from .data_parallel import set_grad_domain
+from .data_parallel import mark_tensor_parallel, set_grad_domain
 from .devices import cpu_generator, resolve_device
 from .tensor_parallel import (
     derive_seed,
     divide,
     gather_from_sequence_parallel_region,
     init_linear_master,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
 from .trace import get_tracer
@@ -274,24 +277,41 @@ class RoutedExperts(torch.nn.Module):
     Weights are stacked ``[N/EP, ...]`` and marked ``allreduce_group="expert_dp"``: each
     expert exists on the ``EDP`` ranks that share this EP coordinate, not on all DP
     ranks.
+
+    Expert tensor parallelism (``etp_size > 1``, the ``expert_tp`` group): each expert's
+    SwiGLU is split like a dense MLP, the gate and up projections by output rows (column
+    parallel: ``[N/EP, f/ETP, h]``, my ``etp_rank``-th block of the ``f`` channels), the down
+    projection by input columns (row parallel: ``[N/EP, h, f/ETP]``), so :meth:`forward`
+    returns a *partial* sum over the ETP ranks that the dispatcher reduce-scatters.  The
+    shards are marked tensor-parallel over ``expert_tp`` (the gradient norm adds each
+    rank's shard).  Megatron-Core 0.20.0 splits its grouped experts the same way
+    (``experts.py``, ``TEGroupedMLP``: ``linear_fc1`` column-parallel, ``linear_fc2``
+    row-parallel over the expert-TP group).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 ep_size: int = 1, ep_rank: int = 0, seed: int = 0, device=None):
+                 ep_size: int = 1, ep_rank: int = 0, seed: int = 0, device=None,
+                 etp_size: int = 1, etp_rank: int = 0):
         super().__init__()
         self.num_local_experts = divide(num_experts, ep_size, "num_experts",
                                         by="expert_model_parallel_size")
         self.first_expert = ep_rank * self.num_local_experts
         mine = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        width = divide(ffn_hidden_size, etp_size, "moe_ffn_hidden_size",
+                       by="expert_tensor_parallel_size")
+        channels = slice(etp_rank * width, (etp_rank + 1) * width)  # my f/ETP channels
         masters = init_experts_master(num_experts, hidden_size, ffn_hidden_size, seed)
-        for name, full in zip(("weight_gate", "weight_up", "weight_down"), masters):
-            param = torch.nn.Parameter(full[mine].to(resolve_device(device), copy=True))
+        for name, full, dim in zip(("weight_gate", "weight_up", "weight_down"), masters, (1, 1, 2)):
+            shard = full[mine].narrow(dim, channels.start, width)
+            param = torch.nn.Parameter(shard.to(resolve_device(device), copy=True))
+            if etp_size > 1:
+                mark_tensor_parallel(param, partition_dim=dim)
             setattr(self, name, set_grad_domain(param, "expert_dp"))
 
     def forward(self, rows: torch.Tensor,
                 tokens_per_local_expert: list[int]) -> torch.Tensor:
         """``rows`` sorted by local expert, ``tokens_per_local_expert[i]`` of them for
-        expert i."""
+        expert i (with ETP > 1: this rank's partial sums)."""
         blocks = rows.split(tokens_per_local_expert)
         weights = zip(self.weight_gate, self.weight_up, self.weight_down)
         outputs = [swiglu(block, *expert) for block, expert in zip(blocks, weights)]
@@ -438,7 +458,11 @@ class DispatchState:
     tokens_per_expert: torch.Tensor
     """``[N]`` int64: copies this rank sent to each expert (after capacity)."""
     received_counts: torch.Tensor
-    """``[EP, N/EP]`` int64: copies received from each rank for each local expert."""
+    """``[EP, N/EP]`` int64: copies received from each rank for each local expert (with
+    ETP > 1: ``[ETP * EP, N/EP]``, those of every rank of my expert-TP group, in its order)."""
+    etp_splits: list[int] | None = None
+    """With ETP > 1: the rows each expert-TP rank received from its all-to-all, the splits
+    of the gather over ``expert_tp`` and of the reduce-scatter that undoes it."""
 
     @property
     def tokens_per_local_expert(self) -> list[int]:
@@ -504,10 +528,17 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, ep_group: str | None = "ep",
                  dispatch_precision: tuple[str, str] | None = None,
                  combine_precision: tuple[str, str] | None = None,
-                 deduplicate: bool = False, ranks_per_node: int | None = None):
-        self.num_experts, self.ep_group = num_experts, ep_group
+                 deduplicate: bool = False, ranks_per_node: int | None = None,
+                 etp_group: str | None = None):
+        self.num_experts, self.ep_group, self.etp_group = num_experts, ep_group, etp_group
         self.ep_size = parallel_state.group_size(ep_group)
         self.ep_rank = parallel_state.group_rank(ep_group)
+        self.etp_size = parallel_state.group_size(etp_group)
+        if deduplicate and self.etp_size > 1:
+            raise ConfigError("rule 5", f"the deduplicating dispatcher (DeepEP's scheme) runs "
+                              f"whole experts only, but expert_tensor_parallel_size is "
+                              f"{self.etp_size}; set expert_tensor_parallel_size=1 or "
+                              f"deduplicate=False")
         self.num_local_experts = divide(num_experts, self.ep_size, "num_experts",
                                         by="expert_model_parallel_size")
         self.dispatch_precision = fp8.check_precision_pair(dispatch_precision)
@@ -562,13 +593,32 @@ class AllToAllDispatcher:
         # 4. the uneven all-to-all
         received = self.move_rows(rows, output_splits, input_splits, "dispatch",
                                    self.dispatch_precision)
+        # 4b. expert tensor parallelism: my ETP peers hold other shards of the same experts,
+        # so every ETP rank gathers the rows all of them received (uneven splits)
+        etp_splits = None
+        if self.etp_size > 1:
+            received_counts = self._gather_counts_over_etp(received_counts)
+            etp_splits = received_counts.view(self.etp_size, -1).sum(dim=1).tolist()
+            received = gather_from_sequence_parallel_region(
+                received, self.etp_group, tensor_parallel_output_grad=True,
+                output_split_sizes=etp_splits)
         # 5. rows arrive grouped by source rank, then local expert: regroup by local expert
+        sources = received_counts.shape[0]  # EP, or ETP x EP
         local_expert_of_row = torch.arange(local, device=received_counts.device).repeat(
-            ep).repeat_interleave(received_counts.reshape(-1))
+            sources).repeat_interleave(received_counts.reshape(-1))
         local_order = torch.argsort(local_expert_of_row, stable=True)
         state = DispatchState(num_tokens, topk, send_positions, input_splits, output_splits,
-                              local_order, tokens_per_expert, received_counts)
+                              local_order, tokens_per_expert, received_counts, etp_splits)
         return received[local_order], state.tokens_per_local_expert, state
+
+    def _gather_counts_over_etp(self, received_counts: torch.Tensor) -> torch.Tensor:
+        """``[EP, N/EP]`` -> ``[ETP * EP, N/EP]``: what every rank of my expert-TP group
+        received, so each knows the rows the gather brings and their experts (Megatron
+        gathers the counts over its TP x EP group for the same purpose)."""
+        out = received_counts.new_empty((self.etp_size * received_counts.shape[0],
+                                         received_counts.shape[1]))
+        with get_tracer().tags(op_name="dispatch", phase="forward", payload="counts"):
+            return comm.all_gather(out, received_counts.contiguous(), self.etp_group)
 
     def combine(self, expert_output: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """The mirror of :meth:`dispatch`: ``[R, h]`` -> ``[T, K, h]`` copies (dropped
@@ -578,6 +628,11 @@ class AllToAllDispatcher:
         inverse[state.local_order] = torch.arange(state.local_order.numel(),
                                                   device=inverse.device)
         by_source = expert_output[inverse]
+        # 4b'. expert tensor parallelism: sum the partial outputs of the ETP ranks, each
+        # keeping the rows it gathered from its own all-to-all
+        if state.etp_splits is not None:
+            by_source = reduce_scatter_to_sequence_parallel_region(
+                by_source, self.etp_group, input_split_sizes=state.etp_splits)
         # 4'. the all-to-all back, splits swapped
         returned = self.move_rows(by_source, state.input_splits, state.output_splits,
                                   "combine", self.combine_precision)
@@ -712,11 +767,14 @@ class MoELayer(torch.nn.Module):
     carries whatever tokens each rank holds); the balance losses then sum their counts
     over the CP group as well (over TP and CP when both split the tokens).
 
-    TP and EP together (Megatron's folded grids, with each expert whole: ETP = 1): after the
-    sequence scatter every TP rank holds different tokens, so the all-to-all over the expert
-    grid's EP group needs nothing more (that group may span dense TP and DP ranks).  The
-    dist tests run TP 2 x EP 2 against the serial layer, and ``train_4d`` with TP 2 x EP 2
-    (x PP 2) and TP 2 x EP 4 against the serial model.
+    TP and EP together (Megatron's folded grids): after the sequence scatter every TP rank
+    holds different tokens, so the all-to-all over the expert grid's EP group needs nothing
+    more (that group may span dense TP and DP ranks).  With ETP > 1 (``etp_group``, default
+    ``"expert_tp"``; ``None`` whenever ``ep_group`` is ``None``: serial) each expert is split
+    over the expert-TP group (:class:`RoutedExperts`) and the dispatcher gathers the received
+    rows over that group and reduce-scatters the partial outputs (:meth:`AllToAllDispatcher.dispatch`,
+    :meth:`~AllToAllDispatcher.combine`).  The dist tests run ``train_4d`` on every TP x EP
+    layout of at most 8 ranks, ETP 1 and ETP = TP, against the serial model.
 
     Arguments beyond the sizes: ``num_shared_experts`` (merged into one SwiGLU of
     ``num_shared_experts * ffn_hidden_size``); ``score_function``, ``routed_scaling_factor``,
@@ -748,10 +806,12 @@ class MoELayer(torch.nn.Module):
                  combine_precision: tuple[str, str] | None = None,
                  device_limit_rule: str | None = None, deduplicate: bool = False,
                  ranks_per_node: int | None = None, cp_group: str | None = None,
-                 device=None):
+                 device=None, etp_group: str | None = "expert_tp"):
         super().__init__()
         self.cp_group = cp_group  # context parallelism: my CP rank's tokens of each sequence
         ep_size, tp_size = parallel_state.group_size(ep_group), parallel_state.group_size(tp_group)
+        etp_group = None if ep_group is None else etp_group  # serial: whole experts
+        self.etp_group = etp_group
         if tp_size > 1 and not sequence_parallel:
             raise ConfigError(
                 "rule 6", f"an MoE layer with tensor_model_parallel_size ({tp_size}) > 1 needs "
@@ -770,10 +830,13 @@ class MoELayer(torch.nn.Module):
                              seed=derive_seed(seed, ROUTER), device_limit_rule=device_limit_rule,
                              device=device)
         self.dispatcher = AllToAllDispatcher(num_experts, ep_group, dispatch_precision,
-                                             combine_precision, deduplicate, ranks_per_node)
+                                             combine_precision, deduplicate, ranks_per_node,
+                                             etp_group)
         self.experts = RoutedExperts(num_experts, hidden_size, ffn_hidden_size, ep_size,
                                      parallel_state.group_rank(ep_group),
-                                     seed=derive_seed(seed, ROUTED_EXPERTS), device=device)
+                                     seed=derive_seed(seed, ROUTED_EXPERTS), device=device,
+                                     etp_size=parallel_state.group_size(etp_group),
+                                     etp_rank=parallel_state.group_rank(etp_group))
         self.shared_experts = None
         if num_shared_experts:
             self.shared_experts = SharedExperts(hidden_size, num_shared_experts * ffn_hidden_size,

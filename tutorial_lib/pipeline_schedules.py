@@ -608,8 +608,9 @@ def _check_v(pp_size: int, num_microbatches: int, rank: int, name: str, minimum:
                                 f"{minimum} for {name} with pp_size {pp_size}: the schedule's "
                                 f"steady state needs that many; run {minimum} or more")
     if even and pp_size % 2:
+        fixes = " or ".join(str(k) for k in (pp_size - 1, pp_size + 1) if k > 0)
         raise ConfigError(name, f"pp_size ({pp_size}) must be even for {name}: each half of "
-                                f"the ranks mirrors the other; try {pp_size - 1 or 2} or {pp_size + 1}")
+                                f"the ranks mirrors the other; try {fixes}")
     if even and num_microbatches % 2:
         raise ConfigError(name, f"num_microbatches ({num_microbatches}) must be even for "
                                 f"{name}: half enter from each end; try {num_microbatches + 1}")

@@ -105,8 +105,15 @@ def _split(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return x.chunk(size, dim=dim)[rank].contiguous()
 
 
-def _gather_first_dim(x: torch.Tensor, group: str, async_op: bool = False):
-    """``[T*s, ...]`` from every rank's ``[s, ...]``; with ``async_op``: ``(out, work)``."""
+def _gather_first_dim(x: torch.Tensor, group: str, async_op: bool = False,
+                      split_sizes: list[int] | None = None):
+    """``[T*s, ...]`` from every rank's ``[s, ...]``; with ``async_op``: ``(out, work)``.
+
+    ``split_sizes``: rank i holds ``split_sizes[i]`` rows (uneven; the MoE dispatcher's
+    gather over the expert-TP group)."""
+    if split_sizes is not None:
+        out = x.new_empty((sum(split_sizes), *x.shape[1:]))
+        return comm.all_gather(out, x.contiguous(), group=group, output_split_sizes=split_sizes)
     size = parallel_state.group_size(group)
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     if async_op:
@@ -120,8 +127,15 @@ def _gather_last_dim(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.cat(stacked.chunk(parallel_state.group_size(group), dim=0), dim=-1).contiguous()
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group: str, async_op: bool = False):
-    """My ``[s/T, ...]`` slice of the sum over ranks; with ``async_op``: ``(out, work)``."""
+def _reduce_scatter_first_dim(x: torch.Tensor, group: str, async_op: bool = False,
+                              split_sizes: list[int] | None = None):
+    """My ``[s/T, ...]`` slice of the sum over ranks; with ``async_op``: ``(out, work)``.
+
+    ``split_sizes``: rank i's slice has ``split_sizes[i]`` rows (uneven)."""
+    if split_sizes is not None:
+        mine = split_sizes[parallel_state.group_rank(group)]
+        out = x.new_empty((mine, *x.shape[1:]))
+        return comm.reduce_scatter(out, x.contiguous(), group=group, input_split_sizes=split_sizes)
     size = parallel_state.group_size(group)
     divide(x.shape[0], size, "seq_length")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -212,32 +226,37 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
+    def forward(ctx, x, group, tensor_parallel_output_grad, split_sizes=None):
+        ctx.group, ctx.reduce, ctx.split_sizes = group, tensor_parallel_output_grad, split_sizes
         with _tags("gather_from_sequence_parallel_region", "forward"):
-            return _gather_first_dim(x, group)
+            return _gather_first_dim(x, group, split_sizes=split_sizes)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.reduce:
-            return _split(grad, 0, ctx.group), None, None
+            if ctx.split_sizes is not None:
+                rank = parallel_state.group_rank(ctx.group)
+                start = sum(ctx.split_sizes[:rank])
+                return grad[start:start + ctx.split_sizes[rank]].contiguous(), None, None, None
+            return _split(grad, 0, ctx.group), None, None, None
         with _tags("gather_from_sequence_parallel_region", "backward"):
-            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+            return (_reduce_scatter_first_dim(grad, ctx.group, split_sizes=ctx.split_sizes),
+                    None, None, None)
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Forward: reduce-scatter the partial sums along the sequence.  Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, split_sizes=None):
+        ctx.group, ctx.split_sizes = group, split_sizes
         with _tags("reduce_scatter_to_sequence_parallel_region", "forward"):
-            return _reduce_scatter_first_dim(x, group)
+            return _reduce_scatter_first_dim(x, group, split_sizes=split_sizes)
 
     @staticmethod
     def backward(ctx, grad):
         with _tags("reduce_scatter_to_sequence_parallel_region", "backward"):
-            return _gather_first_dim(grad, ctx.group), None
+            return _gather_first_dim(grad, ctx.group, split_sizes=ctx.split_sizes), None, None
 
 
 def copy_to_tensor_model_parallel_region(x, tp_group="tp"):
@@ -275,18 +294,28 @@ def scatter_to_sequence_parallel_region(x, tp_group="tp"):
     return ScatterToSequenceParallelRegion.apply(x, tp_group)
 
 
-def gather_from_sequence_parallel_region(x, tp_group="tp", tensor_parallel_output_grad=True):
-    """All-gather the sequence (dim 0) forward, reduce-scatter it backward."""
+def gather_from_sequence_parallel_region(x, tp_group="tp", tensor_parallel_output_grad=True,
+                                         output_split_sizes: list[int] | None = None):
+    """All-gather the sequence (dim 0) forward, reduce-scatter it backward.
+
+    ``output_split_sizes``: how many rows each rank of the group holds, when they differ
+    (Megatron's argument of the same name; the MoE dispatcher gathers its tokens over the
+    expert-TP group with it)."""
     if parallel_state.group_size(tp_group) == 1:
         return x
-    return GatherFromSequenceParallelRegion.apply(x, tp_group, tensor_parallel_output_grad)
+    return GatherFromSequenceParallelRegion.apply(x, tp_group, tensor_parallel_output_grad,
+                                                  output_split_sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp"):
-    """Reduce-scatter the sequence (dim 0) forward, all-gather it backward."""
+def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp",
+                                               input_split_sizes: list[int] | None = None):
+    """Reduce-scatter the sequence (dim 0) forward, all-gather it backward.
+
+    ``input_split_sizes``: the rows of each rank's slice, when they differ (Megatron's
+    argument of the same name)."""
     if parallel_state.group_size(tp_group) == 1:
         return x
-    return ReduceScatterToSequenceParallelRegion.apply(x, tp_group)
+    return ReduceScatterToSequenceParallelRegion.apply(x, tp_group, input_split_sizes)
 
 
 # --- the column-parallel matmul under sequence parallelism ---------------------------------

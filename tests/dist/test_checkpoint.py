@@ -187,12 +187,14 @@ def serial_model() -> DeepSeekModel:
     return DeepSeekModel(model, seed=BASE.seed)  # no groups: the whole model, global shapes
 
 
-@pytest.mark.parametrize("name,sizes", [("a", {"tp": 2, "ep": 1}), ("c", {"tp": 1, "ep": 2})],
+@pytest.mark.parametrize("name,sizes", [("a", {"tp": 2, "ep": 1, "etp": 2}),
+                                        ("c", {"tp": 1, "ep": 2, "etp": 1})],
                          ids=["tp2_pp2_dp2", "pp2_ep2"])
 def test_every_tensor_is_saved_once_under_its_global_name_and_shape(ckpt_root, name, sizes):
     """DCP's index holds every tensor of the whole model under its global name and shape,
     whatever layout saved it, in the chunks the layout's split predicts
-    (checkpointing.tensor_sharding / local_chunk), each chunk stored once."""
+    (checkpointing.tensor_sharding / local_chunk; under TP 2 the experts are split over ETP =
+    TP = 2 too, issue 17: expert_tp_sharding), each chunk stored once."""
     run("tp2_pp2_dp2" if name == "a" else "ep_zero", ckpt_root)
     metadata = FileSystemReader(str(ckpt_root / name / "iter_0000002")).read_metadata()
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith("rng_state")}
@@ -213,6 +215,14 @@ def test_every_tensor_is_saved_once_under_its_global_name_and_shape(ckpt_root, n
             parts = sizes[sharding[0]] if sharding else 1
             predicted = {checkpointing.local_chunk(tuple(tensor.shape), sharding and sharding[1], i, parts)
                          for i in range(parts)}
+            if sharding and sharding[0] == "ep" and sizes["etp"] > 1:  # issue 17: ETP = TP
+                dim = {"weight_down": 2}.get(name_.rsplit(".", 1)[1], 1)  # the serial model's
+                assert checkpointing.expert_tp_sharding(True, dim, "expert_dp") == ("expert_tp", dim)
+                predicted = {(offsets[:dim] + (offsets[dim] + inner[dim],) + offsets[dim + 1:],
+                              sizes_[:dim] + (inner_sizes[dim],) + sizes_[dim + 1:])
+                             for offsets, sizes_ in predicted
+                             for inner, inner_sizes in (checkpointing.local_chunk(
+                                 sizes_, dim, j, sizes["etp"]) for j in range(sizes["etp"]))}
             assert {(tuple(c.offsets), tuple(c.sizes)) for c in saved.chunks} == predicted, key
     if name == "a":
         qkv = tensors["model.layers.0.self_attention.linear_qkv.weight"]

@@ -347,7 +347,8 @@ def test_zero1_shards_state_and_communicates_once_per_step(world_name, variant):
 def _powers_of_two_worker(ctx):
     # world 8 = TP 2 x DP 4 for dense weights, EP 4 x EDP 2 for experts (Megatron folding):
     # dp, expert_dp, tp and ep groups all differ.
-    config = ParallelConfig(8, tensor_model_parallel_size=2, expert_model_parallel_size=4)
+    config = ParallelConfig(8, tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                            expert_tensor_parallel_size=1)  # whole experts
     parallel_state.initialize_model_parallel(config)
     module = nn.Module()
     module.dense_copy = nn.Parameter(torch.zeros(3))
@@ -390,7 +391,8 @@ def _sums(module, from_grad=True):
 
 def test_powers_of_two_identify_the_dp_and_expert_dp_groups():
     res = launch(_powers_of_two_worker, 8, timeout=90)
-    grid = ProcessGrid(ParallelConfig(8, tensor_model_parallel_size=2, expert_model_parallel_size=4))
+    grid = ProcessGrid(ParallelConfig(8, tensor_model_parallel_size=2, expert_model_parallel_size=4,
+                                      expert_tensor_parallel_size=1))
     assert grid.group_of("dp", 0) != grid.group_of("expert_dp", 0)
     for rank, out in enumerate(res.results):
         dp_sum = float(sum(2 ** r for r in grid.group_of("dp", rank)))
@@ -418,8 +420,9 @@ CLIP_NORMS = (1.0, 100.0)  # clipping active / not needed
 
 
 def _clip_worker(ctx):
-    # world 4: TP 2 x DP 2 (dense), EP 2 x EDP 2 (experts); tp = ep = {0,1},{2,3}.
-    config = ParallelConfig(4, tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    # world 4: TP 2 x DP 2 (dense), EP 2 x EDP 2 (experts, whole: ETP 1); tp = ep = {0,1},{2,3}.
+    config = ParallelConfig(4, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                            expert_tensor_parallel_size=1)
     parallel_state.initialize_model_parallel(config)
     tp_rank, ep_rank = parallel_state.get_rank_in("tp"), parallel_state.get_rank_in("ep")
     serial = _serial_grads()  # the DP-synced gradients: the same on every DP rank

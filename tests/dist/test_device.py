@@ -225,6 +225,8 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
              ("11 measure_synthetic_schedules", pipeline.measure_synthetic_schedules,
               ([("zb-h1", 4, 1), ("zbv", 4, 1), ("dualpipe", 8, 1)], 0.001, 0.002, 1),
               _no_timings),
+             ("11 measure_synthetic_schedules, PP2 x EP2", pipeline.measure_synthetic_schedules,
+              ([("dualpipe", 4, 1)], 0.001, 0.002, 1, None, None, 2), _no_timings),
              ("07 measure_p2p_modes' worker", p2p_timing._timing_worker,
               (("sequential", "overlapped", "batched"), (64, 1024), 1, 0), None),
              ("08 moe_in_every_precision", ch["08"]["moe_in_every_precision"], (), None),

@@ -203,8 +203,11 @@ def _moe_world(ctx, configs):
     out = {}
     for name, tp, ep in configs:
         with ctx.tracer.tags(config=name):
+            # whole experts (ETP 1): this module checks the layer against the serial one
+            # expert by expert; ETP = TP is test_pipeline_training's TP x EP sweep (issue 17)
             parallel_state.initialize_model_parallel(ParallelConfig(
-                ctx.world_size, tensor_model_parallel_size=tp, expert_model_parallel_size=ep))
+                ctx.world_size, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1))
             dp, d = parallel_state.get_size("dp"), parallel_state.get_rank_in("dp")
             data = [_replica_data(i) for i in range(dp)]
             res = {"groups": {k: parallel_state.get_group_ranks(k) for k in ("tp", "ep", "dp", "expert_dp")}}

@@ -85,6 +85,16 @@ def _worker(ctx):
         out[routing] = {"routed": info0["topk_idx"].masked_fill(~keep, -1).tolist(),
                         "dropped": info0["num_dropped"],
                         "legs": {d: runs[d][3]["rows_per_leg"] for d in DISPATCHERS}}
+    # Experts split over expert-TP ranks are refused: the node-level scheme sends each
+    # token's partial sums of whole experts (issue 17, rule 5's message)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(ParallelConfig(
+        4, tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    try:
+        moe.AllToAllDispatcher(N, etp_group="expert_tp", deduplicate=True)
+        out["etp_refusal"] = None
+    except Exception as error:  # noqa: BLE001 - the test reads type and message
+        out["etp_refusal"] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -139,3 +149,14 @@ def test_limited_routing_saves_bytes_only_when_deduplicated(run):
             per_token = 1 if (routing, dispatcher) == ("v3_nodes", "two_nodes") else 2
             assert sum(e.bytes for e in first) <= 4 * S * B * per_token * H * 4
             assert sum(e.bytes for e in first) < sum(copies)
+
+
+def test_the_deduplicating_dispatcher_refuses_experts_split_over_etp(run):
+    """ETP 2 (TP 2 on 4 ranks, ETP defaulting to TP): a ConfigError naming rule 5, the
+    value and both fixes, on every rank."""
+    for rank_out in run.results:
+        refusal = rank_out["etp_refusal"]
+        assert refusal is not None and refusal.startswith("ConfigError"), refusal
+        for part in ("rule 5", "expert_tensor_parallel_size is 2",
+                     "expert_tensor_parallel_size=1", "deduplicate=False"):
+            assert part in refusal, (part, refusal)

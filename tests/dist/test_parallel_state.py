@@ -44,11 +44,15 @@ def _report_groups(ctx, config, layout, order=None):
     (6, 1, 3, 2, 1, "course"),
     (4, 2, 1, 1, 2, "megatron"),
     (16, 2, 1, 2, 2, "course"),  # expert_dp mixes tp and cp: members must come out sorted
-    (8, 2, 2, 2, 1, "megatron tp-cp-ep-pp-dp"),  # Megatron's two grids from another order
+    # Megatron's two grids from another order; whole experts (ETP 1), so that DP = EDP = 2 as
+    # an order without pp last needs (with ETP = TP = 2, EDP = 1: refused, test_grid)
+    (8, 2, 2, 2, 1, "megatron tp-cp-ep-pp-dp"),
 ])
 def test_live_groups_equal_the_grid(world, tp, pp, ep, cp, layout):
+    etp = 1 if " " in layout else None  # None: ETP = TP, Megatron's default
     config = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            expert_model_parallel_size=ep, context_parallel_size=cp)
+                            expert_model_parallel_size=ep, context_parallel_size=cp,
+                            expert_tensor_parallel_size=etp)
     layout, _, order = layout.partition(" ")
     grid = ProcessGrid(config, layout=layout, order=order or None)
     if order:  # the order moves groups: the live ones must follow it

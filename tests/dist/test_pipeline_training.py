@@ -42,6 +42,7 @@ from tutorial_lib.moe_balance import update_expert_bias
 from tutorial_lib.data import synthetic_batch
 from tutorial_lib.train_4d import TrainingArgs, train, validate_args
 
+from .launch_once import launch_once
 from .memory_checks import assert_memory_as_predicted
 
 pytestmark = pytest.mark.dist
@@ -82,7 +83,8 @@ _REFERENCES: dict = {}
 def world_one_losses(args: TrainingArgs) -> list[float]:
     """The world-size-1 run of the same model and batch (cached per model and batch)."""
     key = replace(args, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                  expert_model_parallel_size=1, context_parallel_size=1, cp_comm_type="p2p",
+                  expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                  context_parallel_size=1, cp_comm_type="p2p",
                   schedule="1f1b", p2p_mode="batched")
     if astuple(key) not in _REFERENCES:
         results = train(key).results
@@ -218,8 +220,8 @@ def test_the_record_holds_the_lm_loss_and_the_balance_terms_under_their_own_keys
 
 @pytest.mark.parametrize("changes,rule", [
     (dict(world_size=6, pipeline_model_parallel_size=4), "rule 1"),
-    (dict(world_size=4, tensor_model_parallel_size=2, expert_model_parallel_size=2,
-          expert_tensor_parallel_size=2), "rule 5"),  # issue 17: ETP > 1 not built yet
+    (dict(world_size=4, tensor_model_parallel_size=4, hidden_size=18, num_attention_heads=2),
+     "rule 5"),  # issue 17: each expert's width 18 does not split over ETP = TP = 4
     (dict(world_size=2, pipeline_model_parallel_size=2, num_microbatches=5), "rule 3"),
     (dict(world_size=8, pipeline_model_parallel_size=2, expert_model_parallel_size=4, num_experts=6), "rule 4"),
     (dict(world_size=2, tensor_model_parallel_size=2, dropout=0.1), "rule 7"),
@@ -240,140 +242,219 @@ def test_invalid_grids_are_refused_with_the_rule(changes, rule):
     assert error.value.rule == rule, str(error.value)
 
 
-# --- issue 17: TP and EP together, experts whole (ETP = 1) on Megatron's folded grids -------
+# --- issue 17: TP and EP together on Megatron's folded grids, ETP 1 and ETP = TP --------------
 #
 # Megatron-Core 0.20.0 (d98e8a64) runs TP > 1 with EP > 1: the dense layers use the
 # tp-cp-dp-pp grid and the experts the etp-ep-edp-pp grid over the same ranks
 # (megatron/core/parallel_state.py, initialize_model_parallel: two RankGenerators, each of
 # whose products must divide the world).  The MoE layer gets each TP rank's own
-# sequence-parallel tokens, and MoEAlltoAllTokenDispatcher (megatron/core/transformer/moe/
-# token_dispatcher.py: __init__ and token_dispatch) runs its all-to-all over the expert
-# grid's EP group, gathering over the expert-TP group only when ETP > 1
-# (dispatch_postprocess).  The course's old rule 2 refused every run below (ConfigError
-# before any worker started).
-
-#: (TP, PP, EP, world, schedule, ZeRO-1): TP 2 x EP 2 alone (DP 2, the EP group is the TP
-#: group), with PP 2 under 1F1B (DP 2 per stage), and TP 2 x EP 4 on 8 ranks with the
-#: distributed optimizer (the EP group spans two TP groups; experts sharded over EDP 2,
-#: dense weights over DP 4).
-TP_EP_LAYOUTS = [(2, 1, 2, 4, "1f1b", False), (2, 2, 2, 8, "1f1b", False),
-                 (2, 1, 4, 8, "1f1b", True)]
+# sequence-parallel tokens; MoEAlltoAllTokenDispatcher (megatron/core/transformer/moe/
+# token_dispatcher.py) runs its all-to-all over the expert grid's EP group, then, with
+# ETP > 1, all-gathers the received rows over the expert-TP group (dispatch_postprocess:
+# gather_from_sequence_parallel_region with output_split_sizes) and reduce-scatters the
+# experts' partial outputs over it before the combine all-to-all (combine_preprocess:
+# reduce_scatter_to_sequence_parallel_region with input_split_sizes); each expert's fc1 is
+# column-parallel and fc2 row-parallel over that group (experts.py, TEGroupedMLP /
+# SequentialMLP with pg_collection.expt_tp).  The course's old rule 2 refused every run
+# below, and its rule 5 every ETP > 1.
 
 
-@pytest.mark.parametrize("tp,pp,ep,world,schedule,zero1", TP_EP_LAYOUTS,
-                         ids=[f"tp{t}-pp{p}-ep{e}-w{w}-{s}" + "-zero1" * z
-                              for t, p, e, w, s, z in TP_EP_LAYOUTS])
-def test_tp_and_ep_together_train_like_world_size_one(tp, pp, ep, world, schedule, zero1):
-    """Issue 17: TP 2 x EP 2 (and x PP 2) with whole experts gives the world-size-1 losses
-    over 3 steps (``ATOL``, the tolerance of every other layout here), where rule 2 refused
-    it before; so does TP 2 x EP 4 under ZeRO-1.  Megatron-Core 0.20.0, d98e8a64:
-    parallel_state.py ``initialize_model_parallel`` (folded grids), token_dispatcher.py
-    ``MoEAlltoAllTokenDispatcher`` (all-to-all over the expert grid's EP group)."""
-    args = layout_args(tp, pp, ep, world, schedule=schedule, use_distributed_optimizer=zero1)
-    validate_args(args)
-    assert args.configs()[0].expert_tensor_parallel_size == 1
-    assert_same_losses(args)
+def tp_ep_layouts(max_world: int = 8):
+    """(TP, PP, EP, ETP, world): every layout of at most ``max_world`` ranks with TP > 1 and
+    EP > 1, ETP 1 or TP, that ``validate_args`` accepts with BASE's model (PP 1 to 4)."""
+    for pp, tp, ep in itertools.product((1, 2, 3, 4), (2, 4), (2, 4)):
+        for etp in (1, tp):
+            for world in range(tp * pp, max_world + 1, tp * pp):
+                try:
+                    validate_args(layout_args(tp, pp, ep, world, expert_tensor_parallel_size=etp))
+                except ConfigError:
+                    continue
+                yield tp, pp, ep, etp, world
 
 
-#: The gradient check's model: BASE's, 4 layers (3 MoE), on 8 ranks, no clipping.
-GRAD_ARGS = replace(BASE, num_layers=4, clip_grad=0.0, world_size=8)
-#: (TP, EP) on 8 ranks: EP 2 (the EP group is the TP group; DP 4, EDP 4) and EP 4, whose
-#: group spans two dense TP groups and two DP ranks (DP 4, EDP 2: an expert-DP divisor
-#: taken from EDP instead of DP x CP would double the expert gradients).
-GRAD_LAYOUTS = [(2, 2), (2, 4)]
-#: Which MoE parameters the check compares: router, shared experts, routed experts.
+TP_EP_LAYOUTS = list(tp_ep_layouts())
+#: Every schedule, at one TP x EP x PP layout (TP 2 x EP 2 x ETP 2 x PP 2 on 8 ranks; 1F1B is
+#: the sweep's own): interleaving at PP 2 needs Megatron's overlapped P2P (see
+#: test_invalid_grids...); issue 20's split-backward schedules run M = 4 microbatches
+#: (DualPipe's M >= 2 PP, even) and are checked on their losses only (their executor holds
+#: the chunks differently from the gradient helper below; test_pipeline_zero_bubble.py).
+TP_EP_SCHEDULES = [("gpipe", "batched"), ("interleaved", "overlapped"), ("zb-h1", "batched"),
+                   ("zbv", "batched"), ("dualpipev", "batched"), ("dualpipe", "batched")]
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev", "dualpipe")
+TP_EP_SCHEDULE_LAYOUT = (2, 2, 2, 2, 8)
+#: Which MoE parameters the gradient check compares: router, shared experts, routed experts.
 GRAD_PARTS = ("mlp.router.", "mlp.shared_experts.", "mlp.experts.")
 
 
-def _tp_ep_gradients(ctx, layouts):
-    """One step's synced gradients of every MoE parameter, per (TP, EP), as train_4d makes
-    them: its chunks, microbatches, schedule, DataParallel and finish_step (SGD at lr 0 so
-    the gradients stay as they are)."""
+def _tp_ep_args(tp, pp, ep, etp, world, schedule="1f1b", mode="batched") -> TrainingArgs:
+    """BASE's model cut to 4 layers (6 at PP 3) to keep the sweep cheap; no clipping, so
+    that one step's gradients are the serial ones as they are."""
+    return layout_args(tp, pp, ep, world, expert_tensor_parallel_size=etp, schedule=schedule,
+                       p2p_mode=mode, clip_grad=0.0, num_layers=6 if pp == 3 else 4,
+                       num_microbatches=4 if schedule in SPLIT_BACKWARD else 2)
+
+
+def _tp_ep_gradients(ctx, args: TrainingArgs) -> dict:
+    """One step's synced gradients of every MoE parameter this rank holds, as train_4d makes
+    them (its chunks, microbatches, schedule, DataParallel and finish_step; SGD at lr 0), with
+    what is needed to cut the serial gradient to this rank's piece."""
     from tutorial_lib import parallel_state
     from tutorial_lib.data_parallel import DataParallel
     from tutorial_lib.pipeline import forward_backward_pipelining
     from tutorial_lib.tp_dp_step import finish_step
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
+    parallel, _, _ = args.configs()
+    if parallel_state.get_state().grid.config != parallel:  # train_worker built these
+        parallel_state.initialize_model_parallel(parallel)
+    chunks = build_chunks(args)
+    modules = torch.nn.ModuleList(chunks)
+    model = DataParallel(modules, group="dp")
+    m, dp = args.num_microbatches, parallel_state.get_size("dp")
+    for chunk in chunks:
+        chunk.reset_step_stats()
+        chunk.aux_loss_scale = moe_aux_loss_scale(m)
+    shape = (args.seq_length, args.global_batch_size // dp // m, args.hidden_size)
+    first_stage = parallel_state.get_rank_in("pp") == 0
+    with model.no_sync():
+        forward_backward_pipelining(chunks, _microbatches(args, 0, first_stage, None), args.schedule,
+                                    args.p2p_mode, shape)
+    finish_step(model, torch.optim.SGD(modules.parameters(), lr=0.0), None)
+    grads = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if any(part in name for part in GRAD_PARTS):
+                grads[name] = (p.grad.clone(), getattr(p, "partition_dim", None))
+    first = {index: layer.experts.first_expert for chunk in chunks
+             for index, layer in chunk.moe_layers().items()}
+    groups = {kind: parallel_state.get_group_ranks(kind)
+              for kind in ("tp", "dp", "ep", "expert_tp", "expert_dp")}
+    return {"grads": grads, "first_expert": first, "groups": groups,
+            "etp_rank": parallel_state.group_rank("expert_tp")}
+
+
+def _tp_ep_sweep(ctx, runs):
+    """Every run of ``runs`` (name -> args) on these ranks, one after the other in one launch:
+    the losses of train_4d's 3 steps and, for PP = 1 and the schedule runs, the gradients."""
+    from tutorial_lib.train_4d import train_worker
     out = {}
-    for tp, ep in layouts:
-        args = replace(GRAD_ARGS, world_size=ctx.world_size, tensor_model_parallel_size=tp,
-                       expert_model_parallel_size=ep)
-        with ctx.tracer.tags(layout=f"tp{tp}-ep{ep}"):
-            parallel, _, _ = args.configs()
-            parallel_state.initialize_model_parallel(parallel)
-            chunks = build_chunks(args)
-            modules = torch.nn.ModuleList(chunks)
-            model = DataParallel(modules, group="dp")
-            m, dp = args.num_microbatches, parallel_state.get_size("dp")
-            for chunk in chunks:
-                chunk.reset_step_stats()
-                chunk.aux_loss_scale = moe_aux_loss_scale(m)
-            shape = (args.seq_length, args.global_batch_size // dp // m, args.hidden_size)
-            with model.no_sync():
-                forward_backward_pipelining(chunks, _microbatches(args, 0, True, None), args.schedule,
-                                            args.p2p_mode, shape)
-            finish_step(model, torch.optim.SGD(modules.parameters(), lr=0.0), None)
-            grads = {name.split(".", 1)[1]: p.grad.clone() for name, p in modules.named_parameters()
-                     if any(part in name for part in GRAD_PARTS)}
-            first = {index: layer.experts.first_expert for index, layer in chunks[0].moe_layers().items()}
-            groups = {kind: parallel_state.get_group_ranks(kind) for kind in ("tp", "dp", "ep", "expert_dp")}
-            out[(tp, ep)] = {"grads": grads, "first_expert": first, "groups": groups}
+    for name, args in runs.items():
+        ctx.tracer.enabled = False  # only the gradient step is traced: cheaper
+        losses = [r["loss"] for r in train_worker(ctx, args)]
+        ctx.tracer.enabled = True
+        with ctx.tracer.tags(layout=name):
+            out[name] = {"losses": losses, "grads": None if args.schedule in SPLIT_BACKWARD
+                         else _tp_ep_gradients(ctx, args)}
     return out
 
 
-def _serial_gradients(args: TrainingArgs) -> dict:
-    """The whole model on the whole batch of step 0, one backward, no groups."""
-    _, model_config, _ = args.configs()
-    model = DeepSeekModel(model_config, seed=args.seed)
-    input_ids, labels = synthetic_batch(args.seed, 0, args.global_batch_size, args.seq_length,
-                                        args.vocab_size)
-    model(input_ids, labels, sample_ids=torch.arange(args.global_batch_size), step=0).backward()
-    return {name: p.grad for name, p in model.named_parameters()}
+def _name(tp, pp, ep, etp, world, schedule="1f1b", mode="batched"):
+    return f"tp{tp}-pp{pp}-ep{ep}-etp{etp}-w{world}-{schedule}-{mode}"
 
 
-def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients():
-    """Issue 17: under TP 2 x EP 2 and TP 2 x EP 4 (8 ranks, ETP 1) the router, shared-expert
-    and routed-expert gradients after train_4d's sync equal the serial model's on the whole
-    batch (fp32, ``atol = 1e-6``, ``rtol = 1e-5``).  The router and shared experts see each
-    TP rank's own tokens and are summed over TP after the DP average; each expert's gradient
-    is summed over expert-DP and divided by DP x CP, Megatron-Core 0.20.0's
-    ``expert_gradient_scaling_factor`` (d98e8a64, megatron/core/distributed/
-    distributed_data_parallel.py).  The trace shows every dispatch all-to-all on the expert
-    grid's EP group, each rank sending its own s/TP tokens' K copies per microbatch
-    (megatron/core/transformer/moe/token_dispatcher.py, ``MoEAlltoAllTokenDispatcher``)."""
+@launch_once
+def tp_ep_sweep(world: int):
+    """One launch per world size running every TP x EP layout of that size (and, on 8 ranks,
+    the schedule runs)."""
     from tutorial_lib.launch import launch
-    result = launch(_tp_ep_gradients, 8, args=(GRAD_LAYOUTS,), timeout=180)
-    serial = _serial_gradients(GRAD_ARGS)
-    args = GRAD_ARGS
-    for tp, ep in GRAD_LAYOUTS:
+    runs = {_name(*layout): _tp_ep_args(*layout) for layout in TP_EP_LAYOUTS if layout[-1] == world}
+    if world == TP_EP_SCHEDULE_LAYOUT[-1]:
+        runs.update({_name(*TP_EP_SCHEDULE_LAYOUT, s, m): _tp_ep_args(*TP_EP_SCHEDULE_LAYOUT, s, m)
+                     for s, m in TP_EP_SCHEDULES})
+    return runs, launch(_tp_ep_sweep, world, args=(runs,), timeout=300, trace=True)
+
+
+def test_the_tp_ep_sweep_holds_the_layouts_issue_17_names():
+    """The rules (validate_args) accept these TP x EP layouts of at most 8 ranks: with and
+    without PP, ETP 1 and ETP = TP, EP groups inside and across TP groups."""
+    names = set(map(tuple, TP_EP_LAYOUTS))
+    assert {(2, 1, 2, 1, 4), (2, 1, 2, 2, 4), (2, 1, 4, 1, 8), (2, 1, 4, 2, 8), (4, 1, 2, 4, 8),
+            (2, 2, 2, 1, 8), (2, 2, 2, 2, 8), (2, 3, 2, 1, 6), (2, 4, 2, 1, 8)} <= names
+    assert all(tp > 1 and ep > 1 and etp in (1, tp) for tp, _, ep, etp, _ in TP_EP_LAYOUTS)
+    assert (2, 1, 2, 2, 6) not in names  # ETP 2 x EP 2 = 4 does not divide 6 ranks (rule 1)
+    assert TP_EP_SCHEDULE_LAYOUT in names
+
+
+@pytest.mark.parametrize("world", sorted({layout[-1] for layout in TP_EP_LAYOUTS}))
+def test_tp_and_ep_together_train_like_world_size_one(world):
+    """Issue 17: every TP x EP layout of this world size (ETP 1 and ETP = TP, with and without
+    PP; on 8 ranks also every other schedule at TP 2 x EP 2 x ETP 2 x PP 2) gives the
+    world-size-1 losses over 3 steps (``ATOL``, the tolerance of every other layout here).
+    Megatron-Core 0.20.0, d98e8a64: parallel_state.py ``initialize_model_parallel`` (folded
+    grids), token_dispatcher.py ``MoEAlltoAllTokenDispatcher`` (``dispatch_postprocess`` /
+    ``combine_preprocess``: the expert-TP all-gather and reduce-scatter), experts.py
+    ``TEGroupedMLP`` (fc1 column-, fc2 row-parallel over the expert-TP group)."""
+    runs, result = tp_ep_sweep(world)
+    for name, args in runs.items():
+        expected = world_one_losses(args)
+        got = result.results[0][name]["losses"]
+        assert all(r[name]["losses"] == got for r in result.results)
+        worst = max(abs(a - b) for a, b in zip(got, expected))
+        assert len(got) == 3 and worst < ATOL, (name, got, expected, worst)
+
+
+@pytest.mark.parametrize("world", sorted({layout[-1] for layout in TP_EP_LAYOUTS}))
+def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(world):
+    """Issue 17: in every run of the sweep the router, shared-expert and routed-expert
+    gradients after train_4d's sync equal the serial model's on the whole batch (fp32,
+    ``atol = 1e-6``, ``rtol = 1e-5``); each rank's expert gradient is its slice of the serial
+    stack (its EP rank's experts, and with ETP > 1 its ETP rank's channels).  The router and
+    shared experts see each TP rank's own tokens and are summed over TP after the DP average;
+    each expert's gradient is summed over expert-DP and divided by DP x CP, Megatron-Core
+    0.20.0's ``expert_gradient_scaling_factor`` (d98e8a64, megatron/core/distributed/
+    distributed_data_parallel.py), whatever ETP is.  The trace shows each dispatch all-to-all
+    on the expert grid's EP group carrying this rank's own s/TP tokens' K copies, and with
+    ETP > 1 a gather of the rows over the expert-TP group (token_dispatcher.py,
+    ``MoEAlltoAllTokenDispatcher.dispatch_postprocess``)."""
+    runs, result = tp_ep_sweep(world)
+    for name, args in runs.items():
+        if args.schedule in SPLIT_BACKWARD:
+            continue
+        serial = _serial_gradients(args)
+        tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
         for rank, res in enumerate(result.results):
-            mine = res[(tp, ep)]
-            assert {part: any(part in n for n in mine["grads"]) for part in GRAD_PARTS} == \
-                dict.fromkeys(GRAD_PARTS, True)
-            for name, grad in mine["grads"].items():
-                want = serial[name]
-                if ".mlp.experts." in name:  # my EP rank's experts: a slice of the stack
-                    layer = int(name.split(".")[1])
-                    first = mine["first_expert"][layer]
+            mine = res[name]["grads"]
+            if not mine["first_expert"]:  # a pipeline stage of dense layers only
+                continue
+            parts = {part for part in GRAD_PARTS if any(part in n for n in mine["grads"])}
+            assert "mlp.experts." in parts and "mlp.router." in parts, (name, rank)
+            for param, (grad, dim) in mine["grads"].items():
+                want = serial[param]
+                if ".mlp.experts." in param:  # my EP rank's experts (and ETP rank's channels)
+                    first = mine["first_expert"][int(param.split(".")[1])]
                     want = want[first:first + grad.shape[0]]
+                    if etp > 1:
+                        width = grad.shape[dim]
+                        want = want.narrow(dim, mine["etp_rank"] * width, width)
                 torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5,
-                                           msg=lambda m: f"TP{tp} EP{ep} rank {rank} {name}: {m}")
+                                           msg=lambda m: f"{name} rank {rank} {param}: {m}")
             groups = mine["groups"]
-            # the dispatch: on the expert grid's EP group, my own tokens' K copies
-            dispatch = [e for e in result.trace.filter(rank=rank, op="all_to_all",
-                                                       layout=f"tp{tp}-ep{ep}")
-                        if e.tags.get("op_name") == "dispatch" and e.tags.get("payload") == "tokens"
-                        and e.tags.get("phase") == "forward"]
+            assert len(groups["expert_tp"]) == etp
+            events = [e for e in result.trace.filter(rank=rank, layout=name)
+                      if e.tags.get("phase") == "forward" and e.tags.get("payload") != "counts"]
+            dispatch = [e for e in events if e.op == "all_to_all" and e.tags.get("op_name") == "dispatch"]
             rows = args.global_batch_size // len(groups["dp"]) // args.num_microbatches
-            assert len(dispatch) == 3 * args.num_microbatches  # 3 MoE layers
-            for event in dispatch:
-                assert event.group_kind == "ep" and list(event.group_ranks) == groups["ep"]
-                assert sum(event.splits["input"]) == args.seq_length // tp * rows * args.moe_router_topk
-    # rank 0's groups: Megatron's folded grids (dense tp-cp-dp-pp, experts etp-ep-edp-pp)
-    assert result.results[0][(2, 2)]["groups"] == {"tp": [0, 1], "dp": [0, 2, 4, 6],
-                                                   "ep": [0, 1], "expert_dp": [0, 2, 4, 6]}
-    assert result.results[0][(2, 4)]["groups"] == {"tp": [0, 1], "dp": [0, 2, 4, 6],
-                                                   "ep": [0, 1, 2, 3], "expert_dp": [0, 4]}
+            assert dispatch and all(e.group_kind == "ep" and list(e.group_ranks) == groups["ep"]
+                                    for e in dispatch)
+            sent = {sum(e.splits["input"]) for e in dispatch}
+            assert sent == {args.seq_length // tp * rows * args.moe_router_topk}, (name, sent)
+            gathers = [e for e in events if e.op == "all_gather" and e.group_kind == "expert_tp"]
+            assert len(gathers) == (len(dispatch) if etp > 1 else 0), (name, len(gathers))
+
+
+_SERIAL_GRADIENTS: dict = {}
+
+
+def _serial_gradients(args: TrainingArgs) -> dict:
+    """The whole model on the whole batch of step 0, one backward, no groups (once per model)."""
+    _, model_config, _ = args.configs()
+    key = (astuple(model_config), args.seed, args.global_batch_size)
+    if key not in _SERIAL_GRADIENTS:
+        model = DeepSeekModel(model_config, seed=args.seed)
+        input_ids, labels = synthetic_batch(args.seed, 0, args.global_batch_size, args.seq_length,
+                                            args.vocab_size)
+        model(input_ids, labels, sample_ids=torch.arange(args.global_batch_size), step=0).backward()
+        _SERIAL_GRADIENTS[key] = {name: p.grad for name, p in model.named_parameters()}
+    return _SERIAL_GRADIENTS[key]
 
 
 # --- the command line -----------------------------------------------------------------------

@@ -19,7 +19,8 @@ from tutorial_lib import checkpointing
 from tutorial_lib.checkpointing import (CKPT_FORMAT, TRACKER_FILENAME, check_checkpoint_args,
                                         check_save_args, commit_checkpoint, common_state,
                                         find_checkpoint, get_checkpoint_name, is_save_iteration,
-                                        latest_checkpoint, local_chunk, prepare_checkpoint_dir,
+                                        expert_tp_sharding, latest_checkpoint, local_chunk,
+                                        prepare_checkpoint_dir,
                                         tensor_sharding)
 from tutorial_lib.config import ConfigError
 from tutorial_lib.train_4d import TrainingArgs, validate_args
@@ -244,6 +245,11 @@ def test_which_group_splits_a_tensor_and_the_chunks_dcp_records():
     assert tensor_sharding(True, 1, "dp") == ("tp", 1)
     assert tensor_sharding(False, None, "expert_dp") == ("ep", 0)
     assert tensor_sharding(False, None, "dp") is None
+    # issue 17: experts split over ETP > 1 ranks are marked tensor-parallel; their second split
+    assert tensor_sharding(True, 2, "expert_dp") == ("ep", 0)
+    assert expert_tp_sharding(True, 2, "expert_dp") == ("expert_tp", 2)
+    assert expert_tp_sharding(False, None, "expert_dp") is None
+    assert expert_tp_sharding(True, 0, "dp") is None
     assert local_chunk((48, 16), 0, 1, 2) == ((24, 0), (24, 16))
     assert local_chunk((16, 64), 1, 3, 4) == ((0, 48), (16, 16))
     assert local_chunk((4, 16, 16), None, 0, 1) == ((0, 0, 0), (4, 16, 16))

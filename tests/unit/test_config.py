@@ -33,7 +33,7 @@ def test_a_valid_4d_layout_passes_and_derives_dp():
     ("pipeline_model_parallel_size", 2.5, "must be a whole number, got 2.5"),
     ("expert_model_parallel_size", 2.0, "write 2 instead of 2.0"),
     ("context_parallel_size", "2", "must be a whole number, got '2'"),
-    ("expert_tensor_parallel_size", True, "must be a whole number, got True"),
+    ("expert_tensor_parallel_size", True, "must be a whole number or None, got True"),
 ])
 def test_malformed_sizes(field, value, fragment):
     config = pc(8)
@@ -61,12 +61,12 @@ def test_rule2_is_lifted_tp_and_ep_together_pass_with_whole_experts():
     dispatcher takes its EP group from the expert grid (``MoEAlltoAllTokenDispatcher.__init__``
     and ``token_dispatch`` in ``megatron/core/transformer/moe/token_dispatcher.py``) and gathers
     over the expert-TP group only when that has more than one rank (``dispatch_postprocess``).
-    With ETP = 1 nothing but the EP all-to-all moves the tokens, which is what the course
-    trains."""
+    The course trains both: ETP = 1 (whole experts) and ETP = TP (split experts)."""
     model = ModelConfig(num_experts=4, seq_length=16, sequence_parallel=False)
     train = TrainConfig(global_batch_size=8, num_microbatches=2)
     for config in (pc(4, tp=2, ep=2), pc(8, tp=2, ep=2, pp=2), pc(8, tp=2, ep=4),
-                   pc(8, tp=4, ep=2), pc(8, tp=2, ep=2, cp=2)):
+                   pc(8, tp=4, ep=2), pc(8, tp=2, ep=2, cp=2), pc(4, tp=2, ep=2, etp=2),
+                   pc(8, tp=2, ep=2, pp=2, etp=2), pc(8, tp=2, ep=4, etp=2)):
         assert validate(config, model, train) is None, config
     # the expert grid must still divide the world (rule 1): 6 = TP 2 x DP 3, ETP 1 x EP 4 = 4
     expect("rule 1", "ETP * EP * PP = 4", "expert grid", parallel=pc(6, tp=2, ep=4))
@@ -86,19 +86,42 @@ def test_rule4_experts_divide_over_ep():
            parallel=pc(8, ep=4), model=ModelConfig(num_experts=6))
 
 
-def test_rule5_expert_tensor_parallel():
-    """Rule 5 says plainly that ETP > 1 is not implemented yet, and that Megatron-Core
-    0.20.0 (d98e8a64) defaults ETP to TP (``megatron/training/arguments.py``,
-    ``validate_args``: an unset ``expert_tensor_parallel_size`` becomes
-    ``tensor_model_parallel_size``)."""
-    message = expect("rule 5", "expert_tensor_parallel_size (2) must be 1",
-                     "not implemented in this course yet", "defaults ETP to TP, 2 here",
-                     "set expert_tensor_parallel_size=1",
-                     parallel=pc(8, tp=2, etp=2), layout="course")
-    assert "guard" not in message
-    # with EP > 1 as well, on Megatron's folded grids: the same rule, not the old guard
-    expect("rule 5", "expert_tensor_parallel_size (2) must be 1", "defaults ETP to TP, 2 here",
-           parallel=pc(8, tp=2, ep=2, etp=2))
+def test_rule4_expert_parallelism_needs_routed_experts():
+    """Megatron-LM 0.20.0 (d98e8a64, ``megatron/training/arguments.py``, ``validate_args``,
+    the expert-parallelism check) refuses expert_model_parallel_size > 1 without
+    ``num_experts``; a dense model with EP 1 passes."""
+    expect("rule 4", "expert_model_parallel_size (2)", "dense (num_experts 0)",
+           "expert_model_parallel_size 1", parallel=pc(4, ep=2), model=ModelConfig(num_experts=0))
+    validate(pc(4, tp=2), ModelConfig(num_experts=0))
+
+
+def test_rule5_each_expert_width_divides_over_etp():
+    """Issue 17: rule 5 is no longer "ETP must be 1" but what splitting an expert needs: its
+    width (``moe_ffn_hidden_size``, default ``hidden_size``) divides over the ETP ranks.
+    Megatron-Core 0.20.0 (d98e8a64, ``megatron/core/transformer/moe/experts.py``,
+    ``TEGroupedMLP.__init__`` / ``SequentialMLP``: ``linear_fc1`` column-parallel and
+    ``linear_fc2`` row-parallel over ``pg_collection.expt_tp``) divides the width by the
+    expert-TP size the same way (``megatron/core/utils.py`` ``divide`` asserts it)."""
+    moe = dict(num_experts=4, hidden_size=32, num_attention_heads=4)
+    message = expect("rule 5", "moe_ffn_hidden_size 6", "expert_tensor_parallel_size (4)",
+                     "one of [1, 2, 3]", "moe_ffn_hidden_size 4 or 8",
+                     parallel=pc(4, tp=4, etp=4), model=ModelConfig(moe_ffn_hidden_size=6, **moe))
+    assert "not implemented" not in message
+    expect("rule 5", "moe_ffn_hidden_size 30, from hidden_size", "(4)",
+           parallel=pc(8, tp=4, ep=2, etp=4),
+           model=ModelConfig(num_experts=4, hidden_size=30, num_attention_heads=2))
+    # the same width splits over 2 ranks; a dense model has no expert to split
+    validate(pc(4, tp=2, ep=2, etp=2), ModelConfig(moe_ffn_hidden_size=6, **moe))
+    validate(pc(4, tp=4, etp=4), ModelConfig(moe_ffn_hidden_size=6, num_experts=0))
+
+
+def test_etp_defaults_to_tp_as_megatron():
+    """Megatron-LM 0.20.0 (d98e8a64, ``megatron/training/arguments.py``, ``validate_args``)
+    sets an unset ``expert_tensor_parallel_size`` to ``tensor_model_parallel_size``, and so
+    does :class:`ParallelConfig`; 1 given keeps experts whole."""
+    config = ParallelConfig(8, tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    assert config.expert_tensor_parallel_size == 2 and config.expert_data_parallel_size == 2
+    assert pc(8, tp=2, ep=2, etp=1).expert_data_parallel_size == 4
 
 
 def test_rule6_sequence_parallel_needs_divisible_sequence():

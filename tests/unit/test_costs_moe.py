@@ -95,3 +95,17 @@ def test_dedup_rows_count_each_token_once_per_node_then_per_rank():
     assert costs.moe_dedup_rows([[[1, 0]]], 2) == {}  # one rank: nothing moves
     with pytest.raises(ValueError, match="ranks_per_node"):
         costs.moe_dedup_rows(routing, 8, ranks_per_node=3)
+
+
+def test_expert_tp_bytes_gather_my_rows_and_reduce_scatter_every_gathered_row():
+    """Issue 17: with ETP > 1, after its dispatch all-to-all each rank all-gathers the rows it
+    received over the expert-TP group and reduce-scatters the partial outputs of all the
+    group's rows (Megatron-Core 0.20.0, d98e8a64, token_dispatcher.py
+    ``MoEAlltoAllTokenDispatcher.dispatch_postprocess`` / ``combine_preprocess``); comm's byte
+    convention: an all-gather counts the rank's shard, a reduce-scatter its whole input."""
+    # ETP 2: rank 0 of the group received 5 rows, rank 1 received 3; h = 8, fp32
+    assert costs.moe_expert_tp_bytes([5, 3], 0, 8) == {"all_gather": 160, "reduce_scatter": 256}
+    assert costs.moe_expert_tp_bytes([5, 3], 1, 8, 2) == {"all_gather": 48, "reduce_scatter": 128}
+    assert costs.moe_expert_tp_bytes([0, 0, 4, 0], 3, 4) == {"all_gather": 0, "reduce_scatter": 64}
+    with pytest.raises(ValueError, match=r"etp_rank \(2\)"):
+        costs.moe_expert_tp_bytes([1, 1], 2, 8)

@@ -130,7 +130,8 @@ def test_the_answers_follow_the_library():
     """Each case's answer is what the layer's attributes and DataParallel's domains say."""
     for name, (_, groups, divisor) in GRADIENT_DOMAIN_CASES.items():
         tp, ep, dp, edp = GRADIENT_DOMAIN_GRIDS[name]
-        config = ParallelConfig(8, tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        config = ParallelConfig(8, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                expert_tensor_parallel_size=1)  # the exercise: ETP = 1
         assert (config.data_parallel_size, config.expert_data_parallel_size) == (dp, edp)
         layer = moe.MoELayer(8, 8, 2, 4, num_shared_experts=1, sequence_parallel=tp > 1,
                              ep_group=None, tp_group=None)

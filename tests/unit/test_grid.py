@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tutorial_lib.config import ConfigError
+from tutorial_lib.config import ConfigError, ParallelConfig
 from tutorial_lib.grid import (EXTRA_GROUP_KINDS, GROUP_KINDS, MEGATRON_ORDER, RankGrid, build_grid,
                                format_groups, main, parse_order)
 
@@ -450,3 +450,23 @@ def test_an_empty_order_is_refused_not_replaced(capsys):
             build_grid(8, tp=2, layout=layout, order="")
         assert main(["--world-size", "8", "--order", ""] + (["--layout", layout] if layout else [])) == 2
         assert "order '' is empty" in capsys.readouterr().err
+
+
+def test_megatron_order_rules_name_the_sizes_and_the_fix():
+    """Issue 17, the folded grids' own rules with their messages.  Megatron-Core 0.20.0
+    (d98e8a64, megatron/core/parallel_state.py, ``initialize_model_parallel``) asserts that an
+    order not ending in ``pp`` with PP > 1 keeps the dense and expert data-parallel sizes
+    equal, and that the dense and expert ``RankGenerator``s give the same pipeline groups."""
+    # DP = 8 / (2 * 2) = 2, EDP = 8 / (1 * 4 * 2) = 1: pp not last is refused
+    config = ParallelConfig(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                            expert_model_parallel_size=4, expert_tensor_parallel_size=1)
+    with pytest.raises(ConfigError) as info:
+        build_grid(8, tp=2, pp=2, ep=4, etp=1, layout="megatron", order="tp-cp-ep-pp-dp")
+    assert info.value.rule == "order"
+    for fragment in ("does not end in pp", "DP = 2 and EDP = 1", "put pp last",
+                     "make TP * CP equal ETP * EP"):
+        assert fragment in str(info.value), (fragment, str(info.value))
+    assert config.data_parallel_size == 2 and config.expert_data_parallel_size == 1
+    # the same sizes with pp last: both grids agree on the pipelines
+    grid = build_grid(8, tp=2, pp=2, ep=4, etp=1, layout="megatron")
+    assert grid.group_of("pp", 0) == [0, 4]

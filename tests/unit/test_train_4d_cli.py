@@ -34,7 +34,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
                 context_parallel_size=1, cp_comm_type="p2p",  # issue 18: CP, off by default
-                expert_tensor_parallel_size=1,  # issue 17: whole experts (ETP > 1 not built yet)
+                expert_tensor_parallel_size=None,  # issue 17: unset means TP, as Megatron
                 recompute_granularity=None, recompute_method=None,  # issue 19: no recomputation
                 recompute_num_layers=None,
                 device="auto")  # issue 16: the GPUs when every rank has one
@@ -184,21 +184,27 @@ def test_add_arguments_reads_types_docstrings_and_defaults():
 
 # --- issue 12: every bad value refused before any worker starts ---------------------------------
 
-def test_the_expert_tensor_parallel_flag_takes_1_and_refuses_more_with_rule_5(script):
-    """Issue 17: ``--expert-tensor-parallel-size`` is Megatron-LM's flag (Megatron-Core 0.20.0,
-    d98e8a64, ``megatron/training/arguments.py``, where an unset value becomes TP); the run
-    takes 1, the course's default, with TP and EP both > 1, and refuses 2 (rule 5: ETP > 1
-    is not implemented yet) before any worker starts."""
+def test_the_expert_tensor_parallel_flag_defaults_to_tp_and_checks_the_expert_width(script):
+    """Issue 17: ``--expert-tensor-parallel-size`` is Megatron-LM's flag, and left unset it
+    becomes TP (Megatron-Core 0.20.0, d98e8a64, ``megatron/training/arguments.py``,
+    ``validate_args``: ``if args.expert_tensor_parallel_size is None: ... =
+    args.tensor_model_parallel_size``); 1 and 2 both run with TP 2 x EP 2, and an expert
+    width that does not split over the ETP ranks is refused (rule 5) before any worker starts."""
     layout = ["--world-size", "4", "--tensor-model-parallel-size", "2",
               "--expert-model-parallel-size", "2", "--seq-length", "8"]
-    args, _ = script.parse_args(layout + ["--expert-tensor-parallel-size", "1"])
-    assert args.expert_tensor_parallel_size == 1 == TrainingArgs().expert_tensor_parallel_size
+    args, _ = script.parse_args(layout)
+    assert TrainingArgs().expert_tensor_parallel_size is None
+    assert args.configs()[0].expert_tensor_parallel_size == 2  # unset: TP
     validate_args(args)
-    args, _ = script.parse_args(layout + ["--expert-tensor-parallel-size", "2"])
-    assert args.configs()[0].expert_tensor_parallel_size == 2
+    args, _ = script.parse_args(layout + ["--expert-tensor-parallel-size", "1"])
+    assert args.configs()[0].expert_tensor_parallel_size == 1
+    validate_args(args)
+    args, _ = script.parse_args(["--world-size", "8", "--tensor-model-parallel-size", "4",
+                                 "--expert-model-parallel-size", "2", "--seq-length", "8",
+                                 "--hidden-size", "30", "--num-attention-heads", "2"])
     with pytest.raises(ConfigError) as info:
         validate_args(args)
-    assert info.value.rule == "rule 5" and "not implemented in this course yet" in str(info.value)
+    assert info.value.rule == "rule 5" and "expert_tensor_parallel_size (4)" in str(info.value)
 
 
 BAD_RUN_VALUES = [  # (changes, rule, fragments of the message: the rule, the value, the fix)
@@ -422,7 +428,7 @@ def test_the_banner_names_layout_schedule_p2p_mode_and_recipe():
     lines = describe_run(args).splitlines()
     assert all(line.startswith("train_4d: ") for line in lines)
     text = "\n".join(lines)
-    assert ("layout      TP2 x PP2 x EP1 x DP2 = 8 ranks (experts: ETP1 x EP1 x EDP4); "
+    assert ("layout      TP2 x PP2 x EP1 x DP2 = 8 ranks (experts: ETP2 x EP1 x EDP2); "
             "Megatron's rank order tp-cp-ep-dp-pp") in text
     assert "schedule    gpipe, M = 4 microbatches per replica" in text
     assert "P2P mode    overlapped" in text and "recipe      bf16" in text

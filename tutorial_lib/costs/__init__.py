@@ -60,6 +60,7 @@ from .memory import (PRECISION_BYTES, RankMemory, available_memory_bytes, format
                      layer_activation_bytes, layer_parameters, memory_of_ranks,
                      memory_on_this_machine, memory_per_rank, stage_activation_bytes)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
+                  moe_expert_tp_bytes,
                   moe_dedup_rows, moe_rank_all_to_alls, moe_rank_send_splits,
                   moe_send_counts)
 from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
@@ -81,7 +82,7 @@ __all__ = [
     "DEFAULT_SIZES", "MEASURABLE_OPS", "MEASURE_DEVICES", "TimedRounds", "bandwidth_rows",
     "measure_collective", "rounds_by_size", "samples_from_trace",
     "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
-    "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls",
+    "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls", "moe_expert_tp_bytes",
     "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",
     "distributed_optimizer_collectives", "megatron_distributed_optimizer_numel",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",

@@ -4,8 +4,9 @@ One pure model (no torch: a command line calls it before it loads torch) for any
 config and layout the course accepts, rank by rank.  Each rank holds
 
 * **weights**: its parameters, counted layer by layer from the model's shapes (TP splits
-  attention, dense MLPs, embedding and LM head; EP splits the routed experts; LayerNorms,
-  routers, shared experts and row-parallel biases are whole on every rank);
+  attention, dense MLPs, embedding and LM head; EP splits the routed experts, ETP each
+  expert; LayerNorms, routers, shared experts and row-parallel biases are whole on every
+  rank);
 * **gradients**: one per parameter, in the precision's gradient bytes (the data-parallel
   bucket buffer ``main_grad`` when the model is wrapped in ``DataParallel``, else
   ``.grad``); under the distributed optimizer also the fp32 gradient of this rank's slice
@@ -161,16 +162,16 @@ def _is_moe(model, layer: int) -> bool:
     return model.num_experts > 0 and layer >= model.first_k_dense_replace
 
 
-def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1) -> int:
+def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> int:
     """Parameters one rank holds of decoder layer ``layer`` (a ``DeepSeekBlock``) at TP
-    ``tp`` and EP ``ep``."""
+    ``tp``, EP ``ep`` and ETP ``etp`` (each routed expert split over ``etp`` ranks)."""
     h = model.hidden_size
     count = 2 * 2 * h                                   # two LayerNorms, weight and bias
     count += (3 * h * h + 3 * h) // tp + h * h // tp + h  # qkv (column), proj (row, whole bias)
     if _is_moe(model, layer):
         f = model.moe_ffn_hidden_size or h
         count += model.num_experts * h                                # the router (whole)
-        count += _expert_parameters(model, ep)                        # my routed experts
+        count += _expert_parameters(model, ep, etp)                   # my routed experts' shards
         count += 3 * model.num_shared_experts * f * h                 # shared experts (whole)
     else:
         f = model.ffn_hidden_size or 4 * h
@@ -178,10 +179,11 @@ def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1) -> int:
     return count
 
 
-def _expert_parameters(model, ep: int) -> int:
-    """One MoE layer's routed-expert parameters on one EP rank (gate, up, down; no bias)."""
+def _expert_parameters(model, ep: int, etp: int = 1) -> int:
+    """One MoE layer's routed-expert parameters on one EP x ETP rank (gate, up, down; no
+    bias; each expert's hidden size split over ETP)."""
     return 3 * (model.num_experts // ep) * (model.moe_ffn_hidden_size or model.hidden_size) \
-        * model.hidden_size
+        * model.hidden_size // etp
 
 
 def _matmul_input(values: int, a: int, fp8: bool) -> int:
@@ -346,6 +348,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     h, vocab, s = model.hidden_size, model.vocab_size, model.seq_length
     stages = pp * v
     per_stage = model.num_layers // stages
+    etp = parallel.expert_tensor_parallel_size
     layer_options = {"moe_capacity_factor": moe_capacity_factor, "ep": ep, "fp8": fp8}
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
@@ -353,8 +356,8 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
         per_chunk, parts = [], {}
         for stage in (c * pp + rank for c in range(v)):
             layers = range(stage * per_stage, (stage + 1) * per_stage)
-            params += sum(layer_parameters(model, i, tp, ep) for i in layers)
-            experts += sum(_expert_parameters(model, ep) for i in layers if _is_moe(model, i))
+            params += sum(layer_parameters(model, i, tp, ep, etp) for i in layers)
+            experts += sum(_expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
             if stage == 0:
                 params += vocab * h // tp + s * h                    # word and position tables
             if stage == stages - 1:

@@ -10,7 +10,9 @@ so a dropless dispatch hands T*K rows of h elements to the all-to-all (the rows 
 on this rank included: :mod:`tutorial_lib.comm`'s byte convention).  Which rank receives
 how many depends on the routing, so the per-rank predictions start from the routing's
 counts.  Experts lie in contiguous blocks: expert e lives on EP rank e // (N / EP)
-(:mod:`tutorial_lib.moe`).
+(:mod:`tutorial_lib.moe`).  With expert tensor parallelism (ETP > 1) each rank also
+gathers the rows over its expert-TP group and reduce-scatters the outputs:
+:func:`moe_expert_tp_bytes`.
 
 The deduplicating dispatcher (``AllToAllDispatcher(deduplicate=True)``, DeepEP's scheme)
 moves one row per (token, destination node), then per (token, destination rank):
@@ -113,6 +115,25 @@ def moe_rank_all_to_alls(send_counts: Sequence[Sequence[int]], rank: int, hidden
         MoEAllToAll("backward", "combine", "tokens", sent, row, column),
         MoEAllToAll("backward", "dispatch", "tokens", received, column, row),
     ]
+
+
+def moe_expert_tp_bytes(rows_received: Sequence[int], etp_rank: int, hidden: int,
+                        bytes_per_element: int = 4) -> dict[str, int]:
+    """The bytes one rank hands to the expert-TP collectives of one MoE forward (ETP > 1).
+
+    ``rows_received[j]``: the rows expert-TP rank ``j`` received from its dispatch
+    all-to-all (the column sums of :func:`moe_send_counts` over its EP group).  After the
+    all-to-all each rank all-gathers its rows over the group (:mod:`tutorial_lib.comm`'s
+    convention: its own shard, ``rows_received[etp_rank]`` rows); before the combine it
+    reduce-scatters the experts' partial outputs for every gathered row (the whole input,
+    ``sum(rows_received)`` rows).  The backward pass repeats both, reversed.  The int64
+    counts gathered alongside are not included.
+    """
+    if not 0 <= etp_rank < len(rows_received):
+        raise ValueError(f"etp_rank ({etp_rank}) must be in [0, {len(rows_received)})")
+    row_bytes = hidden * bytes_per_element
+    return {"all_gather": int(rows_received[etp_rank]) * row_bytes,
+            "reduce_scatter": int(sum(rows_received)) * row_bytes}
 
 
 def _dedup_legs(ep: int, ranks_per_node: int) -> list[str]:

@@ -7,7 +7,7 @@ that says what is wrong, not only that something is.  In a notebook the result
 prints itself; ``assert check(...)`` works because a result is truthy only when
 every case passed.
 
-One module per chapter (``ch01`` .. ``ch08``) holds that chapter's checkers: their
+One module per chapter (``ch01`` .. ``ch09``, ``ch11``) holds that chapter's checkers: their
 cases, their references and their named mistakes.  Everything else, running the
 student's code (here or on gloo ranks), turning exceptions, deadlocks and stubs
 that still raise ``NotImplementedError`` into failed cases, choosing the hint and
