@@ -194,7 +194,7 @@ def _matmul_input(values: int, a: int, fp8: bool) -> int:
 def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 1, *,
                            precision: str = "fp32", recompute: str | None = None,
                            moe_capacity_factor: float | None = None, ep: int = 1,
-                           fp8: bool = False) -> dict[str, int]:
+                           fp8: bool = False, etp: int = 1) -> dict[str, int]:
     """Bytes decoder layer ``layer`` keeps for backward for one microbatch of ``rows``
     sequences, by part: ``{"attention": ..., "mlp": ...}`` (``"moe"`` for an MoE layer).
 
@@ -212,7 +212,9 @@ def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 
     * MoE: LayerNorm; on the rank's ``T / TP`` tokens (the MoE layer splits the sequence
       over TP) with ``R = K T / TP`` routed copies (``ceil(cf K T / (TP N))`` per expert,
       padded, under a capacity factor): ``R (3 h + 4 f)`` (the dispatched and combined rows,
-      the experts' gate, up, activation and product), the router's fp32 scores and int64
+      the experts' gate, up, activation and product; under ETP each rank gathers its ETP
+      group's rows, ``ETP R`` expert inputs of ``h`` and two int64 orders, each with
+      ``f / ETP`` channels), the router's fp32 scores and int64
       indices (``2 N`` and ``5 K x 8 + 2 K x 4`` bytes per token), three fp32 per token and
       ``N`` per sequence for the sequence-wise balance loss, the shared experts' ``4 f``
       per token, the aux loss (one fp32 scalar).
@@ -243,8 +245,9 @@ def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 
     if moe_capacity_factor is not None:  # each expert's buffer padded to its capacity
         routed = experts * math.ceil(moe_capacity_factor * copies / experts)
     moe = norm + drop
-    moe += routed * (a * (2 * h + 3 * f)) + _matmul_input(routed * h, a, fp8) \
+    moe += routed * (a * (2 * h + 3 * f)) + _matmul_input(etp * routed * h, a, fp8) \
         + _matmul_input(routed * f, a, fp8)             # expert inputs, activation products
+    moe += 2 * INDEX_BYTES * (etp - 1) * routed         # ETP: the gathered rows' two orders
     moe += STATS_BYTES * 2 * mine * experts + (5 * INDEX_BYTES + 2 * STATS_BYTES) * copies
     moe += STATS_BYTES * (3 * mine + rows * experts) + 4
     moe += a * 4 * f * mine * model.num_shared_experts
@@ -349,7 +352,8 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     stages = pp * v
     per_stage = model.num_layers // stages
     etp = parallel.expert_tensor_parallel_size
-    layer_options = {"moe_capacity_factor": moe_capacity_factor, "ep": ep, "fp8": fp8}
+    layer_options = {"moe_capacity_factor": moe_capacity_factor, "ep": ep, "fp8": fp8,
+                     "etp": etp}
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
         params = experts = 0
