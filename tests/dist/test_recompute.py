@@ -172,7 +172,10 @@ def _in_layers(events):
 def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
     """What recomputing a tensor-parallel layer costs in communication: every collective its
     forward issued (the attention and dense MLP's TP all-reduces, the MoE layer's TP
-    all-gather of its split sequence and the TP sums of its balance loss) is issued again in
+    all-gather of its split sequence, the TP sums of its balance loss, and with expert
+    tensor parallelism (ETP = TP = 2, Megatron's default since issue 17) the expert-TP
+    all-gathers of the dispatched counts and rows and the reduce-scatter of the experts'
+    partial outputs) is issued again in
     backward, tagged ``recompute=True``, with the same group and bytes, once for each
     microbatch and recomputed layer: under ``full`` / ``uniform`` every layer, under
     ``full`` / ``block`` N = 1 the first layer of each stage only, under ``selective`` none
@@ -193,19 +196,18 @@ def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
             assert again == want, (name, rank)
             # counted by hand, per microbatch: a dense layer all-reduces its attention and MLP
             # outputs; a MoE layer its attention output and the two sums of its sequence-wise
-            # balance loss over the TP ranks' tokens, and all-gathers its output
+            # balance loss over the TP ranks' tokens, all-gathers its output, and over the
+            # expert-TP group (ETP = TP) all-gathers the dispatched counts and rows and
+            # reduce-scatters the experts' partial outputs
             ops = Counter()
             for (_, _, op, _, group, _), n in again.items():
                 ops[op, group] += n
             dense = sum(layer < ARGS.first_k_dense_replace for layer in recomputed_layers)
             moe = len(recomputed_layers) - dense
             m = ARGS.num_microbatches
-            want_ops = {("all_reduce", "tp"): m * (2 * dense + 3 * moe), ("all_gather", "tp"): m * moe}
-            if ARGS.configs()[0].expert_tensor_parallel_size > 1:  # ETP = TP, Megatron's default
-                # the dispatch gathers the counts and the rows over expert_tp, the combine
-                # reduce-scatters the partial outputs (issue 17's expert tensor parallelism)
-                want_ops.update({("all_gather", "expert_tp"): 2 * m * moe,
-                                 ("reduce_scatter", "expert_tp"): m * moe})
+            want_ops = {("all_reduce", "tp"): m * (2 * dense + 3 * moe), ("all_gather", "tp"): m * moe,
+                        ("all_gather", "expert_tp"): 2 * m * moe,
+                        ("reduce_scatter", "expert_tp"): m * moe}
             assert ops == Counter({k: v for k, v in want_ops.items() if v}), (name, rank, ops)
 
 
