@@ -8,6 +8,7 @@ import pytest
 
 from tutorial_lib.viz import widget
 from tutorial_lib.viz.fp8_tiles import TileExplorer
+from tutorial_lib.viz.memory import MemoryExplorer
 from tutorial_lib.viz.moe_flow import TokenFlowAnimation
 from tutorial_lib.viz.rank_map import RankMap
 from tutorial_lib.viz.timeline import Timeline
@@ -15,7 +16,28 @@ from tutorial_lib.viz.widget import Animation, Widget
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "tutorial_lib" / "viz" / "assets"
-WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, TileExplorer)
+WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, TileExplorer, MemoryExplorer)
+
+
+def test_the_list_holds_every_widget_class_of_the_library():
+    """A new widget joins WIDGETS, so that the asset checks below cover its files."""
+    import importlib
+    import pkgutil
+
+    import tutorial_lib.viz as viz
+    for module in pkgutil.iter_modules(viz.__path__):
+        importlib.import_module(f"tutorial_lib.viz.{module.name}")
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    library = {cls for cls in subclasses(Widget) if cls.__module__.startswith("tutorial_lib.")}
+    named_assets = {cls: set(cls.styles + cls.scripts) for cls in library}
+    covered = {cls for cls in library if any(issubclass(cls, w) for w in WIDGETS)
+               and named_assets[cls] <= {n for w in WIDGETS for n in w.styles + w.scripts}}
+    assert covered == library, sorted(c.__name__ for c in library - covered)
 
 
 def test_every_asset_a_widget_names_exists_and_ships_in_the_wheel():
