@@ -30,7 +30,8 @@ from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, chec
 from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
 from .pipeline_schedules import (ALL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, TRAINING_P2P_MODES,
-                                 check_microbatch_groups, check_schedule_and_mode)
+                                 TWO_CHUNK_SCHEDULES, check_microbatch_groups,
+                                 check_schedule_and_mode)
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 from .recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Recompute, check_recompute
 
@@ -151,9 +152,6 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
         of each of its two copies, so its model is cut in ``PP`` stages."""
         return 1 if self.schedule == "dualpipe" else self.chunks_per_rank
 
-
-#: The schedules whose ranks hold two chunks (``pipeline.TWO_CHUNK_SCHEDULES``).
-TWO_CHUNK_SCHEDULES = ("zbv", "dualpipev", "dualpipe")
 
 
 def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
@@ -382,13 +380,10 @@ def check_memory(args: TrainingArgs, available: int | None = None,
         available, source = found if found is not None else (None, "")
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
-    schedule, chunks = args.schedule, args.chunks_per_rank
-    if schedule in TWO_CHUNK_SCHEDULES + ("zb-h1",):
-        # issue 20's schedules: bounded by GPipe's every-microbatch-in-flight, with the
-        # per-rank layers of two chunks (DualPipe: of one copy, whose stages hold twice
-        # the layers; its second copy of the weights is not counted)
-        schedule, chunks = "gpipe", args.stages_per_rank
-    estimate = functools.partial(memory_per_rank, model, parallel, train, schedule, chunks,
+    # every schedule's own placement and activations in flight (issue 20's V and
+    # DualPipe's two copies included)
+    estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
+                                 args.chunks_per_rank,
                                  use_distributed_optimizer=args.use_distributed_optimizer,
                                  recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:

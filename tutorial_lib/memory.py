@@ -19,10 +19,12 @@ import json
 import sys
 from dataclasses import dataclass, field, replace
 
-from .config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers,
+                     validate)
 from .costs.memory import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
-from .pipeline_schedules import SCHEDULE_NAMES
+from .pipeline_schedules import (ALL_SCHEDULES, SCHEDULE_PLACEMENT, SPLIT_BACKWARD_SCHEDULES,
+                                 num_model_stages)
 from .recompute import RECOMPUTE_METHODS, Recompute, check_recompute
 
 __all__ = ["Preset", "PRESETS", "predict", "preset_layout", "heaviest_rank_bytes",
@@ -75,8 +77,19 @@ def predict(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, *,
             schedule: str = "1f1b", virtual_pipeline_size: int = 1, **options) -> list[RankMemory]:
     """Validate the config (:func:`tutorial_lib.config.validate`), then
     :func:`tutorial_lib.costs.memory_per_rank` with ``options`` (precision, distributed
-    optimizer, recompute, ...)."""
+    optimizer, recompute, ...); issue 20's schedules with their own chunks (two per rank
+    for ZBV, DualPipeV, DualPipe), as ``train_4d`` accepts them."""
     validate(parallel, model, train)
+    pp = parallel.pipeline_model_parallel_size
+    placement = SCHEDULE_PLACEMENT.get(schedule, "loop")
+    chunks = 2 if placement != "loop" else virtual_pipeline_size
+    if schedule in ALL_SCHEDULES:  # else memory_per_rank names the schedules
+        check_pipeline_layers(model.num_layers, pp, num_model_stages(placement, pp, chunks) // pp)
+    recompute = options.get("recompute")
+    if schedule in SPLIT_BACKWARD_SCHEDULES and recompute is not None and recompute.granularity:
+        raise ConfigError("recompute", f"activation recomputation does not run with {schedule}, "
+                          f"whose backward is split into B and W (train_4d refuses it too); "
+                          f"use --schedule 1f1b, interleaved or gpipe, or no recomputation")
     return memory_per_rank(model, parallel, train, schedule, virtual_pipeline_size, **options)
 
 
@@ -167,7 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp", type=int, default=None, help="pipeline_model_parallel_size")
     parser.add_argument("--ep", type=int, default=None, help="expert_model_parallel_size")
     parser.add_argument("--cp", type=int, default=None, help="context_parallel_size")
-    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
+    parser.add_argument("--schedule", choices=ALL_SCHEDULES, default="1f1b",
+                        help="zbv, dualpipev and dualpipe place two chunks per rank themselves")
     parser.add_argument("--virtual-pipeline-size", type=int, default=1,
                         help="chunks per rank (the interleaved schedule's V)")
     parser.add_argument("--global-batch-size", type=int, default=None)

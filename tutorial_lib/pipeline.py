@@ -81,9 +81,10 @@ from .config import ConfigError
 from .deepseek import Microbatch
 from .devices import module_device, resolve_device
 from .p2p import communicate
-from .pipeline_schedules import (PAYLOAD, Action, build_schedules, check_schedule_and_mode,
-                                 model_stage, num_model_stages, num_warmup_microbatches,
-                                 split_backwards, stage_holder)
+from .pipeline_schedules import (PAYLOAD, SCHEDULE_PLACEMENT, TWO_CHUNK_SCHEDULES, Action,
+                                 build_schedules, check_schedule_and_mode, model_stage,
+                                 num_model_stages, num_warmup_microbatches, split_backwards,
+                                 stage_holder)
 from .tensor_parallel import SavedTensorBytes
 from .trace import TraceEvent, get_tracer
 
@@ -134,12 +135,6 @@ COMBINED_HELPERS = {
     # every send posted at once and waited on at the end of the step
     "zb-h1": (), "zbv": (), "dualpipev": (), "dualpipe": (),
 }
-
-#: The schedules whose ranks hold two chunks, placed in a V or as two model copies.
-TWO_CHUNK_SCHEDULES = ("zbv", "dualpipev", "dualpipe")
-#: Where each schedule places its stages (:data:`~tutorial_lib.pipeline_schedules.PLACEMENTS`;
-#: the others: ``loop``).
-SCHEDULE_PLACEMENT = {"zbv": "v", "dualpipev": "v", "dualpipe": "dual"}
 
 
 def combined_helpers(schedule: str) -> tuple[str, ...] | None:
@@ -449,7 +444,9 @@ class StepOutput:
     """``(microbatch, chunk)`` -> bytes its forward saved for backward (autograd's saved
     tensors, :class:`~tutorial_lib.tensor_parallel.SavedTensorBytes`; chapter 10)."""
     peak_activation_bytes: int = 0
-    """Most of those bytes this rank held at once."""
+    """Most of those bytes this rank held at once: a forward's from its end to its
+    backward's start, or to its W where split; an overlapped pair's forward in before its
+    backward out (the list's order, which :func:`tutorial_lib.costs.memory_per_rank` walks)."""
 
 
 class PipelineExecutor:
@@ -486,6 +483,7 @@ class PipelineExecutor:
         self.peak_activations = 0
         self.activation_bytes: dict[tuple, int] = {}  # what each forward saved for backward
         self.held_bytes = self.peak_activation_bytes = 0
+        self.pair_releases: list | None = None  # inside an overlapped pair: freed at its end
         self.label_sends: list = []  # the labels' isends, waited on at the step's end
         self.defer_sends = defer_sends
         self.deferred_sends: list = []  # with defer_sends: P2P sends not waited on yet
@@ -530,7 +528,7 @@ class PipelineExecutor:
         i, c = action.microbatch, action.chunk
         stage = action.model_stage(self.rank, self.pp)
         output, stage_input = self.outputs.pop((i, c)), self.inputs.pop((i, c), None)
-        self.held_bytes -= self.activation_bytes[(i, c)]
+        self._release((i, c))
         with self.tracer.tags(microbatch=i, chunk=c), \
                 self.tracer.span("backward", microbatch=i, chunk=c):
             if stage == self.last_stage:
@@ -557,11 +555,19 @@ class PipelineExecutor:
     def run_backward_weight(self, action: Action) -> None:
         """W: the weight gradients of a microbatch whose B has run."""
         i, c = action.microbatch, action.chunk
-        self.held_bytes -= self.activation_bytes[(i, c)]  # B kept the graph until W
+        self._release((i, c))  # B kept the graph until W
         with self.tracer.tags(microbatch=i, chunk=c), \
                 self.tracer.span("weight", microbatch=i, chunk=c):
             backward_weight(self.weight_work.pop((i, c)))
-        self.held_bytes -= self.activation_bytes[(i, c)]  # B kept the graph for W
+
+    def _release(self, key: tuple) -> None:
+        """The bytes a forward saved leave the count: at its backward, or at its W when
+        split.  Inside an overlapped pair, only once both halves are done (see
+        :meth:`run_overlapped`)."""
+        if self.pair_releases is not None:
+            self.pair_releases.append(key)
+        else:
+            self.held_bytes -= self.activation_bytes[key]
 
     @property
     def activations_held(self) -> int:
@@ -598,7 +604,10 @@ class PipelineExecutor:
         two one after the other: the same operations on the same tensors."""
         # while the pair runs, the forward's new activations and the backward's (freed
         # only once its B is done) are alive together: count the pair as the list orders it
+        # (the bytes too: the backward's are released once the pair is done, whichever
+        # half the turns finish first, so the peak is the list's order, forward then backward)
         self.peak_activations = max(self.peak_activations, self.activations_held + 1)
+        self.pair_releases = []
         turns = Turns((forward, backward))
         tags = self.tracer.current_tags()
         errors: list = []
@@ -621,6 +630,9 @@ class PipelineExecutor:
         other.start()
         half(0, forward)
         other.join()
+        released, self.pair_releases = self.pair_releases, None
+        for key in released:
+            self._release(key)
         if errors:
             raise errors[0]
 

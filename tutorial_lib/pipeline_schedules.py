@@ -114,6 +114,12 @@ and ``2 PP - 1 - r``; ZBV, DualPipeV), ``dual`` (two model copies, one per chunk
 opposite directions: chunk 0 of rank ``r`` runs stage ``r`` of copy 0, chunk 1 runs
 stage ``PP - 1 - r`` of copy 1; DualPipe)."""
 
+SCHEDULE_PLACEMENT = {"zbv": "v", "dualpipev": "v", "dualpipe": "dual"}
+"""Where each schedule places its stages (:data:`PLACEMENTS`); every other schedule: ``loop``."""
+
+TWO_CHUNK_SCHEDULES = tuple(SCHEDULE_PLACEMENT)
+"""The schedules whose ranks hold two chunks, placed in a V or as two model copies."""
+
 P2P_MODES = ("sequential", "overlapped", "batched")
 """How :mod:`tutorial_lib.p2p` issues a step's sends and receives (``p2p.MODES``); named here,
 without torch, so that a run's arguments can be checked before torch is loaded."""
@@ -1191,22 +1197,30 @@ it with 1F1B at the same number of *stages* (DualPipeV puts them on half as many
 on the same ranks, each of DualPipeV's ranks holds ``1 / pp_size`` of the model, as 1F1B's."""
 
 
-def peak_activations_in_flight(actions: list[Action]) -> int:
+def peak_activations_in_flight(actions: list[Action], chunk_weights=None) -> int:
     """The most (microbatch, chunk) pairs whose forward ran and whose backward has not
     yet, counting a split backward as done only at its W.
 
     Each holds one chunk's stashed activations: with ``V`` chunks, a pair is ``1/V``
     of a full stage's activations for one microbatch.  B frees what only the input's
     gradient needed, but W still needs each layer's input (``dW = X^T dY``): the
-    count keeps the pair until its W, the way the DualPipe table counts.
+    count keeps the pair until its W, the way the DualPipe table counts.  An
+    overlapped pair counts in the list's order: its forward's activations join
+    before its backward's leave.
+
+    ``chunk_weights``: what one microbatch of each chunk holds (``chunk_weights[c]``,
+    e.g. its bytes: :func:`tutorial_lib.costs.memory_per_rank`); the peak of their sum
+    instead of the count.  The executor counts its saved bytes in the same order
+    (:class:`tutorial_lib.pipeline.PipelineExecutor`).
     """
     split = split_backwards(actions)
     live = peak = 0
     for a in actions:
+        weight = 1 if chunk_weights is None else chunk_weights[a.chunk]
         if a.kind == "forward":
-            live += 1
+            live += weight
         elif a.kind == ("weight" if (a.microbatch, a.chunk) in split else "backward"):
-            live -= 1
+            live -= weight
         peak = max(peak, live)
     return peak
 

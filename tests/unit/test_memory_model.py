@@ -78,6 +78,76 @@ def test_recompute_keeps_only_the_inputs_of_recomputed_layers():
     assert none["attention"] - selective["attention"] == 4 * 4 * 8 * 3 * model.num_attention_heads
 
 
+#: A dense model small enough to count by hand: h = 8, 4 layers, 16 tokens, 4 positions.
+HAND = ModelConfig(num_layers=4, hidden_size=8, num_attention_heads=2, seq_length=4,
+                   vocab_size=16, num_experts=0)
+#: One layer by hand: two LayerNorms (2 x 2h), qkv (3h x h + 3h), proj (h x h + h), fc1
+#: (4h x h + 4h), fc2 (h x 4h + h) = 32 + 216 + 72 + 288 + 264.
+HAND_LAYER = 872
+HAND_EMBEDDING = 16 * 8 + 4 * 8    # word and position tables
+HAND_HEAD = 2 * 8 + 16 * 8         # final LayerNorm, LM head
+
+
+def _saved_bytes_per_stage(model, stages: int, rows: int) -> list[int]:
+    """Autograd's saved bytes of one microbatch in each stage of a ``stages``-stage cut,
+    measured in this process on the real stages (``DeepSeekModel.forward_stage``)."""
+    ids, labels = synthetic_batch(1, 0, rows, model.seq_length, model.vocab_size)
+    batch, hidden, out = Microbatch(ids, labels, torch.arange(rows), 0), None, []
+    for stage in range(stages):
+        chunk = DeepSeekModel(model, stage=stage, num_stages=stages, seed=1)
+        with SavedTensorBytes(chunk.parameters()) as saved:
+            hidden = chunk.forward_stage(hidden, batch).detach().requires_grad_()
+        out.append(saved.bytes)
+    return out
+
+
+def test_the_v_and_dualpipe_place_stages_and_copies_as_counted_by_hand():
+    """Issue 19 for issue 20's placements, counted by hand on a dense 4-layer model (fp32,
+    plain Adam: 4 + 4 + 8 bytes per parameter).
+
+    ZBV on PP 2 cuts the model in 4 stages of one layer and folds them in a V: rank 0
+    holds stages 0 and 3 (the embedding and the head), rank 1 stages 1 and 2.  DualPipe on
+    PP 4 holds two copies of a 4-stage model: rank 1 holds stage 1 of one and stage 2 of
+    the other, rank 3 stage 3 of one (the head) and stage 0 of the other (an embedding),
+    so its ranks hold every parameter twice.  Each chunk's saved bytes are those the real
+    stage saves (autograd, in this process); the peak of a rank whose two chunks are equal
+    is the DualPipe table's count times one chunk: ``2 PP`` half-stage chunks for ZBV
+    (``M >= 2 PP - 1``), ``PP + 1`` for DualPipe.  ``check_memory`` predicts the same
+    (no longer GPipe's every microbatch in flight)."""
+    from tutorial_lib.arguments import TrainingArgs, check_memory
+    assert sum(p.numel() for p in DeepSeekModel(HAND, stage=0, num_stages=1, seed=1).parameters()) \
+        == 4 * HAND_LAYER + HAND_EMBEDDING + HAND_HEAD  # the hand count is the real model's
+    rows, m = 2, 8
+    four_stages = _saved_bytes_per_stage(HAND, 4, rows)
+
+    zbv = costs.memory_per_rank(HAND, ParallelConfig(2, pipeline_model_parallel_size=2),
+                                TrainConfig(rows * m, m), "zbv")
+    assert [r.parameters for r in zbv] == [2 * HAND_LAYER + HAND_EMBEDDING + HAND_HEAD,
+                                           2 * HAND_LAYER]
+    assert zbv[0].activations_per_microbatch == (four_stages[0], four_stages[3])
+    assert zbv[1].activations_per_microbatch == (four_stages[1], four_stages[2])
+    assert four_stages[1] == four_stages[2] and zbv[1].activations == (2 * 2) * four_stages[1]
+
+    parallel = ParallelConfig(4, pipeline_model_parallel_size=4)
+    dual = costs.memory_per_rank(HAND, parallel, TrainConfig(rows * m, m), "dualpipe")
+    assert [r.parameters for r in dual] == [2 * HAND_LAYER + HAND_EMBEDDING + HAND_HEAD,
+                                            2 * HAND_LAYER, 2 * HAND_LAYER,
+                                            2 * HAND_LAYER + HAND_EMBEDDING + HAND_HEAD]
+    assert sum(r.parameters for r in dual) == 2 * (4 * HAND_LAYER + HAND_EMBEDDING + HAND_HEAD)
+    rank = dual[3]
+    assert (rank.weights, rank.gradients, rank.optimizer) == (4 * 2048, 4 * 2048, 8 * 2048)
+    assert rank.activations_per_microbatch == (four_stages[3], four_stages[0])
+    assert dual[1].activations_per_microbatch == (four_stages[1], four_stages[2])
+    assert dual[1].activations == (4 + 1) * four_stages[1]
+
+    args = TrainingArgs(world_size=4, pipeline_model_parallel_size=4, num_layers=4, hidden_size=8,
+                        num_attention_heads=2, seq_length=4, vocab_size=16, num_experts=0,
+                        global_batch_size=rows * m, num_microbatches=m, schedule="dualpipe")
+    checked = check_memory(args, available=2**40)
+    assert [r.parameters for r in checked] == [r.parameters for r in dual]
+    assert [r.chunk_microbatches for r in checked] == [4 + 1] * 4  # not GPipe's M = 8
+
+
 def _cli_json(capsys, *argv) -> dict:
     assert main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -122,6 +192,21 @@ def test_the_deepseek_preset_shards_the_optimizer_state_as_megatron_counts(capsy
     assert rank["gradients"] == 4 * (dense + expert) + 4 * slices
     assert rank["optimizer"] == 12 * slices
     assert rank["total"] == rank["weights"] + rank["gradients"] + rank["optimizer"] + rank["activations"]
+
+
+def test_the_cli_predicts_issue_20s_schedules_and_refuses_what_train_4d_refuses(capsys):
+    """``--schedule dualpipe`` on PP 2: each rank holds one stage of each copy, i.e. the
+    whole model, what 1F1B's two ranks hold together; ZBV folds 2 PP stages, so 4 layers
+    do not split over PP 4 (rule 9), and recomputation is refused with a split backward."""
+    one_f_one_b = _cli_json(capsys, "--world-size", "2", "--pp", "2")["ranks"]
+    dual = _cli_json(capsys, "--world-size", "2", "--pp", "2", "--schedule", "dualpipe")["ranks"]
+    whole = sum(r["parameters"] for r in one_f_one_b)
+    assert [r["parameters"] for r in dual] == [whole, whole]
+    assert main(["--world-size", "4", "--pp", "4", "--schedule", "zbv"]) == 2
+    assert "rule 9" in capsys.readouterr().err
+    assert main(["--world-size", "2", "--pp", "2", "--schedule", "zbv",
+                 "--recompute-granularity", "selective"]) == 2
+    assert "recompute" in capsys.readouterr().err
 
 
 def test_the_cli_refuses_an_invalid_layout_or_recompute_setting(capsys):

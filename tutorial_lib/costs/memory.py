@@ -22,9 +22,23 @@ config and layout the course accepts, rank by rank.  Each rank holds
   the embedding on the first model stage and the final LayerNorm, head and loss on the
   last, for one microbatch of each chunk; times the chunk-microbatches the schedule holds
   at its peak (:func:`tutorial_lib.pipeline_schedules.expected_peak_activations`: GPipe
-  ``M``, 1F1B ``PP - rank``, interleaved per chunk), under a recompute setting;
+  ``M``, 1F1B ``PP - rank``, interleaved per chunk; chapter 11's schedules hold a split
+  backward's activations until its W: ZB-H1 ``min(PP, M)``, ZBV up to ``2 PP`` half-stage
+  chunks, DualPipeV ``2 PP + 1``, DualPipe ``PP + 1``), under a recompute setting.  Where
+  a rank's chunks differ (the interleaved schedule, the V, DualPipe's two copies) the peak
+  is the walk over the rank's action list with each chunk's bytes, in the executor's
+  order (:func:`tutorial_lib.pipeline_schedules.peak_activations_in_flight`);
 * **runtime**: a worker process with torch loaded and a process group joined,
   :data:`RUNTIME_BYTES_PER_RANK` (the course's CPU workers only).
+
+The stages sit where the schedule puts them (:data:`tutorial_lib.pipeline_schedules.
+SCHEDULE_PLACEMENT`): chunk ``c`` of rank ``r`` is stage ``c PP + r`` (GPipe, 1F1B,
+interleaved, ZB-H1); ZBV and DualPipeV fold ``2 PP`` stages in a V, rank ``r`` holding
+stages ``r`` and ``2 PP - 1 - r`` (rank 0 both the embedding and the head); DualPipe holds
+two copies of the ``PP``-stage model, rank ``r`` stage ``r`` of one and ``PP - 1 - r`` of
+the other, so its ranks together keep two copies of every parameter, its gradient and its
+optimizer state (:data:`~tutorial_lib.pipeline_schedules.PARAMETER_COPIES`), and the
+first and the last rank each hold one embedding and one head.
 
 Precision (``precision``): ``"fp32"`` is the course's runs, every value 4 bytes;
 ``"bf16"`` is mixed precision as Megatron-LM trains at scale: bf16 weights (2 bytes), fp32
@@ -45,7 +59,10 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..pipeline_schedules import SCHEDULE_NAMES, expected_peak_activations, interleaved_one_f_one_b
+from ..pipeline_schedules import (ALL_SCHEDULES, BUILDERS, SCHEDULE_PLACEMENT,
+                                  SPLIT_BACKWARD_SCHEDULES, expected_peak_activations,
+                                  interleaved_one_f_one_b, model_stage, num_model_stages,
+                                  peak_activations_in_flight)
 from ..recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, Recompute,
                          kept_per_layer)
 
@@ -306,18 +323,17 @@ def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: in
 
 
 def _peak_bytes(schedule: str, pp: int, m: int, rank: int, v: int, per_chunk: list[int]) -> int:
-    """The most bytes the schedule holds at once on ``rank``: with one chunk, the peak count
-    times its bytes; interleaved, the walk over the rank's actions (chunks differ)."""
-    if v == 1 or len(set(per_chunk)) == 1:
+    """The most bytes the schedule holds at once on ``rank``: with one chunk (or equal
+    chunks) of GPipe, 1F1B or interleaved, the peak count times its bytes; else the walk
+    over the rank's actions with each chunk's bytes
+    (:func:`~tutorial_lib.pipeline_schedules.peak_activations_in_flight`, the executor's
+    order: a split backward's bytes held until its W, an overlapped pair's forward
+    counted before its backward frees)."""
+    if schedule not in SPLIT_BACKWARD_SCHEDULES and (v == 1 or len(set(per_chunk)) == 1):
         return expected_peak_activations(schedule, pp, m, rank, v) * per_chunk[0]
-    held = peak = 0
-    for action in interleaved_one_f_one_b(pp, m, rank, v):
-        if action.kind == "forward":
-            held += per_chunk[action.chunk]
-            peak = max(peak, held)
-        elif action.kind == "backward":
-            held -= per_chunk[action.chunk]
-    return peak
+    actions = (BUILDERS[schedule](pp, m, rank) if schedule in SPLIT_BACKWARD_SCHEDULES
+               else interleaved_one_f_one_b(pp, m, rank, v))
+    return peak_activations_in_flight(actions, per_chunk)
 
 
 def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipeline_size: int = 1,
@@ -329,18 +345,24 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
 
     ``model``, ``parallel``, ``train``: the run's :class:`~tutorial_lib.config.ModelConfig`,
     :class:`~tutorial_lib.config.ParallelConfig`, :class:`~tutorial_lib.config.TrainConfig`,
-    already valid (:func:`tutorial_lib.config.validate`).  ``virtual_pipeline_size``: chunks
-    per rank (the interleaved schedule's V; 1 otherwise).  ``pipeline_ranks``: only these
-    (default: every pipeline rank).  ``runtime``: bytes of the process itself (0 for GPUs).
-    Constant time per layer and rank.
+    already valid (:func:`tutorial_lib.config.validate`).  ``schedule``: any of
+    :data:`~tutorial_lib.pipeline_schedules.ALL_SCHEDULES`.  ``virtual_pipeline_size``:
+    chunks per rank (the interleaved schedule's V; ZBV, DualPipeV and DualPipe fix their
+    own two, 1 or 2 accepted; 1 otherwise).  ``pipeline_ranks``: only these (default:
+    every pipeline rank).  ``runtime``: bytes of the process itself (0 for GPUs).
+    Constant time per layer and rank, plus a walk over the rank's ``O(M)`` actions where
+    its chunks differ or the schedule splits backwards.
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISION_BYTES)}")
-    if schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"the memory model places stages as {', '.join(SCHEDULE_NAMES)} do (chunk c "
-                         f"of rank r is stage c PP + r), not as {schedule!r}; for issue 20's "
-                         f"schedules bound it by 'gpipe' with their chunks per rank, as "
-                         f"arguments.check_memory does")
+    if schedule not in ALL_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; schedules are {', '.join(ALL_SCHEDULES)}")
+    placement = SCHEDULE_PLACEMENT.get(schedule, "loop")
+    if placement != "loop":  # a V or DualPipe's two copies: two chunks per rank, always
+        if virtual_pipeline_size not in (1, 2):
+            raise ValueError(f"{schedule} places two chunks on each rank; virtual_pipeline_size "
+                             f"({virtual_pipeline_size}) is for the interleaved schedule")
+        virtual_pipeline_size = 2
     bytes_ = PRECISION_BYTES[precision]
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     cp = parallel.context_parallel_size
@@ -349,7 +371,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     m = train.num_microbatches
     rows = train.global_batch_size // dp // m
     h, vocab, s = model.hidden_size, model.vocab_size, model.seq_length
-    stages = pp * v
+    stages = num_model_stages(placement, pp, v)  # of one model copy
     per_stage = model.num_layers // stages
     etp = parallel.expert_tensor_parallel_size
     layer_options = {"moe_capacity_factor": moe_capacity_factor, "ep": ep, "fp8": fp8,
@@ -358,7 +380,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
         params = experts = 0
         per_chunk, parts = [], {}
-        for stage in (c * pp + rank for c in range(v)):
+        for stage in (model_stage(placement, rank, c, pp) for c in range(v)):
             layers = range(stage * per_stage, (stage + 1) * per_stage)
             params += sum(layer_parameters(model, i, tp, ep, etp) for i in layers)
             experts += sum(_expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
