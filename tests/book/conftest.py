@@ -54,7 +54,9 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     """A test that takes ``toc_docname`` runs once per document listed in _toc.yml."""
     if "toc_docname" in metafunc.fixturenames:
-        metafunc.parametrize("toc_docname", toc_docnames())
+        # session scope: pytest runs every test of one document together, so that they
+        # can share one loaded page per viewport (``book_view``)
+        metafunc.parametrize("toc_docname", toc_docnames(), scope="session")
 
 
 # --- the table of contents ----------------------------------------------------------------
@@ -301,6 +303,29 @@ def open_book_page(chromium_browser):
     yield new
     for context in contexts:
         context.close()
+
+
+@pytest.fixture(scope="session")
+def book_view(chromium_browser, book_server):
+    """``book_view(docname, viewport) -> BookPage``: the page of a document of the real
+    book, loaded once (and settled 800 ms) per viewport width and shared by every test of
+    that document, which pytest runs together (``toc_docname`` is session-scoped); its
+    ``response`` is the load's.  Moving on to another document closes the previous one's
+    pages.  A test that changes the page must leave it as it found it."""
+    views: dict[tuple[str, int], BookPage] = {}
+
+    def view(docname: str, viewport: dict) -> BookPage:
+        key = (docname, viewport["width"])
+        if key not in views:
+            for old in [k for k in views if k[0] != docname]:
+                views.pop(old).context.close()
+            views[key] = BookPage(chromium_browser.new_context(viewport=viewport), book_server)
+            views[key].response = views[key].open(f"{docname}.html", settle_ms=800)
+        return views[key]
+
+    yield view
+    for opened in views.values():
+        opened.context.close()
 
 
 @pytest.fixture

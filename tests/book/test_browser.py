@@ -31,14 +31,16 @@ def wait_for_any(book_page, selector: str, where: str, timeout_ms: int = 10_000)
     return found
 
 
-def test_toc_page_loads_clean(book_page, toc_docname):
-    """Every page in _toc.yml: HTTP 200, no page/console errors, no external request."""
+def test_toc_page_loads_clean(book_view, toc_docname):
+    """Every page in _toc.yml: HTTP 200, no page/console errors, no external request (on
+    the desktop page test_reader.py's tests of the document share)."""
     docname = toc_docname
-    response = book_page.open(f"{docname}.html")
+    view = book_view(docname, {"width": 1440, "height": 900})
+    response = view.response
     assert response is not None and response.status == 200, \
         f"{docname}.html: HTTP {response.status if response else 'no response'}"
-    assert book_page.page.locator("article h1").count() >= 1, f"{docname}.html has no title"
-    book_page.assert_clean(f"{docname}.html")
+    assert view.page.locator("article h1").count() >= 1, f"{docname}.html has no title"
+    view.assert_clean(f"{docname}.html")
 
 
 def test_index_redirects_to_intro(book_page):

@@ -106,16 +106,16 @@ _STICKING_OUT = """() => {
 }"""
 
 
-def test_no_page_scrolls_sideways_on_a_phone(page_at, toc_docname):
-    view = page_at(PHONE)
-    view.open(f"{toc_docname}.html", settle_ms=800)
+def test_no_page_scrolls_sideways_on_a_phone(book_view, toc_docname):
+    view = book_view(toc_docname, PHONE)
     width, screen, culprits = view.page.evaluate(_STICKING_OUT)
     assert width <= screen, (f"{toc_docname}.html is {width} px wide on a {screen} px screen; "
                              "sticking out:\n  " + "\n  ".join(culprits))
 
 
 _WIDE_CODE = """() => {
-    document.querySelectorAll("details").forEach(d => { d.open = true; });  // solutions too
+    const shut = [...document.querySelectorAll("details")].filter(d => !d.open);
+    shut.forEach(d => { d.open = true; });  // solutions too
     const out = [];
     document.querySelectorAll(".cell_input pre").forEach((pre, i) => {
         if (pre.scrollWidth > pre.clientWidth + 1) {
@@ -124,17 +124,17 @@ _WIDE_CODE = """() => {
                      + " px in a " + pre.clientWidth + " px column");
         }
     });
+    shut.forEach(d => { d.open = false; });  // as they were, for the next test
     return [document.querySelectorAll(".cell_input pre").length, out];
 }"""
 
 
-def test_shown_code_fits_the_column_on_a_desktop(page_at, toc_docname):
+def test_shown_code_fits_the_column_on_a_desktop(book_view, toc_docname):
     """No code cell (solutions unfolded) scrolls sideways at 1440 px (~89 characters fit;
     tests/unit/test_notebook_code_width.py holds the notebooks to 88)."""
     if not is_chapter(toc_docname):
         pytest.skip("no code cells")
-    view = page_at(DESKTOP)
-    view.open(f"{toc_docname}.html")
+    view = book_view(toc_docname, DESKTOP)
     cells, wide = view.page.evaluate(_WIDE_CODE)
     assert cells > 0
     assert not wide, (f"{toc_docname}.html: {len(wide)} of {cells} code cells scroll "
@@ -145,7 +145,9 @@ def test_shown_code_fits_the_column_on_a_desktop(page_at, toc_docname):
 
 _SMALL_TEXT = """(minPx) => {
     const roots = [...document.querySelectorAll("[data-ready='1']")];
-    roots.forEach(r => r.querySelectorAll(".tl-frame").forEach(f => { f.style.display = ""; }));
+    const frames = roots.flatMap(r => [...r.querySelectorAll(".tl-frame")]);
+    const shown = frames.map(f => f.style.display);
+    frames.forEach(f => { f.style.display = ""; });
     const small = [];
     let texts = 0;
     for (const root of roots) {
@@ -167,32 +169,42 @@ _SMALL_TEXT = """(minPx) => {
                                        + "' in " + root.id);
         }
     }
+    frames.forEach((f, i) => { f.style.display = shown[i]; });  // as they were
     return [roots.length, texts, small];
 }"""
 
 
-@pytest.mark.parametrize("viewport", [PHONE, DESKTOP], ids=["390px", "1440px"])
-def test_widget_text_is_readable(page_at, toc_docname, viewport):
+def assert_widget_text_is_readable(view, toc_docname) -> None:
+    roots, texts, small = view.page.evaluate(_SMALL_TEXT, MIN_TEXT_PX)
+    width = view.page.viewport_size["width"]
+    assert not small, (f"{toc_docname}.html at {width} px: {len(small)} of {texts} "
+                       f"labels in {roots} widgets are under {MIN_TEXT_PX:g} px:\n  "
+                       + "\n  ".join(small[:10]))
+
+
+def test_widget_text_is_readable_on_a_phone(book_view, toc_docname):
     """Every label of every course widget (every frame shown) is at least 9 px on screen."""
     if not is_chapter(toc_docname):
         pytest.skip("no widgets")
-    view = page_at(viewport)
-    view.open(f"{toc_docname}.html", settle_ms=800)
-    roots, texts, small = view.page.evaluate(_SMALL_TEXT, MIN_TEXT_PX)
-    assert not small, (f"{toc_docname}.html at {viewport['width']} px: {len(small)} of {texts} "
-                       f"labels in {roots} widgets are under {MIN_TEXT_PX:g} px:\n  "
-                       + "\n  ".join(small[:10]))
+    assert_widget_text_is_readable(book_view(toc_docname, PHONE), toc_docname)
+
+
+def test_widget_text_is_readable_on_a_desktop(book_view, toc_docname):
+    """The same at 1440 px (a separate test, not a parameter: pytest then keeps every
+    test of a document together, and they share its two loaded pages)."""
+    if not is_chapter(toc_docname):
+        pytest.skip("no widgets")
+    assert_widget_text_is_readable(book_view(toc_docname, DESKTOP), toc_docname)
 
 
 # --- page weight -------------------------------------------------------------------------------
 
 
-def test_page_weight(page_at, book_server, page_weights, toc_docname):
+def test_page_weight(book_view, book_server, page_weights, toc_docname):
     """Weigh what a page loads (printed at the end of the run), and what it must not load:
     Font Awesome's script (the theme's web font draws the icons), MathJax on a page without
     math, the widget manager on a page without saved widget state."""
-    view = page_at(DESKTOP)
-    view.open(f"{toc_docname}.html", settle_ms=800)
+    view = book_view(toc_docname, DESKTOP)
     files = {}
     for response in view.responses:
         path = urlsplit(response.url).path
@@ -222,11 +234,10 @@ def test_page_weight(page_at, book_server, page_weights, toc_docname):
     view.assert_clean()
 
 
-def test_math_typesets_with_the_lean_mathjax(page_at, toc_docname):
+def test_math_typesets_with_the_lean_mathjax(book_view, toc_docname):
     """Every formula of the page is typeset by the components _config.yml loads: none left
     as TeX source, none an error, no macro unknown (noundefined would show it in red)."""
-    view = page_at(DESKTOP)
-    view.open(f"{toc_docname}.html", settle_ms=0)
+    view = book_view(toc_docname, DESKTOP)
     page = view.page
     formulas = page.locator("article .math").count()
     if not formulas:
@@ -242,12 +253,11 @@ def test_math_typesets_with_the_lean_mathjax(page_at, toc_docname):
 # --- exercises -----------------------------------------------------------------------------------
 
 
-def test_solutions_are_labelled_and_checks_invite(page_at, toc_docname):
+def test_solutions_are_labelled_and_checks_invite(book_view, toc_docname):
     """A folded solution says "Show solution"; an unfilled exercise's check invites."""
     if not is_chapter(toc_docname):
         pytest.skip("no exercises")
-    view = page_at(DESKTOP)
-    view.open(f"{toc_docname}.html", settle_ms=0)
+    view = book_view(toc_docname, DESKTOP)
     page = view.page
     labels = page.locator(".cell.tag_solution > details summary .collapsed").all_text_contents()
     assert labels and all(label.strip() == "Show solution" for label in labels), labels
