@@ -125,8 +125,10 @@ def book_html(tmp_path_factory, request) -> Path:
     return html
 
 
-COPY_IGNORED = shutil.ignore_patterns(".git", "_build", "__pycache__", "*.egg-info",
-                                      ".benchmarks", ".ipynb_checkpoints")
+COPY_IGNORED = shutil.ignore_patterns(".*", "_build", "__pycache__", "*.egg-info", "venv",
+                                      "node_modules")
+"""Left out of the copy: git, virtual environments and caches (a ``.venv`` in the checkout
+would be gigabytes), earlier builds."""
 
 
 def book_with_executed_chapters(config, folder: Path) -> tuple[Path, list[str]]:
