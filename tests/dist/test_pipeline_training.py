@@ -44,6 +44,7 @@ from tutorial_lib.train_4d import TrainingArgs, train, validate_args
 
 from .launch_once import launch_once
 from .memory_checks import assert_memory_as_predicted
+from .worker_checks import pipeline_backward
 
 pytestmark = pytest.mark.dist
 
@@ -299,25 +300,8 @@ def _tp_ep_gradients(ctx, args: TrainingArgs) -> dict:
     them (its chunks, microbatches, schedule, DataParallel and finish_step; SGD at lr 0), with
     what is needed to cut the serial gradient to this rank's piece."""
     from tutorial_lib import parallel_state
-    from tutorial_lib.data_parallel import DataParallel
-    from tutorial_lib.pipeline import forward_backward_pipelining
     from tutorial_lib.tp_dp_step import finish_step
-    from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
-    parallel, _, _ = args.configs()
-    if parallel_state.get_state().grid.config != parallel:  # train_worker built these
-        parallel_state.initialize_model_parallel(parallel)
-    chunks = build_chunks(args)
-    modules = torch.nn.ModuleList(chunks)
-    model = DataParallel(modules, group="dp")
-    m, dp = args.num_microbatches, parallel_state.get_size("dp")
-    for chunk in chunks:
-        chunk.reset_step_stats()
-        chunk.aux_loss_scale = moe_aux_loss_scale(m)
-    shape = (args.seq_length, args.global_batch_size // dp // m, args.hidden_size)
-    first_stage = parallel_state.get_rank_in("pp") == 0
-    with model.no_sync():
-        forward_backward_pipelining(chunks, _microbatches(args, 0, first_stage, None), args.schedule,
-                                    args.p2p_mode, shape)
+    chunks, modules, model, _ = pipeline_backward(args)
     finish_step(model, torch.optim.SGD(modules.parameters(), lr=0.0), None)
     grads = {}
     for chunk in chunks:

@@ -22,6 +22,7 @@ from tutorial_lib.train_4d import TrainingArgs
 
 from .launch_once import launch_once
 from .memory_checks import assert_memory_as_predicted
+from .worker_checks import pipeline_backward
 
 pytestmark = pytest.mark.dist
 
@@ -32,25 +33,9 @@ SPLIT_ARGS = TrainingArgs(num_layers=6, global_batch_size=24, num_microbatches=4
 
 
 def _synced_gradients(ctx, args, split_backward):
-    from tutorial_lib import parallel_state
-    from tutorial_lib.data_parallel import DataParallel, grad_domain
-    from tutorial_lib.pipeline import forward_backward_pipelining
-    from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
-    parallel, _, _ = args.configs()
-    parallel_state.initialize_model_parallel(parallel)
-    chunks = build_chunks(args)
-    modules = torch.nn.ModuleList(chunks)
-    model = DataParallel(modules, group="dp")
-    m, dp = args.num_microbatches, parallel_state.get_size("dp")
-    for chunk in chunks:
-        chunk.reset_step_stats()
-        chunk.aux_loss_scale = moe_aux_loss_scale(m)
-    shape = (args.seq_length, args.global_batch_size // dp // m, args.hidden_size)
-    pp_rank = parallel_state.get_rank_in("pp")
-    with model.no_sync():
-        out = forward_backward_pipelining(chunks, _microbatches(args, 0, pp_rank == 0, None),
-                                          "1f1b", "batched", shape,
-                                          split_backward=split_backward)
+    from tutorial_lib.data_parallel import grad_domain
+    args = replace(args, schedule="1f1b", p2p_mode="batched")
+    _, modules, model, out = pipeline_backward(args, split_backward)
     model.finish_grad_sync()
     grads = {name: p.grad.clone() for name, p in modules.named_parameters()}
     domains = {name: grad_domain(p) for name, p in modules.named_parameters()}
