@@ -24,9 +24,9 @@ Read it top to bottom, like the chapter:
    four in FP8 (:data:`DEEPSEEK_V3_DISPATCH`, :data:`DEEPSEEK_V3_COMBINE`).  Whatever the
    precision, it is one traced ``comm.all_to_all`` with the same splits, so the order and
    number of collectives never change; the event's tag ``precision`` says which.
-5. **Its time** (:func:`time_all_to_all`).  BF16 against FP8 (quantize, pack, send, unpack,
-   dequantize) on 4 EP ranks, bytes from the trace: the chapter's measurement, and the one
-   ``bench/bench_fp8.py --save-reference`` stores as its reference.
+
+Its time, BF16 against FP8 on 4 EP ranks (chapter 8's measurement), is a timing run:
+:func:`tutorial_lib.timing.time_all_to_all`.
 
 Hidden sizes that are not a multiple of 128 are refused by the quantizers unless
 ``pad=True``: the last tile is then shorter (its amax is taken over the channels that exist)
@@ -40,7 +40,6 @@ import math
 import torch
 
 from . import comm, parallel_state
-from .devices import cpu_generator, synchronize
 from .recipes import (DEEPSEEK_V3_COMBINE, DEEPSEEK_V3_DISPATCH, PRECISIONS, check_precision,
                       check_precision_pair)
 from .trace import get_tracer
@@ -53,7 +52,7 @@ __all__ = [
     "round_to_bf16", "blockwise_fp8_linear", "scaled_mm_available",
     "pack_rows", "unpack_rows", "row_bytes", "wire_bytes_per_row", "all_to_all",
     "check_precision", "check_precision_pair", "has_pow2_scales", "encode", "decode",
-    "scale_from_amax", "encoded_all_to_all", "PrecisionAllToAll", "time_all_to_all",
+    "scale_from_amax", "encoded_all_to_all", "PrecisionAllToAll",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -385,67 +384,3 @@ def all_to_all(x: torch.Tensor, group: str | None, output_splits: list[int],
         raise ValueError(f"fp8.all_to_all moves rows [R, H], got shape {tuple(x.shape)}")
     return PrecisionAllToAll.apply(x, group, list(output_splits), list(input_splits),
                                     op_name, precision)
-
-
-# --- 5. its time -----------------------------------------------------------------------------
-
-
-def _timing_worker(ctx, hiddens, rows_per_rank, repeats):
-    import statistics
-    import time
-
-    import torch.distributed as dist
-
-    from .config import ParallelConfig
-    parallel_state.initialize_model_parallel(
-        ParallelConfig(ctx.world_size, expert_model_parallel_size=ctx.world_size))
-    splits = [rows_per_rank // ctx.world_size] * ctx.world_size
-    medians = {}
-    for hidden in hiddens:
-        g = cpu_generator(ctx.rank)  # drawn on the CPU, then moved to this rank's device
-        x = torch.randn(rows_per_rank, hidden, generator=g, device="cpu").bfloat16().to(ctx.device)
-        for warmup in (True, False):
-            for precision in ("bf16", "fp8"):
-                times = []
-                for _ in range(repeats):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    with get_tracer().tags(hidden=hidden, timed=precision, warmup=warmup):
-                        all_to_all(x, "ep", splits, splits, "timed", precision=(precision,) * 2)
-                    synchronize(ctx.device)  # on a GPU: the trip done, not just queued
-                    times.append(time.perf_counter() - start)
-                medians[hidden, precision] = statistics.median(times)
-    return medians
-
-
-def time_all_to_all(hiddens=(1024, 4096), rows_per_rank: int = 2048, ranks: int = 4,
-                    repeats: int = 5) -> list[dict]:
-    """Time one all-to-all of ``rows_per_rank`` bf16 rows per rank in BF16 and in FP8.
-
-    ``ranks`` processes (gloo, one torch thread each) form one EP group.  Per hidden size, a
-    warm-up round then a timed round, each ``repeats`` trips per precision, a barrier before
-    every trip; the FP8 trip is :func:`all_to_all` with ``("fp8", "fp8")``: quantize and
-    pack, send, unpack and dequantize.  One row per hidden size: ``hidden``, ``bf16_bytes``
-    and ``fp8_bytes`` (what one rank hands to the all-to-all, from the trace), ``bf16_ms`` and
-    ``fp8_ms`` (the median trip of the slowest rank).  Starts processes.
-    """
-    from .launch import launch
-    if rows_per_rank % ranks:
-        raise ValueError(f"rows_per_rank ({rows_per_rank}) must be a multiple of ranks ({ranks}): "
-                         f"every rank sends the same number of rows to each, e.g. "
-                         f"{rows_per_rank // ranks * ranks or ranks}")
-    run = launch(_timing_worker, ranks, args=(tuple(hiddens), rows_per_rank, repeats),
-                 threads=1, check_collectives=False, print_output=False, timeout=600)
-    rows = []
-    for hidden in hiddens:
-        row = {"hidden": hidden}
-        for precision in ("bf16", "fp8"):
-            sent = {e.bytes for e in run.trace.filter(op="all_to_all", hidden=hidden,
-                                                      timed=precision)}
-            if len(sent) != 1:
-                raise AssertionError(f"H {hidden}, {precision}: the ranks sent {sorted(sent)} "
-                                     f"bytes per all-to-all; every trip should send the same")
-            row[f"{precision}_bytes"] = sent.pop()
-            row[f"{precision}_ms"] = 1e3 * max(r[hidden, precision] for r in run.results)
-        rows.append(row)
-    return rows
