@@ -55,8 +55,9 @@ def test_round_time_is_last_start_to_last_end():
     # rank 0 starts at 1.0 and issues a second op at 1.5; rank 1 starts at 1.2; last end 2.0
     trace = Trace([event(0, 1.0, 1.4), event(0, 1.5, 2.0, op="recv"), event(1, 1.2, 1.9),
                    event(1, 1.3, 1.8, op="recv")])
-    (timing,) = timing.timings_from_trace(trace, 2)
-    assert timing.seconds == pytest.approx(0.8) and timing.bytes_sent == 16 and timing.messages == 2
+    (mode_timing,) = timing.timings_from_trace(trace, 2)
+    assert mode_timing.seconds == pytest.approx(0.8) and mode_timing.bytes_sent == 16 \
+        and mode_timing.messages == 2
 
 
 @pytest.mark.parametrize("kwargs,match", [({"pp": 1}, "pp must"), ({"modes": ("eager",)}, "p2p mode"),
