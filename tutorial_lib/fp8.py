@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm, parallel_state
+from . import comm, fp8_format, parallel_state
 from .fp8_format import (AMAX_FLOOR, DEEPSEEK_V3_COMBINE, DEEPSEEK_V3_DISPATCH, E4M3, E4M3_MAX,
                          E4M3_MIN_NORMAL, FP8_COMBINE, FP8_DISPATCH, PRECISIONS, TILE,
                          blockwise_fp8_linear, check_precision, check_precision_pair, decode,
@@ -49,16 +49,7 @@ from .fp8_format import (AMAX_FLOOR, DEEPSEEK_V3_COMBINE, DEEPSEEK_V3_DISPATCH, 
                          unpack_rows, wire_bytes_per_row)
 from .trace import get_tracer
 
-__all__ = [
-    "E4M3", "E4M3_MAX", "E4M3_MIN_NORMAL", "TILE", "AMAX_FLOOR", "PRECISIONS",
-    "DEEPSEEK_V3_DISPATCH", "DEEPSEEK_V3_COMBINE", "FP8_DISPATCH", "FP8_COMBINE",
-    "num_tiles", "tile_scales", "quantize_1x128", "dequantize_1x128", "fake_quantize_1x128",
-    "quantize_per_tensor", "dequantize_per_tensor", "quantize_blocks", "fake_quantize_blocks",
-    "round_to_bf16", "blockwise_fp8_linear", "scaled_mm_available",
-    "pack_rows", "unpack_rows", "row_bytes", "wire_bytes_per_row", "all_to_all",
-    "check_precision", "check_precision_pair", "has_pow2_scales", "encode", "decode",
-    "scale_from_amax", "encoded_all_to_all", "PrecisionAllToAll",
-]
+__all__ = [*fp8_format.__all__, "encoded_all_to_all", "PrecisionAllToAll", "all_to_all"]
 
 
 # --- 4. the all-to-all ---------------------------------------------------------------------

@@ -37,19 +37,6 @@ from .mappings import (CopyToTensorModelParallelRegion, GatherFromSequenceParall
                        scatter_to_tensor_model_parallel_region)
 from .random import derive_seed, init_embedding_master, init_linear_master
 
-__all__ = [
-    "divide",
-    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
-    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
-    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-    "derive_seed", "init_linear_master", "init_embedding_master", "serial_linear", "serial_embedding",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy", "allreduce_sequence_parallel_grads",
-    "linear_with_sequence_parallel_all_gather", "SP_LINEAR", "megatron_label_smoothing_losses",
-    "CopyToTensorModelParallelRegion", "ReduceFromTensorModelParallelRegion",
-    "ScatterToTensorModelParallelRegion", "GatherFromTensorModelParallelRegion",
-    "ScatterToSequenceParallelRegion", "GatherFromSequenceParallelRegion",
-    "ReduceScatterToSequenceParallelRegion", "LinearWithSequenceParallelAllGather",
-    "VocabParallelCrossEntropy",
-]
+from . import cross_entropy, layers, mappings, random
+
+__all__ = [*mappings.__all__, *random.__all__, *layers.__all__, *cross_entropy.__all__]
