@@ -4,7 +4,7 @@
     python bench/bench_alpha_beta.py --save      # also store tutorial_lib/reference/ch02_alpha_beta.json
     python bench/bench_alpha_beta.py --device cuda --ranks 8   # NCCL, one GPU per rank
 
-The measurement is the chapter's own, :func:`tutorial_lib.costs.measure_alpha_beta`
+The measurement is the chapter's own, :func:`tutorial_lib.timing.measure_alpha_beta`
 (2 ranks, the five collectives, tensors of 1 KiB to 64 MiB, all-gather sized by its
 output), repeated ``--runs`` times.  Noise on a shared machine only ever adds time, so
 for every collective and size the stored time is the smallest of the runs' medians.
@@ -17,7 +17,7 @@ storing a new one, run the chapter (its cell after the fit checks every sentence
 says about the reference).
 
 Every run also prints, for the largest size of each collective, the time, ``algbw`` and
-``busbw`` as nccl-tests defines them (``tutorial_lib.costs.bandwidth_rows``).  With
+``busbw`` as nccl-tests defines them (``tutorial_lib.timing.bandwidth_rows``).  With
 ``--device cuda`` the collectives run over NCCL on one GPU per rank (``--ranks``, at most
 the GPUs of the machine), so the bus bandwidths compare with what nccl-tests'
 ``all_reduce_perf -g 1`` (one process per GPU) prints there and with the course's bandwidth
@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _table import print_table  # noqa: E402
 
-from tutorial_lib import costs, reference  # noqa: E402
+from tutorial_lib import costs, reference, timing  # noqa: E402
 from tutorial_lib.launch import warm_up  # noqa: E402
 
 NAME = "ch02_alpha_beta"
@@ -51,14 +51,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per size (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--save", action="store_true", help=f"store the reference {NAME}")
-    parser.add_argument("--device", choices=sorted(costs.MEASURE_DEVICES), default="cpu",
+    parser.add_argument("--device", choices=sorted(timing.MEASURE_DEVICES), default="cpu",
                         help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
-    parser.add_argument("--ranks", type=int, default=costs.ALPHA_BETA_RANKS,
+    parser.add_argument("--ranks", type=int, default=timing.ALPHA_BETA_RANKS,
                         help="ranks to time the collectives on (the reference: "
-                             f"{costs.ALPHA_BETA_RANKS})")
+                             f"{timing.ALPHA_BETA_RANKS})")
     args = parser.parse_args()
-    if args.save and (args.device != "cpu" or args.ranks != costs.ALPHA_BETA_RANKS):
-        parser.error(f"--save stores chapter 2's reference: {costs.ALPHA_BETA_RANKS} ranks on "
+    if args.save and (args.device != "cpu" or args.ranks != timing.ALPHA_BETA_RANKS):
+        parser.error(f"--save stores chapter 2's reference: {timing.ALPHA_BETA_RANKS} ranks on "
                      f"the CPU; drop --save to time other settings")
 
     warm_up()
@@ -68,14 +68,14 @@ def main() -> None:
     for run in range(args.runs):
         loads.append(round(os.getloadavg()[0], 2))
         print(f"[run {run + 1}/{args.runs}] load {loads[-1]} ...", file=sys.stderr, flush=True)
-        for s in costs.measure_alpha_beta(repeats=args.repeats, warmup=args.warmup,
+        for s in timing.measure_alpha_beta(repeats=args.repeats, warmup=args.warmup,
                                           world_size=args.ranks, device=args.device):
             key = (s.op, s.nbytes)
             if key not in best or s.seconds < best[key].seconds:
                 best[key] = s
     samples = [best[k] for k in sorted(best)]
     fits = {op: costs.fit_alpha_beta([s for s in samples if s.op == op])
-            for op in costs.ALPHA_BETA_OPS}
+            for op in timing.ALPHA_BETA_OPS}
 
     rows = [{"op": op, "alpha_us": round(1e6 * f.model.alpha, 2),
              "gb_per_s": None if f.model.beta == 0 else round(f.model.bandwidth / 1e9, 4),
@@ -88,29 +88,29 @@ def main() -> None:
     print()
     print_table(["collective", *map(size_name, sizes)],
                 [[op, *(round(1e6 * s.seconds) for s in samples if s.op == op)]
-                 for op in costs.ALPHA_BETA_OPS])
+                 for op in timing.ALPHA_BETA_OPS])
     print(f"(microseconds, {args.ranks} ranks on {args.device}; all-gather columns are its "
           f"output, samples record the shard; load before the runs: {loads}; "
           f"{time.perf_counter() - started:.0f} s)")
     print()
     largest = [max((s for s in samples if s.op == op), key=lambda s: s.nbytes)
-               for op in costs.ALPHA_BETA_OPS]
+               for op in timing.ALPHA_BETA_OPS]
     print_table(["collective", "size (B, nccl-tests' S)", "time (us)", "algbw (GB/s)",
                  "busbw (GB/s)"],
                 [[r["op"], r["size_bytes"], round(r["time_us"], 1),
                   round(r["algbw_gb_per_s"], 3), round(r["busbw_gb_per_s"], 3)]
-                 for r in costs.bandwidth_rows(largest)])
+                 for r in timing.bandwidth_rows(largest)])
     print("(busbw = algbw x 2(N-1)/N for all-reduce, (N-1)/N for reduce-scatter, "
           "all-gather and all-to-all, 1 for broadcast: nccl-tests' doc/PERFORMANCE.md)")
     if args.save:
         ref = reference.save(
             NAME, rows, command="python bench/bench_alpha_beta.py --save",
-            notes=(f"costs.measure_alpha_beta on {costs.ALPHA_BETA_RANKS} gloo ranks, "
+            notes=(f"timing.measure_alpha_beta on {timing.ALPHA_BETA_RANKS} gloo ranks, "
                    f"{args.runs} runs of {args.repeats} timed repeats after {args.warmup} "
                    f"warm-up; per collective and size the fastest run's median"),
             samples=[{"op": s.op, "nbytes": s.nbytes, "n": s.n, "seconds": s.seconds}
                      for s in samples],
-            world_size=costs.ALPHA_BETA_RANKS, runs=args.runs, repeats=args.repeats,
+            world_size=timing.ALPHA_BETA_RANKS, runs=args.runs, repeats=args.repeats,
             warmup=args.warmup, load=loads[0] if loads else None, load_before_runs=loads)
         print(f"stored {NAME}: {ref.caption()}")
 

@@ -5,10 +5,10 @@
 
 Two measurements, with the chapter's own functions and shapes:
 
-* :func:`tutorial_lib.context_parallel.measure_ring_work`: the causal ring's forward on 4
+* :func:`tutorial_lib.timing.measure_ring_work`: the causal ring's forward on 4
   ranks, 2048 tokens, naive and balanced split: the pairs each rank attended and the time
   its attention steps took (reference ``ch09_ring_work``);
-* :func:`tutorial_lib.context_parallel.measure_cp_modes`: one attention call (forward and
+* :func:`tutorial_lib.timing.measure_cp_modes`: one attention call (forward and
   backward) in each ``cp_comm_type`` on 4 ranks, 1024 tokens, 4 heads of 32: the median
   over the repetitions of the slowest rank (reference ``ch09_cp_modes``).
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _table import print_table  # noqa: E402
 
 from tutorial_lib import context_parallel as cp  # noqa: E402
-from tutorial_lib import reference  # noqa: E402
+from tutorial_lib import reference, timing  # noqa: E402
 from tutorial_lib.launch import warm_up  # noqa: E402
 
 #: The chapter's shapes (notebooks/09_context_parallel.ipynb uses the same).
@@ -52,7 +52,7 @@ def main() -> None:
 
     ring_rounds = []
     for _ in range(args.rounds):
-        rows, errors, _ = cp.measure_ring_work(**RING)
+        rows, errors, _ = timing.measure_ring_work(**RING)
         if max(errors.values()) > 1e-5:
             raise RuntimeError(f"the ring differs from serial attention: {errors}")
         ring_rounds.append(rows)
@@ -62,7 +62,7 @@ def main() -> None:
 
     mode_rounds = []
     for _ in range(args.rounds):
-        seconds, errors, run = cp.measure_cp_modes(repeats=args.repeats, **MODES)
+        seconds, errors, run = timing.measure_cp_modes(repeats=args.repeats, **MODES)
         if max(errors.values()) > 1e-5:
             raise RuntimeError(f"a mode differs from serial attention: {errors}")
         mode_rounds.append(seconds)

@@ -5,7 +5,7 @@
     python bench/bench_fp8.py --tokens 1024 --hidden 7168 --rounds 5
     python bench/bench_fp8.py --save-reference # chapter 8's measurement, 3 times: its reference
 
-``--save-reference`` runs chapter 8's own measurement, ``fp8.time_all_to_all()`` (2,048
+``--save-reference`` runs chapter 8's own measurement, ``timing.time_all_to_all()`` (2,048
 bf16 rows per rank, H 1024 and 4096, BF16 against FP8 end to end), three times, and
 stores the median of each number as the stored reference ``ch08_fp8_all_to_all``
 (``tutorial_lib/reference/``, with this machine, the date and its load) that the chapter
@@ -100,18 +100,18 @@ def _bench(ctx, configs, rounds: int, iters: int, seed: int) -> dict:
 
 def save_reference(runs: int = 3) -> None:
     """Chapter 8's timing, ``runs`` times; the median of each number becomes the reference."""
-    from tutorial_lib import fp8, reference
+    from tutorial_lib import reference, timing
     from tutorial_lib.launch import warm_up
     warm_up()
     load_start = os.getloadavg()[0]
-    measured = [fp8.time_all_to_all() for _ in range(runs)]
+    measured = [timing.time_all_to_all() for _ in range(runs)]
     rows = []
     for i, first in enumerate(measured[0]):
         row = dict(first)
         for key in ("bf16_ms", "fp8_ms"):
             row[key] = round(statistics.median(m[i][key] for m in measured), 3)
         rows.append(row)
-    notes = (f"fp8.time_all_to_all(): 4 EP ranks (gloo, 1 torch thread each), 2048 bf16 rows "
+    notes = (f"timing.time_all_to_all(): 4 EP ranks (gloo, 1 torch thread each), 2048 bf16 rows "
              f"per rank; median of {runs} runs, each the slowest rank's median of 5 trips; "
              f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
              f"Python {platform.python_version()}, torch {__import__('torch').__version__}")

@@ -4,7 +4,7 @@
     python bench/bench_p2p.py --save          # ... and store it as chapter 7's reference
     python bench/bench_p2p.py --ranks 2 --repeats 50
 
-What is timed is :func:`tutorial_lib.p2p_timing.steady_state_round`: every stage calls
+What is timed is :func:`tutorial_lib.timing.steady_state_round`: every stage calls
 ``send_forward_recv_backward`` and ``send_backward_recv_forward`` once, ordered by stage
 parity, so every link between neighbours carries one activation forward and one gradient
 backward (``2 (PP - 1)`` messages in all).  The sizes and the three modes take turns at
@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _table import print_table  # noqa: E402
 
-from tutorial_lib import p2p, p2p_timing, reference  # noqa: E402
+from tutorial_lib import p2p, reference, timing  # noqa: E402
 from tutorial_lib.launch import warm_up  # noqa: E402
 
 REFERENCE = "ch07_p2p_modes"
@@ -66,7 +66,7 @@ def cpu_idle_percent(seconds: float = 5.0) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(p2p_timing.DEFAULT_SIZES),
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(timing.P2P_SIZES),
                         help="bytes per message")
     parser.add_argument("--repeats", type=int, default=50, help="timed rounds per mode and size")
     parser.add_argument("--warmup", type=int, default=3)
@@ -81,10 +81,10 @@ def main() -> None:
     stored = []
     for pp in args.ranks:
         print(f"[{pp} ranks] measuring ...", file=sys.stderr, flush=True)
-        timings, _ = p2p_timing.measure_p2p_modes(sizes=args.sizes, pp=pp, repeats=args.repeats,
+        timings, _ = timing.measure_p2p_modes(sizes=args.sizes, pp=pp, repeats=args.repeats,
                                                   warmup=args.warmup, timeout=600)
         by = {(t.mode, t.nbytes): t for t in timings}
-        ratios = p2p_timing.ratios_to(timings, "batched")
+        ratios = timing.ratios_to(timings, "batched")
         rows = []
         for n in sorted({t.nbytes for t in timings}):
             if len({by[m, n].bytes_sent for m in p2p.MODES}) != 1:
@@ -108,7 +108,7 @@ def main() -> None:
             f" --ranks {' '.join(map(str, args.ranks))}" if args.ranks != [2, 4] else "")
         ref = reference.save(
             REFERENCE, stored, command=command,
-            notes=(f"p2p_timing.measure_p2p_modes: median of {args.repeats} rounds after "
+            notes=(f"timing.measure_p2p_modes: median of {args.repeats} rounds after "
                    f"{args.warmup} warm-up rounds, gloo on CPU, one rank per process"),
             repeats=args.repeats, load_before=load_before,
             idle_before_percent=idle_before)

@@ -85,7 +85,7 @@ from .pipeline_schedules import (PAYLOAD, SCHEDULE_PLACEMENT, TWO_CHUNK_SCHEDULE
                                  build_schedules, check_schedule_and_mode, model_stage,
                                  num_model_stages, num_warmup_microbatches, split_backwards,
                                  stage_holder)
-from .tensor_parallel import SavedTensorBytes
+from .saved_activations import SavedTensorBytes
 from .trace import TraceEvent, get_tracer
 
 __all__ = ["StepOutput", "PipelineExecutor", "forward_backward_pipelining",
@@ -442,7 +442,7 @@ class StepOutput:
     """Actions executed (the schedule's length on this rank)."""
     activation_bytes: dict = field(default_factory=dict)
     """``(microbatch, chunk)`` -> bytes its forward saved for backward (autograd's saved
-    tensors, :class:`~tutorial_lib.tensor_parallel.SavedTensorBytes`; chapter 10)."""
+    tensors, :class:`~tutorial_lib.saved_activations.SavedTensorBytes`; chapter 10)."""
     peak_activation_bytes: int = 0
     """Most of those bytes this rank held at once: a forward's from its end to its
     backward's start, or to its W where split; an overlapped pair's forward in before its

@@ -47,15 +47,14 @@ the tensors of the layers not recomputed.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from .config import ConfigError
 
 __all__ = ["RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "KEEP_ALL", "KEEP_INPUT",
            "KEEP_NOTHING", "KEEP_ALL_BUT_CORE_ATTENTION", "Recompute", "check_recompute",
-           "recompute_groups", "kept_per_layer", "recomputed_at_once", "checkpoint",
-           "saved_tensor_bytes"]
+           "recompute_groups", "kept_per_layer", "recomputed_at_once", "checkpoint"]
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 """``--recompute-granularity``: whole layers, or the core attention only."""
@@ -231,37 +230,3 @@ class _RecomputeTags:
 
     def __exit__(self, *exc):
         return self.entered.pop().__exit__(*exc)
-
-
-# --- measuring what is kept -----------------------------------------------------------------
-
-
-@contextmanager
-def saved_tensor_bytes(parameters=()):
-    """``with saved_tensor_bytes(model.parameters()) as kept:`` run a forward; then
-    ``kept[layer_number]`` is the bytes autograd keeps for backward from that layer
-    (``kept[None]``: outside the layers: embedding, head, loss).
-
-    :class:`~tutorial_lib.tensor_parallel.SavedTensorBytes` (each storage once, the
-    ``parameters`` left out), split by the ``layer_number`` trace tag that
-    :class:`~tutorial_lib.deepseek.DeepSeekModel` sets while a layer (or a checkpointed
-    group, for its saved input) runs.  Enter it outside any checkpointed region (see the
-    module doc), around a whole forward.
-    """
-    from .tensor_parallel import SavedTensorBytes
-    from .trace import get_tracer
-
-    tracer = get_tracer()
-    kept: dict = {}
-
-    class ByLayer(SavedTensorBytes):
-        def pack(self, tensor):
-            before = self.bytes
-            tensor = super().pack(tensor)
-            if self.bytes != before:
-                layer = tracer.current_tags().get("layer_number")
-                kept[layer] = kept.get(layer, 0) + self.bytes - before
-            return tensor
-
-    with ByLayer(parameters):
-        yield kept

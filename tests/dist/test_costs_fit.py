@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tutorial_lib import comm, costs
+from tutorial_lib import comm, costs, timing
 from tutorial_lib.launch import launch
 
 pytestmark = pytest.mark.dist
@@ -48,7 +48,7 @@ def test_traced_bytes_follow_the_library_convention_and_feed_the_formulas():
 def test_measured_samples_fit_to_a_sane_model():
     sizes = [1024, 16 * 1024, 256 * 1024, 1024 * 1024]
     ops = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
-    samples = costs.measure_collective(ops, sizes=sizes, world_size=WORLD, repeats=3)
+    samples = timing.measure_collective(ops, sizes=sizes, world_size=WORLD, repeats=3)
     # One sample per (op, size); sizes divisible by 4 ranks x 4 bytes are kept exactly.
     assert sorted((s.op, s.nbytes) for s in samples) == sorted((o, b) for o in ops for b in sizes)
     assert all(s.n == WORLD and s.seconds > 0 for s in samples)

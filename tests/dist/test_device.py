@@ -184,8 +184,8 @@ TRAIN_BASE = dict(world_size=8, steps=1, num_layers=4, global_batch_size=16,
 def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
     """``{world size: [(label, fn, args, keep)]}``: every chapter's launched functions
     (``checkpoints``: a directory for the save-then-resume run, left out without one)."""
-    from tutorial_lib import context_parallel, fp8, p2p_timing, pipeline
-    from tutorial_lib.costs import measure
+    from tutorial_lib import pipeline
+    from tutorial_lib.timing import alpha_beta, cp_attention, fp8_all_to_all, p2p_modes
 
     # smaller than the chapters' own sizes, the same code
     ch["05"].update(STEPS=2)
@@ -201,8 +201,8 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
            ("05 split_over_tp", ch["05"]["split_over_tp"], (ch["05"]["tp_tokens"],), None),
            ("07 round_with_the_guides_peer", ch["07"]["round_with_the_guides_peer"],
             (False,), None),
-           ("02 measure_alpha_beta's worker", measure._measure_worker,
-            (measure.ALPHA_BETA_OPS, {op: [64, 4096] for op in measure.ALPHA_BETA_OPS},
+           ("02 measure_alpha_beta's worker", alpha_beta._measure_worker,
+            (alpha_beta.ALPHA_BETA_OPS, {op: [64, 4096] for op in alpha_beta.ALPHA_BETA_OPS},
              1, 0), _no_timings)]
     w = ch["02"]["WORLD"]
     _check(w == 4, f"chapter 2 runs its demos on 4 ranks, got {w}")
@@ -227,15 +227,15 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
               _no_timings),
              ("11 measure_synthetic_schedules, PP2 x EP2", pipeline.measure_synthetic_schedules,
               ([("dualpipe", 4, 1)], 0.001, 0.002, 1, None, None, 2), _no_timings),
-             ("07 measure_p2p_modes' worker", p2p_timing._timing_worker,
+             ("07 measure_p2p_modes' worker", p2p_modes._timing_worker,
               (("sequential", "overlapped", "batched"), (64, 1024), 1, 0), None),
              ("08 moe_in_every_precision", ch["08"]["moe_in_every_precision"], (), None),
-             ("08 time_all_to_all's worker", fp8._timing_worker, ((128,), 8, 1),
+             ("08 time_all_to_all's worker", fp8_all_to_all._timing_worker, ((128,), 8, 1),
               _no_timings),
              ("09 kept_per_rank", ch["09"]["kept_per_rank"], (), None),
-             ("09 measure_ring_work's worker", context_parallel._ring_work_worker,
+             ("09 measure_ring_work's worker", cp_attention._ring_work_worker,
               (1, 2, 64, 8), _no_timings),
-             ("09 measure_cp_modes' worker", context_parallel._modes_worker,
+             ("09 measure_cp_modes' worker", cp_attention._modes_worker,
               (4, 1, 4, 64, 8, 1, True), _no_timings)]
     eight = [("01 live_groups " + layout, ch["01"]["live_groups"],
               (ch["01"]["live_config"], layout), None)

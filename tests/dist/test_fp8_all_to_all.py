@@ -29,7 +29,7 @@ import cloudpickle
 import pytest
 import torch
 
-from tutorial_lib import fp8, moe, parallel_state, precision
+from tutorial_lib import fp8, moe, parallel_state, precision, timing
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
 
@@ -263,15 +263,15 @@ def test_a_recipe_does_not_change_the_collectives_of_a_model(run):
         assert abs(losses["bf16"] - losses["deepseek_v3"]) < 0.05 * losses["bf16"], losses
 
 
-# --- fp8.time_all_to_all: chapter 8's timing (its numbers are not asserted: only its bytes) --
+# --- timing.time_all_to_all: chapter 8's timing (its numbers are not asserted: only its bytes)
 
 
 def test_the_chapters_timing_reports_the_traced_bytes_of_both_precisions():
-    rows = fp8.time_all_to_all(hiddens=(128, 384), rows_per_rank=32, ranks=4, repeats=1)
+    rows = timing.time_all_to_all(hiddens=(128, 384), rows_per_rank=32, ranks=4, repeats=1)
     assert [r["hidden"] for r in rows] == [128, 384]
     for r in rows:
         assert r["bf16_bytes"] == 32 * fp8.wire_bytes_per_row(r["hidden"], "bf16")
         assert r["fp8_bytes"] == 32 * fp8.wire_bytes_per_row(r["hidden"], "fp8")
         assert r["bf16_ms"] > 0 and r["fp8_ms"] > 0
     with pytest.raises(ValueError, match="multiple of ranks"):
-        fp8.time_all_to_all(rows_per_rank=30)
+        timing.time_all_to_all(rows_per_rank=30)

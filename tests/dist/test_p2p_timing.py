@@ -1,7 +1,7 @@
 """Timing the P2P modes: real gloo rounds, checked for values, bytes and structure (not speed)."""
 import pytest
 
-from tutorial_lib import p2p, p2p_timing
+from tutorial_lib import p2p, timing
 from tutorial_lib.launch import LaunchTimeout, launch
 from tutorial_lib.trace import Trace, TraceEvent
 
@@ -9,15 +9,15 @@ pytestmark = pytest.mark.dist
 
 
 def _round(ctx, mode, wrong=False):
-    p2p_timing.init_pipeline(ctx)
-    return p2p_timing.steady_state_round(mode, 3, wrong_recv_backward_peer=wrong)
+    timing.init_pipeline(ctx)
+    return timing.steady_state_round(mode, 3, wrong_recv_backward_peer=wrong)
 
 
 @pytest.mark.parametrize("pp", [2, 3, 5])
 @pytest.mark.parametrize("mode", p2p.MODES)
 def test_a_round_delivers_every_neighbours_values(mode, pp):
     run = launch(_round, pp, args=(mode,), timeout=30)
-    assert run.results == [p2p_timing.expected_round(s, pp) for s in range(pp)]
+    assert run.results == [timing.expected_round(s, pp) for s in range(pp)]
     sends = run.trace.filter(op="send")
     # every link carries one message each way: 2 (PP - 1) sends of 3 float32
     assert sorted((e.rank, e.peer) for e in sends) == sorted(
@@ -35,7 +35,7 @@ def test_the_round_with_the_guides_peer_deadlocks_at_pp3():
 
 def test_measure_p2p_modes_times_every_mode_and_size():
     sizes = (4, 4096, 65536)
-    timings, run = p2p_timing.measure_p2p_modes(sizes=sizes, pp=3, repeats=3, warmup=1)
+    timings, run = timing.measure_p2p_modes(sizes=sizes, pp=3, repeats=3, warmup=1)
     assert [(t.nbytes, t.mode) for t in timings] == [(n, m) for n in sizes for m in sorted(p2p.MODES)]
     for t in timings:
         assert t.pp == 3 and t.seconds > 0 and t.quartiles[0] <= t.quartiles[1]
@@ -43,7 +43,7 @@ def test_measure_p2p_modes_times_every_mode_and_size():
     measured = [e for e in run.trace if "measured_mode" in e.tags]
     assert len({(e.tags["measured_mode"], e.tags["size"], e.tags["iteration"]) for e in measured}) \
         == len(sizes) * len(p2p.MODES) * 4
-    ratios = p2p_timing.ratios_to(timings)
+    ratios = timing.ratios_to(timings)
     assert all(ratios[("batched", n, 3)] == 1.0 for n in sizes) and len(ratios) == len(timings)
 
 
@@ -55,12 +55,13 @@ def test_round_time_is_last_start_to_last_end():
     # rank 0 starts at 1.0 and issues a second op at 1.5; rank 1 starts at 1.2; last end 2.0
     trace = Trace([event(0, 1.0, 1.4), event(0, 1.5, 2.0, op="recv"), event(1, 1.2, 1.9),
                    event(1, 1.3, 1.8, op="recv")])
-    (timing,) = p2p_timing.timings_from_trace(trace, 2)
-    assert timing.seconds == pytest.approx(0.8) and timing.bytes_sent == 16 and timing.messages == 2
+    (mode_timing,) = timing.timings_from_trace(trace, 2)
+    assert mode_timing.seconds == pytest.approx(0.8) and mode_timing.bytes_sent == 16 \
+        and mode_timing.messages == 2
 
 
 @pytest.mark.parametrize("kwargs,match", [({"pp": 1}, "pp must"), ({"modes": ("eager",)}, "p2p mode"),
                                           ({"sizes": ()}, "sizes"), ({"repeats": 0}, "repeats")])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        p2p_timing.measure_p2p_modes(**kwargs)
+        timing.measure_p2p_modes(**kwargs)

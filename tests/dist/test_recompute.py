@@ -42,7 +42,7 @@ def _step_under_each_setting(ctx):
     from tutorial_lib import parallel_state
     from tutorial_lib.data_parallel import DataParallel
     from tutorial_lib.pipeline import forward_backward_pipelining
-    from tutorial_lib.recompute import saved_tensor_bytes
+    from tutorial_lib.saved_activations import saved_bytes_by_layer
     from tutorial_lib.tp_dp_step import finish_step
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
     out = {}
@@ -58,7 +58,7 @@ def _step_under_each_setting(ctx):
             kept = {}
             for chunk in chunks:
                 def measured(hidden, batch, chunk=chunk, forward=chunk.forward_stage):
-                    with saved_tensor_bytes(chunk.parameters()) as saved:
+                    with saved_bytes_by_layer(chunk.parameters()) as saved:
                         result = forward(hidden, batch)
                     kept[int(batch.sample_ids[0]) // ROWS] = dict(saved)
                     return result

@@ -24,6 +24,7 @@ from tutorial_lib import parallel_state
 from tutorial_lib import tensor_parallel as tp
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
+from tutorial_lib.saved_activations import saved_activation_bytes
 
 from .worker_checks import backward as _backward, check as _check, close as _close
 from tutorial_lib.transformer import TransformerBlock
@@ -193,7 +194,7 @@ def _layers(ctx, tp_size):
         _exact(layer.weight, ref.weight.detach().chunk(T, 0)[i], f"{name}: weight shard is my rows")
         _exact(layer.bias, ref.bias.detach().chunk(T, 0)[i], f"{name}: bias shard")
         x = (x_full[rows] if sequence_parallel else x_full).clone().requires_grad_()
-        with tags(layer=name), tp.saved_activation_bytes({name: layer}) as saved:
+        with tags(layer=name), saved_activation_bytes({name: layer}) as saved:
             y = layer(x)
         # Kept for dW: the input this rank was given, [s/T, b, in] under SP (not the gathered one).
         want_saved = (S // T if sequence_parallel else S) * B * IN * 4

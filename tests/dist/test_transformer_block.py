@@ -20,7 +20,7 @@ from tutorial_lib.launch import launch
 
 from .launch_once import launch_once
 from .worker_checks import backward as _backward, check as _check, close as _close
-from tutorial_lib.tensor_parallel import saved_activation_bytes
+from tutorial_lib.saved_activations import saved_activation_bytes
 from tutorial_lib.transformer import TransformerBlock, allreduce_sequence_parallel_grads, block_collectives
 
 pytestmark = pytest.mark.dist

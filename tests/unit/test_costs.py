@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from tutorial_lib import costs
+from tutorial_lib import costs, timing
 from tutorial_lib.costs import AlphaBeta, Sample
 
 KIB = 1024
@@ -204,13 +204,13 @@ def test_fit_needs_two_samples_and_positive_times():
 
 def test_measure_collective_checks_its_arguments_before_starting_processes():
     with pytest.raises(ValueError, match=r"cannot measure 'recv'"):
-        costs.measure_collective("recv")
+        timing.measure_collective("recv")
     with pytest.raises(ValueError, match="world_size must be a whole number >= 2"):
-        costs.measure_collective("all_reduce", world_size=1)
+        timing.measure_collective("all_reduce", world_size=1)
     with pytest.raises(ValueError, match="need repeats >= 1"):
-        costs.measure_collective("all_reduce", repeats=0)
+        timing.measure_collective("all_reduce", repeats=0)
     with pytest.raises(ValueError, match="sizes must be a non-empty list"):
-        costs.measure_collective("all_reduce", sizes=[])
+        timing.measure_collective("all_reduce", sizes=[])
 
 
 # --- chapter 1's bandwidth table ----------------------------------------------------------------
@@ -280,6 +280,6 @@ def test_relative_error_is_the_median_relative_miss():
 
 def test_measure_collective_takes_sizes_per_op_and_checks_each_list():
     with pytest.raises(ValueError, match="for all_gather"):
-        costs.measure_collective(["all_reduce", "all_gather"],
-                                 sizes={"all_reduce": [1024], "all_gather": []})
-    assert costs.ALPHA_BETA_SIZES[-1] == 64 * 2 ** 20 and costs.ALPHA_BETA_RANKS == 2
+        timing.measure_collective(["all_reduce", "all_gather"],
+                                  sizes={"all_reduce": [1024], "all_gather": []})
+    assert timing.ALPHA_BETA_SIZES[-1] == 64 * 2 ** 20 and timing.ALPHA_BETA_RANKS == 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tutorial_lib import costs, fp8, precision
+from tutorial_lib import costs, fp8, precision, timing
 from tutorial_lib.config import ConfigError, ModelConfig
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.launch import choose_backend
@@ -83,8 +83,8 @@ def test_bus_bandwidth_is_the_ring_bytes_each_rank_sends_per_second(op):
 
 
 def test_bandwidth_rows_print_what_nccl_tests_prints():
-    rows = costs.bandwidth_rows([costs.Sample("all_gather", 1000, 4, 1e-6),
-                                 costs.Sample("all_reduce", 4000, 4, 2e-6)])
+    rows = timing.bandwidth_rows([costs.Sample("all_gather", 1000, 4, 1e-6),
+                                  costs.Sample("all_reduce", 4000, 4, 2e-6)])
     assert rows[0] == {"op": "all_gather", "ranks": 4, "size_bytes": 4000, "time_us": 1.0,
                        "algbw_gb_per_s": pytest.approx(4.0),
                        "busbw_gb_per_s": pytest.approx(3.0)}
@@ -94,7 +94,7 @@ def test_bandwidth_rows_print_what_nccl_tests_prints():
 
 def test_measure_collective_takes_cpu_or_cuda_only():
     with pytest.raises(ValueError, match="device must be one of cpu, cuda"):
-        costs.measure_collective("all_reduce", sizes=[64], device="xla")
+        timing.measure_collective("all_reduce", sizes=[64], device="xla")
 
 
 # --- the optional real FP8 GEMM ------------------------------------------------------------

@@ -15,7 +15,7 @@ from tutorial_lib.recompute import Recompute, check_recompute
 from tutorial_lib.data import synthetic_batch
 from tutorial_lib.deepseek import DeepSeekModel, Microbatch
 from tutorial_lib.memory import PRESETS, main
-from tutorial_lib.tensor_parallel import SavedTensorBytes
+from tutorial_lib.saved_activations import SavedTensorBytes
 
 MODELS = [ModelConfig(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=8,
                       vocab_size=32, num_experts=4, moe_router_topk=2),

@@ -14,7 +14,8 @@ from tutorial_lib.data import synthetic_batch
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, KEEP_NOTHING,
                                     Recompute, check_recompute, kept_per_layer, recompute_groups,
-                                    recomputed_at_once, saved_tensor_bytes)
+                                    recomputed_at_once)
+from tutorial_lib.saved_activations import saved_bytes_by_layer
 
 FULL_UNIFORM = Recompute("full", "uniform", 2)
 FULL_BLOCK = Recompute("full", "block", 1)
@@ -99,7 +100,7 @@ def _step(recompute):
     """One serial forward and backward: loss, gradients, bytes kept per layer."""
     model = DeepSeekModel(MODEL, seed=1234, recompute=recompute)
     ids, labels = synthetic_batch(1234, 0, ROWS, MODEL.seq_length, MODEL.vocab_size)
-    with saved_tensor_bytes(model.parameters()) as kept:
+    with saved_bytes_by_layer(model.parameters()) as kept:
         loss = model(ids, labels)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, dict(kept)
@@ -144,9 +145,9 @@ def test_recomputation_is_off_outside_training():
     is kept at all)."""
     model = DeepSeekModel(MODEL, seed=1234, recompute=FULL_UNIFORM).eval()
     ids, labels = synthetic_batch(1234, 0, ROWS, MODEL.seq_length, MODEL.vocab_size)
-    with saved_tensor_bytes(model.parameters()) as kept:
+    with saved_bytes_by_layer(model.parameters()) as kept:
         model(ids, labels)
     plain = DeepSeekModel(MODEL, seed=1234).eval()
-    with saved_tensor_bytes(plain.parameters()) as kept_plain:
+    with saved_bytes_by_layer(plain.parameters()) as kept_plain:
         plain(ids, labels)
     assert kept == kept_plain

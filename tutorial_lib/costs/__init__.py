@@ -9,10 +9,6 @@ module             chapters  what it holds
 =================  ========  ============================================================
 ``collectives``    1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
                              model (``time = steps * alpha + bytes * beta``), its fit
-``measure``        2, 7      timing on this machine: :func:`measure_collective`
-                             (:func:`measure_alpha_beta`, chapter 2's run), and
-                             :func:`rounds_by_size` (a timing run's rounds, median per
-                             size), which :mod:`tutorial_lib.p2p_timing` shares
 ``bandwidth``      1         which parallelism uses which collective, how often, on what
                              volume, over which link (the bandwidth table)
 ``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
@@ -29,14 +25,14 @@ rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
 (it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules` and the
 recomputation rule from :mod:`tutorial_lib.recompute`); ``collectives``,
-``measure``, ``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``measure`` and
-``context_parallel`` through ``collectives``) and none of them imports torch when it is
-loaded, so ``import tutorial_lib.costs`` loads no torch.  Two functions reach torch through
-other modules of the library when they are called: :func:`tp_dp_step_collectives` with ``tp > 1``
-reads each block's collectives from :func:`tutorial_lib.transformer.block_collectives`
-(which imports torch), and :func:`measure_collective` imports torch,
-:mod:`tutorial_lib.comm` and :mod:`tutorial_lib.launch`, and starts processes.  Every
-other function is a pure function of its arguments.
+``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``context_parallel``
+through ``collectives``) and none of them imports torch when it is loaded, so
+``import tutorial_lib.costs`` loads no torch.  One function reaches torch through
+another module of the library when it is called: :func:`tp_dp_step_collectives` with
+``tp > 1`` reads each block's collectives from
+:func:`tutorial_lib.transformer.block_collectives` (which imports torch).  Every other
+function is a pure function of its arguments.  Measuring on this machine (processes, the
+launcher) is :mod:`tutorial_lib.timing`'s.
 
 Byte counts follow the library's convention (:mod:`tutorial_lib.comm`, tabled in
 :mod:`tutorial_lib.costs.collectives`), so ``ring_bytes_sent(e.op, e.bytes,
@@ -52,10 +48,6 @@ from .collectives import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
                           all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
                           fit_alpha_beta, nccl_tests_size, predict_time, reduce_scatter_bytes,
                           ring_bytes_sent, ring_steps, send_bytes, tree_broadcast_time)
-from .measure import (ALPHA_BETA_OPS, ALPHA_BETA_RANKS, ALPHA_BETA_SIZES, DEFAULT_SIZES,
-                      MEASURABLE_OPS, MEASURE_DEVICES, TimedRounds, bandwidth_rows,
-                      measure_alpha_beta, measure_collective, rounds_by_size,
-                      samples_from_trace)
 from .memory import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
                      layer_activation_bytes, layer_parameters, memory_of_ranks,
                      memory_on_this_machine, memory_per_rank, stage_activation_bytes)
@@ -79,8 +71,6 @@ __all__ = [
     "all_to_all_bytes", "broadcast_bytes", "bus_bandwidth", "cost_coefficients",
     "fit_alpha_beta", "predict_time", "reduce_scatter_bytes", "ring_bytes_sent", "ring_steps",
     "send_bytes", "tree_broadcast_time",
-    "DEFAULT_SIZES", "MEASURABLE_OPS", "MEASURE_DEVICES", "TimedRounds", "bandwidth_rows",
-    "measure_collective", "rounds_by_size", "samples_from_trace",
     "MoEAllToAll", "moe_all_to_all_bytes", "moe_rank_all_to_alls", "moe_rank_send_splits",
     "moe_send_counts", "moe_dedup_rows", "moe_dedup_rank_all_to_alls", "moe_expert_tp_bytes",
     "DATA_PARALLEL_BUCKET_SIZE_BYTES", "StepCollective", "data_parallel_bucket_bytes",

@@ -5,7 +5,7 @@ did and fits the model to this machine; chapter 1 sizes its examples with them, 
 turns its traced bytes into bytes sent with :func:`ring_bytes_sent`, and chapter 7 fits
 the P2P modes' timings with :func:`fit_alpha_beta`.  Every function here is a pure
 function of its arguments (numpy, no torch, no processes); measuring on this machine
-lives in :mod:`tutorial_lib.costs.measure`.
+lives in :mod:`tutorial_lib.timing.alpha_beta`.
 
 Sections, top to bottom:
 
@@ -309,7 +309,8 @@ class Sample:
     n: int
     """Ranks in the group."""
     seconds: float
-    """Measured time of one op (a median over repeats when it comes from :func:`measure_collective`)."""
+    """Measured time of one op (a median over repeats when it comes from
+    :func:`tutorial_lib.timing.measure_collective`)."""
 
 
 @dataclass(frozen=True)

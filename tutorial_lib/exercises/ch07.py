@@ -165,7 +165,7 @@ MODE_HINTS = Mistakes(
 
 
 def _init(ctx) -> int:
-    from ..p2p_timing import init_pipeline
+    from ..timing import init_pipeline
     return init_pipeline(ctx)
 
 
@@ -198,7 +198,7 @@ def _fix_peer_worker(ctx, fn):
         got = p2p.send_backward_recv_forward(gradient, (NUMEL,), mode="batched")
         return None if got is None else float(got[0])
 
-    if stage % 2 == 0:  # the steady-state round of tutorial_lib.p2p_timing, by parity
+    if stage % 2 == 0:  # the steady-state round of tutorial_lib.timing.p2p_modes, by parity
         grad = student()
         act = library()
     else:

@@ -366,7 +366,7 @@ def ring_work_variant(split: str, rank: int, cp: int = WORK_CP, seq: int = WORK_
 def measured_ring_work(cp: int = WORK_CP, seq: int = WORK_SEQ) -> dict:
     """Run the causal ring on ``cp`` gloo ranks under both splits (one sequence, one head)
     and read each rank's attended pairs from the trace: ``{(split, rank): pairs}``."""
-    from ..context_parallel import measure_ring_work
+    from ..timing import measure_ring_work
     rows, _, _ = measure_ring_work(cp, batch=1, heads=1, seq_length=seq, head_dim=4,
                                    timeout=120)
     return {(row["split"], row["rank"]): int(row["pairs"]) for row in rows}

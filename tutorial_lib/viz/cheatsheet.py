@@ -156,7 +156,7 @@ def _modes_table() -> KeyTable:
 
 
 def _wire_table() -> KeyTable:
-    from ..fp8 import wire_bytes_per_row
+    from ..fp8_format import wire_bytes_per_row
     from ..recipes import PRECISIONS
     hidden = 7168
     bf16 = wire_bytes_per_row(hidden, "bf16")

@@ -17,7 +17,6 @@ plays in the static book.
 """
 from __future__ import annotations
 
-from ..context_parallel import held_chunks, pair_kind
 from ..trace import Trace, TraceEvent
 from . import draw
 from .draw import INK, LINE, MUTED
@@ -87,6 +86,7 @@ def _block(x, y, w, label, color, sub="") -> list[str]:
 
 
 def _kinds_grid(x, y, mine, theirs, causal) -> list[str]:
+    from ..context_parallel import pair_kind  # when drawing: see animate_ring_attention
     parts = []
     for a, qc in enumerate(mine):
         for b, kc in enumerate(theirs):
@@ -150,6 +150,9 @@ def animate_ring_attention(trace: Trace, phase: str = "forward", title: str = ""
     ``phase`` are read (filter it first, ``trace.filter(layer=0)``, to pick a call).
     ``data`` of the widget holds :func:`ring_steps`' steps, one per frame.
     """
+    # The ring's own chunk ids, read when a ring is drawn: importing this module loads no
+    # torch (context_parallel talks to processes; viz never imports torch.distributed).
+    from ..context_parallel import held_chunks
     data = ring_steps(trace, phase)
     size, balanced = data["size"], data["load_balanced"]
     chunks = [held_chunks(p, size, balanced) for p in range(size)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import html
 
-from .. import fp8
+from .. import fp8_format
 from . import draw
 
 __all__ = ["LEGS", "dispatch_combine_legs", "dispatch_combine_figure", "LegsFigure"]
@@ -38,16 +38,16 @@ PRECISION_COLORS = {"fp32": draw.KIND_COLORS["world"], "bf16": draw.KIND_COLORS[
 """FP8 legs orange (the EP colour), BF16 blue, fp32 grey."""
 
 
-def dispatch_combine_legs(dispatch=fp8.DEEPSEEK_V3_DISPATCH, combine=fp8.DEEPSEEK_V3_COMBINE,
-                          hidden: int = 7168) -> list[dict]:
+def dispatch_combine_legs(dispatch=fp8_format.DEEPSEEK_V3_DISPATCH,
+                          combine=fp8_format.DEEPSEEK_V3_COMBINE, hidden: int = 7168) -> list[dict]:
     """The four legs, in the order they run, each with its precision and bytes per row."""
-    pairs = {"dispatch": fp8.check_precision_pair(dispatch),
-             "combine": fp8.check_precision_pair(combine)}
-    bf16 = fp8.wire_bytes_per_row(hidden, "bf16")
+    pairs = {"dispatch": fp8_format.check_precision_pair(dispatch),
+             "combine": fp8_format.check_precision_pair(combine)}
+    bf16 = fp8_format.wire_bytes_per_row(hidden, "bf16")
     legs = []
     for number, (op, phase, direction, carries, consumer) in enumerate(LEGS, start=1):
         precision = pairs[op][0 if phase == "forward" else 1]
-        row = fp8.wire_bytes_per_row(hidden, precision)
+        row = fp8_format.wire_bytes_per_row(hidden, precision)
         legs.append({"number": number, "op": op, "phase": phase, "direction": direction,
                      "carries": carries, "consumer": consumer, "precision": precision,
                      "bytes_per_row": row, "of_bf16": row / bf16})
@@ -81,7 +81,7 @@ def _draw(legs: list[dict], hidden: int) -> str:
             draw.text(WIDTH, 17, "expert's rank", size=14, anchor="end", weight="600"),
             draw.text(WIDTH / 2, 44, f"bytes per token copy (H = {hidden:,}), % of BF16",
                       size=13, fill=draw.MUTED)]
-    bf16 = fp8.wire_bytes_per_row(hidden, "bf16")
+    bf16 = fp8_format.wire_bytes_per_row(hidden, "bf16")
     y = top
     for leg in legs:
         if leg["number"] == 3:
@@ -113,8 +113,9 @@ def _draw(legs: list[dict], hidden: int) -> str:
     return picture.replace("<svg ", f'<svg style="width:100%;height:auto" aria-label="{label}" ', 1)
 
 
-def dispatch_combine_figure(dispatch=fp8.DEEPSEEK_V3_DISPATCH, combine=fp8.DEEPSEEK_V3_COMBINE,
-                            hidden: int = 7168, title: str = "") -> LegsFigure:
+def dispatch_combine_figure(dispatch=fp8_format.DEEPSEEK_V3_DISPATCH,
+                            combine=fp8_format.DEEPSEEK_V3_COMBINE, hidden: int = 7168,
+                            title: str = "") -> LegsFigure:
     """The figure of the four legs with ``dispatch`` and ``combine`` ``(forward, backward)``."""
     legs = dispatch_combine_legs(dispatch, combine, hidden)
     return LegsFigure(legs, hidden, title or "One MoE layer, one step: four all-to-alls")

@@ -8,7 +8,7 @@ with its scale (ticks at 0, half the tile's amax and its amax, either sign), eac
 after the FP8 round trip as a tick, below them each channel's relative error and the
 channel numbers; under it the tile's amax, its scale and the errors.  The drawing takes
 the width of its column, whatever the screen, and shows all 128 channels of the tile.  Every number is computed here by
-:mod:`tutorial_lib.fp8` (the library's own quantizer); the page only draws them.  Hover a bar
+:mod:`tutorial_lib.fp8_format` (the library's own quantizer); the page only draws them.  Hover a bar
 for its channel.  Self-contained HTML (inline SVG, CSS and script, no CDN), so it works in the
 static book.
 """
@@ -18,7 +18,7 @@ import html
 
 import torch
 
-from .. import fp8
+from .. import fp8_format
 from .widget import Widget
 
 __all__ = ["tile_explorer", "TileExplorer", "tile_data"]
@@ -37,26 +37,28 @@ def tile_data(x: torch.Tensor, token_names: list[str] | None = None) -> dict:
     if x.dim() != 2:
         raise ValueError(f"tile_explorer takes [tokens, hidden], got shape {tuple(x.shape)}")
     tokens, hidden = x.shape
-    tiles = fp8.num_tiles(hidden)  # refuses a hidden size that is not a multiple of 128
+    tiles = fp8_format.num_tiles(hidden)  # refuses a hidden size that is not a multiple of 128
     if tokens > MAX_TOKENS or tiles > MAX_TILES:
+        widest = MAX_TILES * fp8_format.TILE
         raise ValueError(f"tile_explorer shows at most {MAX_TOKENS} tokens of {MAX_TILES} tiles "
-                         f"(hidden {MAX_TILES * fp8.TILE}); got {tokens} tokens of {tiles} tiles: "
-                         f"pass a slice such as x[:{MAX_TOKENS}, :{MAX_TILES * fp8.TILE}]")
+                         f"(hidden {widest}); got {tokens} tokens of {tiles} tiles: "
+                         f"pass a slice such as x[:{MAX_TOKENS}, :{widest}]")
     x = x.float()
     quantized = {}
     for mode, _ in MODES:
         if mode == "per_tensor":
-            q, scale = fp8.quantize_per_tensor(x)
+            q, scale = fp8_format.quantize_per_tensor(x)
             scales = scale.expand(tokens, tiles)
         else:
-            q, scales = fp8.quantize_1x128(x, pow2=mode == "1x128_pow2")
-        quantized[mode] = (q.float(), scales, fp8.dequantize_1x128(q, scales))
+            q, scales = fp8_format.quantize_1x128(x, pow2=mode == "1x128_pow2")
+        quantized[mode] = (q.float(), scales, fp8_format.dequantize_1x128(q, scales))
     names = token_names or [f"token {t}" for t in range(tokens)]
-    out = {"tile": fp8.TILE, "max": fp8.E4M3_MAX, "min_normal": fp8.E4M3_MIN_NORMAL,
+    out = {"tile": fp8_format.TILE, "max": fp8_format.E4M3_MAX,
+           "min_normal": fp8_format.E4M3_MIN_NORMAL,
            "tokens": names, "tiles": tiles, "modes": [list(m) for m in MODES], "cells": {}}
     for t in range(tokens):
         for j in range(tiles):
-            cols = slice(j * fp8.TILE, (j + 1) * fp8.TILE)
+            cols = slice(j * fp8_format.TILE, (j + 1) * fp8_format.TILE)
             values = x[t, cols]
             cell = {"x": [_round(v) for v in values.tolist()]}
             for mode, _ in MODES:

@@ -18,7 +18,7 @@ another, and every link is used once per round in both directions.
 mode and message size, the sizes and the modes taking turns at every repetition so that
 they are measured side by side under the same load.  Each round's time comes from the
 trace: from the moment the last rank started its round to the moment the last rank
-finished it (:func:`tutorial_lib.costs.rounds_by_size`, which times chapter 2's
+finished it (:func:`tutorial_lib.timing.runs.rounds_by_size`, which times chapter 2's
 collectives too).
 """
 from __future__ import annotations
@@ -28,15 +28,21 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-from . import p2p, parallel_state
-from .costs import rounds_by_size
-from .devices import resolve_device
+from .. import p2p, parallel_state
+from ..config import ParallelConfig
+from ..devices import resolve_device
+from .runs import check_timing_args, rounds_by_size, timed_launch
+
+__all__ = ["P2P_SIZES", "ACTIVATION", "GRADIENT", "steady_state_round", "expected_round",
+           "init_pipeline", "ModeTiming", "timings_from_trace", "measure_p2p_modes",
+           "ratios_to"]
 
 #: Message sizes (bytes of one activation, float32) from a few bytes to 16 MiB: from the
 #: latency-bound end to far into the bandwidth-bound one on a CPU (crossover ~0.1-1
 #: MiB).
-DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2,
+P2P_SIZES = (4, 64, 1024, 16 * 1024, 256 * 1024, 1024 ** 2, 4 * 1024 ** 2,
                  16 * 1024 ** 2)
 
 ACTIVATION, GRADIENT = 100.0, 200.0
@@ -83,7 +89,6 @@ def expected_round(stage: int, pp: int) -> dict:
 def init_pipeline(ctx) -> int:
     """Build the groups with every rank a pipeline stage (``PP = world size``); return
     the stage."""
-    from .config import ParallelConfig
     parallel_state.initialize_model_parallel(
         ParallelConfig(ctx.world_size, pipeline_model_parallel_size=ctx.world_size))
     return parallel_state.get_rank_in("pp")
@@ -97,7 +102,6 @@ def _timing_worker(ctx, modes: Sequence[str], sizes: Sequence[int], repeats: int
     The sizes and the modes take turns inside each pass, so that what disturbs the
     machine for a while (the other ranks still starting up, another program) hits every
     size and every mode alike instead of the first size measured."""
-    import torch.distributed as dist
     stage = init_pipeline(ctx)
     expected = expected_round(stage, ctx.world_size)
     wrong = []
@@ -141,7 +145,7 @@ class ModeTiming:
 def timings_from_trace(trace, pp: int) -> list[ModeTiming]:
     """One :class:`ModeTiming` per (mode, size) of a :func:`measure_p2p_modes` trace.
 
-    The rounds come from :func:`tutorial_lib.costs.rounds_by_size`.  A round's time is
+    The rounds come from :func:`tutorial_lib.timing.runs.rounds_by_size`.  A round's time is
     ``max(t_end) - max(first t_start per rank)``: from the moment the last rank began
     its round (before that, the others only wait for it) until the last rank is done.
     The median over the non-warm-up repetitions is kept.
@@ -166,7 +170,7 @@ def timings_from_trace(trace, pp: int) -> list[ModeTiming]:
     return out
 
 
-def measure_p2p_modes(sizes: Sequence[int] = DEFAULT_SIZES, pp: int = 4,
+def measure_p2p_modes(sizes: Sequence[int] = P2P_SIZES, pp: int = 4,
                       modes: Sequence[str] = p2p.MODES, repeats: int = 10,
                       warmup: int = 2,
                       timeout: float = 120.0):
@@ -177,23 +181,13 @@ def measure_p2p_modes(sizes: Sequence[int] = DEFAULT_SIZES, pp: int = 4,
     mode) and the :class:`~tutorial_lib.launch.LaunchResult` whose trace they came
     from.  Raises ``AssertionError`` if any round received a wrong value.
     """
-    from .launch import launch
     for mode in modes:
         p2p._check_mode(mode)
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2:
-        raise ValueError(f"pp must be a whole number >= 2 (a pipeline needs two stages "
-                         f"to talk), got {pp!r}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
-                         f"warmup={warmup}")
-    if not sizes or any(int(s) < 1 for s in sizes):
-        raise ValueError(f"sizes must be a non-empty list of byte counts >= 1, got "
-                         f"{list(sizes)}")
+    check_timing_args("pp", pp, 2, "a pipeline needs two stages to talk", repeats, warmup,
+                      sizes)
     sizes = [int(s) for s in sizes]
-    run = launch(_timing_worker, pp,
-                 args=(tuple(modes), sizes, int(repeats), int(warmup)),
-                 timeout=timeout, print_output=False,
-                 check_collectives=False)  # timed: no consistency check in between
+    run = timed_launch(_timing_worker, pp, (tuple(modes), sizes, int(repeats), int(warmup)),
+                       timeout, print_output=False)
     wrong = [line for rank_lines in run.results for line in rank_lines]
     assert not wrong, "rounds received wrong values:\n" + "\n".join(wrong[:5])
     return timings_from_trace(run.trace, pp), run

@@ -1,15 +1,10 @@
-"""Timing on this machine: collectives on gloo ranks (or NCCL on GPUs), and the rounds of
-any timing run.
+"""Timing collectives on this machine: gloo ranks (or NCCL on GPUs), for the alpha-beta fit.
 
 Chapter 2 (collectives) times every collective with :func:`measure_alpha_beta` (one
 :func:`measure_collective` run, the same as ``bench/bench_alpha_beta.py`` stores as its
 reference) and fits the alpha-beta model of :mod:`tutorial_lib.costs.collectives` to
-the result.
-:func:`rounds_by_size` turns a timing run's trace into rounds and their median per
-size; chapter 7's :mod:`tutorial_lib.p2p_timing` times the pipeline's P2P modes with
-it too.  Importing this module loads no torch: :func:`measure_collective` imports
-torch, :mod:`tutorial_lib.comm` and :mod:`tutorial_lib.launch` when it runs, and
-starts processes.
+the result.  The rounds and their medians come from
+:func:`tutorial_lib.timing.runs.rounds_by_size`.
 
 **On GPUs** (``device="cuda"``: one GPU per rank, NCCL) the same run times NCCL, and
 :func:`bandwidth_rows` reports each size the way nccl-tests' ``*_perf`` binaries do
@@ -22,69 +17,25 @@ smallest sizes notice).  Untested here: no GPU was available to this project.
 """
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .collectives import Sample, algorithm_bandwidth, bus_bandwidth, nccl_tests_size
+import torch
+import torch.distributed as dist
 
+from .. import comm
+from ..costs import Sample, algorithm_bandwidth, bus_bandwidth, nccl_tests_size
+from .runs import check_timing_args, rounds_by_size, timed_launch
 
-# --- the rounds of a timing run ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TimedRounds:
-    """The non-warm-up rounds of one measured thing (an op, a P2P mode) on one size."""
-
-    name: str
-    """What was measured: the value of the run's tag (``all_reduce``, ``batched``, ...)."""
-    size: int
-    """The ``size`` tag: bytes asked for (the bytes moved may be rounded)."""
-    events: tuple[tuple, ...]
-    """Each round's trace events, every rank's, in the order the trace holds the rounds."""
-    seconds: tuple[float, ...]
-    """Each round's time: ``max(t_end) - max(first t_start per rank)`` over its events."""
-
-    @property
-    def median_seconds(self) -> float:
-        """The median round time, at least 1 ns (a fit or a ratio cannot use 0)."""
-        return max(statistics.median(self.seconds), 1e-9)
-
-
-def _round_seconds(events) -> float:
-    """From the moment the last rank began its round (before that, the others only wait
-    for it) until the last rank is done."""
-    first_start = {}
-    for e in events:
-        first_start[e.rank] = min(first_start.get(e.rank, e.t_start), e.t_start)
-    return max(e.t_end for e in events) - max(first_start.values())
-
-
-def rounds_by_size(trace, tag: str) -> dict[tuple[str, int], TimedRounds]:
-    """Group a timing run's events into rounds: ``{(name, size): TimedRounds}``.
-
-    The run tags every timed call with ``tag`` (what is measured, e.g. ``measured_op``),
-    ``size``, ``iteration`` and ``warmup``; one round is one iteration on every rank.
-    Untagged events and warm-up rounds are left out.  The median over the rounds shrugs
-    off the odd round where the scheduler paused a process.
-    """
-    rounds: dict[tuple, dict] = {}
-    for e in trace:
-        if tag not in e.tags or e.tags.get("warmup"):
-            continue
-        by_iteration = rounds.setdefault((e.tags[tag], e.tags["size"]), {})
-        by_iteration.setdefault(e.tags["iteration"], []).append(e)
-    return {(name, size): TimedRounds(name, size, tuple(map(tuple, by_iteration.values())),
-                                      tuple(_round_seconds(r) for r in by_iteration.values()))
-            for (name, size), by_iteration in rounds.items()}
-
+__all__ = ["MEASURABLE_OPS", "COLLECTIVE_SIZES", "ALPHA_BETA_OPS", "ALPHA_BETA_SIZES",
+           "ALPHA_BETA_RANKS", "MEASURE_DEVICES", "samples_from_trace", "measure_collective",
+           "measure_alpha_beta", "bandwidth_rows"]
 
 # --- measuring collectives ---------------------------------------------------------------
 
 MEASURABLE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
 """Ops :func:`measure_collective` can time (``send`` times a send from rank 0 to rank 1)."""
 
-DEFAULT_SIZES = tuple(1024 * 4 ** i for i in range(7))
+COLLECTIVE_SIZES = tuple(1024 * 4 ** i for i in range(7))
 """1 KiB, 4 KiB, ..., 4 MiB: a quick sweep (tests, small machines)."""
 
 ALPHA_BETA_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
@@ -108,7 +59,6 @@ _ELEMENT = 4  # measurements use float32
 def _make_tensors(op: str, nbytes: int, n: int, device="cpu"):
     """Zero float32 tensors on ``device`` whose size follows the byte convention for ``op``
     (rounded to fit ``n``)."""
-    import torch
     numel = max(1, int(nbytes) // _ELEMENT)
 
     def zeros(count):
@@ -123,7 +73,6 @@ def _make_tensors(op: str, nbytes: int, n: int, device="cpu"):
 
 
 def _run_op(op: str, tensors, rank: int) -> None:
-    from tutorial_lib import comm
     x, out = tensors
     if op == "all_reduce":
         comm.all_reduce(x)
@@ -146,7 +95,6 @@ def _measure_worker(ctx, ops: Sequence[str], sizes: dict[str, list[int]], repeat
                     warmup: int) -> None:
     """Runs in every rank: each op on each of its sizes, ``warmup + repeats`` times,
     barrier first."""
-    import torch.distributed as dist
     for op in ops:
         for size in sizes[op]:
             tensors = _make_tensors(op, size, ctx.world_size, ctx.device)
@@ -177,7 +125,7 @@ def samples_from_trace(trace, n: int) -> list[Sample]:
 
 
 def measure_collective(op: str | Sequence[str],
-                       sizes: Sequence[int] | Mapping[str, Sequence[int]] = DEFAULT_SIZES,
+                       sizes: Sequence[int] | Mapping[str, Sequence[int]] = COLLECTIVE_SIZES,
                        world_size: int = 4, repeats: int = 10, warmup: int = 1,
                        timeout: float = 120.0, device: str = "cpu") -> list[Sample]:
     """Time ``op`` (one name or several) on this machine for each size in ``sizes`` bytes.
@@ -193,31 +141,21 @@ def measure_collective(op: str | Sequence[str],
     mapping from each op to its own list.  Feed the result to
     :func:`tutorial_lib.costs.collectives.fit_alpha_beta`.
     """
-    from tutorial_lib.launch import launch
     ops = (op,) if isinstance(op, str) else tuple(op)
     for name in ops:
         if name not in MEASURABLE_OPS:
             raise ValueError(f"cannot measure {name!r}: measure_collective times "
                              f"{', '.join(MEASURABLE_OPS)}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size must be a whole number >= 2 to measure communication, "
-                         f"got {world_size!r}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
-                         f"warmup={warmup}")
     if device not in MEASURE_DEVICES:
         raise ValueError(f"device must be one of {', '.join(MEASURE_DEVICES)}, got {device!r}")
     per_op = {name: list(sizes.get(name, ())) if isinstance(sizes, Mapping) else list(sizes)
               for name in ops}
-    for name, listed in per_op.items():
-        if not listed or any(int(s) < 1 for s in listed):
-            raise ValueError(f"sizes must be a non-empty list of byte counts >= 1 for every "
-                             f"op, got {listed} for {name}")
-    result = launch(_measure_worker, world_size,
-                    args=(ops, {k: [int(s) for s in v] for k, v in per_op.items()},
-                          int(repeats), int(warmup)),
-                    timeout=timeout, print_output=False, backend=MEASURE_DEVICES[device],
-                    check_collectives=False)  # timed: no consistency check in between
+    check_timing_args("world_size", world_size, 2, "two ranks to measure communication",
+                      repeats, warmup, per_op)
+    result = timed_launch(_measure_worker, world_size,
+                          (ops, {k: [int(s) for s in v] for k, v in per_op.items()},
+                           int(repeats), int(warmup)),
+                          timeout, print_output=False, backend=MEASURE_DEVICES[device])
     return samples_from_trace(result.trace, world_size)
 
 

@@ -1,0 +1,184 @@
+"""Which module of the library may import which: CONTRIBUTING's module table, as data.
+
+``MAY_IMPORT[module]``: the modules of ``tutorial_lib`` that ``module`` may import, at
+module level or inside a function (a name such as ``"costs"`` allows the package and every
+module in it).  ``LAZY_IMPORTS[module]``: what it may import only inside a function, each
+with the reason the import waits (a torch-free module that must stay torch-free at import,
+a drawing that must not load the modules that talk to processes, a package that loads every
+drawing).  A package's ``__init__`` may always import its own modules.
+
+``tests/unit/test_layering.py`` reads every module's imports with ``ast`` and fails on any
+import this table does not allow, on a module without a row (a new module must be
+registered here) and on a row without a module.  It also checks, through everything a module
+loads when it is imported, that no drawing (``viz``) reaches ``torch.distributed`` or
+:data:`PROCESS_MODULES`, and that the :data:`TORCH_FREE` modules load no torch.
+
+Module names are relative to ``tutorial_lib``: ``"costs.memory"`` is
+``tutorial_lib/costs/memory.py``.  Adding a module: add its row (and, when it is torch-free
+by promise, its name to :data:`TORCH_FREE`).
+"""
+from __future__ import annotations
+
+__all__ = ["MAY_IMPORT", "LAZY_IMPORTS", "PROCESS_MODULES", "TORCH_FREE"]
+
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    # foundations: nothing of ours, or only each other
+    "config": (),
+    "devices": (),
+    "trace": (),
+    "recipes": (),
+    "source": (),
+    "classroom": (),
+    "layering": (),
+    "grid": ("config",),
+    "checkpointing": ("config",),
+    "pipeline_schedules": ("config",),
+    "recompute": ("config", "trace"),
+    "data": ("devices",),
+    "reference": (),
+    # launching ranks and the live groups
+    "parallel_state": ("config", "grid"),
+    "launch": ("config", "trace"),
+    "cluster": ("launch", "trace"),
+    "comm": ("parallel_state", "trace"),
+    "collectives": ("comm", "parallel_state", "trace"),
+    # the techniques
+    "tensor_parallel": (),
+    "tensor_parallel.mappings": ("comm", "parallel_state", "trace"),
+    "tensor_parallel.random": ("devices",),
+    "tensor_parallel.layers": ("comm", "devices", "parallel_state", "tensor_parallel.mappings",
+                               "tensor_parallel.random"),
+    "tensor_parallel.cross_entropy": ("comm", "parallel_state", "tensor_parallel.mappings"),
+    "saved_activations": ("trace",),
+    "context_parallel": ("comm", "config", "parallel_state", "trace"),
+    "data_parallel": ("comm", "parallel_state", "trace"),
+    "fp8_format": ("recipes",),
+    "fp8": ("comm", "fp8_format", "parallel_state", "trace"),
+    "precision": ("devices", "fp8", "moe", "recipes", "tensor_parallel"),
+    "moe_balance": ("comm",),
+    "moe": ("comm", "config", "data_parallel", "devices", "fp8", "moe_balance",
+            "parallel_state", "tensor_parallel", "trace"),
+    "transformer": ("context_parallel", "devices", "parallel_state", "recompute",
+                    "tensor_parallel"),
+    "p2p": ("comm", "devices", "parallel_state", "pipeline_schedules", "trace"),
+    # models, steps and runs
+    "gpt": ("config", "devices", "parallel_state", "tensor_parallel", "transformer"),
+    "tp_dp_step": ("comm", "data", "data_parallel", "devices", "parallel_state",
+                   "tensor_parallel", "trace"),
+    "deepseek": ("config", "context_parallel", "devices", "gpt", "moe", "moe_balance",
+                 "parallel_state", "recompute", "tensor_parallel", "trace", "transformer"),
+    "pipeline": ("comm", "config", "data_parallel", "deepseek", "devices", "moe", "p2p",
+                 "parallel_state", "pipeline_schedules", "saved_activations", "trace"),
+    "memory": ("config", "costs.memory", "pipeline_schedules", "recompute"),
+    "arguments": ("checkpointing", "config", "costs.memory", "grid", "pipeline_schedules",
+                  "recipes", "recompute"),
+    "dist_checkpointing": ("checkpointing", "data_parallel", "parallel_state"),
+    "train_4d": ("arguments", "checkpointing", "comm", "context_parallel", "data",
+                 "data_parallel", "deepseek", "devices", "launch", "memory", "moe_balance",
+                 "parallel_state", "pipeline", "pipeline_schedules", "precision", "tp_dp_step",
+                 "trace"),
+    # closed-form predictions (no torch at import)
+    "costs": (),
+    "costs.bandwidth": (),
+    "costs.collectives": (),
+    "costs.moe": (),
+    "costs.context_parallel": ("costs.collectives",),
+    "costs.memory": ("grid", "pipeline_schedules", "recompute"),
+    "costs.tp_dp_step": (),
+    # timing runs on this machine: the only modules below the chapters that launch ranks
+    "timing": (),
+    "timing.runs": ("launch",),
+    "timing.alpha_beta": ("comm", "costs", "timing.runs"),
+    "timing.p2p_modes": ("config", "devices", "p2p", "parallel_state", "timing.runs"),
+    "timing.fp8_all_to_all": ("config", "devices", "fp8", "parallel_state", "timing.runs",
+                              "trace"),
+    "timing.cp_attention": ("config", "context_parallel", "devices", "parallel_state",
+                            "timing.runs"),
+    # drawings: never the modules that talk to processes
+    "viz": (),
+    "viz.draw": (),
+    "viz.widget": (),
+    "viz.table": (),
+    "viz.collectives": ("trace", "viz.draw", "viz.widget"),
+    "viz.moe_flow": ("trace", "viz.draw", "viz.widget"),
+    "viz.timeline": ("pipeline_schedules", "trace", "viz.draw", "viz.widget"),
+    "viz.context_parallel": ("trace", "viz.draw", "viz.widget"),
+    "viz.rank_map": ("config", "grid", "viz.draw", "viz.widget"),
+    "viz.fp8_tiles": ("fp8_format", "viz.widget"),
+    "viz.fp8_legs": ("fp8_format", "viz.draw"),
+    "viz.memory": ("config", "costs.memory", "memory", "recompute", "viz.widget"),
+    "viz.cheatsheet": ("config", "costs", "grid", "pipeline_schedules", "recipes"),
+    # the exercises: the kit, and the modules each exercise is about
+    "exercises": (),
+    "exercises.kit": ("launch",),
+    "exercises.ch01": ("exercises.kit", "grid"),
+    "exercises.ch02": ("collectives", "comm", "exercises.kit", "launch"),
+    "exercises.ch03": ("config", "costs", "data_parallel", "exercises.kit", "launch",
+                       "parallel_state", "tensor_parallel", "transformer"),
+    "exercises.ch04": ("config", "costs", "exercises.kit", "launch", "moe", "moe_balance",
+                       "parallel_state"),
+    "exercises.ch05": ("exercises.kit", "moe", "moe_balance"),
+    "exercises.ch06": ("deepseek", "exercises.kit", "pipeline_schedules"),
+    "exercises.ch07": ("comm", "exercises.kit", "launch", "p2p", "parallel_state", "timing"),
+    "exercises.ch08": ("exercises.kit", "fp8", "precision"),
+    "exercises.ch09": ("context_parallel", "costs", "exercises.kit", "timing"),
+    "exercises.ch10": ("config", "costs.memory", "exercises.kit", "memory", "recompute"),
+    "exercises.ch11": ("exercises.kit", "pipeline_schedules"),
+}
+
+LAZY_IMPORTS: dict[str, dict[str, str]] = {
+    "launch": {
+        "parallel_state": "only inside a rank, with torch's collective check on: the "
+                          "launcher loads no torch in the notebook's process",
+    },
+    "cluster": {
+        "comm": "only inside a rank, for the namespace of its cells: the notebook's process "
+                "loads no torch to start a cluster",
+    },
+    "reference": {
+        "viz.table": "only when a table of stored timings is drawn: importing viz loads every "
+                     "drawing, and reference is read by scripts that draw nothing",
+    },
+    "memory": {
+        "arguments": "the command line's defaults are the 4D run's own (TrainingArgs), read "
+                     "when it runs: the memory model sits below the run's arguments",
+    },
+    "costs.tp_dp_step": {
+        "transformer": "with TP > 1 a block's collectives come from the block's own "
+                       "accounting (block_collectives); at module level costs would load torch",
+    },
+    "context_parallel": {
+        "tensor_parallel": "the all_gather mode borrows TP's sequence gather (its backward the "
+                           "reduce-scatter of dK/dV), only where that mode runs",
+        "moe": "the a2a mode (Ulysses) borrows the MoE layer's uneven all-to-all and its "
+               "autograd reverse, only where that mode runs",
+    },
+    "train_4d": {
+        "dist_checkpointing": "torch.distributed.checkpoint (DTensor, the device mesh) loads "
+                              "only in a run that saves or loads a checkpoint",
+    },
+    "viz.context_parallel": {
+        "context_parallel": "the ring's own chunk ids, read when a ring is drawn: "
+                            "context_parallel talks to processes, and no drawing loads "
+                            "torch.distributed at import",
+    },
+    "viz.cheatsheet": {
+        "moe_balance": "chapter 5's key table computes a balance loss with the library's "
+                       "function when the sheets are built; it talks to processes, which no "
+                       "drawing loads at import",
+        "fp8_format": "chapter 8's key table reads the wire bytes per row when the sheets "
+                      "are built: building the other sheets loads no torch",
+    },
+}
+
+PROCESS_MODULES: tuple[str, ...] = ("comm", "parallel_state", "launch", "cluster")
+"""The modules that start ranks or talk between them: no drawing loads them at import."""
+
+TORCH_FREE: tuple[str, ...] = (
+    "config", "grid", "recipes", "checkpointing", "pipeline_schedules", "recompute",
+    "memory", "arguments", "layering",
+    "costs", "costs.bandwidth", "costs.collectives", "costs.moe", "costs.context_parallel",
+    "costs.memory", "costs.tp_dp_step",
+)
+"""Modules that promise to load no torch when imported (a command line checks its
+arguments before torch loads; the cost model runs where torch is not installed)."""
