@@ -1,7 +1,6 @@
-"""Chapter 3's stored references: the DP buckets' overlap and the chapter's running time.
+"""Chapter 3's stored reference: the DP buckets' overlap.
 
-    python bench/reference_ch03.py                 # both; ~3 minutes on 2 quiet cores
-    python bench/reference_ch03.py --only overlap  # the overlap table only (~30 s)
+    python bench/reference_ch03.py                 # ~30 s on 2 quiet cores
     python bench/reference_ch03.py --repeats 9
 
 Run it on a machine doing nothing else: it writes what the chapter shows beside the
@@ -16,16 +15,15 @@ reader's own numbers (``tutorial_lib/reference/ch03_*.json``, through
   rank's own backward, and exposed), of :func:`overlap_fraction` (which counts the
   waiting as overlap) and of the last backward's duration.  The configuration is stored
   with the rows, and the chapter checks it ran the same step.
-* ``ch03_runtime``: the wall time of running every cell of ``notebooks/03_tp_dp.ipynb``
-  but the last (which prints this reference) in a fresh kernel (``nbclient``), the best of
-  ``--chapter-runs``.
+
+The chapter's running time is not measured here: ``scripts/time_chapters.py`` stores every
+chapter's (the reference ``chapter_times``), and the chapter reads it from there.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,53 +113,22 @@ def measure_overlap(repeats: int) -> list[dict]:
              for key, value in row.items()} for row in median_run]
 
 
-def measure_chapter(runs: int) -> float:
-    import nbformat
-    from nbclient import NotebookClient
-
-    best = float("inf")
-    for _ in range(runs):
-        notebook = nbformat.read(ROOT / "notebooks" / "03_tp_dp.ipynb", as_version=4)
-        # The last cell prints the time beside this very reference: it cannot run before
-        # the reference exists, and it only reads a file.
-        assert "ch03_runtime" in notebook.cells[-1].source
-        notebook.cells = notebook.cells[:-1]
-        client = NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                resources={"metadata": {"path": str(ROOT / "notebooks")}})
-        t0 = time.perf_counter()
-        client.execute()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["overlap", "chapter"], default=None)
     parser.add_argument("--repeats", type=int, default=7, help="launches of the step")
-    parser.add_argument("--chapter-runs", type=int, default=2, help="runs of the chapter")
     args = parser.parse_args(argv)
     from tutorial_lib import reference
 
     load_before = round(os.getloadavg()[0], 2)
-    if args.only in (None, "overlap"):
-        rows = measure_overlap(args.repeats)
-        ref = reference.save(
-            "ch03_overlap", rows, command=COMMAND,
-            notes=f"the median of {args.repeats} launches of the chapter's measured step "
-                  f"(by the buckets' total time in flight); load {load_before} before",
-            config=CONFIG, repeats=args.repeats, load_before=load_before)
-        print(ref.caption())
-        for row in rows:
-            print(row)
-    if args.only in (None, "chapter"):
-        load_before = round(os.getloadavg()[0], 2)
-        seconds = measure_chapter(args.chapter_runs)
-        ref = reference.save(
-            "ch03_runtime", [{"chapter_seconds": round(seconds, 1)}], command=COMMAND,
-            notes=f"every cell of notebooks/03_tp_dp.ipynb in a fresh kernel, best of "
-                  f"{args.chapter_runs}; load {load_before} before measuring",
-            runs=args.chapter_runs, load_before=load_before)
-        print(ref.caption(), f"chapter: {seconds:.1f} s")
+    rows = measure_overlap(args.repeats)
+    ref = reference.save(
+        "ch03_overlap", rows, command=COMMAND,
+        notes=f"the median of {args.repeats} launches of the chapter's measured step "
+              f"(by the buckets' total time in flight); load {load_before} before",
+        config=CONFIG, repeats=args.repeats, load_before=load_before)
+    print(ref.caption())
+    for row in rows:
+        print(row)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,10 @@ def split_times(nb) -> tuple[list[list], list[list]]:
     for ex in chapter_exercises(nb):
         cells = [i for i in (ex.stub_cell, ex.check_cell, ex.solution_cell) if i is not None]
         exercises.append([ex.number, sum(cell_seconds(nb.cells[i]) for i in cells)])
-    rounded = [[name, round(sec, 1)] for name, sec in sections if sec > 0 or name != "Opening"]
+    from tutorial_lib.reference import UNTIMED_SECTIONS
+
+    rounded = [[name, round(sec, 1)] for name, sec in sections
+               if (sec > 0 or name != "Opening") and name not in UNTIMED_SECTIONS]
     return rounded, [[n, round(sec, 1)] for n, sec in exercises]
 
 

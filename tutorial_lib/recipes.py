@@ -289,6 +289,14 @@ DEEPSEEK_V3_FP8_CARD: tuple[CardEntry, ...] = (
         "not simulated: the weight gradient reuses the forward's 1x128-rounded input; the "
         "chapter's re-tiling cell measures what 128x1 would round", False),
     CardEntry(
+        "activation_cache", "cached activations",
+        "activations kept for the backward pass are cached in FP8, except the input of the "
+        "linear layer after the attention operator: the attention backward reads it too, so "
+        "it is cached in a custom E5M6 format, with power-of-two scales",
+        "3.3.3, low-precision activation",
+        "not simulated: autograd keeps each simulated linear's input as the forward's E4M3 "
+        "1x128 rounding, held in fp32; the library has no E5M6 format", False),
+    CardEntry(
         "weight_blocks", "weight blocks",
         "one scale per 128x128 block (128 input x 128 output channels)",
         "3.3.2, fine-grained quantization",

@@ -112,6 +112,10 @@ def save(name: str, rows: list[dict], command: str = "", notes: str = "",
     return ref
 
 
+UNTIMED_SECTIONS = ("Further reading",)
+"""``## `` sections of a chapter that hold no code (reading lists): not timed, not listed."""
+
+
 def chapter_time_rows(chapter: str) -> list[list]:
     """What each part of ``chapter`` (a notebook stem such as ``"03_tp_dp"``) took to run on
     the reference machine: ``[part, seconds]`` for each section, then each exercise (its

@@ -316,6 +316,15 @@ def _card_wgrad_tiles():
     assert not torch.allclose(layer.weight.grad, by_128x1, atol=1e-4)  # not re-tiled
 
 
+def _card_activation_cache():
+    assert not any("e5m6" in name for name in fp8.PRECISIONS)  # no E5M6 format at all
+    layer, x, dy, _ = _fp8_linear_run()
+    # what the weight gradient read back is the forward's E4M3 1x128 rounding, in fp32
+    cached = fp8.fake_quantize_1x128(x.detach())
+    assert cached.dtype == torch.float32
+    assert torch.allclose(layer.weight.grad, fp8.fake_quantize_1x128(dy).T @ cached, atol=1e-4)
+
+
 def _card_weight_blocks():
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
     spiked = w.clone()
@@ -371,6 +380,7 @@ def _card_master_weights():
 CARD_CHECKS = {
     "gemms": _card_gemms, "format": _card_format, "online_scaling": _card_online_scaling,
     "activation_tiles": _card_activation_tiles, "wgrad_tiles": _card_wgrad_tiles,
+    "activation_cache": _card_activation_cache,
     "weight_blocks": _card_weight_blocks, "accumulation": _card_accumulation,
     "kept_precision": _card_kept_precision, "communication": _card_communication,
     "optimizer_moments": _card_optimizer_moments, "master_weights": _card_master_weights,
@@ -381,7 +391,8 @@ def test_every_card_entry_has_a_check_and_the_card_covers_section_3_3():
     """The card lists DeepSeek-V3's FP8 choices of the V3 report (arXiv:2412.19437v2)
     section 3.3: E4M3 on every tensor (3.3.2), online per-tile/block amax (3.3.2), FP32
     promotion every 128 accumulated elements (3.3.2), 1x128 activation tiles and 128x128
-    weight blocks (3.3.2), 128x1 tiles for the weight gradient (3.3.3, 3.5.2), BF16 AdamW
+    weight blocks (3.3.2), 128x1 tiles for the weight gradient (3.3.3, 3.5.2), the E5M6
+    cache of the attention output projection's input (3.3.3), BF16 AdamW
     moments and FP32 master weights (3.3.3), the kept-precision modules (3.3.1) and the FP8
     dispatch legs (3.3.3)."""
     keys = [e.key for e in precision.DEEPSEEK_V3_FP8_CARD]
@@ -390,6 +401,7 @@ def test_every_card_entry_has_a_check_and_the_card_covers_section_3_3():
     assert "E4M3" in card["format"].deepseek_v3 and "gradients" in card["format"].deepseek_v3
     assert "1x128" in card["activation_tiles"].deepseek_v3
     assert "128x1" in card["wgrad_tiles"].deepseek_v3
+    assert "E5M6" in card["activation_cache"].deepseek_v3
     assert "128x128" in card["weight_blocks"].deepseek_v3
     assert "128 elements" in card["accumulation"].deepseek_v3
     assert "BF16" in card["optimizer_moments"].deepseek_v3
