@@ -35,7 +35,9 @@ from tutorial_lib.context_parallel import held_chunks
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
                                     ch10, ch11, kit)
 from tutorial_lib.grid import build_grid
-from tutorial_lib.pipeline_schedules import Action, one_f_one_b, zb_h1
+from tutorial_lib.pipeline_parallel.actions import Action
+from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
+from tutorial_lib.pipeline_parallel.zero_bubble import zb_h1
 
 # --- how a reference could be printed -----------------------------------------------------
 

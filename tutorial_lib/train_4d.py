@@ -107,9 +107,10 @@ from .deepseek import DeepSeekModel, Microbatch
 from .devices import synchronize
 from .memory import measure_state_bytes
 from .moe_balance import max_violation, update_expert_bias
-from .pipeline import (SCHEDULE_PLACEMENT, forward_backward_pipelining, mark_model_copies,
-                       sum_model_copy_gradients)
-from .pipeline_schedules import model_stage, num_model_stages
+from .pipeline_parallel.actions import SCHEDULE_PLACEMENT
+from .pipeline_parallel.dualpipe import mark_model_copies, sum_model_copy_gradients
+from .pipeline_parallel.executor import forward_backward_pipelining
+from .pipeline_parallel.actions import model_stage, num_model_stages
 from .tp_dp_step import finish_step
 from .trace import get_tracer
 

@@ -23,8 +23,8 @@ from tests.unit.test_timeline import MS, synthetic
 from tutorial_lib.launch import launch
 from tutorial_lib.viz import draw, widget
 from tutorial_lib.viz import timeline as tlmod
-from tutorial_lib.viz.collectives import animate_ring_all_reduce
-from tutorial_lib.viz.context_parallel import animate_ring_attention
+from tutorial_lib.viz.collective_animation import animate_ring_all_reduce
+from tutorial_lib.viz.cp_ring import animate_ring_attention
 from tutorial_lib import fp8
 from tutorial_lib.viz.fp8_legs import dispatch_combine_figure
 from tutorial_lib.viz.fp8_tiles import tile_explorer
@@ -217,8 +217,9 @@ def test_a_dualpipe_timeline_keeps_its_pair_outlines_and_explains_its_bars_in_ch
         tmp_path, fragment_page):
     """Chapter 11's figures: overlapped pairs outlined (after a zoom too), W's drawn, the
     tooltip of a pair's half and of a split B saying what they are."""
-    from tutorial_lib import pipeline_schedules as ps
-    plan = ps.simulate(ps.build_schedules("dualpipe", 4, 8))
+    from tutorial_lib.pipeline_parallel import build_schedules
+    from tutorial_lib.pipeline_parallel.simulator import simulate
+    plan = simulate(build_schedules("dualpipe", 4, 8))
     drawn = tlmod.timeline_from_spans(tlmod.plan_spans(plan), scale=1, unit="F", bubble=True,
                                       title="DualPipe, PP = 4, M = 8")
     view = fragment_page(drawn.to_html(), width=1000, height=700)
@@ -451,7 +452,7 @@ def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page)
     """Issue 19: every click shows what ``costs.memory_per_rank`` computed for that layout
     (the bars' MiB are the island's numbers, the heaviest rank and the verdict follow), a
     refused layout says why, and the second copy on the page does not move."""
-    from tutorial_lib.viz.memory import explorer_data, memory_explorer
+    from tutorial_lib.viz.memory_explorer import explorer_data, memory_explorer
     data = explorer_data()
     a, b = memory_explorer(), memory_explorer()
     view = fragment_page(a.to_html(), b.to_html())

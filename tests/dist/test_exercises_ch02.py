@@ -120,8 +120,8 @@ def calls_the_library(ctx, chunk):
 
 
 def calls_the_library_ring(ctx, chunk):
-    from tutorial_lib import collectives
-    return collectives.ring_all_gather(chunk)
+    from tutorial_lib import ring_collectives
+    return ring_collectives.ring_all_gather(chunk)
 
 
 def uses_torch_distributed_directly(ctx, chunk):

@@ -15,7 +15,7 @@ the sweep predates issue 17, whose TP x EP runs have their own section below), p
 without PP, trains 3 steps with the default 1F1B schedule and batched
 P2P; and two layouts (PP = 3 with EP, PP = 4 with DP) run every schedule in both of
 Megatron's P2P modes, batched and overlapped (chapter 7's sequential mode is refused by the
-validator: see :func:`tutorial_lib.pipeline.check_schedule_and_mode`).  Each run's per-step losses must
+validator: see :func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mode`).  Each run's per-step losses must
 equal the world-size-1 run's: ``atol = 1e-5`` on losses of about 4.2.  What differs
 between layouts is only the order of fp32 sums (all-reduces, microbatch accumulation),
 measured at most ~3e-7.  The same holds with dropout (layouts without TP and EP: rule 7),

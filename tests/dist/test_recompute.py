@@ -41,7 +41,7 @@ def _step_under_each_setting(ctx):
     per-microbatch losses, gradients, bytes kept per microbatch."""
     from tutorial_lib import parallel_state
     from tutorial_lib.data_parallel import DataParallel
-    from tutorial_lib.pipeline import forward_backward_pipelining
+    from tutorial_lib.pipeline_parallel.executor import forward_backward_pipelining
     from tutorial_lib.recompute import saved_tensor_bytes
     from tutorial_lib.tp_dp_step import finish_step
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale

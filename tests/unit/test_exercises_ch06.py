@@ -8,7 +8,8 @@ from tutorial_lib.deepseek import layer_range
 from tutorial_lib.exercises import ch06
 from tutorial_lib.exercises.ch06 import (check_bubble, check_one_f_one_b, check_stage_holdings,
                                          stage_holdings)
-from tutorial_lib.pipeline_schedules import Action, one_f_one_b
+from tutorial_lib.pipeline_parallel.actions import Action
+from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
 
 
 # --- exercise 6.1: the 1F1B list ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Issue 19: the memory model (``tutorial_lib.costs.memory``) and its command line.
+"""Issue 19: the memory model (``tutorial_lib.costs.memory_model``) and its command line.
 
 Serial activations are checked here against autograd in this process (no workers); every
 layout's are checked in real runs by ``tests/dist/test_memory.py`` and the equivalence tests.

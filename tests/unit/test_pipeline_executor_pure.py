@@ -4,9 +4,10 @@ import itertools
 import pytest
 
 from tutorial_lib.config import ConfigError
-from tutorial_lib.pipeline import (check_schedule_and_mode, combined_helpers, group_actions,
-                                   helper_name, schedule_steps)
-from tutorial_lib.pipeline_schedules import Action, build_schedules
+from tutorial_lib.pipeline_parallel.modes import (check_schedule_and_mode, combined_helpers,
+                                                  group_actions, helper_name, schedule_steps)
+from tutorial_lib.pipeline_parallel import build_schedules
+from tutorial_lib.pipeline_parallel.actions import Action
 
 CASES = [(s, pp, m, v) for s in ("gpipe", "1f1b") for pp, m in itertools.product((2, 3, 4), (1, 3, 4, 8))
          for v in (1,)] + [("interleaved", pp, m, 2) for pp in (2, 3, 4) for m in (pp, 2 * pp)]

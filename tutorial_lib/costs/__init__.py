@@ -27,7 +27,7 @@ And ``context_parallel`` (chapter 9): context-parallel attention's messages and 
 rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all).
 
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
-(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules` and the
+(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_parallel` and the
 recomputation rule from :mod:`tutorial_lib.recompute`); ``collectives``,
 ``measure``, ``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``measure`` and
 ``context_parallel`` through ``collectives``) and none of them imports torch when it is
@@ -39,15 +39,15 @@ reads each block's collectives from :func:`tutorial_lib.transformer.block_collec
 other function is a pure function of its arguments.
 
 Byte counts follow the library's convention (:mod:`tutorial_lib.comm`, tabled in
-:mod:`tutorial_lib.costs.collectives`), so ``ring_bytes_sent(e.op, e.bytes,
+:mod:`tutorial_lib.costs.alpha_beta`), so ``ring_bytes_sent(e.op, e.bytes,
 len(e.group_ranks))`` works directly on a trace event ``e``.
 """
 from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, cp_kv_chunk_bytes,
                         dp_gradient_bytes, ep_all_to_all_bytes, link_bandwidths,
                         pp_activation_bytes, tp_all_reduce_bytes, transfer_seconds)
-from .context_parallel import (CP_MODES, cp_attention_messages, cp_bytes_sent,
+from .cp_messages import (CP_MODES, cp_attention_messages, cp_bytes_sent,
                                cp_kv_block_bytes)
-from .collectives import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
+from .alpha_beta import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
                           algorithm_bandwidth, all_gather_bytes, all_reduce_bytes,
                           all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
                           fit_alpha_beta, nccl_tests_size, predict_time, reduce_scatter_bytes,
@@ -56,7 +56,7 @@ from .measure import (ALPHA_BETA_OPS, ALPHA_BETA_RANKS, ALPHA_BETA_SIZES, DEFAUL
                       MEASURABLE_OPS, MEASURE_DEVICES, TimedRounds, bandwidth_rows,
                       measure_alpha_beta, measure_collective, rounds_by_size,
                       samples_from_trace)
-from .memory import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
+from .memory_model import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
                      layer_activation_bytes, layer_parameters, memory_of_ranks,
                      memory_on_this_machine, memory_per_rank, stage_activation_bytes)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,

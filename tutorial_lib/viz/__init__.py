@@ -21,7 +21,7 @@ The functions named like their modules (``timeline``, ``table``) are imported fr
 the modules themselves, e.g. ``from tutorial_lib.viz.timeline import timeline``:
 re-exporting them here would shadow the modules.
 """
-from .collectives import animate_collective, animate_ring, animate_ring_all_reduce
+from .collective_animation import animate_collective, animate_ring, animate_ring_all_reduce
 from .draw import KIND_COLORS, PALETTE, group_color, kind_color
 from .moe_flow import animate_token_flow, dispatch_matrix
 from .rank_map import RankMap, rank_map, rank_map_explorer
