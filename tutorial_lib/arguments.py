@@ -209,7 +209,7 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
 
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:
-    """Issue 20's schedules: ZBV and DualPipeV fold ``2 PP`` stages in a V over ``PP >= 2``
+    """Chapter 11's schedules: ZBV and DualPipeV fold ``2 PP`` stages in a V over ``PP >= 2``
     ranks (DualPipeV runs ``M >= 2 PP`` microbatches); DualPipe sends half the microbatches from each end of ``PP`` ranks, paired
     rank ``r`` with ``PP - 1 - r`` (DeepSeek's DualPipe asserts an even ``PP`` and an
     even number of microbatches, at least ``2 PP``: deepseek-ai/DualPipe,
@@ -380,7 +380,7 @@ def check_memory(args: TrainingArgs, available: int | None = None,
         available, source = found if found is not None else (None, "")
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
-    # every schedule's own placement and activations in flight (issue 20's V and
+    # every schedule's own placement and activations in flight (chapter 11's V and
     # DualPipe's two copies included)
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,

@@ -77,7 +77,7 @@ def predict(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, *,
             schedule: str = "1f1b", virtual_pipeline_size: int = 1, **options) -> list[RankMemory]:
     """Validate the config (:func:`tutorial_lib.config.validate`), then
     :func:`tutorial_lib.costs.memory_per_rank` with ``options`` (precision, distributed
-    optimizer, recompute, ...); issue 20's schedules with their own chunks (two per rank
+    optimizer, recompute, ...); chapter 11's schedules with their own chunks (two per rank
     for ZBV, DualPipeV, DualPipe), as ``train_4d`` accepts them."""
     validate(parallel, model, train)
     pp = parallel.pipeline_model_parallel_size

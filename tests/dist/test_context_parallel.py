@@ -1,4 +1,4 @@
-"""Context-parallel attention on real gloo ranks equals serial attention (issue 18).
+"""Context-parallel attention on real gloo ranks equals serial attention (chapter 9).
 
 One launch per CP size (2 and 4) runs every case: the three ``cp_comm_type`` modes
 (``p2p`` ring, ``all_gather``, ``a2a`` Ulysses), causal and not, on the load-balanced

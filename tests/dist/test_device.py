@@ -1,4 +1,4 @@
-"""Nothing the course runs relies on torch's default device (issue 16), proven on the CPU.
+"""Nothing the course runs relies on torch's default device (the device rule), proven on the CPU.
 
 Every chapter's worker functions (read from the notebooks themselves,
 :mod:`tests.dist.notebook_code`, with smaller sizes where a chapter's are large), the

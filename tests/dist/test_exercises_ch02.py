@@ -232,7 +232,7 @@ def test_byte_count_mistake_gets_its_hint(wrong, hint):
 
 
 def test_two_b_fails_on_every_world_and_keeps_the_trace_count_to_itself():
-    """Issue 14: the case name carried the traced count, so any answer revealed the key."""
+    """Exercises that teach: the case name carried the traced count, so any answer revealed the key."""
     result = check_ring_all_reduce_bytes(lambda nbytes, n: 2 * nbytes)
     assert not any(c.passed for c in result.cases)
     first = result.cases[0]

@@ -1,4 +1,4 @@
-"""Issue 20: the backward split into B and W, and the zero-bubble schedules, run for real.
+"""The backward split into B and W (chapter 11), and the zero-bubble schedules, run for real.
 
 Item 1 (the split changes nothing but the order of work): on PP = 3 x DP = 2 x EP = 2
 (6 gloo ranks; the MoE all-to-alls sit on B's path), one 1F1B step as train_4d makes it
@@ -9,7 +9,7 @@ and expert (the ``dp`` and ``expert_dp`` domains), must be equal bit for bit: th
 autograd nodes run on the same tensors and the gradients reach the buckets in the same
 order.  The plain run is itself tested equal to serial (test_pipeline_training.py).
 
-Issue 19 on these schedules: item 2's runs also check every rank's memory against
+The memory check on these schedules: item 2's runs also check every rank's memory against
 ``tutorial_lib.costs.memory_per_rank`` (``memory_checks.assert_memory_as_predicted``).
 """
 from dataclasses import replace
@@ -136,7 +136,7 @@ def test_each_split_backward_schedule_trains_like_world_size_one(schedule, pp, w
 @pytest.mark.parametrize("pp,world,m", SCHEDULE_LAYOUTS)
 @pytest.mark.parametrize("schedule", NEW_SCHEDULES)
 def test_each_split_backward_schedule_uses_the_memory_the_model_predicts(schedule, pp, world, m):
-    """Issue 19 on issue 20's schedules (the runs above, no launch of its own): every
+    """The memory check on chapter 11's schedules (the runs above, no launch of its own): every
     rank's weights, gradients and optimizer state equal ``costs.memory_per_rank``'s to the
     byte, with the stages where the schedule puts them (the V's two stages per rank,
     DualPipe's two model copies: twice the parameters); its saved activations per

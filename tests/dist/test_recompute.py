@@ -1,4 +1,4 @@
-"""Issue 19: activation recomputation on a pipeline with tensor parallelism (real gloo).
+"""Activation recomputation (chapter 10) on a pipeline with tensor parallelism (real gloo).
 
 One launch of 6 ranks, TP 2 x PP 3 (3 layers a stage: a dense one, then MoE layers whose
 sequence is split over TP), runs one 1F1B step of 3 microbatches under four settings,
@@ -173,7 +173,7 @@ def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
     """What recomputing a tensor-parallel layer costs in communication: every collective its
     forward issued (the attention and dense MLP's TP all-reduces, the MoE layer's TP
     all-gather of its split sequence, the TP sums of its balance loss, and with expert
-    tensor parallelism (ETP = TP = 2, Megatron's default since issue 17) the expert-TP
+    tensor parallelism (ETP = TP = 2, Megatron's default, as here) the expert-TP
     all-gathers of the dispatched counts and rows and the reduce-scatter of the experts'
     partial outputs) is issued again in
     backward, tagged ``recompute=True``, with the same group and bytes, once for each

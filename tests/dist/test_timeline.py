@@ -86,7 +86,7 @@ def pipeline_run():
 
 
 def test_a_real_pipeline_step_is_drawn_as_its_schedule(pipeline_run):
-    """Issue 13: the labels' isends, posted before each forward and waited on at the end of
+    """Found reading the book: the labels' isends, posted before each forward and waited on at the end of
     the step, were bars across the whole step (one row each); forward and backward were one
     grey and the bubble was not marked."""
     trace = pipeline_run.trace

@@ -1,4 +1,4 @@
-"""Issue 20, item 1: a stage's backward split into B (input gradient) and W (weights).
+"""Chapter 11: a stage's backward split into B (input gradient) and W (weights).
 
 B then W must give the plain backward's gradients bit for bit (the same autograd nodes
 run on the same tensors, only at other times); B must leave every weight untouched, so
@@ -143,7 +143,7 @@ def test_synthetic_chunks_sit_where_each_schedule_places_its_stages_and_share_th
 
 
 def test_the_split_works_under_non_reentrant_activation_checkpointing():
-    """Issue 19 recomputes layers with ``torch.utils.checkpoint``: its non-reentrant form
+    """Chapter 10 recomputes layers with ``torch.utils.checkpoint``: its non-reentrant form
     (torch's default advice; the reentrant one refuses ``autograd.grad``, so B) re-runs
     the layer's forward when B, then W, unpack what it did not keep; the gradients are
     still the plain backward's bit for bit."""

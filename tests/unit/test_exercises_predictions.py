@@ -1,4 +1,4 @@
-"""Issue 14, "exercises that teach": the prediction and reasoning exercises added to chapters
+"""Exercises that teach: the prediction and reasoning exercises added to chapters
 1, 5 and 6, whose checkers start no process.
 
 * 1.3 ``node_crossings``: which group kinds of four layouts cross the boundary of two

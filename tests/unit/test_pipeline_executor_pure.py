@@ -73,7 +73,7 @@ def megatron_non_interleaved_calls(pp: int, m: int, rank: int) -> list[str]:
 
 @pytest.mark.parametrize("pp,m", [(3, 2), (3, 6), (4, 4), (4, 6), (5, 3), (5, 8)])
 def test_one_f_one_b_calls_the_helpers_megatron_calls_in_every_phase(pp, m):
-    """Issue 13: the warm-up's ``send_forward`` + next ``recv_forward`` were one
+    """Found reading the book: the warm-up's ``send_forward`` + next ``recv_forward`` were one
     ``send_forward_recv_forward`` call and the cool-down's ``send_backward`` + next
     ``recv_backward`` one ``send_backward_recv_backward``, helpers Megatron's
     non-interleaved schedule never calls (only its interleaved one does)."""

@@ -533,7 +533,7 @@ MEGATRON_PAIRS = {  # (schedule, mode, PP) -> accepted
                          ids=[f"{s}-{m}-pp{p}" for s, m, p in MEGATRON_PAIRS])
 def test_schedule_and_mode_pairs_are_the_ones_megatron_runs(schedule, mode, pp):
     """Chapter 7's table: a run takes exactly the (schedule, P2P mode) pairs Megatron allows
-    (the citations above MEGATRON_PAIRS).  Before issue 13 the blocking mode was accepted with
+    (the citations above MEGATRON_PAIRS).  An earlier version accepted the blocking mode with
     1F1B and GPipe, and interleaved + batched at PP = 2."""
     from tutorial_lib.pipeline_parallel.modes import check_schedule_and_mode
     if MEGATRON_PAIRS[schedule, mode, pp]:

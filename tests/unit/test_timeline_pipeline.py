@@ -17,7 +17,7 @@ from .test_timeline import MS, bars_of, ev
 
 
 # --- pipeline schedules: forward / backward colours, chunks, short labels, the bubble -----------
-# Issue 13: the pipeline figures drew forwards and backwards in one grey, dropped the label
+# Found reading the book: the pipeline figures drew forwards and backwards in one grey, dropped the label
 # of every bar narrower than its text, did not say which chunk a block belongs to, did not
 # mark the bubble, and drew each labels isend (posted before a forward, waited on at the end
 # of the step) as a bar across the whole step, four rows of them on the first stage.

@@ -42,9 +42,9 @@ Byte counts follow the library's convention (:mod:`tutorial_lib.comm`, tabled in
 :mod:`tutorial_lib.costs.alpha_beta`), so ``ring_bytes_sent(e.op, e.bytes,
 len(e.group_ranks))`` works directly on a trace event ``e``.
 """
-from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, cp_kv_chunk_bytes,
-                        dp_gradient_bytes, ep_all_to_all_bytes, link_bandwidths,
-                        pp_activation_bytes, tp_all_reduce_bytes, transfer_seconds)
+from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, dp_gradient_bytes,
+                        link_bandwidths, pp_activation_bytes, tp_all_reduce_bytes,
+                        transfer_seconds)
 from .cp_messages import (CP_MODES, cp_attention_messages, cp_bytes_sent,
                                cp_kv_block_bytes)
 from .alpha_beta import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
@@ -70,8 +70,8 @@ from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
                          zero1_state_bytes_per_rank)
 
 __all__ = [
-    "LinkSpec", "ParallelismTraffic", "bandwidth_table", "cp_kv_chunk_bytes",
-    "dp_gradient_bytes", "ep_all_to_all_bytes", "link_bandwidths", "pp_activation_bytes",
+    "LinkSpec", "ParallelismTraffic", "bandwidth_table",
+    "dp_gradient_bytes", "link_bandwidths", "pp_activation_bytes",
     "tp_all_reduce_bytes", "transfer_seconds",
     "CP_MODES", "cp_attention_messages", "cp_bytes_sent", "cp_kv_block_bytes",
     "BUS_BANDWIDTH_FACTORS", "OPS", "AlphaBeta", "Fit", "Sample", "algorithm_bandwidth",

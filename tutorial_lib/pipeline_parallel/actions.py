@@ -6,7 +6,7 @@ batch into ``num_microbatches`` microbatches.  A *schedule* is the
 ordered list of :class:`Action` one rank performs in one training step: forwards and
 backwards of microbatches, and the point-to-point messages between them.  Nothing
 here imports torch or starts a process, so chapters, widgets and tests read the
-lists directly, and :func:`simulate` plays them on paper.
+lists directly, and :func:`~.simulator.simulate` plays them on paper.
 
 This module holds what every schedule is made of: the :class:`Action` and its kinds,
 the schedules' names, where each schedule places its model stages (:data:`PLACEMENTS`,
@@ -57,10 +57,10 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
 
 SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zbv", "dualpipev", "dualpipe")
 """The schedules that split a backward into B (input gradient) and W (weight gradient):
-built and simulated here (:func:`build_schedules`); chapter 11."""
+chapter 11's (:mod:`~tutorial_lib.pipeline_parallel.zero_bubble`)."""
 
 ALL_SCHEDULES = SCHEDULE_NAMES + SPLIT_BACKWARD_SCHEDULES
-"""Every schedule :func:`build_schedules` builds."""
+"""Every schedule :func:`~tutorial_lib.pipeline_parallel.build_schedules` builds."""
 
 PLACEMENTS = ("loop", "v", "dual")
 """How a schedule places model stages on ranks (:func:`model_stage`): ``loop`` (chunk
@@ -229,7 +229,7 @@ def check_microbatch_groups(pp_size: int, num_microbatches: int,
 
     The interleaved schedule takes the microbatches through each chunk in groups of
     ``N = microbatch_group_size_per_vp_stage`` consecutive microbatches
-    (:func:`get_schedule_table`); ``None`` means ``N = PP``, Megatron's default (a
+    (:func:`~.schedules.get_schedule_table`); ``None`` means ``N = PP``, Megatron's default (a
     depth-first schedule).  Megatron-Core 0.20.0
     (``forward_backward_pipelining_with_interleaving``) refuses two cases, and so
     does this function, with a :class:`ConfigError`:
@@ -311,7 +311,7 @@ def backward_actions(rank: int, pp: int, v: int, microbatch: int, chunk: int,
     """Receive the output's gradient, run chunk ``chunk``'s backward, send the input's gradient.
 
     ``grad_from`` overrides the peer the gradient is received from: only the
-    deliberately wrong variant of :func:`one_f_one_b` uses it.  In a schedule that
+    deliberately wrong variant of :func:`~.schedules.one_f_one_b` uses it.  In a schedule that
     splits this backward the ``weight`` comes later, on its own (:func:`weight_actions`).
     """
     stage, last = model_stage(placement, rank, chunk, pp), num_model_stages(placement, pp, v) - 1

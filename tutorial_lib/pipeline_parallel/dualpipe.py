@@ -8,7 +8,7 @@ pair (DualPipe's ``F&B``: a forward directly followed by a backward, both marked
 computes.
 :func:`overlapped_all_to_alls` reads from a trace how much of each overlapped all-to-all
 the other half hid.  The schedules themselves are pure lists
-(:func:`~tutorial_lib.pipeline_parallel.zero_bubble.dualpipe`).
+(:func:`~.zero_bubble.dualpipe`).
 """
 from __future__ import annotations
 

@@ -15,18 +15,18 @@ actions of one training step; :mod:`tutorial_lib.p2p` moves tensors between neig
     recv_grad i c        -> the gradient of that output, from the next model stage
     backward i c         -> autograd from the output (with that gradient, or from the
                             loss); B alone where the list also holds weight i c
-    weight i c           -> W: the weight gradients that B left (issue 20)
+    weight i c           -> W: the weight gradients that B left (chapter 11)
     send_grad i c        -> the gradient of the input, to the previous model stage
     send_labels i        -> the first model stage sends i's labels to the last
 
 Where a schedule splits a backward (chapter 11) a ``backward`` is B and a ``weight`` W
 (:mod:`~tutorial_lib.pipeline_parallel.backward_split`).  Where a schedule places two
 stages on one rank (the V of ZBV and DualPipeV; the placement is the action's,
-:func:`~tutorial_lib.pipeline_parallel.actions.model_stage`), the activation and its
+:func:`~.actions.model_stage`), the activation and its
 gradient pass between the rank's two chunks without a message.  DualPipe's overlapped
 pairs run in two threads taking turns (:mod:`~tutorial_lib.pipeline_parallel.dualpipe`).
 Consecutive sends and receives become the calls of Megatron's P2P helpers
-(:func:`~tutorial_lib.pipeline_parallel.modes.schedule_steps`), run in the chosen mode.
+(:func:`~.modes.schedule_steps`), run in the chosen mode.
 
 Labels are different: the first model stage sends a microbatch's labels *before* its
 forward, and the last model stage receives them only after that microbatch's
@@ -379,7 +379,7 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     # for it only at the end (Megatron runs it with overlap_p2p_comm): waiting at once,
     # rank r's send to r + 1 and rank r + 1's send to r (another chunk's tensor) can
     # each wait for a receive the other posts only later.  1F1B and GPipe wait at once.
-    # Issue 20's schedules post every send as the simulator assumes (buffered sends).
+    # Chapter 11's schedules post every send as the simulator assumes (buffered sends).
     executor = PipelineExecutor(chunks, microbatches, rank, pp, p2p_mode, tensor_shape,
                                 dtype, defer_sends=schedule not in ("gpipe", "1f1b"),
                                 device=device, split_backward=split_backward,

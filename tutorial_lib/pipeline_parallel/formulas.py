@@ -19,7 +19,7 @@ def expected_bubble(pp: int, m: int, v: int = 1) -> float:
 
     Each rank computes ``M (f + b)`` and waits ``(PP - 1)(f + b)``: the fill at the
     start and the drain at the end.  Interleaving cuts each wait to one chunk's worth,
-    ``(PP - 1)(f + b) / V`` (Narayanan et al., 2021).  :func:`simulate` reproduces it
+    ``(PP - 1)(f + b) / V`` (Narayanan et al., 2021).  :func:`~.simulator.simulate` reproduces it
     exactly, on every rank, for all three schedules whenever ``p2p_cost = 0`` and
     every stage costs the same: the ratio ``backward_cost / forward_cost`` does not
     matter (``b = 2f`` is only the usual estimate), because the fill and the drain
@@ -34,7 +34,7 @@ def expected_bubble(pp: int, m: int, v: int = 1) -> float:
 def expected_bubble_time(name: str, pp_size: int, forward_cost: float = 1.0,
                          backward_cost: float = 2.0, weight_cost: float | None = None,
                          overlapped_cost: float | None = None) -> float:
-    """The bubble (:func:`idle_time`) as a formula of the chunk costs ``F``, ``B`` (the
+    """The bubble (:func:`~.simulator.idle_time`) as a formula of the chunk costs ``F``, ``B`` (the
     whole backward), ``W`` (its weight part; default ``B / 2``) and ``F&B``
     (``overlapped_cost``, default ``F + B``).
 
@@ -54,7 +54,7 @@ def expected_bubble_time(name: str, pp_size: int, forward_cost: float = 1.0,
     ``dualpipe``         ``(PP/2 - 1)(F&B + B - 3W)``         the same
     ==================  ====================================  ==========================
 
-    Each holds exactly under :func:`simulate` (free messages) where its last column
+    Each holds exactly under :func:`~.simulator.simulate` (free messages) where its last column
     says; outside, the schedule's fixed order no longer fits the costs and the
     simulated bubble differs (the DualPipe figure draws ``F`` and ``B - W`` equal).
     The ZBV row is not in the DualPipe table: it is ZB-H1's expression over ``PP``

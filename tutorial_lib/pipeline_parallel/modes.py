@@ -16,7 +16,7 @@ is the exception: each message is its own call.  The combined helpers are made f
 would combine "send my last activation, receive the first gradient" while its
 neighbour is still receiving activations, one call waiting on a gradient that cannot
 come yet.  The executor runs Megatron's two P2P modes, batched and overlapped
-(:func:`~tutorial_lib.pipeline_parallel.modes.check_schedule_and_mode`).
+(:func:`~.modes.check_schedule_and_mode`).
 
 Everything here is pure: a run's (schedule, mode) pair is checked
 (:func:`check_schedule_and_mode`) before torch is loaded.
@@ -75,7 +75,7 @@ def check_schedule_and_mode(schedule: str, p2p_mode: str, pp_size: int | None = 
       ``PP > 2``: Megatron-LM's ``validate_args`` asserts it, because at ``PP = 2`` one
       batch would hold two sends and two receives between the same two ranks.
     * ``gpipe`` is the course's schedule (Megatron has none); it runs with Megatron's
-      two modes.  So do issue 20's (:data:`SPLIT_BACKWARD_SCHEDULES`; Megatron has none
+      two modes.  So do chapter 11's (:data:`~.actions.SPLIT_BACKWARD_SCHEDULES`; Megatron has none
       of them either): the executor posts every one of their sends at once and waits
       for it at the end of the step, in either mode.
 
@@ -119,7 +119,7 @@ COMBINED_HELPERS = {
     "gpipe": (),
     "1f1b": ("send_forward_recv_backward", "send_backward_recv_forward"),
     "interleaved": None,
-    # issue 20's schedules (Megatron has none of them): every message its own call,
+    # chapter 11's schedules (Megatron has none of them): every message its own call,
     # every send posted at once and waited on at the end of the step
     "zb-h1": (), "zbv": (), "dualpipev": (), "dualpipe": (),
 }

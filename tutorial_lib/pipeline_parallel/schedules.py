@@ -3,7 +3,7 @@
 A pipeline cuts the model into ``pp_size`` stages, one per rank of a pipeline group
 (``pp_size * V`` model stages, ``V`` chunks per rank, with interleaving), and cuts the
 batch into ``num_microbatches`` microbatches.  Each builder returns the ordered list of
-:class:`~tutorial_lib.pipeline_parallel.actions.Action` one ``rank`` performs in one
+:class:`~.actions.Action` one ``rank`` performs in one
 training step; :func:`tutorial_lib.pipeline_parallel.build_schedules` builds every
 rank's.  Nothing here imports torch.
 
@@ -25,7 +25,7 @@ A batched-mode bug that is easy to write, ``send_forward_recv_backward`` receivi
 gradient from the *previous* rank (``get_pipeline_model_parallel_prev_rank``) instead
 of the next, is available as ``one_f_one_b(..., wrong_recv_backward_peer=True)`` so a
 chapter can show it deadlock with ``PP >= 3`` and look fine with ``PP = 2``
-(:func:`~tutorial_lib.pipeline_parallel.simulator.simulate`).
+(:func:`~.simulator.simulate`).
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def one_f_one_b(pp_size: int, num_microbatches: int, rank: int, *,
     the steady state, ``send_forward_recv_backward`` receives the gradient from the
     *previous* rank instead of the next one.  With ``PP = 2`` the two are the same
     rank and nothing shows; with ``PP >= 3`` (and ``M >= 2``, so that a steady state
-    exists before the last stage) :func:`simulate` deadlocks.
+    exists before the last stage) :func:`~.simulator.simulate` deadlocks.
     """
     check_pipeline(pp_size, num_microbatches, rank)
     pp, m = pp_size, num_microbatches

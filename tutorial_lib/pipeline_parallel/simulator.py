@@ -168,7 +168,7 @@ def simulate(schedules: dict[int, list[Action]], forward_cost: float = 1.0, back
     docstring); a receive ends when the matching send has ended, or at once if it
     already has.  Sends and receives are matched in order per ``(sender, receiver,
     payload)``; a match must agree on the microbatch and on adjacent model stages (in
-    the lists' placement, :data:`PLACEMENTS`), or :class:`MismatchError`.  A compute
+    the lists' placement, :data:`~.actions.PLACEMENTS`), or :class:`MismatchError`.  A compute
     that comes before one it depends on in its own rank's list (a B before its F, a W
     before its B, the V's turn taken out of order): :class:`OrderError`.  When no rank
     can move, :class:`DeadlockError`.  The result depends only on the dependencies, not
@@ -284,7 +284,7 @@ def bubble_fraction(timelines: dict[int, list[TimedAction]], rank: int | None = 
 def idle_time(timelines: dict[int, list[TimedAction]], rank: int | None = None) -> float:
     """A rank's idle time in the step: the makespan minus its compute (forwards, B's and
     W's).  ``rank=None``: the largest over the ranks, the step's *bubble* in the sense of
-    the DualPipe table (:func:`expected_bubble_time`): the time a step takes beyond the
+    the DualPipe table (:func:`~.formulas.expected_bubble_time`): the time a step takes beyond the
     busiest rank's work."""
     total = makespan(timelines)
     ranks = list(timelines) if rank is None else [rank]

@@ -45,8 +45,8 @@ class SyntheticStage(torch.nn.Module):
     backward to run, and the same ``forward_stage`` interface as
     :class:`~tutorial_lib.deepseek.DeepSeekModel`.  The input's path waits in the
     backward of an identity on the activation, the weight's path in the backward of an
-    identity on the weight: :func:`backward_input` runs only the first,
-    :func:`backward_weight` only the second (on the first stage, which has no input
+    identity on the weight: :func:`~.backward_split.backward_input` runs only the first,
+    :func:`~.backward_split.backward_weight` only the second (on the first stage, which has no input
     gradient, W runs both).  ``ep_group`` (of more than one rank): halfway through the
     forward, a dispatch and a combine all-to-all over it, as a MoE layer's (their
     reverses halfway through B): what DualPipe's overlapped pairs hide.
@@ -118,7 +118,7 @@ def synthetic_chunks(schedule: str, rank: int, pp: int, tensor_shape: tuple,
                      weight_seconds: float | None = None, virtual_pipeline_size: int = 1,
                      ep_group: str | None = None, device=None) -> list[SyntheticStage]:
     """Pipeline rank ``rank``'s :class:`SyntheticStage` chunks for ``schedule``, placed as
-    the schedule places its stages (:func:`~tutorial_lib.pipeline_parallel.actions.model_stage`).
+    the schedule places its stages (:func:`~.actions.model_stage`).
 
     The costs are one stage's (``PP`` ranks each running ``1 / PP`` of the model): a
     chunk of ``V`` per rank (interleaved: ``V``; ZBV and DualPipeV: 2) costs ``1/V`` of

@@ -18,10 +18,10 @@ nobody waits for and which can run any time later (an action of kind ``weight``)
     entering at both ends; the same steps as DualPipeV, each half of the ranks
     mirroring the other.  Twice the parameters, ``PP + 1`` activations.
 
-Where each stage lives is the actions' :attr:`Action.placement` (:data:`PLACEMENTS`,
-:func:`model_stage`): a stage whose neighbour runs on the same rank (the bottom of a V;
+Where each stage lives is the actions' :attr:`Action.placement` (:data:`~.actions.PLACEMENTS`,
+:func:`~.actions.model_stage`): a stage whose neighbour runs on the same rank (the bottom of a V;
 the first and the last stage on rank 0 of a V) hands its tensor over without a message.
-:func:`expected_bubble_time` holds the DualPipe README's table of bubbles.
+:func:`~.formulas.expected_bubble_time` holds the DualPipe README's table of bubbles.
 """
 from __future__ import annotations
 
@@ -38,14 +38,14 @@ def zb_h1(pp_size: int, num_microbatches: int, rank: int) -> list[Action]:
 
     The zero-bubble schedule of Qi et al. (2024, "Zero Bubble Pipeline Parallelism",
     section 3) that keeps 1F1B's memory.  The forwards and the B's run in 1F1B's order
-    (:func:`one_f_one_b`: ``PP - rank - 1`` warm-up forwards, then a forward and a B in
+    (:func:`~.schedules.one_f_one_b`: ``PP - rank - 1`` warm-up forwards, then a forward and a B in
     turn, then the B's left).  W's run in microbatch order, one right after each B from
     the ``rank``-th B on (B number ``rank``, ``rank + 1``, ...), and the ``rank`` W's
     still owed run at the end.  The last rank defers the most: its B's, and so the
     gradients the other ranks wait for, come ``W`` sooner than in 1F1B, every time, and
     the W's fill what was the cool-down's bubble.  The bubble shrinks from
     ``(PP - 1)(F + B)`` to ``(PP - 1)(F + B - 2W)`` (``B`` the whole backward:
-    :func:`expected_bubble_time`).
+    :func:`~.formulas.expected_bubble_time`).
 
     The order is torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank
     (torch 2.13.0), which its docstring calls the paper's ZB1P.

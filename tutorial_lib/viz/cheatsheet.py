@@ -1,4 +1,4 @@
-"""One-page cheat sheets, one per chapter, for slides and handouts (issue 14).
+"""One-page cheat sheets, one per chapter, for slides and handouts .
 
 A sheet is a standalone HTML page (inline CSS, no script, nothing fetched): the chapter's
 title, what the reader will be able to do, its key table and its takeaways.  The key table
