@@ -2,12 +2,15 @@
 
 Chapters print these predictions next to what the traced collectives actually did, and
 tests compare the two.  One module per subject, each named for what it predicts; every
-name is re-exported here, so a chapter calls ``costs.X`` whichever module holds ``X``:
+name is re-exported here, so a chapter calls ``costs.X`` whichever module holds ``X``.
+The names differ from the technique modules' (``memory_model`` beside
+:mod:`tutorial_lib.memory`, ``cp_messages`` beside :mod:`tutorial_lib.context_parallel`),
+so a chapter that imports both reads which is which:
 
 =================  ========  ============================================================
 module             chapters  what it holds
 =================  ========  ============================================================
-``collectives``    1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
+``alpha_beta``     1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
                              model (``time = steps * alpha + bytes * beta``), its fit
 ``measure``        2, 7      timing on this machine: :func:`measure_collective`
                              (:func:`measure_alpha_beta`, chapter 2's run), and
@@ -18,19 +21,19 @@ module             chapters  what it holds
 ``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
                              optimizer state per rank
 ``moe``            4         the MoE dispatch / combine all-to-alls: bytes, send splits
-``memory``         10        every rank's memory (weights, gradients, optimizer state,
+``memory_model``   10        every rank's memory (weights, gradients, optimizer state,
                              saved activations per layer and schedule, recomputation),
                              checked against runs; ``train_4d`` checks it before it starts
 =================  ========  ============================================================
 
-And ``context_parallel`` (chapter 9): context-parallel attention's messages and bytes per
+And ``cp_messages`` (chapter 9): context-parallel attention's messages and bytes per
 rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all).
 
-What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
+What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory_model``
 (it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_parallel` and the
-recomputation rule from :mod:`tutorial_lib.recompute`); ``collectives``,
-``measure``, ``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``measure`` and
-``context_parallel`` through ``collectives``) and none of them imports torch when it is
+recomputation rule from :mod:`tutorial_lib.recompute`); ``alpha_beta``,
+``measure``, ``tp_dp_step``, ``moe`` and ``cp_messages`` import numpy (``measure`` and
+``cp_messages`` through ``alpha_beta``) and none of them imports torch when it is
 loaded, so ``import tutorial_lib.costs`` loads no torch.  Two functions reach torch through
 other modules of the library when they are called: :func:`tp_dp_step_collectives` with ``tp > 1``
 reads each block's collectives from :func:`tutorial_lib.transformer.block_collectives`
