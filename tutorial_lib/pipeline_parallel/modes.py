@@ -1,6 +1,5 @@
 """P2P modes, and which of Megatron's P2P helper calls a schedule's messages become (chapter 7).
 
-
 Consecutive sends and receives of activations and gradients become the calls of
 Megatron's P2P helpers (``send_forward_recv_backward`` and so on) that the schedule
 makes, run in the chosen P2P mode: :func:`group_actions` and :func:`helper_name`, two
@@ -16,7 +15,7 @@ is the exception: each message is its own call.  The combined helpers are made f
 would combine "send my last activation, receive the first gradient" while its
 neighbour is still receiving activations, one call waiting on a gradient that cannot
 come yet.  The executor runs Megatron's two P2P modes, batched and overlapped
-(:func:`~.modes.check_schedule_and_mode`).
+(:func:`check_schedule_and_mode`).
 
 Everything here is pure: a run's (schedule, mode) pair is checked
 (:func:`check_schedule_and_mode`) before torch is loaded.

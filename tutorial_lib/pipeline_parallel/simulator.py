@@ -1,12 +1,13 @@
 """The lockstep simulator: every rank's list played at once, on paper.
 
+:func:`simulate` executes every rank's list at once.  Sends are *buffered*: a send
+never waits for its receiver (an ``isend`` into a buffer, the way a batched or
+overlapped op lets the partner's send and receive proceed together); a receive
 blocks until the matching send has happened.  Messages are matched in order per
 ``(sender, receiver, payload)``.  If no rank can move, that is a deadlock and
-:class:`DeadlockError` says what each rank is waiting for.  A batched-mode bug that
-is easy to write, ``send_forward_recv_backward`` receiving the gradient from the
-:class:`DeadlockError` says what each rank is waiting for; :class:`MismatchError` a
-message that arrives where it does not belong, :class:`OrderError` a rank that runs a
-compute before one it needs.  :func:`makespan`, :func:`bubble_fraction` and
+:class:`DeadlockError` says what each rank is waiting for; :class:`MismatchError` is
+a message that arrives where it does not belong, :class:`OrderError` a rank that runs
+a compute before one it needs.  :func:`makespan`, :func:`bubble_fraction` and
 :func:`idle_time` read the timelines it returns; the formulas they are checked against
 are in :mod:`~tutorial_lib.pipeline_parallel.formulas`.  No torch.
 """

@@ -1,6 +1,6 @@
 """Chapter 11's schedules: the backward split into B and W, stages in a V or in two copies.
 
-Four more split each backward in two (chapter 11): B, the gradient of the stage's
+Each of these schedules splits a backward in two: B, the gradient of the stage's
 input, which the previous stage waits for, and W, the gradient of its weights, which
 nobody waits for and which can run any time later (an action of kind ``weight``).
 
