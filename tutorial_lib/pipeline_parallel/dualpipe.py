@@ -153,7 +153,7 @@ def sum_model_copy_gradients(chunks: list, expert_loads: bool = True) -> None:
     same floating-point additions on both ranks of a pair, so the copies stay equal bit
     for bit.
     """
-    from .data_parallel import main_grad_of
+    from ..data_parallel import main_grad_of
 
     pp = parallel_state.group_size("pp")
     rank = parallel_state.get_rank_in("pp")

@@ -85,7 +85,7 @@ class SyntheticStage(torch.nn.Module):
     def _exchange(self, x: torch.Tensor, op_name: str) -> torch.Tensor:
         """An all-to-all over ``ep_group`` that swaps equal shares of the rows (its
         backward: the reverse one), as a MoE layer's dispatch and combine."""
-        from .moe import all_to_all
+        from ..moe import all_to_all
         n = parallel_state.group_size(self.ep_group)
         rows = x.reshape(-1, x.shape[-1])
         splits = [rows.shape[0] // n] * n
@@ -165,7 +165,7 @@ def measure_synthetic_schedules(ctx, runs: list[tuple], forward_seconds: float =
     """
     import torch.distributed as dist
 
-    from .config import ParallelConfig
+    from ..config import ParallelConfig
 
     ep = expert_parallel_size
     pp = ctx.world_size // ep
