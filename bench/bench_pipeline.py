@@ -42,15 +42,15 @@ Two tables:
    rank to the last), averaged over the ranks; the table shows the second step's
    (the first is warm-up; with ``--bubble-steps N``, steps 2..N), median over
    ``--bubble-rounds`` launches of every configuration, taken in turns.
-   Beside it: ``pipeline_schedules.expected_bubble`` = (PP - 1) / (V M + PP - 1)
+   Beside it: ``pipeline_parallel.formulas.expected_bubble`` = (PP - 1) / (V M + PP - 1)
    and the difference (what the P2P messages, the Python between actions and the
    sleep's overshoot add, and on a loaded machine the milliseconds a sleeping rank
    waits for a core when it wakes; the formula assumes they cost nothing); the step time
    (slowest rank, its first to its last recorded event of the step) beside the ideal ``(V M + PP - 1)(f + b) / V``;
    and the peak activations each rank held (``StepOutput.peak_activations``, in
    chunk-microbatches, rank 0 first) beside
-   ``pipeline_schedules.expected_peak_activations`` (asserted equal).  The column
-   *simulated, P2P x ms* is ``pipeline_schedules.simulate`` of the same schedule
+   ``pipeline_parallel.formulas.expected_peak_activations`` (asserted equal).  The column
+   *simulated, P2P x ms* is ``pipeline_parallel.simulator.simulate`` of the same schedule
    with every send costing ``--sim-p2p-ms`` (no launch): a what-if, not a fit, that
    shows how much of the gap a per-message cost of that size explains.
 """
@@ -157,11 +157,12 @@ def _step_seconds(trace, pp: int, repeat: int) -> float:
 
 
 def table_bubble(args) -> None:
-    from tutorial_lib import pipeline_schedules
     from tutorial_lib.launch import launch
-    from tutorial_lib.pipeline import measure_synthetic_schedules, synthetic_run_name
-    from tutorial_lib.pipeline_schedules import (build_schedules, expected_bubble,
-                                                 expected_peak_activations, simulate)
+    from tutorial_lib.pipeline_parallel import build_schedules, simulator
+    from tutorial_lib.pipeline_parallel.formulas import expected_bubble, expected_peak_activations
+    from tutorial_lib.pipeline_parallel.simulator import simulate
+    from tutorial_lib.pipeline_parallel.synthetic import (measure_synthetic_schedules,
+                                                          synthetic_run_name)
     from tutorial_lib.viz.timeline import bubble_fraction
     f, b = args.forward_ms / 1e3, args.backward_ms / 1e3
     pps = [2] if args.quick else [2, 4]
@@ -200,7 +201,7 @@ def table_bubble(args) -> None:
         ideal_ms = (v * m + pp - 1) * (f + b) / v * 1e3
         simulated = simulate(build_schedules(schedule, pp, m, v), f / v, b / v,
                              args.sim_p2p_ms / 1e3)
-        simulated_bubble = pipeline_schedules.bubble_fraction(simulated)  # mean over the ranks
+        simulated_bubble = simulator.bubble_fraction(simulated)  # mean over the ranks
         rows.append([schedule, pp, m, v, measured, formula, measured - formula, simulated_bubble,
                      round(statistics.median(step_ms[config])), round(ideal_ms),
                      "/".join(map(str, peaks[config][0])), "/".join(map(str, peaks[config][1]))])

@@ -9,8 +9,8 @@ Run it on a machine doing nothing else: it writes ``tutorial_lib/reference/ch06_
 load), which chapter 6 shows beside the bubble the reader's own run measures.
 
 The measurement is the chapter's, cell for cell: PP = 4 ranks of
-:class:`tutorial_lib.pipeline.SyntheticStage` (a forward sleeps 10 ms, a backward 20 ms, a
-chunk 1/V of that) run by :func:`tutorial_lib.pipeline.measure_synthetic_schedules` with real
+:class:`tutorial_lib.pipeline_parallel.synthetic.SyntheticStage` (a forward sleeps 10 ms, a backward 20 ms, a
+chunk 1/V of that) run by :func:`~tutorial_lib.pipeline_parallel.synthetic.measure_synthetic_schedules` with real
 P2P messages and labels, each schedule traced 3 times per launch; a run's bubble is the idle
 share of the step (:func:`tutorial_lib.viz.timeline.bubble_fraction` over the compute spans,
 the mean over the ranks), and the launch keeps the smallest of its 3, as the chapter does
@@ -52,7 +52,8 @@ def step_seconds(trace) -> float:
 def one_launch(config: dict) -> dict[str, tuple[float, float]]:
     """Run name -> (smallest bubble of the repeats, that step's seconds)."""
     from tutorial_lib.launch import launch
-    from tutorial_lib.pipeline import measure_synthetic_schedules, synthetic_run_name
+    from tutorial_lib.pipeline_parallel.synthetic import (measure_synthetic_schedules,
+                                                          synthetic_run_name)
 
     runs = [tuple(run) for run in config["runs"]]
     measured = launch(measure_synthetic_schedules, config["pp"],
@@ -67,24 +68,26 @@ def one_launch(config: dict) -> dict[str, tuple[float, float]]:
 
 
 def rows_of(launches: list[dict], config: dict) -> list[dict]:
-    from tutorial_lib import pipeline_schedules as ps
-    from tutorial_lib.pipeline import synthetic_run_name
+    from tutorial_lib.pipeline_parallel import build_schedules
+    from tutorial_lib.pipeline_parallel.formulas import expected_bubble
+    from tutorial_lib.pipeline_parallel.simulator import bubble_fraction, makespan, simulate
+    from tutorial_lib.pipeline_parallel.synthetic import synthetic_run_name
 
     rows = []
     for schedule, m, v in config["runs"]:
         name = synthetic_run_name(schedule, m, v)
         bubbles = [launch[name][0] for launch in launches]
         steps = [launch[name][1] for launch in launches]
-        plan = ps.simulate(ps.build_schedules(schedule, config["pp"], m, v),
-                           config["forward_s"] / v, config["backward_s"] / v)
+        plan = simulate(build_schedules(schedule, config["pp"], m, v),
+                        config["forward_s"] / v, config["backward_s"] / v)
         rows.append({
             "run": name, "schedule": schedule, "M": m, "V": v,
-            "formula": round(ps.expected_bubble(config["pp"], m, v), 4),
-            "simulated": round(ps.bubble_fraction(plan), 4),
+            "formula": round(expected_bubble(config["pp"], m, v), 4),
+            "simulated": round(bubble_fraction(plan), 4),
             "measured": round(statistics.median(bubbles), 4),
             "measured_min": round(min(bubbles), 4), "measured_max": round(max(bubbles), 4),
             "step_ms": round(1000 * statistics.median(steps), 1),
-            "ideal_step_ms": round(1000 * ps.makespan(plan), 1),
+            "ideal_step_ms": round(1000 * makespan(plan), 1),
         })
     return rows
 

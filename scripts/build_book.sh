@@ -45,7 +45,7 @@ for arg in "$@"; do
     if [ "$prev" = "--path-output" ]; then OUT="$arg"; fi
     prev="$arg"
 done
-# One cheat sheet per chapter for slides (issue 14): a standalone page each, beside the
+# One cheat sheet per chapter for slides: a standalone page each, beside the
 # chapters (only for this book or a copy of it: another book folder has other chapters).
 if [ -f "$BOOK/scripts/cheat_sheets.py" ]; then
     python "$BOOK/scripts/cheat_sheets.py" --out "$OUT/_build/html/cheatsheets" >/dev/null

@@ -1,6 +1,6 @@
 """The answer keys of every exercise, and the check that a checker never hands them out.
 
-Issue 14: a checker says what is wrong with an answer and why, never the reference's answer
+A checker says what is wrong with an answer and why, never the reference's answer
 to a case the student has not solved (2.3, 3.2 and 4.2 printed "expected X" for every
 failing case, so an empty answer revealed the whole key). :data:`KEYS` lists, for every
 exercise of every chapter, its checker, the answers a student might hand in (empty,
@@ -35,7 +35,9 @@ from tutorial_lib.context_parallel import held_chunks
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
                                     ch10, ch11, kit)
 from tutorial_lib.grid import build_grid
-from tutorial_lib.pipeline_schedules import Action, one_f_one_b, zb_h1
+from tutorial_lib.pipeline_parallel.actions import Action
+from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
+from tutorial_lib.pipeline_parallel.zero_bubble import zb_h1
 
 # --- how a reference could be printed -----------------------------------------------------
 
@@ -293,7 +295,7 @@ def _loss_forbidden(name, detail, fn):
 
 def _topk_forbidden(name, detail, fn):
     _, scores, bias, k = next(c for c in ch05.topk_cases() if c[0] == name)
-    idx, gates = ch05.reference_topk(scores, bias.detach(), k)
+    idx, gates = ch05.reference_topk(scores, k, bias.detach())
     return {str(idx), repr(idx.tolist()), repr(gates.detach().tolist())}
 
 
@@ -550,8 +552,8 @@ KEYS = [
     }, _loss_forbidden, ch05.LOSS_HINTS),
     AnswerKey("5.2", ch05.check_biased_topk, {
         "empty": lambda *a: None,
-        "ignores_bias": lambda s, b, k: ch05.topk_variant(s, b, k, "ignores_bias"),
-        "biased_gates": lambda s, b, k: ch05.topk_variant(s, b, k, "biased_gates"),
+        "ignores_bias": lambda s, k, b: ch05.topk_variant(s, k, b, "ignores_bias"),
+        "biased_gates": lambda s, k, b: ch05.topk_variant(s, k, b, "biased_gates"),
     }, _topk_forbidden, ch05.TOPK_HINTS),
     AnswerKey("5.3", ch05.check_update_bias, {
         "does_nothing": lambda b, load, gamma: b,

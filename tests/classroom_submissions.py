@@ -1,4 +1,4 @@
-"""Submissions as students hand them in, for the grading tests (issue 14).
+"""Submissions as students hand them in, for the grading tests.
 
 Chapter 1's lab sheet (``classroom.exercises_only``: its setup cell and two exercises whose
 checkers start no process) keeps a kernel's work to seconds; chapter 7's exercise 7.1 is the

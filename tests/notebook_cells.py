@@ -27,7 +27,8 @@ from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch
                                     ch10, ch11)
 from tutorial_lib.memory import heaviest_rank_bytes
 from tutorial_lib.recompute import Recompute
-from tutorial_lib.pipeline_schedules import Action, one_f_one_b
+from tutorial_lib.pipeline_parallel.actions import Action
+from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
 from tutorial_lib.viz.table import table
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"

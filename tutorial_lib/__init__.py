@@ -7,7 +7,7 @@ Read it module by module, like the book's chapters:
 * :mod:`tutorial_lib.launch`: run a function on N gloo/NCCL ranks from a notebook cell;
 * :mod:`tutorial_lib.trace`, :mod:`tutorial_lib.comm`: traced collectives;
 * :mod:`tutorial_lib.parallel_state`: the live process groups;
-* :mod:`tutorial_lib.collectives`: ring algorithms step by step;
+* :mod:`tutorial_lib.ring_collectives`: ring algorithms step by step;
 * :mod:`tutorial_lib.tensor_parallel` (a package: mappings, layers, cross_entropy, random),
   :mod:`tutorial_lib.transformer`: TP layers and a block;
 * :mod:`tutorial_lib.saved_activations`: what autograd keeps for backward, measured;
@@ -16,9 +16,9 @@ Read it module by module, like the book's chapters:
 * :mod:`tutorial_lib.data`: the synthetic batches and how a global batch is cut;
 * :mod:`tutorial_lib.gpt`, :mod:`tutorial_lib.tp_dp_step`: chapter 3's GPT and its TP + DP step;
 * :mod:`tutorial_lib.deepseek`: the DeepSeek-style model a pipeline cuts into stages;
-* :mod:`tutorial_lib.pipeline_schedules`: pipeline schedules as pure data, and their simulator;
 * :mod:`tutorial_lib.p2p`: the pipeline's point-to-point helpers;
-* :mod:`tutorial_lib.pipeline`: the executor that runs a schedule with real stages;
+* :mod:`tutorial_lib.pipeline_parallel`: pipeline schedules as pure data, their simulator and
+  formulas, and the executor that runs a schedule with real stages;
 * :mod:`tutorial_lib.arguments`, :mod:`tutorial_lib.train_4d`: the 4D run's arguments and
   their validation (no torch), and the run itself (``examples/train_4d.py``);
 * :mod:`tutorial_lib.fp8`, :mod:`tutorial_lib.recipes`, :mod:`tutorial_lib.precision`: FP8

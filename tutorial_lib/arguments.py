@@ -13,7 +13,7 @@ mode, the device's name, the run's own numbers (``steps``, ``seed``, ``lr``, ``c
 the layout and model rules of :func:`tutorial_lib.config.validate`, the interleaved
 schedule's rules, the recomputation flags (:func:`tutorial_lib.recompute.check_recompute`),
 the precision recipe (a name, or a file that is read and checked), and
-last whether the run fits in this machine's memory (:mod:`tutorial_lib.costs.memory`).
+last whether the run fits in this machine's memory (:mod:`tutorial_lib.costs.memory_model`).
 Whether ``--device cuda`` finds a GPU for every rank needs torch, so it is checked when the
 run starts, before any worker does (:func:`tutorial_lib.launch.choose_backend`).
 """
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, fields
 from . import checkpointing
 from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_field_types,
                      check_number, check_pipeline_layers, config_fields, validate)
-from .costs.memory import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
+from .costs.memory_model import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
-from .pipeline_schedules import (ALL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, TRAINING_P2P_MODES,
-                                 TWO_CHUNK_SCHEDULES, check_microbatch_groups,
-                                 check_schedule_and_mode)
+from .pipeline_parallel.actions import (ALL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
+                                        TWO_CHUNK_SCHEDULES, check_microbatch_groups)
+from .pipeline_parallel.modes import TRAINING_P2P_MODES, check_schedule_and_mode
 from .recipes import RECIPES, PrecisionRecipe, resolve_recipe
 from .recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Recompute, check_recompute
 
@@ -209,7 +209,7 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
 
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:
-    """Issue 20's schedules: ZBV and DualPipeV fold ``2 PP`` stages in a V over ``PP >= 2``
+    """Chapter 11's schedules: ZBV and DualPipeV fold ``2 PP`` stages in a V over ``PP >= 2``
     ranks (DualPipeV runs ``M >= 2 PP`` microbatches); DualPipe sends half the microbatches from each end of ``PP`` ranks, paired
     rank ``r`` with ``PP - 1 - r`` (DeepSeek's DualPipe asserts an even ``PP`` and an
     even number of microbatches, at least ``2 PP``: deepseek-ai/DualPipe,
@@ -299,7 +299,7 @@ LOG_KEYS = {
     "memory": "this rank's bytes after the step: weights, gradients, optimizer (from the "
               "tensors), activations_per_microbatch (autograd's saved tensors per "
               "'microbatch,chunk'), peak_activations (their most at once), on CUDA "
-              "cuda_max_memory_allocated; predicted by tutorial_lib.costs.memory",
+              "cuda_max_memory_allocated; predicted by tutorial_lib.costs.memory_model",
 }
 
 
@@ -369,7 +369,7 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     ``available`` bytes (default: what this machine has available now); returns the estimate.
 
     Compared with host memory, where the course's gloo workers keep every tensor.  When
-    the worker processes alone cannot fit (``ranks x`` :data:`~tutorial_lib.costs.memory.
+    the worker processes alone cannot fit (``ranks x`` :data:`~tutorial_lib.costs.memory_model.
     RUNTIME_BYTES_PER_RANK`), the run is refused at once, with the first and last pipeline
     ranks' breakdown (a world of a million ranks is not added up rank by rank).
     """
@@ -380,7 +380,7 @@ def check_memory(args: TrainingArgs, available: int | None = None,
         available, source = found if found is not None else (None, "")
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
-    # every schedule's own placement and activations in flight (issue 20's V and
+    # every schedule's own placement and activations in flight (chapter 11's V and
     # DualPipe's two copies included)
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
@@ -407,7 +407,7 @@ def check_memory(args: TrainingArgs, available: int | None = None,
         "memory",
         f"this run needs {amount} on this machine ({who}), more than the "
         f"{format_bytes(available)} available ({source}). Prediction per rank (fp32, "
-        f"tutorial_lib.costs.memory; python -m tutorial_lib.memory prints it):\n  {breakdown}\n"
+        f"tutorial_lib.costs.memory_model; python -m tutorial_lib.memory prints it):\n  {breakdown}\n"
         f"Fix: a smaller model (hidden_size, num_layers, num_experts, vocab_size), fewer "
         f"ranks on this machine, more pipeline stages or TP / EP ranks to split the "
         f"weights, or fewer microbatches in flight (1f1b instead of gpipe, smaller "

@@ -253,7 +253,7 @@ _OVERLAP = threading.local()
 def overlap_switch(switch):
     """Inside the block, :func:`all_to_all` issues each all-to-all asynchronously, calls
     ``switch()`` (which returns when this thread may go on: the pipeline's overlapped
-    pair lets the other microbatch compute meanwhile, :class:`tutorial_lib.pipeline.Turns`),
+    pair lets the other microbatch compute meanwhile, :class:`tutorial_lib.pipeline_parallel.dualpipe.Turns`),
     and only then waits for it.  Its event is tagged ``overlapped``: from issue to wait."""
     saved = getattr(_OVERLAP, "switch", None)
     _OVERLAP.switch = switch

@@ -40,7 +40,7 @@ this machine, and the ring's work per rank under either split, is
 :mod:`tutorial_lib.timing.cp_attention`'s.  Tensors are ``[b, heads, s_local, head_dim]`` (what
 :class:`tutorial_lib.transformer.SelfAttention` hands to attention); ``s_local`` holds
 this rank's chunks, in chunk order.  The bytes of each mode, in closed form:
-:mod:`tutorial_lib.costs.context_parallel`.
+:mod:`tutorial_lib.costs.cp_messages`.
 """
 from __future__ import annotations
 

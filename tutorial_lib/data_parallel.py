@@ -138,7 +138,7 @@ def counts_in_grad_norm(param: torch.Tensor, domain: str) -> bool:
     """True on the ranks that add ``param`` to the norm: every rank for a TP shard
     (the shards differ), only TP rank 0 for a copy (so it is counted once); never for a
     parameter of DualPipe's second model copy (``model_copy == 1``: its twin in the first
-    copy holds the same gradient, :func:`tutorial_lib.pipeline.sum_model_copy_gradients`)."""
+    copy holds the same gradient, :func:`tutorial_lib.pipeline_parallel.dualpipe.sum_model_copy_gradients`)."""
     tp_group = DOMAINS[domain].tensor_parallel_group
     if getattr(param, "model_copy", 0) == 1:  # DualPipe's second copy: its twin counts
         return False

@@ -12,7 +12,7 @@ there, because every weight is drawn from a seed derived from its *global* layer
     last stage:     hidden [s, b, h] -> its layers -> final norm -> head -> loss (scalar)
 
 What crosses a stage boundary is one activation tensor [s, b, h] forward and its
-gradient backward: :mod:`tutorial_lib.pipeline` moves them with :mod:`tutorial_lib.p2p`.
+gradient backward: :mod:`tutorial_lib.pipeline_parallel.executor` moves them with :mod:`tutorial_lib.p2p`.
 """
 from __future__ import annotations
 

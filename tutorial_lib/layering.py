@@ -13,7 +13,7 @@ registered here) and on a row without a module.  It also checks, through everyth
 loads when it is imported, that no drawing (``viz``) reaches ``torch.distributed`` or
 :data:`PROCESS_MODULES`, and that the :data:`TORCH_FREE` modules load no torch.
 
-Module names are relative to ``tutorial_lib``: ``"costs.memory"`` is
+Module names are relative to ``tutorial_lib``: ``"costs.memory_model"`` is
 ``tutorial_lib/costs/memory.py``.  Adding a module: add its row (and, when it is torch-free
 by promise, its name to :data:`TORCH_FREE`).
 """
@@ -32,7 +32,13 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "layering": (),
     "grid": ("config",),
     "checkpointing": ("config",),
-    "pipeline_schedules": ("config",),
+    "pipeline_parallel": (),
+    "pipeline_parallel.actions": ("config",),
+    "pipeline_parallel.schedules": ("config", "pipeline_parallel"),
+    "pipeline_parallel.zero_bubble": ("config", "pipeline_parallel"),
+    "pipeline_parallel.simulator": ("config", "pipeline_parallel"),
+    "pipeline_parallel.formulas": ("config", "pipeline_parallel"),
+    "pipeline_parallel.modes": ("config", "pipeline_parallel"),
     "recompute": ("config", "trace"),
     "data": ("devices",),
     "reference": (),
@@ -41,7 +47,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "launch": ("config", "trace"),
     "cluster": ("launch", "trace"),
     "comm": ("parallel_state", "trace"),
-    "collectives": ("comm", "parallel_state", "trace"),
+    "ring_collectives": ("comm", "parallel_state", "trace"),
     # the techniques
     "tensor_parallel": (),
     "tensor_parallel.mappings": ("comm", "parallel_state", "trace"),
@@ -60,30 +66,35 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
             "parallel_state", "tensor_parallel", "trace"),
     "transformer": ("context_parallel", "devices", "parallel_state", "recompute",
                     "tensor_parallel"),
-    "p2p": ("comm", "devices", "parallel_state", "pipeline_schedules", "trace"),
+    "p2p": ("comm", "devices", "parallel_state", "pipeline_parallel", "trace"),
     # models, steps and runs
     "gpt": ("config", "devices", "parallel_state", "tensor_parallel", "transformer"),
     "tp_dp_step": ("comm", "data", "data_parallel", "devices", "parallel_state",
                    "tensor_parallel", "trace"),
     "deepseek": ("config", "context_parallel", "devices", "gpt", "moe", "moe_balance",
                  "parallel_state", "recompute", "tensor_parallel", "trace", "transformer"),
-    "pipeline": ("comm", "config", "data_parallel", "deepseek", "devices", "moe", "p2p",
-                 "parallel_state", "pipeline_schedules", "saved_activations", "trace"),
-    "memory": ("config", "costs.memory", "pipeline_schedules", "recompute"),
-    "arguments": ("checkpointing", "config", "costs.memory", "grid", "pipeline_schedules",
+    "pipeline_parallel.backward_split": (),
+    "pipeline_parallel.executor": ("comm", "deepseek", "devices", "p2p", "parallel_state",
+                                   "pipeline_parallel", "saved_activations", "trace"),
+    "pipeline_parallel.dualpipe": ("comm", "data_parallel", "parallel_state", "pipeline_parallel",
+                                   "trace"),
+    "pipeline_parallel.synthetic": ("config", "deepseek", "devices", "moe", "parallel_state",
+                                    "pipeline_parallel", "trace"),
+    "memory": ("config", "costs.memory_model", "pipeline_parallel", "recompute"),
+    "arguments": ("checkpointing", "config", "costs.memory_model", "grid", "pipeline_parallel",
                   "recipes", "recompute"),
     "dist_checkpointing": ("checkpointing", "data_parallel", "parallel_state"),
     "train_4d": ("arguments", "checkpointing", "comm", "context_parallel", "data",
                  "data_parallel", "deepseek", "devices", "launch", "memory", "moe_balance",
-                 "parallel_state", "pipeline", "pipeline_schedules", "precision", "tp_dp_step",
+                 "parallel_state", "pipeline_parallel", "precision", "tp_dp_step",
                  "trace"),
     # closed-form predictions (no torch at import)
     "costs": (),
     "costs.bandwidth": (),
-    "costs.collectives": (),
+    "costs.alpha_beta": (),
     "costs.moe": (),
-    "costs.context_parallel": ("costs.collectives",),
-    "costs.memory": ("grid", "pipeline_schedules", "recompute"),
+    "costs.cp_messages": ("costs.alpha_beta",),
+    "costs.memory_model": ("grid", "pipeline_parallel", "recompute"),
     "costs.tp_dp_step": (),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
@@ -99,31 +110,31 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "viz.draw": (),
     "viz.widget": (),
     "viz.table": (),
-    "viz.collectives": ("trace", "viz.draw", "viz.widget"),
+    "viz.collective_animation": ("trace", "viz.draw", "viz.widget"),
     "viz.moe_flow": ("trace", "viz.draw", "viz.widget"),
-    "viz.timeline": ("pipeline_schedules", "trace", "viz.draw", "viz.widget"),
-    "viz.context_parallel": ("trace", "viz.draw", "viz.widget"),
+    "viz.timeline": ("pipeline_parallel", "trace", "viz.draw", "viz.widget"),
+    "viz.cp_ring": ("trace", "viz.draw", "viz.widget"),
     "viz.rank_map": ("config", "grid", "viz.draw", "viz.widget"),
     "viz.fp8_tiles": ("fp8_format", "viz.widget"),
     "viz.fp8_legs": ("fp8_format", "viz.draw"),
-    "viz.memory": ("config", "costs.memory", "memory", "recompute", "viz.widget"),
-    "viz.cheatsheet": ("config", "costs", "grid", "pipeline_schedules", "recipes"),
+    "viz.memory_explorer": ("config", "costs.memory_model", "memory", "recompute", "viz.widget"),
+    "viz.cheatsheet": ("config", "costs", "grid", "pipeline_parallel", "recipes"),
     # the exercises: the kit, and the modules each exercise is about
     "exercises": (),
     "exercises.kit": ("launch",),
     "exercises.ch01": ("exercises.kit", "grid"),
-    "exercises.ch02": ("collectives", "comm", "exercises.kit", "launch"),
+    "exercises.ch02": ("ring_collectives", "comm", "exercises.kit", "launch"),
     "exercises.ch03": ("config", "costs", "data_parallel", "exercises.kit", "launch",
                        "parallel_state", "tensor_parallel", "transformer"),
     "exercises.ch04": ("config", "costs", "exercises.kit", "launch", "moe", "moe_balance",
                        "parallel_state"),
     "exercises.ch05": ("exercises.kit", "moe", "moe_balance"),
-    "exercises.ch06": ("deepseek", "exercises.kit", "pipeline_schedules"),
+    "exercises.ch06": ("deepseek", "exercises.kit", "pipeline_parallel"),
     "exercises.ch07": ("comm", "exercises.kit", "launch", "p2p", "parallel_state", "timing"),
     "exercises.ch08": ("exercises.kit", "fp8", "precision"),
     "exercises.ch09": ("context_parallel", "costs", "exercises.kit", "timing"),
-    "exercises.ch10": ("config", "costs.memory", "exercises.kit", "memory", "recompute"),
-    "exercises.ch11": ("exercises.kit", "pipeline_schedules"),
+    "exercises.ch10": ("config", "costs.memory_model", "exercises.kit", "memory", "recompute"),
+    "exercises.ch11": ("exercises.kit", "pipeline_parallel"),
 }
 
 LAZY_IMPORTS: dict[str, dict[str, str]] = {
@@ -157,7 +168,7 @@ LAZY_IMPORTS: dict[str, dict[str, str]] = {
         "dist_checkpointing": "torch.distributed.checkpoint (DTensor, the device mesh) loads "
                               "only in a run that saves or loads a checkpoint",
     },
-    "viz.context_parallel": {
+    "viz.cp_ring": {
         "context_parallel": "the ring's own chunk ids, read when a ring is drawn: "
                             "context_parallel talks to processes, and no drawing loads "
                             "torch.distributed at import",
@@ -175,10 +186,13 @@ PROCESS_MODULES: tuple[str, ...] = ("comm", "parallel_state", "launch", "cluster
 """The modules that start ranks or talk between them: no drawing loads them at import."""
 
 TORCH_FREE: tuple[str, ...] = (
-    "config", "grid", "recipes", "checkpointing", "pipeline_schedules", "recompute",
+    "config", "grid", "recipes", "checkpointing", "recompute",
+    "pipeline_parallel", "pipeline_parallel.actions", "pipeline_parallel.schedules",
+    "pipeline_parallel.zero_bubble", "pipeline_parallel.simulator", "pipeline_parallel.formulas",
+    "pipeline_parallel.modes",
     "memory", "arguments", "layering",
-    "costs", "costs.bandwidth", "costs.collectives", "costs.moe", "costs.context_parallel",
-    "costs.memory", "costs.tp_dp_step",
+    "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
+    "costs.memory_model", "costs.tp_dp_step",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""

@@ -1,6 +1,6 @@
 """A rank's memory: the prediction per rank on the command line, and the measurement in a run.
 
-The model itself is :mod:`tutorial_lib.costs.memory` (pure, no torch); this module is
+The model itself is :mod:`tutorial_lib.costs.memory_model` (pure, no torch); this module is
 
 * the command line ``python -m tutorial_lib.memory --world-size 2048 --tp 1 --pp 16 --ep 64
   --preset deepseek-v3 [--json]``: the breakdown per rank (with ``--json`` one object whose
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 
 from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers,
                      validate)
-from .costs.memory import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
+from .costs.memory_model import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
-from .pipeline_schedules import (ALL_SCHEDULES, SCHEDULE_PLACEMENT, SPLIT_BACKWARD_SCHEDULES,
-                                 num_model_stages)
+from .pipeline_parallel.actions import (ALL_SCHEDULES, SCHEDULE_PLACEMENT,
+                                        SPLIT_BACKWARD_SCHEDULES, num_model_stages)
 from .recompute import RECOMPUTE_METHODS, Recompute, check_recompute
 
 __all__ = ["Preset", "PRESETS", "predict", "preset_layout", "heaviest_rank_bytes",
@@ -77,7 +77,7 @@ def predict(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, *,
             schedule: str = "1f1b", virtual_pipeline_size: int = 1, **options) -> list[RankMemory]:
     """Validate the config (:func:`tutorial_lib.config.validate`), then
     :func:`tutorial_lib.costs.memory_per_rank` with ``options`` (precision, distributed
-    optimizer, recompute, ...); issue 20's schedules with their own chunks (two per rank
+    optimizer, recompute, ...); chapter 11's schedules with their own chunks (two per rank
     for ZBV, DualPipeV, DualPipe), as ``train_4d`` accepts them."""
     validate(parallel, model, train)
     pp = parallel.pipeline_model_parallel_size
@@ -170,7 +170,7 @@ def measure_state_bytes(module, optimizer) -> dict[str, int]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m tutorial_lib.memory",
-        description="Predicted memory per rank of a training run (tutorial_lib.costs.memory): "
+        description="Predicted memory per rank of a training run (tutorial_lib.costs.memory_model): "
                     "weights, gradients, optimizer state and activations at the schedule's peak.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a published-scale model and batch (default: the course's "

@@ -1,6 +1,6 @@
 """Pipeline point-to-point communication: the six helpers Megatron's schedules call.
 
-A pipeline schedule (:mod:`tutorial_lib.pipeline_schedules`) says *what* moves; this
+A pipeline schedule (:mod:`tutorial_lib.pipeline_parallel`) says *what* moves; this
 module moves it, with real ``torch.distributed`` sends and receives between adjacent
 ranks of the ``"pp"`` group.  Activations go forward (rank ``r`` to ``r + 1``),
 gradients go backward (``r + 1`` to ``r``).  The six helpers, named as in Megatron's
@@ -50,7 +50,7 @@ one is a teaching construct that Megatron does not have:
     float, so "send, then receive" on both ends of a link hangs.  The library orders
     by **stage parity** (even stages send first, odd stages receive first), which
     gives the two ends of every link opposite orders.  Chapter 7 only: a training run
-    refuses it (:func:`tutorial_lib.pipeline_schedules.check_schedule_and_mode`).
+    refuses it (:func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mode`).
 
 Why Megatron still cares about the order of non-blocking operations: on NCCL an
 ``isend`` or ``irecv`` does not block the host, it enqueues a kernel on a CUDA stream
@@ -96,12 +96,12 @@ import torch
 
 from . import comm, parallel_state
 from .devices import resolve_device
-from .pipeline_schedules import P2P_MODES
+from .pipeline_parallel.modes import P2P_MODES
 from .trace import get_tracer
 
 MODES = P2P_MODES
 """``sequential``, ``overlapped``, ``batched``
-(:data:`tutorial_lib.pipeline_schedules.P2P_MODES`)."""
+(:data:`tutorial_lib.pipeline_parallel.modes.P2P_MODES`)."""
 DEFAULT_MODE = "batched"
 """Megatron's default: ``batch_p2p_comm = not overlap_p2p_comm`` with overlap off."""
 
@@ -286,7 +286,7 @@ def communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = No
     ``p2p_op`` and, in overlapped mode, decides the posting order
     (:func:`unbatched_order`).  Returns the received tensor (or ``None`` when nothing
     is received).  The tags keep separate streams between the same two ranks apart
-    (the executor in :mod:`tutorial_lib.pipeline` gives activations and gradients
+    (the executor in :mod:`tutorial_lib.pipeline_parallel.executor` gives activations and gradients
     their own).  ``unwaited_sends``: a list to append the send's handle to instead of
     waiting on it (the sender moves on, and waits later, as the interleaved schedule
     does with ``overlap_p2p_comm``); not possible in sequential mode, whose send

@@ -107,9 +107,10 @@ from .deepseek import DeepSeekModel, Microbatch
 from .devices import synchronize
 from .memory import measure_state_bytes
 from .moe_balance import max_violation, update_expert_bias
-from .pipeline import (SCHEDULE_PLACEMENT, forward_backward_pipelining, mark_model_copies,
-                       sum_model_copy_gradients)
-from .pipeline_schedules import model_stage, num_model_stages
+from .pipeline_parallel.actions import SCHEDULE_PLACEMENT
+from .pipeline_parallel.dualpipe import mark_model_copies, sum_model_copy_gradients
+from .pipeline_parallel.executor import forward_backward_pipelining
+from .pipeline_parallel.actions import model_stage, num_model_stages
 from .tp_dp_step import finish_step
 from .trace import get_tracer
 
@@ -125,13 +126,13 @@ __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "ar
 
 def build_chunks(args: TrainingArgs, device=None) -> list[DeepSeekModel]:
     """This rank's model chunks on ``device``: chunk ``c`` is model stage ``c * PP + pp_rank``
-    (issue 20's V: stages ``pp_rank`` and ``2 PP - 1 - pp_rank``; DualPipe: stage
+    (chapter 11's V: stages ``pp_rank`` and ``2 PP - 1 - pp_rank``; DualPipe: stage
     ``pp_rank`` of copy 0 and ``PP - 1 - pp_rank`` of copy 1, each copy the whole model
     with the same weights)."""
     _, model, _ = args.configs()
     pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
     rank = parallel_state.group_rank("pp")
-    placement = SCHEDULE_PLACEMENT.get(args.schedule, "loop")  # issue 20: a V, two copies
+    placement = SCHEDULE_PLACEMENT.get(args.schedule, "loop")  # chapter 11: a V, two copies
     chunks = [DeepSeekModel(model, stage=model_stage(placement, rank, c, pp),
                             num_stages=num_model_stages(placement, pp, v), seed=args.seed,
                             device=device, recompute=args.recompute)

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "build_book.sh"
 
 # Page errors or console messages at level "error" that a test tolerates: none. (Until
-# issue 13 every page threw sphinx-thebe's "Identifier 'THEBE_JS_URL' has already been
+# an earlier build every page threw sphinx-thebe's "Identifier 'THEBE_JS_URL' has already been
 # declared"; _config.yml now leaves that extension out, thebe being off.)
 KNOWN_ERRORS: tuple[str, ...] = ()
 

@@ -116,7 +116,7 @@ def test_config_keeps_the_safety_settings():
 
 
 def test_config_leaves_out_thebe_and_the_second_header():
-    """Issue 13. sphinx-thebe put `const THEBE_JS_URL` on every page twice (a page error on
+    """sphinx-thebe put `const THEBE_JS_URL` on every page twice (a page error on
     every page) although thebe is off; pydata-sphinx-theme 0.17 drew a hidden header whose
     toggle buttons took the handlers meant for the visible ones (dead menus on phones)."""
     sphinx = yaml.safe_load((REPO / "_config.yml").read_text())["sphinx"]

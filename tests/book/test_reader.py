@@ -1,6 +1,6 @@
 """The built book as a reader meets it: on a phone (390 x 844) and a desktop (1440 x 900).
 
-Issue 13 walked the book in chromium at both sizes and found: the visible sidebar toggles
+A walk through the book in chromium at both sizes found: the visible sidebar toggles
 did nothing on a phone; pages scrolled sideways on a phone; code cells scrolled sideways
 on a desktop; widget labels shrank to 4 px on a phone; every page carried Font Awesome's
 1.5 MB script, and chapter 1 3.6 MB of a dead ipywidgets explorer; folded solutions were
@@ -28,7 +28,7 @@ CHAPTER = "notebooks/03_tp_dp"
 MIN_TEXT_PX = 9.0
 PAGE_BUDGET = 4_000_000
 """Raw bytes a page may load (everything: HTML, CSS, scripts, fonts, images).  Before
-issue 13 a chapter loaded 4.2 to 4.9 MB, chapter 1 8.3 MB."""
+that walk a chapter loaded 4.2 to 4.9 MB, chapter 1 8.3 MB."""
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from tests.unit.test_timeline import MS, synthetic
 from tutorial_lib.launch import launch
 from tutorial_lib.viz import draw, widget
 from tutorial_lib.viz import timeline as tlmod
-from tutorial_lib.viz.collectives import animate_ring_all_reduce
-from tutorial_lib.viz.context_parallel import animate_ring_attention
+from tutorial_lib.viz.collective_animation import animate_ring_all_reduce
+from tutorial_lib.viz.cp_ring import animate_ring_attention
 from tutorial_lib import fp8
 from tutorial_lib.viz.fp8_legs import dispatch_combine_figure
 from tutorial_lib.viz.fp8_tiles import tile_explorer
@@ -217,8 +217,9 @@ def test_a_dualpipe_timeline_keeps_its_pair_outlines_and_explains_its_bars_in_ch
         tmp_path, fragment_page):
     """Chapter 11's figures: overlapped pairs outlined (after a zoom too), W's drawn, the
     tooltip of a pair's half and of a split B saying what they are."""
-    from tutorial_lib import pipeline_schedules as ps
-    plan = ps.simulate(ps.build_schedules("dualpipe", 4, 8))
+    from tutorial_lib.pipeline_parallel import build_schedules
+    from tutorial_lib.pipeline_parallel.simulator import simulate
+    plan = simulate(build_schedules("dualpipe", 4, 8))
     drawn = tlmod.timeline_from_spans(tlmod.plan_spans(plan), scale=1, unit="F", bubble=True,
                                       title="DualPipe, PP = 4, M = 8")
     view = fragment_page(drawn.to_html(), width=1000, height=700)
@@ -270,7 +271,7 @@ def test_the_token_flow_plays_in_chromium(dispatch_run, tmp_path, fragment_page)
 
 @pytest.mark.dist
 def test_the_token_flow_phase_pills_jump_to_their_phase_in_chromium(dispatch_run, fragment_page):
-    """Issue 13: the phase pills above chapter 4's token flow looked like buttons and did
+    """Found reading the book: the phase pills above chapter 4's token flow looked like buttons and did
     nothing.  A click (or Enter) on a pill now moves the player to that phase's first
     frame, and Next goes on from there."""
     anim = animate_token_flow(dispatch_run.trace)
@@ -330,7 +331,7 @@ _LABELS = """() => {
 
 @pytest.mark.parametrize("width", [390, 1440])
 def test_labels_stay_readable_and_the_page_stays_put(fragment_page, width):
-    """widget.css + widget.js (issue 13): a drawing wider than a 390 px phone keeps every
+    """widget.css + widget.js: a drawing wider than a 390 px phone keeps every
     label at 9 px or more and scrolls inside its box; the page never scrolls sideways.
     Before, a 940-unit drawing shrank to the column and its 11-unit labels to ~4 px."""
     wide = draw.svg(940, 120, [draw.text(20 + 90 * i, 60, f"rank {i}", size=11)
@@ -344,7 +345,7 @@ def test_labels_stay_readable_and_the_page_stays_put(fragment_page, width):
     view.assert_clean()
 
 
-# --- context parallelism: the ring of K/V blocks (issue 18) ------------------------------------
+# --- context parallelism: the ring of K/V blocks (chapter 9) ------------------------------------
 
 
 @pytest.mark.dist
@@ -385,7 +386,7 @@ _FIT = """root => {
 @pytest.mark.parametrize("width", [1440, 390])
 def test_the_fp8_tile_explorer_fits_its_column_with_every_channel_and_a_value_scale(
         fragment_page, width):
-    """Issue 13: the widget was a fixed 940 px, so a 740 px column hid channels 104-127, and
+    """Found reading the book: the widget was a fixed 940 px, so a 740 px column hid channels 104-127, and
     its value axis had no scale.  Now: all 128 channels inside the widget at 1440 and 390
     px, no sideways scroll, text at least 9 px, and a value axis whose ticks are the tile's
     amax, half of it and 0 (either sign), redrawn when the tile changes."""
@@ -448,10 +449,10 @@ def test_the_fp8_legs_figure_reads_at_every_width(fragment_page, width):
 
 
 def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page):
-    """Issue 19: every click shows what ``costs.memory_per_rank`` computed for that layout
+    """Chapter 10's memory: every click shows what ``costs.memory_per_rank`` computed for that layout
     (the bars' MiB are the island's numbers, the heaviest rank and the verdict follow), a
     refused layout says why, and the second copy on the page does not move."""
-    from tutorial_lib.viz.memory import explorer_data, memory_explorer
+    from tutorial_lib.viz.memory_explorer import explorer_data, memory_explorer
     data = explorer_data()
     a, b = memory_explorer(), memory_explorer()
     view = fragment_page(a.to_html(), b.to_html())

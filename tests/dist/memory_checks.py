@@ -1,4 +1,4 @@
-"""Predicted (``tutorial_lib.costs.memory``) against measured memory, per rank of a 4D run.
+"""Predicted (``tutorial_lib.costs.memory_model``) against measured memory, per rank of a 4D run.
 
 Shared by the equivalence tests (``test_pipeline_training.py`` checks every run it launches)
 and ``test_memory.py``: no launch of its own.

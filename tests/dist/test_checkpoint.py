@@ -1,4 +1,4 @@
-"""Issue 12: ``train_4d`` checkpoints (``--save`` / ``--load``, DCP), reshards, ZeRO-1, kills, Ctrl-C.
+"""``train_4d`` checkpoints (``--save`` / ``--load``, DCP), reshards, ZeRO-1, kills, Ctrl-C.
 
 Real gloo ranks throughout.  One small model (12 layers so that PP = 3 and 4 divide them,
 4 routed experts) and one chain of runs, each launched once and shared by the tests:
@@ -194,7 +194,7 @@ def test_every_tensor_is_saved_once_under_its_global_name_and_shape(ckpt_root, n
     """DCP's index holds every tensor of the whole model under its global name and shape,
     whatever layout saved it, in the chunks the layout's split predicts
     (checkpointing.tensor_sharding / local_chunk; under TP 2 the experts are split over ETP =
-    TP = 2 too, issue 17: expert_tp_sharding), each chunk stored once."""
+    TP = 2 too: expert_tp_sharding), each chunk stored once."""
     run("tp2_pp2_dp2" if name == "a" else "ep_zero", ckpt_root)
     metadata = FileSystemReader(str(ckpt_root / name / "iter_0000002")).read_metadata()
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith("rng_state")}
@@ -215,7 +215,7 @@ def test_every_tensor_is_saved_once_under_its_global_name_and_shape(ckpt_root, n
             parts = sizes[sharding[0]] if sharding else 1
             predicted = {checkpointing.local_chunk(tuple(tensor.shape), sharding and sharding[1], i, parts)
                          for i in range(parts)}
-            if sharding and sharding[0] == "ep" and sizes["etp"] > 1:  # issue 17: ETP = TP
+            if sharding and sharding[0] == "ep" and sizes["etp"] > 1:  # TP x EP: ETP = TP
                 dim = {"weight_down": 2}.get(name_.rsplit(".", 1)[1], 1)  # the serial model's
                 assert checkpointing.expert_tp_sharding(True, dim, "expert_dp") == ("expert_tp", dim)
                 predicted = {(offsets[:dim] + (offsets[dim] + inner[dim],) + offsets[dim + 1:],

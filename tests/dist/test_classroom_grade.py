@@ -1,4 +1,4 @@
-"""Issue 14: ``python -m tutorial_lib.classroom grade`` on correct, wrong and broken
+"""``python -m tutorial_lib.classroom grade`` on correct, wrong and broken
 submissions, as an instructor runs it: one folder per student, one CSV row per student and
 exercise, each notebook in a fresh kernel under a time limit.  A syntax error, a deleted
 check cell, a file that is not JSON, a worker that deadlocks and an endless loop each fail

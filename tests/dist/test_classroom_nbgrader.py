@@ -1,4 +1,4 @@
-"""Issue 14: the real nbgrader on the course.  ``scripts/nbgrader_metadata.py`` writes the
+"""The real nbgrader on the course.  ``scripts/nbgrader_metadata.py`` writes the
 source notebooks from the cell tags; ``nbgrader generate_assignment`` makes the student
 edition of every chapter (no solution left, every checker and stub still there), and
 ``nbgrader autograde`` gives chapter 1's lab sheet (its setup cell and two exercises, whose

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tutorial_lib import collectives, comm
+from tutorial_lib import comm, ring_collectives
 from tutorial_lib.launch import WorkerError, launch
 
 pytestmark = pytest.mark.dist
@@ -16,24 +16,24 @@ SIZES = [1, 2, 3, 4, 5]
 def _all_reduce_random(ctx, rows, cols, seed):
     torch.manual_seed(seed + ctx.rank)  # a different tensor on every rank
     x = torch.randn(rows, cols)
-    ring = collectives.ring_all_reduce(x)
+    ring = ring_collectives.ring_all_reduce(x)
     reference = comm.all_reduce(x.clone())
     return {"ring": ring, "reference": reference, "input_untouched": x}
 
 
 def _all_reduce_rank_filled(ctx, rows):
     x = torch.full((rows,), float(ctx.rank))
-    return collectives.ring_all_reduce(x)
+    return ring_collectives.ring_all_reduce(x)
 
 
 def _reduce_scatter_and_gather(ctx, rows):
     n = ctx.world_size
     torch.manual_seed(100 + ctx.rank)
     x = torch.randn(rows, 3)
-    mine = collectives.ring_reduce_scatter(x)
+    mine = ring_collectives.ring_reduce_scatter(x)
     reference = comm.reduce_scatter(torch.empty(rows // n, 3), x.clone())
     shard = torch.randn(2, 3)
-    gathered = collectives.ring_all_gather(shard)
+    gathered = ring_collectives.ring_all_gather(shard)
     gathered_ref = comm.all_gather(torch.empty(2 * n, 3), shard)
     return {"rs": mine, "rs_ref": reference, "ag": gathered, "ag_ref": gathered_ref}
 
@@ -41,7 +41,7 @@ def _reduce_scatter_and_gather(ctx, rows):
 def _ring_int_exact(ctx, rows):
     # Integers: the sum is exact whatever order the ring adds in.
     x = torch.arange(rows, dtype=torch.int64) * (ctx.rank + 1)
-    return collectives.ring_all_reduce(x), comm.all_reduce(x.clone())
+    return ring_collectives.ring_all_reduce(x), comm.all_reduce(x.clone())
 
 
 def _on_data_parallel_groups(ctx):
@@ -51,23 +51,23 @@ def _on_data_parallel_groups(ctx):
     parallel_state.initialize_model_parallel(ParallelConfig(world_size=4,
                                                             tensor_model_parallel_size=2))
     x = torch.arange(4.0) + 10 * ctx.rank
-    ring = collectives.ring_all_reduce(x, group="dp")
-    shard = collectives.ring_reduce_scatter(x, group="dp")
+    ring = ring_collectives.ring_all_reduce(x, group="dp")
+    shard = ring_collectives.ring_reduce_scatter(x, group="dp")
     return {"ring": ring, "reference": comm.all_reduce(x.clone(), group="dp"), "shard": shard,
             "dp_ranks": parallel_state.get_group_ranks("dp")}
 
 
 def _bad_shape(ctx, rows):
-    collectives.ring_all_reduce(torch.ones(rows))
+    ring_collectives.ring_all_reduce(torch.ones(rows))
 
 
 def _scalar(ctx):
-    collectives.ring_all_reduce(torch.tensor(1.0))
+    ring_collectives.ring_all_reduce(torch.tensor(1.0))
 
 
 def _two_calls(ctx):
-    a = collectives.ring_all_reduce(torch.ones(ctx.world_size))
-    b = collectives.ring_all_reduce(torch.ones(ctx.world_size * 2))
+    a = ring_collectives.ring_all_reduce(torch.ones(ctx.world_size))
+    b = ring_collectives.ring_all_reduce(torch.ones(ctx.world_size * 2))
     return a, b
 
 
@@ -137,7 +137,7 @@ def test_trace_shows_two_n_minus_one_sends_of_one_chunk_each(n):
         assert sends.total_bytes() == 2 * (n - 1) * tensor_bytes // n  # 2(N-1)/N x the tensor
         assert all(e.peer == (rank + 1) % n for e in sends)
         assert all(e.peer == (rank - 1) % n for e in recvs)
-    assert collectives.ring_cost(tensor_bytes, n)["bytes_sent"] == 2 * (n - 1) * tensor_bytes // n
+    assert ring_collectives.ring_cost(tensor_bytes, n)["bytes_sent"] == 2 * (n - 1) * tensor_bytes // n
 
 
 @pytest.mark.parametrize("n", [3, 4])

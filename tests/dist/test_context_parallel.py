@@ -1,4 +1,4 @@
-"""Context-parallel attention on real gloo ranks equals serial attention (issue 18).
+"""Context-parallel attention on real gloo ranks equals serial attention (chapter 9).
 
 One launch per CP size (2 and 4) runs every case: the three ``cp_comm_type`` modes
 (``p2p`` ring, ``all_gather``, ``a2a`` Ulysses), causal and not, on the load-balanced
@@ -16,7 +16,7 @@ Then the model: :class:`~tutorial_lib.deepseek.DeepSeekModel` at CP 2 (with drop
 TP 2 x CP 2 (a2a), one step with a sequence-balance coefficient 1000 times DeepSeek-V3's
 so that the balance loss's gradient counts: every parameter's gradient after the
 ``dp_cp`` average equals the serial model's.  Last, the ring widget
-(:mod:`tutorial_lib.viz.context_parallel`) replays the CP 4 ring's trace.
+(:mod:`tutorial_lib.viz.cp_ring`) replays the CP 4 ring's trace.
 """
 import sys
 from collections import Counter
@@ -211,7 +211,7 @@ def test_the_ring_widget_replays_the_recorded_ring():
     """The animation's frames come from the trace: one per step plus the merged result,
     each rank's block the schedule's, each message a block passed on to the next rank,
     each rank's pairs the ones its span counted."""
-    from tutorial_lib.viz.context_parallel import animate_ring_attention
+    from tutorial_lib.viz.cp_ring import animate_ring_attention
     trace = attention_run(4).trace.filter(case=case_name("p2p", True, True))
     anim = animate_ring_attention(trace)
     schedule = cp.ring_schedule(4)

@@ -1,4 +1,4 @@
-"""Nothing the course runs relies on torch's default device (issue 16), proven on the CPU.
+"""Nothing the course runs relies on torch's default device (the device rule), proven on the CPU.
 
 Every chapter's worker functions (read from the notebooks themselves,
 :mod:`tests.dist.notebook_code`, with smaller sizes where a chapter's are large), the
@@ -184,7 +184,7 @@ TRAIN_BASE = dict(world_size=8, steps=1, num_layers=4, global_batch_size=16,
 def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
     """``{world size: [(label, fn, args, keep)]}``: every chapter's launched functions
     (``checkpoints``: a directory for the save-then-resume run, left out without one)."""
-    from tutorial_lib import pipeline
+    from tutorial_lib.pipeline_parallel import synthetic
     from tutorial_lib.timing import alpha_beta, cp_attention, fp8_all_to_all, p2p_modes
 
     # smaller than the chapters' own sizes, the same code
@@ -219,13 +219,13 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
              ("04 one_step", ch["04"]["one_step"], (), None),
              ("05 train", ch["05"]["train"], ({k: v for k, v in ch["05"]["RUNS"].items()},),
               None),
-             ("06 measure_synthetic_schedules", pipeline.measure_synthetic_schedules,
+             ("06 measure_synthetic_schedules", synthetic.measure_synthetic_schedules,
               ([("1f1b", 4, 1), ("interleaved", 8, 2)], 0.001, 0.002, 1), _no_timings),
              ("07 one_round_per_mode", ch["07"]["one_round_per_mode"], (64,), None),
-             ("11 measure_synthetic_schedules", pipeline.measure_synthetic_schedules,
+             ("11 measure_synthetic_schedules", synthetic.measure_synthetic_schedules,
               ([("zb-h1", 4, 1), ("zbv", 4, 1), ("dualpipe", 8, 1)], 0.001, 0.002, 1),
               _no_timings),
-             ("11 measure_synthetic_schedules, PP2 x EP2", pipeline.measure_synthetic_schedules,
+             ("11 measure_synthetic_schedules, PP2 x EP2", synthetic.measure_synthetic_schedules,
               ([("dualpipe", 4, 1)], 0.001, 0.002, 1, None, None, 2), _no_timings),
              ("07 measure_p2p_modes' worker", p2p_modes._timing_worker,
               (("sequential", "overlapped", "batched"), (64, 1024), 1, 0), None),

@@ -1,4 +1,4 @@
-"""Issue 19: the distributed optimizer in the 4D run (``--use-distributed-optimizer``), real gloo.
+"""The distributed optimizer in the 4D run (``--use-distributed-optimizer``), real gloo.
 
 One launch of 6 ranks, PP 3 x DP 2 (a dense layer and MoE layers on every stage, so each rank
 has two gradient buffers: the dense weights over ``dp``, the routed experts over

@@ -1,4 +1,4 @@
-"""Issue 14: no checker hands out its answer key, for the checkers that launch gloo workers
+"""No checker hands out its answer key, for the checkers that launch gloo workers
 (2.1, 2.2, 3.1, 3.3, 4.3, 7.1, 7.2): empty, constant and typical-mistake answers; no failing
 case shows its reference answer, nothing reads "expected <value>", every hint is one of the
 checker's (tests/answer_keys.py). The measuring launches of 2.2, 3.3 and 4.3 are cached, so

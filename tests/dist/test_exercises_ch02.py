@@ -120,8 +120,8 @@ def calls_the_library(ctx, chunk):
 
 
 def calls_the_library_ring(ctx, chunk):
-    from tutorial_lib import collectives
-    return collectives.ring_all_gather(chunk)
+    from tutorial_lib import ring_collectives
+    return ring_collectives.ring_all_gather(chunk)
 
 
 def uses_torch_distributed_directly(ctx, chunk):
@@ -232,7 +232,7 @@ def test_byte_count_mistake_gets_its_hint(wrong, hint):
 
 
 def test_two_b_fails_on_every_world_and_keeps_the_trace_count_to_itself():
-    """Issue 14: the case name carried the traced count, so any answer revealed the key."""
+    """Exercises that teach: the case name carried the traced count, so any answer revealed the key."""
     result = check_ring_all_reduce_bytes(lambda nbytes, n: 2 * nbytes)
     assert not any(c.passed for c in result.cases)
     first = result.cases[0]

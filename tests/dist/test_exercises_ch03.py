@@ -148,7 +148,7 @@ def test_two_mistakes_get_both_hints():
 
 
 def test_dividing_the_replicated_parameters_by_t_is_named():
-    """Issue 14: counting every parameter of the block as split over TP got the generic
+    """Exercises that teach: counting every parameter of the block as split over TP got the generic
     hint. Megatron-Core 0.20.0 (d98e8a64), megatron/core/tensor_parallel/layers.py,
     RowParallelLinear.__init__: the bias has the full output size on every TP rank ("bias
     is not parallelized"), as do the LayerNorms; only the weights (and ColumnParallelLinear's
@@ -168,7 +168,7 @@ def test_step_bytes_checker_never_raises_on_garbage(garbage):
 
 
 def test_an_unknown_wrong_formula_gets_nudges_then_the_generic_hints():
-    """Issue 14: staged hints; the generic hints are the whole formula."""
+    """Exercises that teach: staged hints; the generic hints are the whole formula."""
     wrong = lambda cfg: {k: v + 1 for k, v in reference_step_bytes(cfg).items()}  # noqa: E731
     assert check_step_bytes(wrong).hints == [ch03.HINT_STEP_TP_NUDGE, ch03.HINT_STEP_DP_NUDGE]
     assert check_step_bytes(wrong).hints == [ch03.HINT_STEP_TP_GENERIC, ch03.HINT_STEP_DP_GENERIC]

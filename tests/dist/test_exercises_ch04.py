@@ -60,7 +60,7 @@ def test_an_unknown_wrong_formula_gets_a_nudge_then_the_generic_hint():
 
 @pytest.mark.parametrize("where", ["diagonal_rows", "diagonal_counts"])
 def test_counting_the_diagonal_in_one_exchange_only_is_named(where):
-    """Issue 14: counting what a rank hands itself in the token exchanges only (or in the
+    """Exercises that teach: counting what a rank hands itself in the token exchanges only (or in the
     counts exchange only) got the generic hint. torch.distributed.all_to_all_single (the
     dispatcher's all-to-all, torch 2.13) copies a rank's own split locally; on gloo the
     traced bytes leaving a rank exclude it (bytes_left_rank), so the diagonal is never on

@@ -139,7 +139,7 @@ def guides_code_from_the_stub() -> str:
 
 
 def test_the_guides_code_in_the_stub_passes_at_pp2_and_deadlocks_at_pp3():
-    """Issue 13: the stub's comment used the library's non-wrapping ``p2p.prev_rank()``, so
+    """Found reading the book: the stub's comment used the library's non-wrapping ``p2p.prev_rank()``, so
     "the guide's code" raised "peer rank None" at every PP instead of showing its real
     failure.  The guide's snippet takes Megatron's previous rank, which wraps around the
     ring (Megatron-Core 0.20.0, d98e8a64: ``P2PCommunicator.__init__`` in

@@ -1,4 +1,4 @@
-"""What only GPUs can show (issue 16): marked ``gpu``, skipped without enough CUDA GPUs.
+"""What only GPUs can show: marked ``gpu``, skipped without enough CUDA GPUs.
 
 Run on a machine with GPUs (one per rank: 2, 4 or 8 of them) with
 ``python -m pytest -m gpu``; on a CPU machine every test here is reported as skipped.
@@ -108,7 +108,7 @@ def test_train_4d_on_cuda_gives_the_cpu_losses(world, layout):
     cuda, cpu = cuda_ranks[0], cpu_ranks[0]
     for on_gpu, on_cpu in zip(cuda, cpu, strict=True):
         assert on_gpu["loss"] == pytest.approx(on_cpu["loss"], rel=LOSS_RTOL), on_gpu
-    # issue 19: the same bytes on the GPU, and the allocator's peak covers what the step held
+    # chapter 10's memory: the same bytes on the GPU, and the allocator's peak covers what the step held
     # at its activations' peak (from step 2 on Adam's state exists during the forwards)
     for on_gpu, on_cpu in zip(cuda_ranks, cpu_ranks, strict=True):
         gpu, host = on_gpu[-1]["memory"], on_cpu[-1]["memory"]

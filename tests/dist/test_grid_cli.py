@@ -17,7 +17,7 @@ def _grid(*args):
 
 
 def test_cli_orders_as_a_module():
-    """Issue 11, defects 7, 8, 11, as a user types them (Megatron-Core 0.20.0, d98e8a64,
+    """Megatron's folded grids (three defects once), as a user types them (Megatron-Core 0.20.0, d98e8a64,
     parallel_state.py: ``initialize_model_parallel`` reads both grids from one order and
     defaults ETP to TP; ``RankGenerator`` lets an order leave out a size-1 dimension only)."""
     folded = _grid("--world-size", "16", "--tp", "2", "--pp", "2", "--ep", "2", "--layout", "megatron",
@@ -33,7 +33,7 @@ def test_cli_orders_as_a_module():
 
 
 def test_cli_answers_huge_worlds_and_empty_orders_at_once():
-    """Issue 12, as a user types them: ``--world-size 2**20`` took a minute and printed 62 MB,
+    """Huge worlds, as a user types them: ``--world-size 2**20`` took a minute and printed 62 MB,
     10**12 + 1 never answered, 10**18 and 10**30 ended in MemoryError / OverflowError
     tracebacks, ``--order ""`` printed an order the user never typed (megatron layout) or a
     KeyError traceback.  Now: a summary of a few kB, or exit 2 with a message; each run is

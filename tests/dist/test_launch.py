@@ -204,7 +204,7 @@ def test_two_notebooks_launching_at_once_do_not_collide(tmp_path):
         assert f"ok {tag}" in out
 
 
-# --- hardening (issue 12): clocks, causes, cleanup, odd results, children, restarts ----------
+# --- hardening: clocks, causes, cleanup, odd results, children, restarts ----------
 
 
 class SlowToUnpickle:

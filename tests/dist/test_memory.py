@@ -1,4 +1,4 @@
-"""Issue 19: a rank's memory, predicted (``tutorial_lib.costs.memory``) and measured in a run.
+"""A rank's memory (chapter 10), predicted (``tutorial_lib.costs.memory_model``) and measured in a run.
 
 The equivalence tests (``test_pipeline_training.py``) check every run they launch with
 :func:`memory_checks.assert_memory_as_predicted`; this file holds one layout of its own

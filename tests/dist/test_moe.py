@@ -5,7 +5,7 @@ layout; DP is Megatron's dense data-parallel size, EP ranks included):
 
 * world 4: EP 1 (DP 4); EP 2 x EDP 2 (DP 4); TP 2 with sequence parallelism (DP 2);
   and TP 2 x EP 2 with sequence parallelism (DP 2), which the course's old rule 2 refused
-  (issue 17 lifted it: ``train_4d`` runs it end to end in test_pipeline_training.py);
+  (lifted since: ``train_4d`` runs it end to end in test_pipeline_training.py);
 * world 8: EP 4 x EDP 2 (DP 8); TP 4 with sequence parallelism (DP 2).
 
 Every DP replica gets its own tokens; TP ranks of one replica share them.  The serial
@@ -204,7 +204,7 @@ def _moe_world(ctx, configs):
     for name, tp, ep in configs:
         with ctx.tracer.tags(config=name):
             # whole experts (ETP 1): this module checks the layer against the serial one
-            # expert by expert; ETP = TP is test_pipeline_training's TP x EP sweep (issue 17)
+            # expert by expert; ETP = TP is test_pipeline_training's TP x EP sweep
             parallel_state.initialize_model_parallel(ParallelConfig(
                 ctx.world_size, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=1))

@@ -86,7 +86,7 @@ def _worker(ctx):
                         "dropped": info0["num_dropped"],
                         "legs": {d: runs[d][3]["rows_per_leg"] for d in DISPATCHERS}}
     # Experts split over expert-TP ranks are refused: the node-level scheme sends each
-    # token's partial sums of whole experts (issue 17, rule 5's message)
+    # token's partial sums of whole experts (rule 5's message)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(ParallelConfig(
         4, tensor_model_parallel_size=2, expert_model_parallel_size=2))

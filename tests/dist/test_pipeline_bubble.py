@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 
 from tutorial_lib.launch import launch
-from tutorial_lib.pipeline import measure_synthetic_schedules, synthetic_run_name
-from tutorial_lib.pipeline_schedules import expected_bubble, expected_peak_activations
+from tutorial_lib.pipeline_parallel.synthetic import (measure_synthetic_schedules,
+                                                      synthetic_run_name)
+from tutorial_lib.pipeline_parallel.formulas import expected_bubble, expected_peak_activations
 from tutorial_lib.viz.timeline import bubble_fraction
 
 pytestmark = pytest.mark.dist

@@ -1,4 +1,4 @@
-"""Issue 5's proof: 4D training (TP x PP x EP x DP, any schedule, any P2P mode) equals serial.
+"""The proof that 4D training (TP x PP x EP x DP, any schedule, any P2P mode) equals serial.
 
 Two references, both fp32:
 
@@ -11,11 +11,11 @@ Two references, both fp32:
 
 Then every layout of at most 8 ranks with PP in {2, 3, 4} that the rules allow (TP in
 {1, 2, 4}, EP dividing the 4 experts and the data-parallel size, TP and EP not both > 1:
-the sweep predates issue 17, whose TP x EP runs have their own section below), plus a few
+the sweep predates TP and EP together, whose runs have their own section below), plus a few
 without PP, trains 3 steps with the default 1F1B schedule and batched
 P2P; and two layouts (PP = 3 with EP, PP = 4 with DP) run every schedule in both of
 Megatron's P2P modes, batched and overlapped (chapter 7's sequential mode is refused by the
-validator: see :func:`tutorial_lib.pipeline.check_schedule_and_mode`).  Each run's per-step losses must
+validator: see :func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mode`).  Each run's per-step losses must
 equal the world-size-1 run's: ``atol = 1e-5`` on losses of about 4.2.  What differs
 between layouts is only the order of fp32 sums (all-reduces, microbatch accumulation),
 measured at most ~3e-7.  The same holds with dropout (layouts without TP and EP: rule 7),
@@ -95,7 +95,7 @@ def world_one_losses(args: TrainingArgs) -> list[float]:
 
 
 def losses_of(args: TrainingArgs) -> list[float]:
-    """The run's losses; on the way, every rank's memory against the prediction (issue 19)."""
+    """The run's losses; on the way, every rank's memory against the prediction (chapter 10)."""
     results = train(args).results
     assert_memory_as_predicted(args, results)
     return [r["loss"] for r in results[0]]
@@ -187,7 +187,7 @@ CP_LAYOUTS = [(1, 1, 1, 2, 2, "p2p"), (1, 1, 1, 2, 2, "all_gather"), (1, 1, 1, 2
 @pytest.mark.parametrize("tp,pp,ep,cp,world,mode", CP_LAYOUTS,
                          ids=[f"tp{t}-pp{p}-ep{e}-cp{c}-w{w}-{m}" for t, p, e, c, w, m in CP_LAYOUTS])
 def test_context_parallel_trains_like_world_size_one(tp, pp, ep, cp, world, mode):
-    """Issue 18: ``--context-parallel-size C --cp-comm-type mode`` gives the world-size-1
+    """Chapter 9: ``--context-parallel-size C --cp-comm-type mode`` gives the world-size-1
     losses (``ATOL``).  Each CP rank holds chunks r and 2C-1-r of every row (Megatron-Core
     0.20.0, d98e8a64, ``megatron/core/utils.py`` ``get_batch_on_this_cp_rank``), its loss is
     the mean over its tokens and the dense gradients are averaged over ``dp_cp``
@@ -222,7 +222,7 @@ def test_the_record_holds_the_lm_loss_and_the_balance_terms_under_their_own_keys
 @pytest.mark.parametrize("changes,rule", [
     (dict(world_size=6, pipeline_model_parallel_size=4), "rule 1"),
     (dict(world_size=4, tensor_model_parallel_size=4, hidden_size=18, num_attention_heads=2),
-     "rule 5"),  # issue 17: each expert's width 18 does not split over ETP = TP = 4
+     "rule 5"),  # TP x EP: each expert's width 18 does not split over ETP = TP = 4
     (dict(world_size=2, pipeline_model_parallel_size=2, num_microbatches=5), "rule 3"),
     (dict(world_size=8, pipeline_model_parallel_size=2, expert_model_parallel_size=4, num_experts=6), "rule 4"),
     (dict(world_size=2, tensor_model_parallel_size=2, dropout=0.1), "rule 7"),
@@ -243,7 +243,7 @@ def test_invalid_grids_are_refused_with_the_rule(changes, rule):
     assert error.value.rule == rule, str(error.value)
 
 
-# --- issue 17: TP and EP together on Megatron's folded grids, ETP 1 and ETP = TP --------------
+# --- TP and EP together on Megatron's folded grids, ETP 1 and ETP = TP --------------
 #
 # Megatron-Core 0.20.0 (d98e8a64) runs TP > 1 with EP > 1: the dense layers use the
 # tp-cp-dp-pp grid and the experts the etp-ep-edp-pp grid over the same ranks
@@ -276,7 +276,7 @@ def tp_ep_layouts(max_world: int = 8):
 TP_EP_LAYOUTS = list(tp_ep_layouts())
 #: Every schedule, at one TP x EP x PP layout (TP 2 x EP 2 x ETP 2 x PP 2 on 8 ranks; 1F1B is
 #: the sweep's own): interleaving at PP 2 needs Megatron's overlapped P2P (see
-#: test_invalid_grids...); issue 20's split-backward schedules run M = 4 microbatches
+#: test_invalid_grids...); chapter 11's split-backward schedules run M = 4 microbatches
 #: (DualPipe's M >= 2 PP, even) and are checked on their losses only (their executor holds
 #: the chunks differently from the gradient helper below; test_pipeline_zero_bubble.py).
 TP_EP_SCHEDULES = [("gpipe", "batched"), ("interleaved", "overlapped"), ("zb-h1", "batched"),
@@ -360,7 +360,7 @@ def test_the_tp_ep_sweep_holds_the_layouts_issue_17_names():
 
 @pytest.mark.parametrize("world", sorted({layout[-1] for layout in TP_EP_LAYOUTS}))
 def test_tp_and_ep_together_train_like_world_size_one(world):
-    """Issue 17: every TP x EP layout of this world size (ETP 1 and ETP = TP, with and without
+    """TP and EP together: every TP x EP layout of this world size (ETP 1 and ETP = TP, with and without
     PP; on 8 ranks also every other schedule at TP 2 x EP 2 x ETP 2 x PP 2) gives the
     world-size-1 losses over 3 steps (``ATOL``, the tolerance of every other layout here).
     Megatron-Core 0.20.0, d98e8a64: parallel_state.py ``initialize_model_parallel`` (folded
@@ -378,7 +378,7 @@ def test_tp_and_ep_together_train_like_world_size_one(world):
 
 @pytest.mark.parametrize("world", sorted({layout[-1] for layout in TP_EP_LAYOUTS}))
 def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(world):
-    """Issue 17: in every run of the sweep the router, shared-expert and routed-expert
+    """TP and EP together: in every run of the sweep the router, shared-expert and routed-expert
     gradients after train_4d's sync equal the serial model's on the whole batch (fp32,
     ``atol = 1e-6``, ``rtol = 1e-5``); each rank's expert gradient is its slice of the serial
     stack (its EP rank's experts, and with ETP > 1 its ETP rank's channels).  The router and
@@ -473,7 +473,7 @@ def test_train_4d_help_prints_each_default_once():
 
 
 def test_train_4d_json_and_progress_lines():
-    """Issue 13: the text said "step 1/5" where --json said "step": 0, and a run named
+    """Found reading the book: the text said "step 1/5" where --json said "step": 0, and a run named
     neither its layout, schedule, P2P mode nor recipe.  Both now count iterations from 1,
     as Megatron-LM's training log does (NVIDIA/Megatron-LM, megatron/training/training.py,
     ``training_log``: "iteration {iteration}/{train_iters}", the counter incremented after

@@ -1,4 +1,4 @@
-"""Issue 20: the backward split into B and W, and the zero-bubble schedules, run for real.
+"""The backward split into B and W (chapter 11), and the zero-bubble schedules, run for real.
 
 Item 1 (the split changes nothing but the order of work): on PP = 3 x DP = 2 x EP = 2
 (6 gloo ranks; the MoE all-to-alls sit on B's path), one 1F1B step as train_4d makes it
@@ -9,7 +9,7 @@ and expert (the ``dp`` and ``expert_dp`` domains), must be equal bit for bit: th
 autograd nodes run on the same tensors and the gradients reach the buckets in the same
 order.  The plain run is itself tested equal to serial (test_pipeline_training.py).
 
-Issue 19 on these schedules: item 2's runs also check every rank's memory against
+The memory check on these schedules: item 2's runs also check every rank's memory against
 ``tutorial_lib.costs.memory_per_rank`` (``memory_checks.assert_memory_as_predicted``).
 """
 from dataclasses import replace
@@ -136,7 +136,7 @@ def test_each_split_backward_schedule_trains_like_world_size_one(schedule, pp, w
 @pytest.mark.parametrize("pp,world,m", SCHEDULE_LAYOUTS)
 @pytest.mark.parametrize("schedule", NEW_SCHEDULES)
 def test_each_split_backward_schedule_uses_the_memory_the_model_predicts(schedule, pp, world, m):
-    """Issue 19 on issue 20's schedules (the runs above, no launch of its own): every
+    """The memory check on chapter 11's schedules (the runs above, no launch of its own): every
     rank's weights, gradients and optimizer state equal ``costs.memory_per_rank``'s to the
     byte, with the stages where the schedule puts them (the V's two stages per rank,
     DualPipe's two model copies: twice the parameters); its saved activations per
@@ -147,7 +147,7 @@ def test_each_split_backward_schedule_uses_the_memory_the_model_predicts(schedul
     backward, or until its W where the list has one; an overlapped pair's forward in
     before its backward out), the order the model's walk assumes."""
     from tutorial_lib.grid import megatron_grids
-    from tutorial_lib.pipeline_schedules import build_schedules
+    from tutorial_lib.pipeline_parallel import build_schedules
     args = replace(_layout(pp, world, m), schedule=schedule)
     results = [by_schedule[schedule] for by_schedule in schedules_run(pp, world, m).results]
     assert_memory_as_predicted(args, results)
@@ -224,7 +224,7 @@ SYNTHETIC_RUNS = [(name, 4, 1) for name in NEW_SCHEDULES]
 
 @launch_once
 def synthetic_run():
-    from tutorial_lib.pipeline import measure_synthetic_schedules
+    from tutorial_lib.pipeline_parallel.synthetic import measure_synthetic_schedules
     return launch(measure_synthetic_schedules, 4, args=(SYNTHETIC_RUNS,),
                   kwargs={"expert_parallel_size": 2, "forward_seconds": 0.004,
                           "backward_seconds": 0.008}, timeout=120)
@@ -234,7 +234,7 @@ def test_dualpipe_with_synthetic_stages_hides_their_all_to_alls_too():
     """Item 3 with SyntheticStage costs (pipeline.measure_synthetic_schedules on PP 2 x EP 2):
     each stage's dispatch and combine all-to-all of an overlapped pair runs under the
     other half's compute."""
-    from tutorial_lib.pipeline import synthetic_run_name
+    from tutorial_lib.pipeline_parallel.synthetic import synthetic_run_name
     events = list(synthetic_run().trace)
     for name in ("dualpipe", "dualpipev"):
         hidden, _ = _hidden_and_exposed(events, synthetic_run_name(name, 4))
@@ -245,11 +245,12 @@ def test_dualpipe_with_synthetic_stages_hides_their_all_to_alls_too():
 def test_the_executor_holds_the_activations_the_simulator_counts_on_every_rank():
     """The executor's peak of (microbatch, chunk) activations kept (from the forward to
     the backward, or to the W of a split one) equals the pure count of the same action
-    list (pipeline_schedules.peak_activations_in_flight) on every rank, for each of the
+    list (pipeline_parallel.formulas.peak_activations_in_flight) on every rank, for each of the
     four schedules: the executor keeps what the schedule says, no more."""
     from tutorial_lib.grid import build_grid
-    from tutorial_lib.pipeline import synthetic_run_name
-    from tutorial_lib.pipeline_schedules import build_schedules, peak_activations_in_flight
+    from tutorial_lib.pipeline_parallel.synthetic import synthetic_run_name
+    from tutorial_lib.pipeline_parallel import build_schedules
+    from tutorial_lib.pipeline_parallel.formulas import peak_activations_in_flight
     result = synthetic_run()
     for pipeline in build_grid(4, pp=2, ep=2).groups("pp"):
         for name, m, v in SYNTHETIC_RUNS:

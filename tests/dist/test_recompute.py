@@ -1,4 +1,4 @@
-"""Issue 19: activation recomputation on a pipeline with tensor parallelism (real gloo).
+"""Activation recomputation (chapter 10) on a pipeline with tensor parallelism (real gloo).
 
 One launch of 6 ranks, TP 2 x PP 3 (3 layers a stage: a dense one, then MoE layers whose
 sequence is split over TP), runs one 1F1B step of 3 microbatches under four settings,
@@ -41,7 +41,7 @@ def _step_under_each_setting(ctx):
     per-microbatch losses, gradients, bytes kept per microbatch."""
     from tutorial_lib import parallel_state
     from tutorial_lib.data_parallel import DataParallel
-    from tutorial_lib.pipeline import forward_backward_pipelining
+    from tutorial_lib.pipeline_parallel.executor import forward_backward_pipelining
     from tutorial_lib.saved_activations import saved_bytes_by_layer
     from tutorial_lib.tp_dp_step import finish_step
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
@@ -173,7 +173,7 @@ def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
     """What recomputing a tensor-parallel layer costs in communication: every collective its
     forward issued (the attention and dense MLP's TP all-reduces, the MoE layer's TP
     all-gather of its split sequence, the TP sums of its balance loss, and with expert
-    tensor parallelism (ETP = TP = 2, Megatron's default since issue 17) the expert-TP
+    tensor parallelism (ETP = TP = 2, Megatron's default, as here) the expert-TP
     all-gathers of the dispatched counts and rows and the reduce-scatter of the experts'
     partial outputs) is issued again in
     backward, tagged ``recompute=True``, with the same group and bytes, once for each

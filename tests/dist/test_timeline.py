@@ -80,13 +80,13 @@ def test_an_async_op_visibly_overlaps_backward(real_run):
 @pytest.fixture(scope="module")
 def pipeline_run():
     """One 1F1B step of 3 synthetic stages (forward 2 ms, backward 4 ms), real P2P and labels."""
-    from tutorial_lib.pipeline import measure_synthetic_schedules
+    from tutorial_lib.pipeline_parallel.synthetic import measure_synthetic_schedules
     return launch(measure_synthetic_schedules, 3, args=([("1f1b", 3, 1)], 0.002, 0.004, 1),
                   timeout=60)
 
 
 def test_a_real_pipeline_step_is_drawn_as_its_schedule(pipeline_run):
-    """Issue 13: the labels' isends, posted before each forward and waited on at the end of
+    """Found reading the book: the labels' isends, posted before each forward and waited on at the end of
     the step, were bars across the whole step (one row each); forward and backward were one
     grey and the bubble was not marked."""
     trace = pipeline_run.trace

@@ -1,4 +1,4 @@
-"""Issue 12: ``examples/train_4d.py`` refuses every bad value before torch is loaded, as a user meets it.
+"""``examples/train_4d.py`` refuses every bad value before torch is loaded, as a user meets it.
 
 The README promises that an invalid run "exits with status 2 and the validator's message
 before any worker starts".  That held for the grid rules only: the values below exited 1
@@ -120,7 +120,7 @@ def _parameters(ctx, args):
 @pytest.mark.parametrize("layout", [dict(world_size=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
                                     dict(world_size=2, expert_model_parallel_size=2),
                                     dict(world_size=4, tensor_model_parallel_size=2,
-                                         expert_model_parallel_size=2)],  # issue 17
+                                         expert_model_parallel_size=2)],  # TP x EP
                          ids=["TP2 x PP2", "EP2", "TP2 x EP2"])
 def test_the_estimate_counts_the_parameters_of_each_tp_and_ep_shard(layout):
     """``costs.memory_per_rank`` splits attention, dense MLPs, embedding and head by TP and

@@ -4,9 +4,9 @@ import re
 import pytest
 import torch
 
-from tutorial_lib import collectives, comm
+from tutorial_lib import comm, ring_collectives
 from tutorial_lib.launch import launch
-from tutorial_lib.viz.collectives import (Animation, animate_collective, animate_ring,
+from tutorial_lib.viz.collective_animation import (Animation, animate_collective, animate_ring,
                                           animate_ring_all_reduce)
 
 pytestmark = pytest.mark.dist
@@ -20,13 +20,13 @@ CAPTURE = 256  # record the values of every tensor these workers move
 def _ring_worker(ctx, rows):
     torch.manual_seed(ctx.rank)
     x = torch.randn(rows)
-    return x, collectives.ring_all_reduce(x)
+    return x, ring_collectives.ring_all_reduce(x)
 
 
 def _ring_parts_worker(ctx):
     n = ctx.world_size
     x = torch.arange(2 * n, dtype=torch.float32) + 10 * ctx.rank
-    return collectives.ring_reduce_scatter(x), collectives.ring_all_gather(x[:2])
+    return ring_collectives.ring_reduce_scatter(x), ring_collectives.ring_all_gather(x[:2])
 
 
 def _dp_rings_worker(ctx):
@@ -35,7 +35,7 @@ def _dp_rings_worker(ctx):
     from tutorial_lib.config import ParallelConfig
     parallel_state.initialize_model_parallel(ParallelConfig(world_size=4,
                                                             tensor_model_parallel_size=2))
-    return collectives.ring_all_reduce(torch.arange(4.0) + 10 * ctx.rank, group="dp")
+    return ring_collectives.ring_all_reduce(torch.arange(4.0) + 10 * ctx.rank, group="dp")
 
 
 # Uneven all-to-all splits: INPUT_SPLITS[r][j] rows go from rank r to rank j.
@@ -188,17 +188,17 @@ def test_collective_animation_moves_the_data_step_by_step(library_run, op):
 def _gloo_and_ring_worker(ctx):
     x = torch.arange(8.0) + 10 * ctx.rank  # whole numbers: every partial sum is exact
     comm.all_reduce(x.clone())
-    collectives.ring_all_reduce(x)
+    ring_collectives.ring_all_reduce(x)
     comm.reduce_scatter(torch.empty(2), x.clone())
-    collectives.ring_reduce_scatter(x)
+    ring_collectives.ring_reduce_scatter(x)
     comm.all_gather(torch.empty(2 * ctx.world_size), x[:2].clone())
-    collectives.ring_all_gather(x[:2])
+    ring_collectives.ring_all_gather(x[:2])
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
 def test_the_replay_of_a_gloo_call_is_the_ring_the_library_runs(op):
     """gloo's one call, replayed from its recorded values, step for step equals the trace of
-    tutorial_lib.collectives' ring on the same tensors: the same chunk moves between the
+    tutorial_lib.ring_collectives' ring on the same tensors: the same chunk moves between the
     same ranks, and every buffer holds the same values after every step."""
     out = launch(_gloo_and_ring_worker, 4, capture_values=CAPTURE, timeout=60)
     replay = animate_collective(out.trace, op)

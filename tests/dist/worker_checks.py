@@ -43,7 +43,7 @@ def pipeline_backward(args, split_backward: bool = False):
     ``model.finish_grad_sync()``).  The groups are built unless these already are."""
     from tutorial_lib import parallel_state
     from tutorial_lib.data_parallel import DataParallel
-    from tutorial_lib.pipeline import forward_backward_pipelining
+    from tutorial_lib.pipeline_parallel.executor import forward_backward_pipelining
     from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
     parallel, _, _ = args.configs()
     if not parallel_state.is_initialized() or parallel_state.get_state().grid.config != parallel:

@@ -1,4 +1,4 @@
-"""Issue 20, item 1: a stage's backward split into B (input gradient) and W (weights).
+"""Chapter 11: a stage's backward split into B (input gradient) and W (weights).
 
 B then W must give the plain backward's gradients bit for bit (the same autograd nodes
 run on the same tensors, only at other times); B must leave every weight untouched, so
@@ -13,7 +13,8 @@ import torch
 
 from tutorial_lib.config import ModelConfig
 from tutorial_lib.deepseek import DeepSeekModel, Microbatch
-from tutorial_lib.pipeline import SyntheticStage, backward_input, backward_weight
+from tutorial_lib.pipeline_parallel.backward_split import backward_input, backward_weight
+from tutorial_lib.pipeline_parallel.synthetic import SyntheticStage
 
 CONFIG = ModelConfig(num_layers=6, hidden_size=16, num_attention_heads=4, seq_length=8,
                      vocab_size=32, num_experts=4, moe_router_topk=2, dropout=0.1)
@@ -103,15 +104,15 @@ def test_b_runs_no_weight_gradient_node_and_w_runs_no_input_gradient_node():
     hidden = torch.ones(2, 2, 2, requires_grad=True)
     out = stage.forward_stage(hidden, None)
     waited = []
-    import tutorial_lib.pipeline as pipeline
-    real_sleep = pipeline.time.sleep
-    pipeline.time.sleep = waited.append
+    import tutorial_lib.pipeline_parallel.synthetic as synthetic
+    real_sleep = synthetic.time.sleep
+    synthetic.time.sleep = waited.append
     try:
         input_grad, work = backward_input(out, torch.ones(2, 2, 2), hidden)
         after_b = list(waited)
         backward_weight(work)
     finally:
-        pipeline.time.sleep = real_sleep
+        synthetic.time.sleep = real_sleep
     assert after_b == [pytest.approx(0.2)] and waited[1:] == [0.3]
     assert torch.equal(input_grad, torch.ones(2, 2, 2))
     assert stage.weight.grad.item() == 8.0
@@ -127,7 +128,7 @@ def test_synthetic_chunks_sit_where_each_schedule_places_its_stages_and_share_th
     chunks are stages r and 2PP-1-r at half a stage's cost, DualPipe's two chunks are
     stage r of copy 0 and PP-1-r of copy 1 at a whole stage's cost (each copy is the
     whole model), W half the backward unless told."""
-    from tutorial_lib.pipeline import synthetic_chunks
+    from tutorial_lib.pipeline_parallel.synthetic import synthetic_chunks
     shape = (2, 2, 2)
     v = synthetic_chunks("zbv", 1, 4, shape, 0.1, 0.2)
     assert [(c.stage, c.num_stages) for c in v] == [(1, 8), (6, 8)]
@@ -142,7 +143,7 @@ def test_synthetic_chunks_sit_where_each_schedule_places_its_stages_and_share_th
 
 
 def test_the_split_works_under_non_reentrant_activation_checkpointing():
-    """Issue 19 recomputes layers with ``torch.utils.checkpoint``: its non-reentrant form
+    """Chapter 10 recomputes layers with ``torch.utils.checkpoint``: its non-reentrant form
     (torch's default advice; the reentrant one refuses ``autograd.grad``, so B) re-runs
     the layer's forward when B, then W, unpack what it did not keep; the gradients are
     still the plain backward's bit for bit."""
@@ -166,7 +167,7 @@ def test_overlapped_all_to_alls_counts_the_time_the_other_half_computed():
     half from 1.0 to 2.0 s, while the backward half computed from 1.2 to 1.5 and from 1.8
     to 2.4 (and the forward itself, which hides nothing, from 0.5 to 1.0): 0.3 + 0.2 s
     hidden.  A turn of another pair or another step hides nothing."""
-    from tutorial_lib.pipeline import overlapped_all_to_alls
+    from tutorial_lib.pipeline_parallel.dualpipe import overlapped_all_to_alls
     from tutorial_lib.trace import TraceEvent
 
     def turn(half, start, end, pair="F1&B0", step=0):

@@ -1,4 +1,4 @@
-"""Issue 14, "for the instructor" and "exercises that teach": every chapter opens with 3 to
+"""For the instructor, exercises that teach: every chapter opens with 3 to
 5 learning objectives ("you will be able to ..."), its prerequisites and the time it takes,
 and asks at least two concept checks inside its text, each a question whose answer is
 folded in the book (an ``{admonition}`` of class ``dropdown``, folded by

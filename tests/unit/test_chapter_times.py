@@ -114,7 +114,7 @@ def test_every_chapter_is_stored(measured):
 
 @pytest.mark.parametrize("chapter", chapters())
 def test_each_chapter_shows_its_own_times_by_section_and_exercise(chapter):
-    """Issue 14: the chapter opens with its run time per section and per exercise, read
+    """Exercises that teach: the chapter opens with its run time per section and per exercise, read
     from the stored reference (reference.chapter_times_table) for this chapter."""
     cells = nbformat.read(NOTEBOOKS / f"{chapter}.ipynb", as_version=4).cells
     shown = [c for c in cells if c.cell_type == "code" and "chapter_times_table(" in c.source]

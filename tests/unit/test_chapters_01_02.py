@@ -1,4 +1,4 @@
-"""Chapters 1 and 2 as a reader meets them (issue 13): shown code fits the column, the
+"""Chapters 1 and 2 as a reader meets them: shown code fits the column, the
 guides page is linked where the guides first come up, every figure has a caption, the
 ipywidgets explorer only runs where a kernel runs, and chapter 2 asserts no timing."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14, "for the instructor": a one-page cheat sheet per chapter, suitable for slides,
+"""For the instructor: a one-page cheat sheet per chapter, suitable for slides,
 written by the build (scripts/build_book.sh runs scripts/cheat_sheets.py). Each is a
 standalone page (nothing fetched, no script) with the chapter's objectives, its key table
 computed by tutorial_lib.viz.cheatsheet, and its takeaways."""

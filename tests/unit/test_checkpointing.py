@@ -1,4 +1,4 @@
-"""Checkpoints on disk (issue 12): names, the atomic commit, and what ``--load`` refuses.
+"""Checkpoints on disk: names, the atomic commit, and what ``--load`` refuses.
 
 Pure: directories made in ``tmp_path``, no worker.  The saves and loads of real runs are in
 ``tests/dist/test_checkpoint.py``.  Upstream: Megatron-LM d98e8a64 (megatron-core 0.20.0),
@@ -245,7 +245,7 @@ def test_which_group_splits_a_tensor_and_the_chunks_dcp_records():
     assert tensor_sharding(True, 1, "dp") == ("tp", 1)
     assert tensor_sharding(False, None, "expert_dp") == ("ep", 0)
     assert tensor_sharding(False, None, "dp") is None
-    # issue 17: experts split over ETP > 1 ranks are marked tensor-parallel; their second split
+    # TP x EP: experts split over ETP > 1 ranks are marked tensor-parallel; their second split
     assert tensor_sharding(True, 2, "expert_dp") == ("ep", 0)
     assert expert_tp_sharding(True, 2, "expert_dp") == ("expert_tp", 2)
     assert expert_tp_sharding(False, None, "expert_dp") is None

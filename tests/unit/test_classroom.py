@@ -1,4 +1,4 @@
-"""Issue 14, the classroom tools without a process: the student edition keeps every checker
+"""The classroom tools without a process: the student edition keeps every checker
 and no solution, the nbgrader source notebook marks every cell, the grader's CSV and its
 verdict line, and the submissions it can grade without a kernel (not JSON, not a chapter).
 The real nbgrader and the grader's kernels: tests/dist/test_classroom_nbgrader.py and

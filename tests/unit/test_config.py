@@ -53,7 +53,7 @@ def test_rule1_world_not_divisible_names_numbers_and_fix():
 
 
 def test_rule2_is_lifted_tp_and_ep_together_pass_with_whole_experts():
-    """Issue 17: the course's guard (old rule 2: TP > 1 with EP > 1 refused) is gone.
+    """TP and EP together: the course's guard (old rule 2: TP > 1 with EP > 1 refused) is gone.
 
     Megatron-Core 0.20.0 (d98e8a64) builds the dense grid (tp-cp-dp-pp) and the expert grid
     (etp-ep-edp-pp) over the same ranks and only asks that each divide the world
@@ -96,7 +96,7 @@ def test_rule4_expert_parallelism_needs_routed_experts():
 
 
 def test_rule5_each_expert_width_divides_over_etp():
-    """Issue 17: rule 5 is no longer "ETP must be 1" but what splitting an expert needs: its
+    """TP and EP together: rule 5 is no longer "ETP must be 1" but what splitting an expert needs: its
     width (``moe_ffn_hidden_size``, default ``hidden_size``) divides over the ETP ranks.
     Megatron-Core 0.20.0 (d98e8a64, ``megatron/core/transformer/moe/experts.py``,
     ``TEGroupedMLP.__init__`` / ``SequentialMLP``: ``linear_fc1`` column-parallel and
@@ -165,7 +165,7 @@ def test_custom_layout_is_one_grid():
     check_grid(pc(16, tp=2, pp=2, ep=2), layout="custom")
 
 
-# --- issue 12: every bad value is a ConfigError ------------------------------------------------
+# --- every bad value is a ConfigError ------------------------------------------------
 
 
 @pytest.mark.parametrize("call,fragment", [
@@ -184,7 +184,7 @@ def test_custom_layout_is_one_grid():
     (lambda: check_grid(None), "config must be a ParallelConfig, got None"),
 ])
 def test_the_validator_api_answers_bad_arguments_with_config_errors(call, fragment):
-    """Issue 12: ``validate(None)``, swapped arguments and a string where a number belongs
+    """Hardening: ``validate(None)``, swapped arguments and a string where a number belongs
     raised a raw AttributeError / TypeError.  No upstream counterpart (Megatron-Core's
     dataclasses fail with raw errors too, e.g. ``TransformerConfig.__post_init__`` compares
     whatever it is given); the course's rule is CONTRIBUTING's: a ConfigError naming the

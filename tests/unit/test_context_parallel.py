@@ -1,4 +1,4 @@
-"""Context parallelism's pure parts (issue 18): the split, the merge, the rules, the flags.
+"""Context parallelism's pure parts (chapter 9): the split, the merge, the rules, the flags.
 
 The attention itself on real gloo ranks: tests/dist/test_context_parallel.py; in the 4D run:
 tests/dist/test_pipeline_training.py (``test_context_parallel_trains_like_world_size_one``).

@@ -239,13 +239,11 @@ def test_link_bandwidths_are_labelled_vendor_figures():
 
 def test_volume_helpers():
     assert costs.tp_all_reduce_bytes(b=2, s=4, h=8) == 2 * 4 * 8 * 2
-    assert costs.ep_all_to_all_bytes(b=2, s=4, h=8, k=2) == 2 * 4 * 8 * 2 * 2
-    assert costs.cp_kv_chunk_bytes(b=1, s=16, h_kv=8, d=2) == 2 * 16 * 8 * 2
     assert costs.dp_gradient_bytes(1000) == 4000
     assert costs.pp_activation_bytes(b=1, s=16, h=8, d=4) == 16 * 8 * 4
 
 
-# --- issue 13: what a negative R^2 means ---------------------------------------------------------
+# --- what a negative R^2 means ---------------------------------------------------------
 
 
 def test_a_relative_fit_can_have_a_negative_r_squared_and_still_find_the_model():

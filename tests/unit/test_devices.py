@@ -1,4 +1,4 @@
-"""Issue 16, the parts a CPU can check without a process: which backend a launch gets,
+"""The device rule, the parts a CPU can check without a process: which backend a launch gets,
 nccl-tests' bandwidths, the optional real-FP8 GEMM's arithmetic, the trace's clock.
 
 What only a GPU can show is in ``tests/dist/test_gpu.py`` (marked ``gpu``); that nothing
@@ -35,7 +35,7 @@ def test_auto_takes_nccl_only_when_every_rank_has_its_own_gpu():
 
 @pytest.mark.parametrize("gpus, said", [(0, "no GPU"), (2, "only 2 GPUs"), (1, "only 1 GPU ")])
 def test_nccl_without_a_gpu_per_rank_is_a_config_error_that_says_what_to_do(gpus, said):
-    # before issue 16: ZeroDivisionError from rank % torch.cuda.device_count() in every rank
+    # before the device rule: ZeroDivisionError from rank % torch.cuda.device_count() in every rank
     with pytest.raises(ConfigError, match="one GPU per rank") as caught:
         choose_backend("nccl", 4, gpus)
     assert said in str(caught.value) and "backend='gloo'" in str(caught.value)

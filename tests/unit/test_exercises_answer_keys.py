@@ -1,4 +1,4 @@
-"""Issue 14: no checker hands out its answer key. Every exercise whose checker starts no
+"""No checker hands out its answer key. Every exercise whose checker starts no
 process, fed empty, constant and typical-mistake answers: no failing case shows its
 reference answer, nothing reads "expected <value>", and every hint is one of the checker's
 fixed hints (tests/answer_keys.py; the checkers that launch workers: tests/dist). The

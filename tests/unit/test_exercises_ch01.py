@@ -68,7 +68,7 @@ def test_rank_to_coords_mistake_gets_its_hint(wrong, hint):
 
 
 def test_an_unexplained_failure_gets_a_nudge_then_the_formula():
-    """Issue 14: staged hints. The generic hint spells out the mixed-radix formula; a first
+    """Exercises that teach: staged hints. The generic hint spells out the mixed-radix formula; a first
     failure gets a nudge toward it, and the formula only when the same cases fail again."""
     assert_staged_hint(check_rank_to_coords, coords_raising, ch01.HINT_COORDS_NUDGE,
                        ch01.HINT_COORDS_GENERIC)
@@ -159,7 +159,7 @@ def test_data_parallel_group_mistake_gets_its_hint(wrong, hint):
     (dp_group_same_rank_mod_tp, ch01.HINT_SAME_TP_RANK),
 ])
 def test_the_two_mistakes_issue_14_names(wrong, hint):
-    """Issue 14: "forgot CP everywhere" and "all ranks with the same rank % tp" got the
+    """Exercises that teach: "forgot CP everywhere" and "all ranks with the same rank % tp" got the
     generic hint. Megatron-Core 0.20.0 (d98e8a64), megatron/core/parallel_state.py,
     initialize_model_parallel: the dense ranks are laid out in the order tp-cp-ep-dp-pp
     (its ``order`` argument), and the data-parallel group (RankGenerator.get_ranks("dp"))
@@ -171,7 +171,7 @@ def test_the_two_mistakes_issue_14_names(wrong, hint):
 
 
 def test_a_wrong_group_is_described_not_corrected():
-    """Issue 14: the detail says which member does not belong and why, never the group."""
+    """Exercises that teach: the detail says which member does not belong and why, never the group."""
     result = check_data_parallel_group(dp_group_returns_tp_group)
     failed = [c.detail for c in result.cases if not c.passed]
     assert failed and not any("expected" in d for d in failed)

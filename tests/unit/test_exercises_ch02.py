@@ -33,7 +33,7 @@ def test_every_spelling_of_an_op_is_accepted():
     ("zero_parameters", "all_reduce", "nothing to add"),
     ("moe_dispatch", "all_gather", "N times the traffic"),
     ("tp_row_parallel_output", "all_gather", "concatenates"),
-    # issue 13: the backward all-reduce of a TP block is the column-parallel layer's dX
+    # the backward all-reduce of a TP block is the column-parallel layer's dX
     ("tp_column_parallel_input_grad", "reduce_scatter", "whole on every TP rank"),
     ("tp_column_parallel_input_grad", "all_gather", "must be added"),
     ("pipeline_activations", "broadcast", "only the next stage"),
@@ -63,7 +63,7 @@ test_choose_collectives_never_raises_on_garbage, test_choose_collectives_turns_a
 
 
 def test_every_wrong_choice_is_explained_not_only_the_first():
-    """Issue 14: 2.3 showed only ``hints[0]`` although its text says every wrong choice is
+    """Exercises that teach: 2.3 showed only ``hints[0]`` although its text says every wrong choice is
     explained. Two wrong situations: two hints, one per situation, in the situations' order."""
     answers = {**ANSWERS, "zero_gradients": "all_reduce", "moe_dispatch": "all_gather"}
     result = check_choose_collectives(lambda: answers)

@@ -75,7 +75,7 @@ def test_step_config_is_hashable_and_readable():
 
 
 def test_every_wrong_group_is_explained_not_only_the_first():
-    """Issue 14: 3.2 showed only ``hints[0]``; each wrong situation now gets its reason."""
+    """Exercises that teach: 3.2 showed only ``hints[0]``; each wrong situation now gets its reason."""
     result = check_gradient_groups(_answers(qkv_weight={"tp", "dp"}, fc2_bias={"tp", "dp"},
                                             layernorm_weight_sp={"dp"}))
     assert sorted(h.split(":")[0] for h in result.hints) == sorted(

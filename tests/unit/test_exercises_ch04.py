@@ -190,7 +190,7 @@ def test_each_wrong_domain_gets_its_reason(case, answer, reason):
 ])
 def test_a_reason_says_what_is_wrong_first_and_what_to_do_when_it_fails_again(case, answer, first,
                                                                                 then):
-    """Issue 14: staged hints. A first wrong answer gets the reason; the same situation
+    """Exercises that teach: staged hints. A first wrong answer gets the reason; the same situation
     wrong again gets the rule; neither names the group or the number."""
     wrong = _domains(**{case: answer})
     assert_reason(check_gradient_domains(wrong), case, first)
@@ -200,7 +200,7 @@ def test_a_reason_says_what_is_wrong_first_and_what_to_do_when_it_fails_again(ca
 
 
 def test_every_wrong_situation_gets_its_reason_at_once():
-    """Issue 14: a checker of answers per situation shows the hint of every wrong one."""
+    """Exercises that teach: a checker of answers per situation shows the hint of every wrong one."""
     wrong = _domains(router_weight=({"world"}, 8), routed_expert_weight=({"ep"}, 8))
     result = check_gradient_domains(wrong)
     assert [h.split(":")[0] for h in result.hints] == ["router_weight", "routed_expert_weight"]

@@ -117,13 +117,13 @@ def test_expert_loss_checker_turns_an_exception_into_a_case():
 # --- exercise 5.2: choose with the bias, gate without it -----------------------------------
 
 
-def topk_in_reverse_order(scores, bias, k):
-    idx = torch.topk(scores + bias.detach(), k, dim=-1).indices.flip(-1)
+def topk_in_reverse_order(scores, topk, bias):
+    idx = torch.topk(scores + bias.detach(), topk, dim=-1).indices.flip(-1)
     return idx, scores.gather(-1, idx)
 
 
-def topk_by_sorting(scores, bias, k):
-    idx = torch.argsort((scores + bias).detach(), dim=-1, descending=True)[:, :k]
+def topk_by_sorting(scores, topk, bias):
+    idx = torch.argsort((scores + bias).detach(), dim=-1, descending=True)[:, :topk]
     return idx, torch.gather(scores, 1, idx)
 
 
@@ -142,17 +142,17 @@ def test_correct_biased_topk_passes(answer):
     ("normalised", ch05.HINT_TOPK_NORMALISED),
 ])
 def test_each_biased_topk_mistake_gets_its_hint(mistake, hint):
-    assert_hint(check_biased_topk(lambda s, b, k: ch05.topk_variant(s, b, k, mistake)), hint)
+    assert_hint(check_biased_topk(lambda s, k, b: ch05.topk_variant(s, k, b, mistake)), hint)
 
 
 def test_ignoring_the_bias_passes_only_the_zero_bias_case():
-    result = check_biased_topk(lambda s, b, k: ch05.topk_variant(s, b, k, "ignores_bias"))
+    result = check_biased_topk(lambda s, k, b: ch05.topk_variant(s, k, b, "ignores_bias"))
     assert [c.passed for c in result.cases] == [name.startswith("zero bias")
                                                 for name, *_ in ch05.topk_cases()]
 
 
 def test_gates_without_gradient_get_the_no_grad_hint():
-    result = check_biased_topk(lambda s, b, k: tuple(t.detach() for t in ch05.reference_topk(s, b, k)))
+    result = check_biased_topk(lambda s, k, b: tuple(t.detach() for t in ch05.reference_topk(s, k, b)))
     assert not result.passed and result.hint == ch05.HINT_TOPK_NO_GRAD
 
 

@@ -8,7 +8,8 @@ from tutorial_lib.deepseek import layer_range
 from tutorial_lib.exercises import ch06
 from tutorial_lib.exercises.ch06 import (check_bubble, check_one_f_one_b, check_stage_holdings,
                                          stage_holdings)
-from tutorial_lib.pipeline_schedules import Action, one_f_one_b
+from tutorial_lib.pipeline_parallel.actions import Action
+from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
 
 
 # --- exercise 6.1: the 1F1B list ---------------------------------------------------------------
@@ -121,7 +122,7 @@ def test_bubble_mistakes_are_named():
 
 
 def test_either_definition_of_the_bubble_passes_when_stated():
-    """Issue 13: the Megatron paper's bubble is the idle time over the ideal time,
+    """Found reading the book: the Megatron paper's bubble is the idle time over the ideal time,
     (p - 1) / m, and (p - 1) / (v m) interleaved (Narayanan et al., "Efficient Large-Scale
     Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, sections 2.2.1 and
     2.2.2); the chapter's is the idle fraction of the step, (p - 1) / (v m + p - 1).  The

@@ -91,7 +91,7 @@ def q_no_clamp(x):
 
 
 def test_a_quantizer_without_the_clamp_is_caught_by_a_tile_that_rounds_above_448():
-    """Issue 14: without the clamp a quantizer passed (this CPU build's cast saturates). The
+    """Exercises that teach: without the clamp a quantizer passed (this CPU build's cast saturates). The
     checker casts as the non-saturating builds do, and one case's tile divides to just above
     448 in float32."""
     v = torch.tensor(ch08.ROUNDS_ABOVE_448)
@@ -205,7 +205,7 @@ def test_end_rules_before_the_base_rules_demote_the_router_and_norms_and_fail():
     assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
     assert all(not c.passed for c in result.cases)
     assert "layers.0.input_layernorm -> bf16" in result.cases[0].detail
-    assert "wanted" not in result.cases[0].detail  # issue 14: the student's value, not the key
+    assert "wanted" not in result.cases[0].detail  # the student's value, not the key
     last = result.cases[-1]  # 61 layers: layer 60 is MoE, its router was demoted
     assert "61 layers" in last.name and not last.passed
     recipe = _before_base(_ends)(fp8_recipe(), 61)

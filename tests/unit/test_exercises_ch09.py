@@ -123,7 +123,7 @@ def test_each_ring_bytes_mistake_gets_its_hint(wrong, hint):
 
 
 def test_the_formula_comes_only_when_the_same_cases_fail_again():
-    """Issue 14: staged hints; the generic hints of 9.2 and 9.3 are the answer's formula."""
+    """Exercises that teach: staged hints; the generic hints of 9.2 and 9.3 are the answer's formula."""
     assert_staged_hint(check_held_chunks, lambda r, c: [r, 0], ch09.HINT_HELD_NUDGE,
                        ch09.HINT_HELD_GENERIC)
     assert_staged_hint(check_ring_pass_bytes, lambda b, h, s, d, c, e: 12345,

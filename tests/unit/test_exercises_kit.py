@@ -135,7 +135,7 @@ def test_as_group_kinds(value, kinds):
 
 
 def test_an_unfinished_exercise_reads_as_an_invitation_not_an_error():
-    """Issue 13: in the built book every checker runs on the unfilled stub, and its box read
+    """Found reading the book: in the built book every checker runs on the unfilled stub, and its box read
     "NOT YET ..." in orange monospace, like a failure. The HTML now says whose turn it is,
     what to do, and keeps the failing cases and the hint; the text form is unchanged."""
     result = kit.CheckResult("Exercise 9.9: f", [Case("n=2", False, "the stub still raises "
@@ -154,11 +154,11 @@ def test_an_unfinished_exercise_reads_as_an_invitation_not_an_error():
     assert "<code>&lt;a&gt;</code>: b" in escaped
 
 
-# --- issue 14: staged hints, every hint, no answer key, nbgrader --------------------------------
+# --- exercises that teach: staged hints, every hint, no answer key, nbgrader --------------------------------
 
 
 def test_a_hint_in_stages_gives_the_next_stage_when_the_same_case_fails_again():
-    """Issue 14: a first failure gets a nudge, a repeated failure of the same case a more
+    """Exercises that teach: a first failure gets a nudge, a repeated failure of the same case a more
     specific hint; the kernel keeps count, a passing case starts over."""
     table = Mistakes(("nudge", "specific", "more"), a=("A1", "A2"))
 
@@ -203,7 +203,7 @@ def test_a_comparison_that_cannot_read_the_answer_fails_the_case_instead_of_rais
 
 
 def test_under_nbgrader_a_check_that_did_not_pass_raises(monkeypatch, capsys):
-    """Issue 14: nbgrader runs the notebook with NBGRADER_EXECUTION set; a check cell must
+    """Exercises that teach: nbgrader runs the notebook with NBGRADER_EXECUTION set; a check cell must
     then fail (an autograded test cell scores only when it does not raise), while in the
     book and in a plain notebook it only shows its verdict."""
     check = Checking("Exercise 0.7: demo")

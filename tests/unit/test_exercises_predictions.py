@@ -1,4 +1,4 @@
-"""Issue 14, "exercises that teach": the prediction and reasoning exercises added to chapters
+"""Exercises that teach: the prediction and reasoning exercises added to chapters
 1, 5 and 6, whose checkers start no process.
 
 * 1.3 ``node_crossings``: which group kinds of four layouts cross the boundary of two
@@ -8,7 +8,7 @@
 * 5.5 ``predicted_balance``: the expert-level loss, the MaxVio and each expert's bias
   direction after one V3 step of three small routings, checked with ``moe_balance``;
 * 6.4 ``mixed_deadlock``: which pipelines mixing GPipe and 1F1B deadlock, and which ranks
-  wait on each other, checked by ``pipeline_schedules.simulate``;
+  wait on each other, checked by ``pipeline_parallel.simulator.simulate``;
 * 8.4 ``flushed_values``: how many ordinary values an outlier flushes to zero, per tile and
   per tensor, checked with ``fp8``'s quantizers;
 * 9.4 ``ring_work``: the (query, key) pairs each rank of a causal ring attends under the

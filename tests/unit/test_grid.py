@@ -240,7 +240,7 @@ MEGATRON_SHAPES = [
 
 
 def test_megatron_layout_gives_megatrons_groups_for_every_order_it_takes():
-    """Issue 11, defects 8 and 11: ``layout="megatron", order=...`` is Megatron-Core's folding.
+    """Megatron's folded grids: ``layout="megatron", order=...`` is Megatron-Core's folding.
 
     For every order string (each arrangement of each subset of tp, cp, ep, dp, pp) and
     the shapes above, the layout refuses exactly what the re-derivation of
@@ -271,7 +271,7 @@ def test_megatron_layout_gives_megatrons_groups_for_every_order_it_takes():
 
 
 def test_megatron_layout_defaults_etp_to_tp():
-    """Issue 11, defect 7: without an ETP the megatron layout uses ETP = TP, as Megatron-Core does.
+    """Megatron's folded grids: without an ETP the megatron layout uses ETP = TP, as Megatron-Core does.
 
     ``initialize_model_parallel`` (megatron/core/parallel_state.py, Megatron-Core 0.20.0,
     d98e8a64) sets ``expert_tensor_parallel_size = tensor_model_parallel_size`` when it is
@@ -354,7 +354,7 @@ def test_an_order_may_leave_out_dimensions_of_size_1(order):
         build_grid(16, tp=2, pp=2, ep=2, layout="megatron", order=order)
 
 
-# --- issue 12: huge worlds answer at once, with a summary ----------------------------------
+# --- huge worlds answer at once, with a summary ----------------------------------
 
 
 def test_groups_computed_one_member_at_a_time_equal_the_listed_groups():
@@ -384,7 +384,7 @@ def _megatron_takes(*shape) -> bool:
 
 
 def test_cli_summarizes_a_world_of_a_million_ranks(capsys):
-    """Issue 12: ``--world-size 2**20`` took about a minute and printed 62 MB.  Above 256
+    """Hardening: ``--world-size 2**20`` took about a minute and printed 62 MB.  Above 256
     ranks the command prints a summary (each kind's count x size, its first groups, a
     group's first ranks and its last), computed without listing the groups; ``--all``
     prints everything, as before, and small worlds are printed whole as before."""
@@ -420,7 +420,7 @@ def test_cli_summarizes_a_world_of_a_million_ranks(capsys):
     (10**30, ["--tp", "2", "--pp", "4"], "--world-size 32 --tp 2 --pp 4"),
 ])
 def test_cli_refuses_absurd_worlds_with_a_smaller_one_that_shows_the_same(world, sizes, smaller, capsys):
-    """Issue 12: 10**12 + 1 never answered (a divisor scan), 10**18 and 10**30 ended in
+    """Hardening: 10**12 + 1 never answered (a divisor scan), 10**18 and 10**30 ended in
     MemoryError / OverflowError tracebacks.  Above 2**24 ranks the command refuses, with
     exit 2, and names a world with the same sizes (the groups repeat every TP x CP x EP x
     PP ranks, in the megatron layout every lcm of its two grids)."""
@@ -441,7 +441,7 @@ def test_cli_lists_every_group_only_up_to_a_million_ranks(capsys):
 
 
 def test_an_empty_order_is_refused_not_replaced(capsys):
-    """Issue 12: ``--order ""`` printed Megatron-Core's default order (with ``--layout
+    """Hardening: ``--order ""`` printed Megatron-Core's default order (with ``--layout
     megatron``), which the user never typed, or a KeyError traceback (without).  An order
     given is the order used, as ``initialize_model_parallel`` (Megatron-Core 0.20.0,
     d98e8a64) uses its ``order`` argument as given; an empty one names no dimension."""
@@ -453,7 +453,7 @@ def test_an_empty_order_is_refused_not_replaced(capsys):
 
 
 def test_megatron_order_rules_name_the_sizes_and_the_fix():
-    """Issue 17, the folded grids' own rules with their messages.  Megatron-Core 0.20.0
+    """TP and EP together: the folded grids' own rules with their messages.  Megatron-Core 0.20.0
     (d98e8a64, megatron/core/parallel_state.py, ``initialize_model_parallel``) asserts that an
     order not ending in ``pp`` with PP > 1 keeps the dense and expert data-parallel sizes
     equal, and that the dense and expert ``RankGenerator``s give the same pipeline groups."""

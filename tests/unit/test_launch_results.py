@@ -1,4 +1,4 @@
-"""The launcher's reading of results (issue 12): a rank that exits right after sending its
+"""The launcher's reading of results: a rank that exits right after sending its
 result is not a failure.
 
 Every rank sends its result and exits at once, and all ranks leave together (a barrier), so

@@ -1,4 +1,4 @@
-"""Issue 19: the memory model (``tutorial_lib.costs.memory``) and its command line.
+"""The memory model (chapter 10, ``tutorial_lib.costs.memory_model``) and its command line.
 
 Serial activations are checked here against autograd in this process (no workers); every
 layout's are checked in real runs by ``tests/dist/test_memory.py`` and the equivalence tests.
@@ -102,7 +102,7 @@ def _saved_bytes_per_stage(model, stages: int, rows: int) -> list[int]:
 
 
 def test_the_v_and_dualpipe_place_stages_and_copies_as_counted_by_hand():
-    """Issue 19 for issue 20's placements, counted by hand on a dense 4-layer model (fp32,
+    """The memory model for chapter 11's placements, counted by hand on a dense 4-layer model (fp32,
     plain Adam: 4 + 4 + 8 bytes per parameter).
 
     ZBV on PP 2 cuts the model in 4 stages of one layer and folds them in a V: rank 0

@@ -128,7 +128,7 @@ def test_per_expert_counts_from_tags_must_add_up():
 
 
 def test_the_phase_pills_are_buttons_to_each_phases_first_frame():
-    """Issue 13: chapter 4's phase pills looked like buttons and did nothing.  Each pill
+    """Found reading the book: chapter 4's phase pills looked like buttons and did nothing.  Each pill
     now carries the first frame of its phase, which moe_flow.js jumps to on a click
     (tests/book/test_widgets.py clicks one in chromium), and the squares are labelled
     as what they are: copies, one per (token, chosen expert)."""

@@ -1,5 +1,5 @@
 """Chapter 8's page structure: each takeaway in the Takeaways list, each exercise statement
-free of stray list items (issue 13: the last takeaway was written after exercise 8.1's
+free of stray list items (the last takeaway was written after exercise 8.1's
 statement, where Markdown rendered it as part of the exercise)."""
 from pathlib import Path
 

@@ -2,7 +2,7 @@
 
 At 1440 px the built book's code column holds 89 characters of its monospace font (measured
 in chromium: 786 px less 2 x 16 px padding, 8.43 px a character), so a longer line makes
-the cell scroll sideways and hides its end.  Issue 13 found 146 of 269 code cells of
+the cell scroll sideways and hides its end.  A reading of the book found 146 of 269 code cells of
 chapters 2-8 doing so (up to 171 characters); chapter 1 already kept to 88.  Every code
 cell counts, the folded solutions and the exercise stubs included: a reader unfolds them.
 (The browser test tests/book/test_reader.py checks the same on the built pages.)

@@ -20,7 +20,7 @@ def test_megatrons_flags_give_batched_or_unbatched_never_sequential():
     interleaved schedule passes with ``overlap_p2p_comm``).  So ``batch_p2p_comm=False`` is the
     overlapped mode whatever ``overlap_p2p_comm`` says; Megatron has no blocking
     send-then-receive.  Both flags on is refused (schedules.py,
-    ``forward_backward_pipelining_with_interleaving``).  Before issue 13 ``(False, False)``
+    ``forward_backward_pipelining_with_interleaving``).  An earlier version took ``(False, False)``
     was called "sequential"."""
     assert p2p.mode_from_megatron_flags(overlap_p2p_comm=False) == "batched"
     assert p2p.mode_from_megatron_flags(overlap_p2p_comm=True) == "overlapped"

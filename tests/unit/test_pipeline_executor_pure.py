@@ -4,9 +4,10 @@ import itertools
 import pytest
 
 from tutorial_lib.config import ConfigError
-from tutorial_lib.pipeline import (check_schedule_and_mode, combined_helpers, group_actions,
-                                   helper_name, schedule_steps)
-from tutorial_lib.pipeline_schedules import Action, build_schedules
+from tutorial_lib.pipeline_parallel.modes import (check_schedule_and_mode, combined_helpers,
+                                                  group_actions, helper_name, schedule_steps)
+from tutorial_lib.pipeline_parallel import build_schedules
+from tutorial_lib.pipeline_parallel.actions import Action
 
 CASES = [(s, pp, m, v) for s in ("gpipe", "1f1b") for pp, m in itertools.product((2, 3, 4), (1, 3, 4, 8))
          for v in (1,)] + [("interleaved", pp, m, 2) for pp in (2, 3, 4) for m in (pp, 2 * pp)]
@@ -72,7 +73,7 @@ def megatron_non_interleaved_calls(pp: int, m: int, rank: int) -> list[str]:
 
 @pytest.mark.parametrize("pp,m", [(3, 2), (3, 6), (4, 4), (4, 6), (5, 3), (5, 8)])
 def test_one_f_one_b_calls_the_helpers_megatron_calls_in_every_phase(pp, m):
-    """Issue 13: the warm-up's ``send_forward`` + next ``recv_forward`` were one
+    """Found reading the book: the warm-up's ``send_forward`` + next ``recv_forward`` were one
     ``send_forward_recv_forward`` call and the cool-down's ``send_backward`` + next
     ``recv_backward`` one ``send_backward_recv_backward``, helpers Megatron's
     non-interleaved schedule never calls (only its interleaved one does)."""

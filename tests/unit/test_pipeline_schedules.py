@@ -5,11 +5,16 @@ from fractions import Fraction
 import pytest
 
 from tutorial_lib.config import ConfigError
-from tutorial_lib.pipeline_schedules import (
-    Action, DeadlockError, MismatchError, build_schedules, bubble_fraction, expected_bubble,
-    check_microbatch_groups, expected_peak_activations, get_schedule_table, gpipe, interleaved_one_f_one_b,
-    makespan, num_warmup_microbatches, one_f_one_b, peak_activations_in_flight, planned_spans, simulate,
-)
+from tutorial_lib.pipeline_parallel import build_schedules
+from tutorial_lib.pipeline_parallel.actions import Action, check_microbatch_groups
+from tutorial_lib.pipeline_parallel.formulas import (expected_bubble, expected_peak_activations,
+                                                     peak_activations_in_flight)
+from tutorial_lib.pipeline_parallel.schedules import (get_schedule_table, gpipe,
+                                                      interleaved_one_f_one_b,
+                                                      num_warmup_microbatches, one_f_one_b)
+from tutorial_lib.pipeline_parallel.simulator import (DeadlockError, MismatchError,
+                                                      bubble_fraction, makespan, planned_spans,
+                                                      simulate)
 
 # Every valid (schedule, PP, M, V): PP 1..6, M 1..12; interleaved needs V >= 2, PP >= 2, M % PP == 0.
 CASES = ([(name, pp, m, 1) for name in ("gpipe", "1f1b") for pp in range(1, 7) for m in range(1, 13)]
@@ -528,9 +533,9 @@ MEGATRON_PAIRS = {  # (schedule, mode, PP) -> accepted
                          ids=[f"{s}-{m}-pp{p}" for s, m, p in MEGATRON_PAIRS])
 def test_schedule_and_mode_pairs_are_the_ones_megatron_runs(schedule, mode, pp):
     """Chapter 7's table: a run takes exactly the (schedule, P2P mode) pairs Megatron allows
-    (the citations above MEGATRON_PAIRS).  Before issue 13 the blocking mode was accepted with
+    (the citations above MEGATRON_PAIRS).  An earlier version accepted the blocking mode with
     1F1B and GPipe, and interleaved + batched at PP = 2."""
-    from tutorial_lib.pipeline_schedules import check_schedule_and_mode
+    from tutorial_lib.pipeline_parallel.modes import check_schedule_and_mode
     if MEGATRON_PAIRS[schedule, mode, pp]:
         check_schedule_and_mode(schedule, mode, pp)
         return
@@ -546,5 +551,5 @@ def test_schedule_and_mode_pairs_are_the_ones_megatron_runs(schedule, mode, pp):
 
 
 def test_training_p2p_modes_are_megatrons_two():
-    from tutorial_lib.pipeline_schedules import P2P_MODES, TRAINING_P2P_MODES
+    from tutorial_lib.pipeline_parallel.modes import P2P_MODES, TRAINING_P2P_MODES
     assert set(TRAINING_P2P_MODES) == {"batched", "overlapped"} < set(P2P_MODES)

@@ -209,7 +209,7 @@ def test_kind_colors_cover_every_kind():
 
 
 def test_every_kind_says_which_collective_it_runs_and_on_how_many_bytes():
-    """Issue 13: each group kind on the map is labelled with its collective and volume.
+    """Found reading the book: each group kind on the map is labelled with its collective and volume.
 
     Upstream rules (NVIDIA/Megatron-LM, Megatron-Core 0.20.0, d98e8a64): DP reduces
     gradients once per optimizer step (the schedules' ``no_sync_func`` holds back every

@@ -1,4 +1,4 @@
-"""Issue 19: activation recomputation, the rule (pure) and the serial model (no process).
+"""Activation recomputation (chapter 10), the rule (pure) and the serial model (no process).
 
 The pipeline with TP is in tests/dist/test_recompute.py.
 """
@@ -66,7 +66,7 @@ def test_train_4d_takes_megatrons_recompute_flags_and_refuses_bad_ones_before_st
         parser.parse_args(["--recompute-granularity", "partial"])
     with pytest.raises(ConfigError, match=r"num_layers_per_pipeline_rank \(2\), got 3"):
         validate_args(replace(args, recompute_num_layers=3))
-    # issue 20's split backward (B, then W) would recompute a region in each pass
+    # chapter 11's split backward (B, then W) would recompute a region in each pass
     for schedule in ("zb-h1", "zbv"):
         with pytest.raises(ConfigError, match=f"does not run with --schedule {schedule}"):
             validate_args(replace(args, schedule=schedule))

@@ -1,6 +1,6 @@
 """Every package the install resolves is pinned, theme packages included.
 
-Issue 13: only jupyter-book was pinned, so the theme pair it pulls in (sphinx-book-theme,
+Once only jupyter-book was pinned, so the theme pair it pulls in (sphinx-book-theme,
 pydata-sphinx-theme) could change at the next install, and the pair installed then drew a
 second, hidden set of sidebar toggles that left the visible ones dead on phones.
 constraints.txt pins the whole closure (written by scripts/lock_requirements.py from what is

@@ -6,6 +6,9 @@ import re
 
 import pytest
 
+from tutorial_lib.pipeline_parallel import build_schedules
+from tutorial_lib.pipeline_parallel.formulas import expected_bubble
+from tutorial_lib.pipeline_parallel.simulator import bubble_fraction, makespan, simulate
 from tutorial_lib.trace import Trace
 from tutorial_lib.viz import timeline as tlmod
 from tutorial_lib.viz.timeline import timeline, timeline_from_spans
@@ -14,15 +17,14 @@ from .test_timeline import MS, bars_of, ev
 
 
 # --- pipeline schedules: forward / backward colours, chunks, short labels, the bubble -----------
-# Issue 13: the pipeline figures drew forwards and backwards in one grey, dropped the label
+# Found reading the book: the pipeline figures drew forwards and backwards in one grey, dropped the label
 # of every bar narrower than its text, did not say which chunk a block belongs to, did not
 # mark the bubble, and drew each labels isend (posted before a forward, waited on at the end
 # of the step) as a bar across the whole step, four rows of them on the first stage.
 
 
 def _plan(schedule, pp, m, v=1):
-    from tutorial_lib import pipeline_schedules as ps
-    return ps.simulate(ps.build_schedules(schedule, pp, m, v), 1.0 / v, 2.0 / v)
+    return simulate(build_schedules(schedule, pp, m, v), 1.0 / v, 2.0 / v)
 
 
 def test_a_schedule_draws_forwards_and_backwards_apart_and_each_chunk_in_its_shade():
@@ -57,15 +59,14 @@ def test_a_bar_too_narrow_for_its_label_shows_the_microbatch():
 
 
 def test_the_bubble_is_marked_and_adds_up_to_the_simulated_idle_time():
-    from tutorial_lib import pipeline_schedules as ps
     plan = _plan("1f1b", 4, 4)
     tl = timeline_from_spans(tlmod.plan_spans(plan), scale=1, unit="slot", bubble=True)
     idle = bars_of(tl, kind=tlmod.BUBBLE)
-    span = ps.makespan(plan)
+    span = makespan(plan)
     per_rank = {r: sum(b["end"] - b["start"] for b in idle if b["rank"] == r) for r in range(4)}
     for rank in range(4):
-        assert per_rank[rank] == pytest.approx(span * ps.bubble_fraction(plan, rank))
-    assert sum(per_rank.values()) / (4 * span) == pytest.approx(ps.expected_bubble(4, 4))
+        assert per_rank[rank] == pytest.approx(span * bubble_fraction(plan, rank))
+    assert sum(per_rank.values()) / (4 * span) == pytest.approx(expected_bubble(4, 4))
     assert per_rank[0] == pytest.approx(3 * 3.0)  # PP - 1 stages' forward + backward
     assert tl.data["legend"][-1][0] == tlmod.BUBBLE
     page = tl.to_html()
@@ -108,8 +109,7 @@ def test_a_recorded_pipeline_step_is_drawn_as_its_schedule():
 
 
 def test_a_split_schedule_draws_its_ws_green_and_its_pairs_outlined():
-    from tutorial_lib import pipeline_schedules as ps
-    plan = ps.simulate(ps.build_schedules("dualpipev", 2, 4))
+    plan = simulate(build_schedules("dualpipev", 2, 4))
     spans = tlmod.plan_spans(plan)
     tl = timeline_from_spans(spans, scale=1, unit="F")
     weights = [b for b in tl.data["bars"] if b["kind"] == "weight"]
@@ -128,8 +128,7 @@ def test_a_split_schedule_draws_its_ws_green_and_its_pairs_outlined():
 
 
 def test_dualpipe_names_its_chunks_by_copy_and_direction():
-    from tutorial_lib import pipeline_schedules as ps
-    spans = tlmod.plan_spans(ps.simulate(ps.build_schedules("dualpipe", 2, 4)))
+    spans = tlmod.plan_spans(simulate(build_schedules("dualpipe", 2, 4)))
     assert {s.chunk_name for s in spans} == {"down (copy 0)", "up (copy 1)"}
     assert {s.chunk_name for s in tlmod.plan_spans(_plan("interleaved", 2, 2, 2))} == {""}
 
@@ -146,8 +145,7 @@ def _recorded(actions_by_rank):
 
 
 def test_a_recorded_step_takes_its_pairs_from_its_schedule_and_must_follow_it():
-    from tutorial_lib import pipeline_schedules as ps
-    lists = ps.build_schedules("dualpipe", 2, 4)
+    lists = build_schedules("dualpipe", 2, 4)
     spans = tlmod.pipeline_spans(_recorded(lists), schedules=lists)
     outlined = [(s.rank, s.label) for s in spans if s.outline]
     want = [(r, a.label) for r, acts in lists.items() for a in acts if a.overlapped]

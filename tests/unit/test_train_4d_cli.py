@@ -33,11 +33,11 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 steps=5, seed=1234, lr=3e-3, clip_grad=1.0, schedule="1f1b", p2p_mode="batched",
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
-                context_parallel_size=1, cp_comm_type="p2p",  # issue 18: CP, off by default
-                expert_tensor_parallel_size=None,  # issue 17: unset means TP, as Megatron
-                recompute_granularity=None, recompute_method=None,  # issue 19: no recomputation
+                context_parallel_size=1, cp_comm_type="p2p",  # chapter 9: CP, off by default
+                expert_tensor_parallel_size=None,  # TP x EP: unset means TP, as Megatron
+                recompute_granularity=None, recompute_method=None,  # chapter 10: no recomputation
                 recompute_num_layers=None,
-                device="auto")  # issue 16: the GPUs when every rank has one
+                device="auto")  # the GPUs when every rank has one
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +182,10 @@ def test_add_arguments_reads_types_docstrings_and_defaults():
     assert text.count("(default") == 3
 
 
-# --- issue 12: every bad value refused before any worker starts ---------------------------------
+# --- every bad value refused before any worker starts ---------------------------------
 
 def test_the_expert_tensor_parallel_flag_defaults_to_tp_and_checks_the_expert_width(script):
-    """Issue 17: ``--expert-tensor-parallel-size`` is Megatron-LM's flag, and left unset it
+    """TP and EP together: ``--expert-tensor-parallel-size`` is Megatron-LM's flag, and left unset it
     becomes TP (Megatron-Core 0.20.0, d98e8a64, ``megatron/training/arguments.py``,
     ``validate_args``: ``if args.expert_tensor_parallel_size is None: ... =
     args.tensor_model_parallel_size``); 1 and 2 both run with TP 2 x EP 2, and an expert
@@ -232,7 +232,7 @@ BAD_RUN_VALUES = [  # (changes, rule, fragments of the message: the rule, the va
 
 @pytest.mark.parametrize("changes,rule,fragments", BAD_RUN_VALUES, ids=lambda v: str(v)[:40])
 def test_validate_args_refuses_every_bad_value_with_the_rule_the_value_and_a_fix(changes, rule, fragments):
-    """Issue 12: these used to start workers and fail 15-67 s later with a worker traceback,
+    """Hardening: these used to start workers and fail 15-67 s later with a worker traceback,
     or train silently (``lr`` nan / inf trained to NaN and exited 0; ``clip_grad`` -1 or nan
     turned clipping off).  The rules and their upstream sources: the seed as Megatron-LM's
     ``_set_random_seed`` (megatron/training/initialize.py: a seed <= 0 raises, and numpy's
@@ -267,7 +267,7 @@ def test_validate_args_refuses_the_p2p_mode_pairs_megatron_does_not_run(changes,
     (megatron/core/pipeline_parallel/p2p_communication.py, ``_communicate`` choosing
     ``_batched_p2p_ops`` or ``_p2p_ops``), so the blocking mode is no Megatron mode; and
     megatron/training/arguments.py ``validate_args`` asserts PP > 2 for the interleaved
-    schedule with ``overlap_p2p_comm`` off.  Both were accepted before issue 13."""
+    schedule with ``overlap_p2p_comm`` off.  An earlier version accepted both."""
     with pytest.raises(ConfigError) as info:
         validate_args(replace(TrainingArgs(**P2P_PAIR_LAYOUT), **changes))
     assert info.value.rule == rule, str(info.value)
@@ -316,7 +316,7 @@ def test_validate_args_takes_the_limits_themselves():
 ])
 def test_a_config_file_that_is_not_an_object_of_options_is_named_and_refused(script, tmp_path, name,
                                                                           content, fragment):
-    """Issue 12: a JSON list or string gave an AttributeError traceback; an empty, YAML or
+    """Hardening: a JSON list or string gave an AttributeError traceback; an empty, YAML or
     binary file said "Expecting value: line 1 column 1" without naming the file; ``"lr":
     "fast"`` reached the optimizer.  (Megatron-LM's ``--yaml-cfg`` likewise reads one mapping
     of options, megatron/training/yaml_arguments.py, Megatron-Core 0.20.0.)"""
@@ -397,18 +397,18 @@ def test_check_memory_refuses_with_a_per_rank_breakdown():
         check_memory(huge, available=2**40)
 
 
-# --- what a run prints (issue 13) -----------------------------------------------------------
+# --- what a run prints -----------------------------------------------------------
 
 
 def test_help_lists_the_choices_of_every_fixed_set(script, monkeypatch):
-    """Issue 13: ``--help`` listed no choices.  argparse shows them as ``{a,b,c}`` beside the
+    """Found reading the book: ``--help`` listed no choices.  argparse shows them as ``{a,b,c}`` beside the
     flag and refuses any other value (Megatron-LM's ``megatron/training/arguments.py`` gives
     its fixed sets ``choices=`` the same way, Megatron-Core 0.20.0, d98e8a64)."""
     monkeypatch.setenv("COLUMNS", "100")
     text = script.build_parser().format_help()
     with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
     assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type",
-                                              "device",  # issue 16: --device
+                                              "device",  # --device
                                               "recompute_granularity", "recompute_method"}  # 19
     for f in with_choices:
         flag = "--" + f.name.replace("_", "-")
@@ -445,7 +445,7 @@ def test_the_banner_names_layout_schedule_p2p_mode_and_recipe():
 
 
 def test_progress_lines_number_iterations_like_the_json_records():
-    """Issue 13: "step 1/5" in text, ``"step": 0`` in --json; both now say iteration 1."""
+    """Found reading the book: "step 1/5" in text, ``"step": 0`` in --json; both now say iteration 1."""
     from tutorial_lib.train_4d import format_progress
     record = {"iteration": 1, "loss": 3.5, "sequence_balance_loss": 3e-4, "max_violation": 0.25,
               "grad_norm": 0.5, "tokens_per_s": 1000.0}
@@ -481,7 +481,7 @@ def test_json_stdout_holds_json_lines_only_and_the_banner_goes_to_stderr(script,
 
 
 def test_a_missing_recipe_file_says_file_not_found(script, tmp_path, capsys):
-    """Issue 13: ``--precision-recipe my.json`` for a file that is not there said "unknown
+    """Found reading the book: ``--precision-recipe my.json`` for a file that is not there said "unknown
     precision_recipe", as if it were a misspelt name."""
     missing = tmp_path / "my_recipe.json"
     with pytest.raises(ConfigError, match="file not found") as error:
@@ -499,7 +499,7 @@ def test_a_missing_recipe_file_says_file_not_found(script, tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
 def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(script, capsys):
-    """Issue 16: ``--device cuda`` where the ranks cannot each have a GPU is refused with
+    """``--device cuda`` where the ranks cannot each have a GPU is refused with
     the rule and a fix, exit status 2, and no process started (this directory's conftest
     fails any test that starts one)."""
     assert script.main(["--world-size", "2", "--pipeline-model-parallel-size", "2",
@@ -509,7 +509,7 @@ def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(scr
     assert "--device cpu" in error
 
 
-#: Issue 20's layouts: 8 layers so that a V of PP 4 has 8 stages.
+#: Chapter 11's layouts: 8 layers so that a V of PP 4 has 8 stages.
 SPLIT_LAYOUT = dict(num_layers=8, global_batch_size=16)
 
 
@@ -533,7 +533,7 @@ SPLIT_LAYOUT = dict(num_layers=8, global_batch_size=16)
 ], ids=["dualpipe-odd-pp", "dualpipe-odd-m", "dualpipe-few-m", "dualpipev-few-m", "zbv-pp1",
         "dualpipe-save", "zbv-layers"])
 def test_validate_args_refuses_what_the_split_backward_schedules_cannot_run(changes, rule, fragments):
-    """Issue 20: ``--schedule zb-h1 | zbv | dualpipev | dualpipe`` with the layouts their
+    """Chapter 11's schedules: ``--schedule zb-h1 | zbv | dualpipev | dualpipe`` with the layouts their
     schedules refuse, before any worker starts.  DeepSeek's rules (deepseek-ai/DualPipe,
     3da1bbea): ``DualPipe.step`` (dualpipe/dualpipe.py) asserts an even number of
     microbatches, at least twice the ranks, and its ranks pair up as ``r`` and

@@ -8,7 +8,7 @@ import pytest
 
 from tutorial_lib.viz import widget
 from tutorial_lib.viz.fp8_tiles import TileExplorer
-from tutorial_lib.viz.memory import MemoryExplorer
+from tutorial_lib.viz.memory_explorer import MemoryExplorer
 from tutorial_lib.viz.moe_flow import TokenFlowAnimation
 from tutorial_lib.viz.rank_map import RankMap
 from tutorial_lib.viz.timeline import Timeline

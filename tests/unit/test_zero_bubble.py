@@ -18,10 +18,11 @@ from fractions import Fraction
 import pytest
 
 from tutorial_lib.config import ConfigError
-from tutorial_lib.pipeline_schedules import (
-    COSTS, Action, OrderError, build_schedules, makespan, peak_activations_in_flight, simulate,
-    split_backwards, zb_h1,
-)
+from tutorial_lib.pipeline_parallel import build_schedules
+from tutorial_lib.pipeline_parallel.actions import Action, split_backwards
+from tutorial_lib.pipeline_parallel.formulas import peak_activations_in_flight
+from tutorial_lib.pipeline_parallel.simulator import COSTS, OrderError, makespan, simulate
+from tutorial_lib.pipeline_parallel.zero_bubble import zb_h1
 
 F, B, W = COSTS["F"], COSTS["B"], COSTS["W"]
 
@@ -311,7 +312,8 @@ def test_dualpipe_bubbles_are_the_tables(f, b, w, fb):
     """deepseek-ai/DualPipe README.md (3da1bbea): DualPipe and DualPipeV, (PP/2-1)(F&B+B-3W)
     with PP the pipeline stages: DualPipeV's pp_size ranks hold 2 pp_size stages, DualPipe's
     pp_size ranks pp_size stages (twice).  The busiest rank idles exactly that long."""
-    from tutorial_lib.pipeline_schedules import expected_bubble_time, idle_time
+    from tutorial_lib.pipeline_parallel.formulas import expected_bubble_time
+    from tutorial_lib.pipeline_parallel.simulator import idle_time
     pair = f + b if fb is None else fb
     for name, cases in (("dualpipev", DUALPIPEV_CASES), ("dualpipe", DUALPIPE_CASES)):
         for pp, m in cases[::3]:
@@ -325,7 +327,8 @@ def test_dualpipe_bubbles_are_the_tables(f, b, w, fb):
 def test_zbv_bubble(f):
     """ZBV with F = B - W = W (its paper's setting): every rank idles (PP - 1) F, half of
     ZB-H1's (PP - 1)(F + B - 2W) for the same model (a ZB-H1 stage is two ZBV chunks)."""
-    from tutorial_lib.pipeline_schedules import expected_bubble_time, idle_time
+    from tutorial_lib.pipeline_parallel.formulas import expected_bubble_time
+    from tutorial_lib.pipeline_parallel.simulator import idle_time
     for pp in range(1, 7):
         for m in range(2 * pp - 1, 2 * pp + 4):
             timed = timelines("zbv", pp, m, f, 2 * f, f)
@@ -339,7 +342,7 @@ def test_peak_activations_are_the_tables():
     """The table's activation column, per rank and counted until each W: 1F1B and ZB1P
     PP (rank 0; ZB-H1 every rank), DualPipe PP + 1; DualPipeV PP + 1 with PP its stages
     (2 pp_size chunks of half a stage, + 1); ZBV 2 pp_size chunks, 1F1B's PP stages."""
-    from tutorial_lib.pipeline_schedules import expected_peak_activations
+    from tutorial_lib.pipeline_parallel.formulas import expected_peak_activations
     for name, cases in (("zb-h1", ZB_CASES), ("zbv", V_CASES), ("dualpipev", DUALPIPEV_CASES),
                         ("dualpipe", DUALPIPE_CASES)):
         for pp, m in cases:

@@ -2,31 +2,34 @@
 
 Chapters print these predictions next to what the traced collectives actually did, and
 tests compare the two.  One module per subject, each named for what it predicts; every
-name is re-exported here, so a chapter calls ``costs.X`` whichever module holds ``X``:
+name is re-exported here, so a chapter calls ``costs.X`` whichever module holds ``X``.
+The names differ from the technique modules' (``memory_model`` beside
+:mod:`tutorial_lib.memory`, ``cp_messages`` beside :mod:`tutorial_lib.context_parallel`),
+so a chapter that imports both reads which is which:
 
 =================  ========  ============================================================
 module             chapters  what it holds
 =================  ========  ============================================================
-``collectives``    1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
+``alpha_beta``     1-3, 7    bytes each rank sends in the ring algorithms, the alpha-beta
                              model (``time = steps * alpha + bytes * beta``), its fit
 ``bandwidth``      1         which parallelism uses which collective, how often, on what
                              volume, over which link (the bandwidth table)
 ``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
                              optimizer state per rank
 ``moe``            4         the MoE dispatch / combine all-to-alls: bytes, send splits
-``memory``         10        every rank's memory (weights, gradients, optimizer state,
+``memory_model``   10        every rank's memory (weights, gradients, optimizer state,
                              saved activations per layer and schedule, recomputation),
                              checked against runs; ``train_4d`` checks it before it starts
 =================  ========  ============================================================
 
-And ``context_parallel`` (chapter 9): context-parallel attention's messages and bytes per
+And ``cp_messages`` (chapter 9): context-parallel attention's messages and bytes per
 rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all).
 
-What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory``
-(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_schedules` and the
-recomputation rule from :mod:`tutorial_lib.recompute`); ``collectives``,
-``tp_dp_step``, ``moe`` and ``context_parallel`` import numpy (``context_parallel``
-through ``collectives``) and none of them imports torch when it is loaded, so
+What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory_model``
+(it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_parallel` and the
+recomputation rule from :mod:`tutorial_lib.recompute`); ``alpha_beta``,
+``tp_dp_step``, ``moe`` and ``cp_messages`` import numpy (``cp_messages`` through
+``alpha_beta``) and none of them imports torch when it is loaded, so
 ``import tutorial_lib.costs`` loads no torch.  One function reaches torch through
 another module of the library when it is called: :func:`tp_dp_step_collectives` with
 ``tp > 1`` reads each block's collectives from
@@ -35,20 +38,20 @@ function is a pure function of its arguments.  Measuring on this machine (proces
 launcher) is :mod:`tutorial_lib.timing`'s.
 
 Byte counts follow the library's convention (:mod:`tutorial_lib.comm`, tabled in
-:mod:`tutorial_lib.costs.collectives`), so ``ring_bytes_sent(e.op, e.bytes,
+:mod:`tutorial_lib.costs.alpha_beta`), so ``ring_bytes_sent(e.op, e.bytes,
 len(e.group_ranks))`` works directly on a trace event ``e``.
 """
-from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, cp_kv_chunk_bytes,
-                        dp_gradient_bytes, ep_all_to_all_bytes, link_bandwidths,
-                        pp_activation_bytes, tp_all_reduce_bytes, transfer_seconds)
-from .context_parallel import (CP_MODES, cp_attention_messages, cp_bytes_sent,
+from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, dp_gradient_bytes,
+                        link_bandwidths, pp_activation_bytes, tp_all_reduce_bytes,
+                        transfer_seconds)
+from .cp_messages import (CP_MODES, cp_attention_messages, cp_bytes_sent,
                                cp_kv_block_bytes)
-from .collectives import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
+from .alpha_beta import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
                           algorithm_bandwidth, all_gather_bytes, all_reduce_bytes,
                           all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
                           fit_alpha_beta, nccl_tests_size, predict_time, reduce_scatter_bytes,
                           ring_bytes_sent, ring_steps, send_bytes, tree_broadcast_time)
-from .memory import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
+from .memory_model import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
                      layer_activation_bytes, layer_parameters, memory_of_ranks,
                      memory_on_this_machine, memory_per_rank, stage_activation_bytes)
 from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
@@ -62,8 +65,8 @@ from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
                          zero1_state_bytes_per_rank)
 
 __all__ = [
-    "LinkSpec", "ParallelismTraffic", "bandwidth_table", "cp_kv_chunk_bytes",
-    "dp_gradient_bytes", "ep_all_to_all_bytes", "link_bandwidths", "pp_activation_bytes",
+    "LinkSpec", "ParallelismTraffic", "bandwidth_table",
+    "dp_gradient_bytes", "link_bandwidths", "pp_activation_bytes",
     "tp_all_reduce_bytes", "transfer_seconds",
     "CP_MODES", "cp_attention_messages", "cp_bytes_sent", "cp_kv_block_bytes",
     "BUS_BANDWIDTH_FACTORS", "OPS", "AlphaBeta", "Fit", "Sample", "algorithm_bandwidth",

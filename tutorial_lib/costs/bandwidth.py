@@ -83,16 +83,6 @@ def tp_all_reduce_bytes(b: int, s: int, h: int, d: int = 2) -> int:
     return b * s * h * d
 
 
-def cp_kv_chunk_bytes(b: int, s: int, h_kv: int, d: int = 2) -> int:
-    """Bytes of one rank's K and V chunk in context parallelism: ``2 * b * s * h_kv * d`` (s per rank)."""
-    return 2 * b * s * h_kv * d
-
-
-def ep_all_to_all_bytes(b: int, s: int, h: int, k: int, d: int = 2) -> int:
-    """Bytes one rank hands to one EP all-to-all: ``b * s * k`` token copies of ``h * d`` bytes."""
-    return b * s * h * k * d
-
-
 def dp_gradient_bytes(params: int, d: int = 4) -> int:
     """Bytes of one DP gradient all-reduce: ``params * d`` (fp32 gradients by default)."""
     return params * d

@@ -31,8 +31,8 @@ def moe_all_to_all_bytes(tokens: int, topk: int, hidden: int, bytes_per_element:
     """Bytes one rank hands to one dropless dispatch all-to-all: ``T * K * h * d``.
 
     The combine hands back what the rank *received*; summed over the EP group the two
-    are equal.  The same product as chapter 1's
-    :func:`tutorial_lib.costs.bandwidth.ep_all_to_all_bytes` with ``T = b * s``.
+    are equal.  Chapter 1's bandwidth table writes the same product ``b*s*h*k*d``
+    (:func:`~tutorial_lib.costs.bandwidth.bandwidth_table`), with ``T = b * s``.
     """
     for name, value in (("tokens", tokens), ("topk", topk), ("hidden", hidden),
                         ("bytes_per_element", bytes_per_element)):

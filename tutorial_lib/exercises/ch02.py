@@ -7,7 +7,7 @@
   the order they arrived (the classic mistake) get a hint of their own.
 * :func:`check_ring_all_reduce_bytes`: the student's ``fn(nbytes, n)`` predicts the
   bytes each rank sends in a ring all-reduce.  The checker launches the library's
-  :func:`tutorial_lib.collectives.ring_all_reduce` on 2 to 5 ranks, counts the bytes of
+  :func:`tutorial_lib.ring_collectives.ring_all_reduce` on 2 to 5 ranks, counts the bytes of
   every rank's sends in the trace, and compares.  ``2 B`` and ``(N-1) B`` and the other
   usual wrong formulas each get a specific hint.
 * :func:`check_choose_collectives`: which collective each of seven training
@@ -283,9 +283,9 @@ RING_BYTES_ELEMENTS_PER_RANK = (3, 1000)
 def _ring_bytes_worker(ctx, lengths):
     import torch
 
-    from .. import collectives
+    from .. import ring_collectives
     for length in lengths:
-        collectives.ring_all_reduce(torch.zeros(length))
+        ring_collectives.ring_all_reduce(torch.zeros(length))
 
 
 @lru_cache(maxsize=None)
@@ -327,7 +327,7 @@ def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
     """Check ``fn(nbytes, n) -> bytes one rank sends`` against the traced ring all-reduce.
 
     For N = 2..5 ranks and two tensor sizes each, the library's
-    :func:`~tutorial_lib.collectives.ring_all_reduce` is launched and every rank's
+    :func:`~tutorial_lib.ring_collectives.ring_all_reduce` is launched and every rank's
     sends are counted in the trace (see :func:`measured_ring_bytes`).
     """
     check = Checking("Exercise 2.2: ring_all_reduce_bytes", RING_BYTES_HINTS)

@@ -8,7 +8,7 @@
   device-limited routing, whose picks V2's ``f_i`` counts).  Forgetting the ``N'/K'`` scaling, dividing by the tokens instead of the
   assignments, using the top-k gates instead of the full probabilities, re-running top-k
   instead of counting ``topk_idx``, and a loss cut off from autograd each get a hint.
-* :func:`check_biased_topk`: ``fn(scores, bias, k) -> (topk_idx, gates)`` is DeepSeek-V3's
+* :func:`check_biased_topk`: ``fn(scores, topk, bias) -> (topk_idx, gates)`` is DeepSeek-V3's
   biased selection: choose by ``scores + bias``, gate with the unbiased ``scores``.  Biased
   gates, an ignored or subtracted bias, normalised gates and gates without a gradient each
   get a hint.
@@ -128,7 +128,7 @@ HINT_TOPK_NUDGE = (
     "to choose the experts, and which one do you read the gates from?"
 )
 HINT_TOPK_GENERIC = (
-    "topk_idx = torch.topk(scores + bias, k, dim=-1).indices and gates = "
+    "topk_idx = torch.topk(scores + bias, topk, dim=-1).indices and gates = "
     "scores.gather(-1, topk_idx)."
 )
 
@@ -340,12 +340,12 @@ def topk_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
     return cases
 
 
-def topk_variant(scores, bias, k, mistake: str | None = None):
+def topk_variant(scores, topk, bias, mistake: str | None = None):
     """Biased top-k, or one classic mistake (for hints and tests)."""
     b = bias.detach()
     selection = {None: scores + b, "biased_gates": scores + b, "normalised": scores + b,
                  "ignores_bias": scores, "subtracted": scores - b}[mistake]
-    topk_idx = torch.topk(selection.detach(), k, dim=-1).indices
+    topk_idx = torch.topk(selection.detach(), topk, dim=-1).indices
     gates = (scores + b if mistake == "biased_gates" else scores).gather(-1, topk_idx)
     if mistake == "normalised":
         gates = gates / gates.sum(dim=-1, keepdim=True)
@@ -375,15 +375,15 @@ def _valid_pair(got, scores, k) -> bool:
             and not idx.is_floating_point() and not idx.is_complex())
 
 
-def reference_topk(scores, bias, k):
+def reference_topk(scores, topk, bias):
     """Exercise 5.2's answer from the router's own pieces: pick by ``scores + bias``
     (:func:`tutorial_lib.moe.select_experts`), gate with the unbiased scores."""
-    topk_idx = moe.select_experts(scores.detach(), k, bias)
+    topk_idx = moe.select_experts(scores.detach(), topk, bias)
     return topk_idx, moe.gates_from_scores(scores, topk_idx, normalize=False)
 
 
 def check_biased_topk(fn: Callable) -> CheckResult:
-    """Check ``fn(scores, bias, k) -> (topk_idx, gates)`` against the library's choice and gates.
+    """Check ``fn(scores, topk, bias) -> (topk_idx, gates)`` against the library's choice and gates.
 
     The k picks of a token may come in any order (gates in the same order).  ``scores``
     requires grad: ``gates.sum().backward()`` must give the library's ``scores.grad``, and
@@ -391,10 +391,10 @@ def check_biased_topk(fn: Callable) -> CheckResult:
     """
     check = Checking("Exercise 5.2: biased_topk", TOPK_HINTS)
     for name, scores, bias, k in topk_cases():
-        want = reference_topk(scores, bias.detach(), k)
+        want = reference_topk(scores, k, bias.detach())
         mine_scores = scores.clone().requires_grad_(True)
         mine_bias = bias.detach().clone().requires_grad_(bias.requires_grad)
-        case, got = check.run(name, lambda: fn(mine_scores, mine_bias, k), want, compare=lambda *_: False)
+        case, got = check.run(name, lambda: fn(mine_scores, k, mine_bias), want, compare=lambda *_: False)
         if check.stub:
             break
         if isinstance(got, BaseException):
@@ -408,7 +408,7 @@ def check_biased_topk(fn: Callable) -> CheckResult:
             wrong = int((~(_by_expert(*got)[0] == _by_expert(*want)[0]).all(dim=-1)).sum())
             case.detail = (f"{wrong} of {scores.shape[0]} tokens chose other experts" if wrong else
                            "the same experts, but other gate values")
-            check.shows({m for m in TOPK_MISTAKES if _same_routing(got, topk_variant(scores, bias, k, m))})
+            check.shows({m for m in TOPK_MISTAKES if _same_routing(got, topk_variant(scores, k, bias, m))})
             continue
         gates = got[1]
         if gates.grad_fn is None:
@@ -422,7 +422,7 @@ def check_biased_topk(fn: Callable) -> CheckResult:
             check.shows()
             continue
         reference = scores.clone().requires_grad_(True)
-        reference_topk(reference, bias.detach(), k)[1].sum().backward()
+        reference_topk(reference, k, bias.detach())[1].sum().backward()
         if mine_scores.grad is None or not torch.allclose(mine_scores.grad, reference.grad):
             case.detail = "right experts and gates, but d gates / d scores differs from the library's"
             check.shows({"no_grad"} if mine_scores.grad is None else set())
@@ -513,7 +513,7 @@ def simulate_bias_balancing(update: Callable, steps: int = SIM_STEPS, gamma: flo
     first = None
     for step in range(steps):
         scores = torch.sigmoid(preference + torch.randn(SIM_TOKENS, SIM_EXPERTS, generator=g))
-        topk_idx, gates = reference_topk(scores, bias.detach(), SIM_TOPK)
+        topk_idx, gates = reference_topk(scores, SIM_TOPK, bias.detach())
         load = moe_balance.expert_load(topk_idx, SIM_EXPERTS)
         if first is None:
             first = moe_balance.max_violation(load)

@@ -2,9 +2,9 @@
 
 * :func:`check_one_f_one_b`: the student's ``fn(pp_size, num_microbatches, rank) -> [Action]``
   writes one rank's non-interleaved 1F1B list.  The checker compares every rank's list
-  with :func:`tutorial_lib.pipeline_schedules.one_f_one_b` for PP = 1 .. 5 (most cases at
+  with :func:`tutorial_lib.pipeline_parallel.schedules.one_f_one_b` for PP = 1 .. 5 (most cases at
   PP >= 3, where a wrong peer shows), then plays the student's lists of all ranks together
-  in :func:`~tutorial_lib.pipeline_schedules.simulate`.  It names the classic mistakes: a
+  in :func:`~tutorial_lib.pipeline_parallel.simulator.simulate`.  It names the classic mistakes: a
   wrong warm-up count, a wrong peer, a backward before its forward, missing labels.
 * :func:`check_bubble`: the student's ``fn(pp, m, v)`` predicts the bubble, as the idle
   fraction of the step (a number), or under a stated definition, ``("step", x)`` or
@@ -23,9 +23,12 @@ from fractions import Fraction
 from typing import Callable
 
 from ..deepseek import layer_range
-from ..pipeline_schedules import (Action, SimulationError, build_schedules, expected_bubble,
-                                  num_warmup_microbatches, one_f_one_b, simulate, bubble_fraction)
-from ..pipeline_schedules import DeadlockError, gpipe
+from ..pipeline_parallel import build_schedules
+from ..pipeline_parallel.actions import Action
+from ..pipeline_parallel.formulas import expected_bubble
+from ..pipeline_parallel.schedules import gpipe, num_warmup_microbatches, one_f_one_b
+from ..pipeline_parallel.simulator import (DeadlockError, SimulationError, bubble_fraction,
+                                           simulate)
 from .kit import Case, Checking, CheckResult, Mistakes, as_number
 
 # --- exercise 6.1: one rank's 1F1B list ------------------------------------------------------
@@ -65,7 +68,7 @@ HINT_ORDER = (
     "the order of forwards and backwards differs from 1F1B: warm-up forwards 0 .. w - 1, then "
     "M - w pairs (forward w + i, backward i), then the remaining w backwards."
 )
-HINT_TYPE = ("return a list of tutorial_lib.pipeline_schedules.Action, e.g. "
+HINT_TYPE = ("return a list of tutorial_lib.pipeline_parallel.actions.Action, e.g. "
              "[Action('recv_activation', 0, peer=0), Action('forward', 0), ...].")
 HINT_DEADLOCK = (
     "every rank has the library's computes and messages, but played together the ranks block: inside "
@@ -412,7 +415,7 @@ def mixed_schedules(pp: int, m: int, gpipe_ranks) -> dict[int, list[Action]]:
 
 
 def simulated_deadlock(pp: int, m: int, gpipe_ranks) -> frozenset | None:
-    """Play the mixed pipeline in :func:`~tutorial_lib.pipeline_schedules.simulate`: None
+    """Play the mixed pipeline in :func:`~tutorial_lib.pipeline_parallel.simulator.simulate`: None
     when it completes, else the ranks blocked on each other (each waits for the other)."""
     try:
         simulate(mixed_schedules(pp, m, gpipe_ranks))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import ConfigError, ModelConfig
-from ..costs.memory import layer_activation_bytes
+from ..costs.memory_model import layer_activation_bytes
 from ..memory import heaviest_rank_bytes
 from ..recompute import Recompute
 from .kit import CheckResult, Checking, Mistakes, as_number, as_whole_numbers

@@ -1,10 +1,10 @@
 """Checkers for chapter 11, zero-bubble schedules and DualPipe.
 
 * :func:`check_place_weights`: the student's ``fn(pp_size, num_microbatches, rank) ->
-  [Action]`` takes 1F1B's list of one rank (:func:`~tutorial_lib.pipeline_schedules.one_f_one_b`,
+  [Action]`` takes 1F1B's list of one rank (:func:`~tutorial_lib.pipeline_parallel.schedules.one_f_one_b`,
   each backward now B, the input's gradient) and adds one ``Action("weight", i)`` per
   microbatch.  The checker plays every rank's list in
-  :func:`~tutorial_lib.pipeline_schedules.simulate` with the course's costs (F 1, B 2 of
+  :func:`~tutorial_lib.pipeline_parallel.simulator.simulate` with the course's costs (F 1, B 2 of
   which W 1) and asks for ZB-H1's two properties: the bubble ``(PP - 1)(F + B - 2W)``
   and at most ``PP`` microbatches held (counted until their W).  Any placement with both
   passes, ZB-H1's own or another.  It names the mistakes: a W right after its B (1F1B's
@@ -20,8 +20,11 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Callable
 
-from ..pipeline_schedules import (COSTS, Action, SimulationError, build_schedules, idle_time,
-                                  one_f_one_b, peak_activations_in_flight, simulate)
+from ..pipeline_parallel import build_schedules
+from ..pipeline_parallel.actions import Action
+from ..pipeline_parallel.formulas import peak_activations_in_flight
+from ..pipeline_parallel.schedules import one_f_one_b
+from ..pipeline_parallel.simulator import COSTS, SimulationError, idle_time, simulate
 from .kit import Case, Checking, CheckResult, Mistakes, as_number
 
 F, B, W = COSTS["F"], COSTS["B"], COSTS["W"]
@@ -31,7 +34,7 @@ F, B, W = COSTS["F"], COSTS["B"], COSTS["W"]
 #: (PP, M) of the cases: a full pipeline (M >= PP), PP 2 to 5.
 PLACE_CASES = [(2, 4), (3, 3), (3, 6), (4, 8), (5, 7)]
 
-HINT_PLACE_TYPE = ("return a list of tutorial_lib.pipeline_schedules.Action: 1F1B's list "
+HINT_PLACE_TYPE = ("return a list of tutorial_lib.pipeline_parallel.actions.Action: 1F1B's list "
                    "(one_f_one_b(pp, m, rank)) with one Action('weight', i) added for each "
                    "microbatch i.")
 HINT_NOT_1F1B = (

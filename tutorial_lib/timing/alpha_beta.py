@@ -2,13 +2,13 @@
 
 Chapter 2 (collectives) times every collective with :func:`measure_alpha_beta` (one
 :func:`measure_collective` run, the same as ``bench/bench_alpha_beta.py`` stores as its
-reference) and fits the alpha-beta model of :mod:`tutorial_lib.costs.collectives` to
+reference) and fits the alpha-beta model of :mod:`tutorial_lib.costs.alpha_beta` to
 the result.  The rounds and their medians come from
 :func:`tutorial_lib.timing.runs.rounds_by_size`.
 
 **On GPUs** (``device="cuda"``: one GPU per rank, NCCL) the same run times NCCL, and
 :func:`bandwidth_rows` reports each size the way nccl-tests' ``*_perf`` binaries do
-(size, time, ``algbw``, ``busbw``: :func:`~tutorial_lib.costs.collectives.bus_bandwidth`),
+(size, time, ``algbw``, ``busbw``: :func:`~tutorial_lib.costs.alpha_beta.bus_bandwidth`),
 so the numbers compare with nccl-tests on the same machine and with the course's
 bandwidth table.  The times then come from CUDA events (an NCCL call returns before the
 collective has run; :mod:`tutorial_lib.trace`), each rank's events placed on the shared
@@ -139,7 +139,7 @@ def measure_collective(op: str | Sequence[str],
     Sizes follow the byte convention, so for ``all_gather`` a size is the
     shard each rank contributes.  ``sizes`` is one list for every op, or a
     mapping from each op to its own list.  Feed the result to
-    :func:`tutorial_lib.costs.collectives.fit_alpha_beta`.
+    :func:`tutorial_lib.costs.alpha_beta.fit_alpha_beta`.
     """
     ops = (op,) if isinstance(op, str) else tuple(op)
     for name in ops:
@@ -180,7 +180,7 @@ def measure_alpha_beta(ops: Sequence[str] = ALPHA_BETA_OPS,
 
 def bandwidth_rows(samples: Sequence[Sample]) -> list[dict]:
     """One row per sample as nccl-tests prints it: ``op``, ``ranks``, ``size_bytes`` (its
-    ``S``: :func:`~tutorial_lib.costs.collectives.nccl_tests_size`), ``time_us``,
+    ``S``: :func:`~tutorial_lib.costs.alpha_beta.nccl_tests_size`), ``time_us``,
     ``algbw_gb_per_s`` and ``busbw_gb_per_s`` (GB = 1e9 bytes, as nccl-tests counts)."""
     rows = []
     for s in samples:

@@ -1,12 +1,12 @@
 """Widgets of the course: self-contained HTML that works live and in the static book.
 
 * :mod:`.rank_map`: ranks on nodes x GPUs, coloured by communicator group;
-* :mod:`.collectives`: step-by-step players of recorded collectives;
+* :mod:`.collective_animation`: step-by-step players of recorded collectives;
 * :mod:`.timeline`: per-rank timelines of compute spans and communication;
 * :mod:`.moe_flow`: tokens moving between expert-parallel ranks, from recorded splits;
 * :mod:`.fp8_tiles`: one FP8 tile's values, scale and error;
-* :mod:`.context_parallel`: the ring of context-parallel attention, step by step, from its trace;
-* :mod:`.memory`: the memory explorer, every pipeline rank's memory for a grid of layouts;
+* :mod:`.cp_ring`: the ring of context-parallel attention, step by step, from its trace;
+* :mod:`.memory_explorer`: the memory explorer, every pipeline rank's memory for a grid of layouts;
 * :mod:`.table`: a plain HTML table for chapter cells.
 * :mod:`.cheatsheet`: each chapter's key table and its one-page cheat sheet, a standalone
   page for slides (``scripts/cheat_sheets.py`` writes them at the book build).
@@ -21,7 +21,7 @@ The functions named like their modules (``timeline``, ``table``) are imported fr
 the modules themselves, e.g. ``from tutorial_lib.viz.timeline import timeline``:
 re-exporting them here would shadow the modules.
 """
-from .collectives import animate_collective, animate_ring, animate_ring_all_reduce
+from .collective_animation import animate_collective, animate_ring, animate_ring_all_reduce
 from .draw import KIND_COLORS, PALETTE, group_color, kind_color
 from .moe_flow import animate_token_flow, dispatch_matrix
 from .rank_map import RankMap, rank_map, rank_map_explorer

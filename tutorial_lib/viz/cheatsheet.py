@@ -1,4 +1,4 @@
-"""One-page cheat sheets, one per chapter, for slides and handouts (issue 14).
+"""One-page cheat sheets, one per chapter, for slides and handouts .
 
 A sheet is a standalone HTML page (inline CSS, no script, nothing fetched): the chapter's
 title, what the reader will be able to do, its key table and its takeaways.  The key table
@@ -58,7 +58,7 @@ def _groups_table() -> KeyTable:
 
 
 def _collectives_table() -> KeyTable:
-    from ..costs import collectives as cc
+    from ..costs import alpha_beta as cc
     n, b = 8, 2**20
     used = {"all_reduce": "TP layers; DP gradients", "reduce_scatter": "ZeRO gradients; SP",
             "all_gather": "ZeRO parameters; SP", "all_to_all": "EP dispatch and combine",
@@ -119,15 +119,17 @@ def _losses_table() -> KeyTable:
 
 
 def _bubble_table() -> KeyTable:
-    from .. import pipeline_schedules as ps
+    from ..pipeline_parallel import build_schedules
+    from ..pipeline_parallel.formulas import expected_bubble, peak_activations_in_flight
+    from ..pipeline_parallel.simulator import bubble_fraction, simulate
     pp, m = 4, 8
     rows = []
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        schedules = ps.build_schedules(name, pp, m, v)
-        timed = ps.simulate(schedules, forward_cost=1, backward_cost=2)
-        rows.append([name, str(v), f"{ps.bubble_fraction(timed):.3f}",
-                     f"{ps.expected_bubble(pp, m, v):.3f}",
-                     str(ps.peak_activations_in_flight(schedules[0]))])
+        schedules = build_schedules(name, pp, m, v)
+        timed = simulate(schedules, forward_cost=1, backward_cost=2)
+        rows.append([name, str(v), f"{bubble_fraction(timed):.3f}",
+                     f"{expected_bubble(pp, m, v):.3f}",
+                     str(peak_activations_in_flight(schedules[0]))])
     return KeyTable(f"PP = {pp}, M = {m} microbatches, simulated with equal stages "
                     "(backward = 2 x forward) and free messages",
                     ["schedule", "V", "bubble (simulated)", "(PP-1)/(VM+PP-1)",
@@ -136,7 +138,8 @@ def _bubble_table() -> KeyTable:
 
 def _modes_table() -> KeyTable:
     from ..config import ConfigError
-    from ..pipeline_schedules import P2P_MODES, SCHEDULE_NAMES, check_schedule_and_mode
+    from ..pipeline_parallel.actions import SCHEDULE_NAMES
+    from ..pipeline_parallel.modes import P2P_MODES, check_schedule_and_mode
     rows = []
     for schedule in SCHEDULE_NAMES:
         row = [schedule]
@@ -168,7 +171,7 @@ def _wire_table() -> KeyTable:
 
 
 def _cp_table() -> KeyTable:
-    from ..costs.context_parallel import cp_bytes_sent
+    from ..costs.cp_messages import cp_bytes_sent
     long = dict(batch=1, heads=8, seq_length=128 * 1024, head_dim=128, bytes_per_element=2)
     modes = ("p2p", "all_gather", "a2a")
     rows = [[str(size)] + [_mib(cp_bytes_sent(mode, size, **long)) if
@@ -181,7 +184,7 @@ def _cp_table() -> KeyTable:
 
 def _memory_table() -> KeyTable:
     from ..config import ModelConfig, ParallelConfig, TrainConfig
-    from ..costs.memory import memory_per_rank
+    from ..costs.memory_model import memory_per_rank
     model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
                         vocab_size=128)
     rows = []
@@ -200,18 +203,21 @@ def _memory_table() -> KeyTable:
 
 
 def _zero_bubble_table() -> KeyTable:
-    from .. import pipeline_schedules as ps
+    from ..pipeline_parallel import build_schedules
+    from ..pipeline_parallel.formulas import (PARAMETER_COPIES, expected_bubble_time,
+                                              peak_activations_in_flight)
+    from ..pipeline_parallel.simulator import COSTS, idle_time, simulate
     pp, m = 4, 8
-    f, b, w = ps.COSTS["F"], ps.COSTS["B"], ps.COSTS["W"]
+    f, b, w = COSTS["F"], COSTS["B"], COSTS["W"]
     rows = []
     for name in ("1f1b", "zb-h1", "zbv", "dualpipev", "dualpipe"):
         scale = 0.5 if name in ("zbv", "dualpipev") else 1  # a V chunk is half a stage
-        schedules = ps.build_schedules(name, pp, m)
-        timed = ps.simulate(schedules, f * scale, b * scale, 0, w * scale)
-        held = max(ps.peak_activations_in_flight(a) for a in schedules.values()) * scale
-        formula = ps.expected_bubble_time(name, pp, f * scale, b * scale, w * scale)
-        rows.append([name, f"{ps.idle_time(timed):g}", f"{formula:g}",
-                     f"{held:g}", f"{ps.PARAMETER_COPIES[name]}x"])
+        schedules = build_schedules(name, pp, m)
+        timed = simulate(schedules, f * scale, b * scale, 0, w * scale)
+        held = max(peak_activations_in_flight(a) for a in schedules.values()) * scale
+        formula = expected_bubble_time(name, pp, f * scale, b * scale, w * scale)
+        rows.append([name, f"{idle_time(timed):g}", f"{formula:g}",
+                     f"{held:g}", f"{PARAMETER_COPIES[name]}x"])
     return KeyTable(f"The same model on PP = {pp} ranks, M = {m}, F = 1, B = 2 of which W = 1 "
                     "per stage (a V chunk half of it), free messages",
                     ["schedule", "bubble (simulated)", "the DualPipe table's formula",

@@ -436,7 +436,7 @@ def schedule_span(rank: int, start: float, end: float, kind: str, microbatch: in
                   chunk_name: str = "", part: str = "") -> Span:
     """One forward, backward or W of a pipeline schedule, planned or recorded.
 
-    Labelled like :attr:`tutorial_lib.pipeline_schedules.Action.label` (``F3``, ``B3.1``
+    Labelled like :attr:`tutorial_lib.pipeline_parallel.actions.Action.label` (``F3``, ``B3.1``
     for chunk 1, ``W3``), the microbatch alone where the bar is narrow; coloured by
     ``kind`` (:data:`SCHEDULE_COLORS`) and shaded by ``chunk``.  ``overlapped``: one half
     of an overlapped pair, outlined.  ``chunk_name``: the chunk's name in the legend and
@@ -470,10 +470,10 @@ def chunk_names(placement: str) -> dict[int, str]:
 
 def plan_spans(plan: dict, lane: str = "planned") -> list[Span]:
     """The forwards, backwards and W's of a simulated schedule
-    (:func:`tutorial_lib.pipeline_schedules.simulate`), as :func:`schedule_span` bars:
+    (:func:`tutorial_lib.pipeline_parallel.simulator.simulate`), as :func:`schedule_span` bars:
     overlapped pairs outlined, a split backward's B marked, the V's and DualPipe's
     chunks named by direction."""
-    from ..pipeline_schedules import split_backwards
+    from ..pipeline_parallel.actions import split_backwards
     out = []
     for timed in plan.values():
         split = split_backwards([t.action for t in timed])
@@ -500,7 +500,7 @@ def pipeline_spans(trace: Trace, ranks: Iterable[int] | None = None,
     """The spans of a recorded pipeline step, drawn as a schedule.
 
     Compute spans named ``forward`` / ``backward`` / ``weight`` (tagged ``microbatch``
-    and ``chunk``, as :mod:`tutorial_lib.pipeline` records them; a B tagged
+    and ``chunk``, as :mod:`tutorial_lib.pipeline_parallel.executor` records them; a B tagged
     ``part="input"``) become :func:`schedule_span` bars; the other events are
     :func:`trace_spans`'.  A send posted before a compute and waited on after it (the
     labels' ``isend``, waited at the end of the step) becomes a tick at the moment it

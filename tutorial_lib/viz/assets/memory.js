@@ -1,4 +1,4 @@
-// The memory explorer (tutorial_lib.viz.memory): buttons pick a preset and a layout; the
+// The memory explorer (tutorial_lib.viz.memory_explorer): buttons pick a preset and a layout; the
 // bars are redrawn from D (the JSON island), where Python computed every number.
 // ASCII only.
 function startMemoryExplorer(root, D) {

@@ -18,14 +18,14 @@ sequence, ``s / C`` this rank's tokens, ``d`` the head size, ``e`` bytes per ele
 Bytes are counted as :mod:`tutorial_lib.comm` records them (all-gather: the shard given;
 reduce-scatter: the whole input; all-to-all: every row given, this rank's own included;
 send / recv: the tensor), so they equal the traced events; :func:`cp_bytes_sent` turns
-them into what leaves the rank (:func:`~tutorial_lib.costs.collectives.ring_bytes_sent`).
+them into what leaves the rank (:func:`~tutorial_lib.costs.alpha_beta.ring_bytes_sent`).
 Per rank, p2p sends ``(3C - 2) kv``, all_gather ``2 (C - 1) kv`` and a2a
 ``8 (C - 1) / C u = 4 (C - 1) / C kv``: the first two grow with ``C``, Ulysses' shrinks.
 No torch.
 """
 from __future__ import annotations
 
-from .collectives import ring_bytes_sent
+from .alpha_beta import ring_bytes_sent
 
 __all__ = ["CP_MODES", "cp_kv_block_bytes", "cp_attention_messages", "cp_bytes_sent"]
 

@@ -16,7 +16,7 @@ import html
 import itertools
 
 from ..config import ConfigError
-from ..costs.memory import memory_per_rank
+from ..costs.memory_model import memory_per_rank
 from ..memory import PRESETS, preset_layout
 from ..recompute import Recompute
 from .widget import Widget

@@ -32,7 +32,7 @@ Conventions (the same in every function here):
   own chunk first) and receives chunk ``(i - s - 1) mod N``.
 
 Every step is recorded by the traced ops of :mod:`tutorial_lib.comm`, with tags
-(see :data:`TAGS`), so the animations in :mod:`tutorial_lib.viz.collectives`
+(see :data:`TAGS`), so the animations in :mod:`tutorial_lib.viz.collective_animation`
 replay what really moved.  Launch with ``capture_values`` at least the number
 of elements of the tensor to record the values too.
 """

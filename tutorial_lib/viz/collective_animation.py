@@ -86,7 +86,7 @@ def _need_values(values, event: TraceEvent, what: str):
 
 def animate_ring_all_reduce(trace: Trace, call: int | None = None,
                             ranks: list[int] | None = None) -> Animation:
-    """Replay a traced :func:`tutorial_lib.collectives.ring_all_reduce`, step by step.
+    """Replay a traced :func:`tutorial_lib.ring_collectives.ring_all_reduce`, step by step.
 
     Frame 0 shows every rank's chunks as they started; then one frame per
     reduce-scatter step and per all-gather step (``1 + 2 (N-1)`` frames) shows
@@ -100,7 +100,7 @@ def animate_ring_all_reduce(trace: Trace, call: int | None = None,
 
 def animate_ring(trace: Trace, algorithm: str | None = None, call: int | None = None,
                  ranks: list[int] | None = None) -> Animation:
-    """Replay any traced ring algorithm of :mod:`tutorial_lib.collectives`.
+    """Replay any traced ring algorithm of :mod:`tutorial_lib.ring_collectives`.
 
     ``algorithm``: ``ring_all_reduce``, ``ring_reduce_scatter`` or
     ``ring_all_gather`` (default: whichever the trace holds first).
@@ -180,7 +180,7 @@ def _pick_ring_call(trace: Trace, algorithm: str | None, call: int | None,
                         if e.tags.get("algorithm") in RING_ALGORITHMS})
         raise ValueError(f"no {algorithm or 'ring'} events (call={call}, ranks={ranks}) in this "
                          f"trace; it holds (algorithm, call, ranks): {found or 'none'}. Record "
-                         f"them by calling tutorial_lib.collectives inside a launch")
+                         f"them by calling tutorial_lib.ring_collectives inside a launch")
     first = ring[0]
     key = (first.tags["algorithm"], first.tags.get("call"), first.group_ranks)
     return [e for e in ring if (e.tags["algorithm"], e.tags.get("call"), e.group_ranks) == key]
@@ -282,7 +282,7 @@ def _draw_ring(st: dict, ranks, cell_w: float, reduces: bool) -> str:
 # replays one standard schedule for that collective on the recorded values, the schedule
 # whose step count the alpha-beta formulas of tutorial_lib.costs charge:
 #
-# * all-reduce: the ring (reduce-scatter, then all-gather), as tutorial_lib.collectives runs
+# * all-reduce: the ring (reduce-scatter, then all-gather), as tutorial_lib.ring_collectives runs
 #   it: at reduce-scatter step s position i sends chunk (i - s - 1) mod N, at all-gather
 #   step s chunk (i - s) mod N, always to position i + 1;
 # * reduce-scatter: that ring's first phase; all-gather: its second;

@@ -21,23 +21,23 @@ config and layout the course accepts, rank by rank.  Each rank holds
   attention, dense MLP or MoE with its dispatched copies, LayerNorms, dropout masks), plus
   the embedding on the first model stage and the final LayerNorm, head and loss on the
   last, for one microbatch of each chunk; times the chunk-microbatches the schedule holds
-  at its peak (:func:`tutorial_lib.pipeline_schedules.expected_peak_activations`: GPipe
+  at its peak (:func:`tutorial_lib.pipeline_parallel.formulas.expected_peak_activations`: GPipe
   ``M``, 1F1B ``PP - rank``, interleaved per chunk; chapter 11's schedules hold a split
   backward's activations until its W: ZB-H1 ``min(PP, M)``, ZBV up to ``2 PP`` half-stage
   chunks, DualPipeV ``2 PP + 1``, DualPipe ``PP + 1``), under a recompute setting.  Where
   a rank's chunks differ (the interleaved schedule, the V, DualPipe's two copies) the peak
   is the walk over the rank's action list with each chunk's bytes, in the executor's
-  order (:func:`tutorial_lib.pipeline_schedules.peak_activations_in_flight`);
+  order (:func:`tutorial_lib.pipeline_parallel.formulas.peak_activations_in_flight`);
 * **runtime**: a worker process with torch loaded and a process group joined,
   :data:`RUNTIME_BYTES_PER_RANK` (the course's CPU workers only).
 
-The stages sit where the schedule puts them (:data:`tutorial_lib.pipeline_schedules.
+The stages sit where the schedule puts them (:data:`tutorial_lib.pipeline_parallel.actions.
 SCHEDULE_PLACEMENT`): chunk ``c`` of rank ``r`` is stage ``c PP + r`` (GPipe, 1F1B,
 interleaved, ZB-H1); ZBV and DualPipeV fold ``2 PP`` stages in a V, rank ``r`` holding
 stages ``r`` and ``2 PP - 1 - r`` (rank 0 both the embedding and the head); DualPipe holds
 two copies of the ``PP``-stage model, rank ``r`` stage ``r`` of one and ``PP - 1 - r`` of
 the other, so its ranks together keep two copies of every parameter, its gradient and its
-optimizer state (:data:`~tutorial_lib.pipeline_schedules.PARAMETER_COPIES`), and the
+optimizer state (:data:`~tutorial_lib.pipeline_parallel.formulas.PARAMETER_COPIES`), and the
 first and the last rank each hold one embedding and one head.
 
 Precision (``precision``): ``"fp32"`` is the course's runs, every value 4 bytes;
@@ -59,10 +59,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..pipeline_schedules import (ALL_SCHEDULES, BUILDERS, SCHEDULE_PLACEMENT,
-                                  SPLIT_BACKWARD_SCHEDULES, expected_peak_activations,
-                                  interleaved_one_f_one_b, model_stage, num_model_stages,
-                                  peak_activations_in_flight)
+from ..pipeline_parallel import BUILDERS
+from ..pipeline_parallel.actions import (ALL_SCHEDULES, SCHEDULE_PLACEMENT,
+                                         SPLIT_BACKWARD_SCHEDULES, model_stage, num_model_stages)
+from ..pipeline_parallel.formulas import expected_peak_activations, peak_activations_in_flight
+from ..pipeline_parallel.schedules import interleaved_one_f_one_b
 from ..recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, Recompute,
                          kept_per_layer)
 
@@ -326,7 +327,7 @@ def _peak_bytes(schedule: str, pp: int, m: int, rank: int, v: int, per_chunk: li
     """The most bytes the schedule holds at once on ``rank``: with one chunk (or equal
     chunks) of GPipe, 1F1B or interleaved, the peak count times its bytes; else the walk
     over the rank's actions with each chunk's bytes
-    (:func:`~tutorial_lib.pipeline_schedules.peak_activations_in_flight`, the executor's
+    (:func:`~tutorial_lib.pipeline_parallel.formulas.peak_activations_in_flight`, the executor's
     order: a split backward's bytes held until its W, an overlapped pair's forward
     counted before its backward frees)."""
     if schedule not in SPLIT_BACKWARD_SCHEDULES and (v == 1 or len(set(per_chunk)) == 1):
@@ -346,7 +347,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     ``model``, ``parallel``, ``train``: the run's :class:`~tutorial_lib.config.ModelConfig`,
     :class:`~tutorial_lib.config.ParallelConfig`, :class:`~tutorial_lib.config.TrainConfig`,
     already valid (:func:`tutorial_lib.config.validate`).  ``schedule``: any of
-    :data:`~tutorial_lib.pipeline_schedules.ALL_SCHEDULES`.  ``virtual_pipeline_size``:
+    :data:`~tutorial_lib.pipeline_parallel.actions.ALL_SCHEDULES`.  ``virtual_pipeline_size``:
     chunks per rank (the interleaved schedule's V; ZBV, DualPipeV and DualPipe fix their
     own two, 1 or 2 accepted; 1 otherwise).  ``pipeline_ranks``: only these (default:
     every pipeline rank).  ``runtime``: bytes of the process itself (0 for GPUs).
