@@ -563,11 +563,15 @@ def test_the_widgets_work_from_the_keyboard(fragment_page):
     page = view.page
     root = page.locator(".tl-animation").first
     focused = "() => document.activeElement.className + ' ' + document.activeElement.textContent"
-    for _ in range(20):  # Tab until the Next button has the focus
-        page.keyboard.press("Tab")
-        if "tl-next" in page.evaluate(focused):
-            break
-    assert "tl-next" in page.evaluate(focused), page.evaluate(focused)
+
+    def tab_to(css_class: str) -> None:  # Tab until an element of that class has the focus
+        for _ in range(40):
+            page.keyboard.press("Tab")
+            if css_class in page.evaluate(focused):
+                return
+        raise AssertionError(f"Tab never reached .{css_class}: {page.evaluate(focused)}")
+
+    tab_to("tl-next")
     page.keyboard.press("Enter")
     assert root.get_attribute("data-frame") == "1"
     page.keyboard.press("Space")
@@ -579,11 +583,7 @@ def test_the_widgets_work_from_the_keyboard(fragment_page):
     page.wait_for_function("r => +r.getAttribute('data-frame') > 2", arg=root.element_handle())
     page.keyboard.press("Space")  # pause
     rank_map_root = page.locator(".tl-rank-map").first
-    for _ in range(40):
-        page.keyboard.press("Tab")
-        if "tl-gpu" in page.evaluate(focused):
-            break
-    assert "tl-gpu" in page.evaluate(focused), page.evaluate(focused)
+    tab_to("tl-gpu")
     page.keyboard.press("Enter")
     assert rank_map_root.get_attribute("data-selected-rank") == "0"
     page.keyboard.press("Escape")
