@@ -21,7 +21,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tutorial_lib.viz.cheatsheet import cheat_sheet_html  # noqa: E402
+from tutorial_lib.viz.cheatsheet import cheat_sheet_html, page_head  # noqa: E402
 
 OBJECTIVES = "**You will be able to**"
 
@@ -62,14 +62,16 @@ def write_sheets(out: Path, chapters: list[str] | None = None) -> list[Path]:
     for path in notebooks:
         number, title, objectives, takeaways = chapter_text(path)
         target = out / f"{path.stem}.html"
-        target.write_text(cheat_sheet_html(number, title, objectives, takeaways),
-                          encoding="utf-8")
+        # the sheets sit in cheatsheets/ beside notebooks/ in the built book
+        sheet = cheat_sheet_html(number, title, objectives, takeaways,
+                                 chapter_href=f"../notebooks/{path.stem}.html")
+        target.write_text(sheet, encoding="utf-8")
         written.append(target)
         links.append(f'<li><a href="{target.name}">{number}. {html.escape(title)}</a></li>')
     index = out / "index.html"
-    index.write_text('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-                     "<title>Cheat sheets</title></head><body><h1>Cheat sheets</h1><ul>"
-                     + "".join(links) + "</ul></body></html>\n", encoding="utf-8")
+    index.write_text(page_head("Cheat sheets") + '<body><nav><a href="../intro.html">The '
+                     "book</a></nav><h1>Cheat sheets</h1><ul>" + "".join(links)
+                     + "</ul></body></html>\n", encoding="utf-8")
     return written + [index]
 
 

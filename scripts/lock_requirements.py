@@ -42,10 +42,13 @@ HEADER = """\
 
 
 def top_level_requirements(path: Path = REQUIREMENTS) -> list[Requirement]:
-    """The package lines of a requirements file (options and ``-e .`` skipped)."""
+    """The package lines of a requirements file and of the files it reads with ``-r``
+    (requirements.txt reads requirements-reader.txt); options and ``-e .`` skipped."""
     out = []
     for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            out += top_level_requirements(path.parent / line[3:].strip())
         if not line or line.startswith("-"):
             continue
         out.append(Requirement(line))

@@ -117,13 +117,17 @@ _WIDE_CODE = """() => {
     const shut = [...document.querySelectorAll("details")].filter(d => !d.open);
     shut.forEach(d => { d.open = true; });  // solutions too
     const out = [];
-    document.querySelectorAll(".cell_input pre").forEach((pre, i) => {
+    const check = (what, pre, i) => {
         if (pre.scrollWidth > pre.clientWidth + 1) {
             const longest = Math.max(...pre.textContent.split("\\n").map(l => l.length));
-            out.push("code cell " + i + ": " + longest + " characters, " + pre.scrollWidth
-                     + " px in a " + pre.clientWidth + " px column");
+            out.push(what + " " + i + ": " + longest + " characters, " + pre.scrollWidth
+                     + " px in a " + pre.clientWidth + " px column: "
+                     + pre.textContent.trim().slice(0, 60));
         }
-    });
+    };
+    document.querySelectorAll(".cell_input pre").forEach((pre, i) => check("code cell", pre, i));
+    // printed text and shown source in the outputs wrap at the column (_static/course.css)
+    document.querySelectorAll(".cell_output pre").forEach((pre, i) => check("output", pre, i));
     shut.forEach(d => { d.open = false; });  // as they were, for the next test
     return [document.querySelectorAll(".cell_input pre").length, out];
 }"""
@@ -131,14 +135,15 @@ _WIDE_CODE = """() => {
 
 def test_shown_code_fits_the_column_on_a_desktop(book_view, toc_docname):
     """No code cell (solutions unfolded) scrolls sideways at 1440 px (~89 characters fit;
-    tests/unit/test_notebook_code_width.py holds the notebooks to 88)."""
+    tests/unit/test_notebook_code_width.py holds the notebooks to 88), and no printed output
+    either (shown source, a validator's message: they wrap at the column)."""
     if not is_chapter(toc_docname):
         pytest.skip("no code cells")
     view = book_view(toc_docname, DESKTOP)
     cells, wide = view.page.evaluate(_WIDE_CODE)
     assert cells > 0
-    assert not wide, (f"{toc_docname}.html: {len(wide)} of {cells} code cells scroll "
-                      "sideways:\n  " + "\n  ".join(wide[:12]))
+    assert not wide, (f"{toc_docname}.html: {len(wide)} code cells or outputs ({cells} code "
+                      "cells) scroll sideways:\n  " + "\n  ".join(wide[:12]))
 
 
 # --- widgets readable ------------------------------------------------------------------------

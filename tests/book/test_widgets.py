@@ -488,3 +488,141 @@ def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page)
     assert data["errors"][refused["error"]] in root.locator(".tl-mem-summary").inner_text()
     assert other.get_attribute("data-key") == first_key  # the second copy did not move
     view.assert_clean()
+
+
+_OVERFLOW = """root => {
+    const svg = root.querySelector("svg"), box = svg.getBoundingClientRect();
+    const out = [...svg.querySelectorAll("text, rect")].map(e => e.getBoundingClientRect())
+        .filter(r => r.left < box.left - 0.5 || r.right > box.right + 0.5).length;
+    const fonts = [...svg.querySelectorAll("text")].map(
+        t => parseFloat(getComputedStyle(t).fontSize) * svg.getScreenCTM().a);
+    return [Math.round(box.width), svg.parentNode.scrollWidth - svg.parentNode.clientWidth,
+            out, Math.min(...fonts)];
+}"""
+
+
+@pytest.mark.parametrize("width", [390, 1000])
+def test_the_memory_explorer_draws_at_the_width_of_its_box(fragment_page, width):
+    """On a phone the explorer's box is about 330 px: the bars and their labels are drawn
+    at that width (11 px labels), nothing cut off and nothing to scroll; a resize redraws."""
+    from tutorial_lib.viz.memory import memory_explorer
+    view = fragment_page(memory_explorer().to_html(), width=width, height=900)
+    root = view.page.locator(".tl-memory-explorer").first
+    drawn, scroll, outside, smallest = root.evaluate(_OVERFLOW)
+    inner = root.evaluate("r => r.clientWidth - 28")  # less its padding
+    assert drawn == min(inner, 720) and scroll == 0 and outside == 0, (drawn, inner, scroll, outside)
+    assert smallest >= 10.9
+    if width == 390:
+        view.page.set_viewport_size({"width": 700, "height": 900})
+        view.page.wait_for_function("r => r.querySelector('svg').getBoundingClientRect().width > 500",
+                                    arg=root.element_handle())
+    view.assert_clean()
+
+
+# --- touch screens and keyboards ---------------------------------------------------------------
+
+
+def test_a_timeline_answers_a_tap_and_says_tap_on_a_touch_screen(chromium_browser, tmp_path):
+    """On a phone a tap on a bar opens its tooltip and leaves it open (with mouse events a
+    tap opened it and the emulated mousedown shut it); a second tap shuts it; the notes say
+    "tap" and leave out the mouse's drag-to-zoom."""
+    path = tmp_path / "touch.html"
+    path.write_text("<!doctype html><meta charset='utf-8'><body>"
+                    + timeline(synthetic(), title="t").to_html() + "</body>", encoding="utf-8")
+    context = chromium_browser.new_context(viewport={"width": 390, "height": 844},
+                                           has_touch=True, is_mobile=True)
+    try:
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(path.as_uri())
+        assert page.evaluate("matchMedia('(hover: none)').matches")
+        root = page.locator(".tl-animation")
+        notes = root.locator(".tl-anim-caption").inner_text() + root.locator(".tl-anim-note").inner_text()
+        assert "tap a bar" in notes.lower() and "hover" not in notes.lower()
+        assert "drag" not in notes.lower()
+        tip = root.locator(".tl-tooltip")
+        bar = root.locator(".tl-bar[data-kind='pp'] .tl-solid")
+        bar.scroll_into_view_if_needed()
+        bar.tap()
+        page.wait_for_timeout(400)  # the emulated mouse events that follow a tap have fired
+        assert tip.is_visible() and "recv on the pp group" in tip.inner_text()
+        bar.tap()
+        page.wait_for_timeout(400)
+        assert not tip.is_visible()
+        assert errors == []
+    finally:
+        context.close()
+
+
+def test_the_widgets_work_from_the_keyboard(fragment_page):
+    """Tab reaches the player's buttons, Enter and Space press them (Next, then Play); Tab
+    reaches a rank-map cell and Enter selects its groups, Escape clears them."""
+    anim = timeline(synthetic(), title="t")
+    view = fragment_page(anim.to_html(), rank_map(world_size=8, gpus_per_node=4, tp=2, pp=2).to_html(),
+                         width=1000, height=1400)
+    page = view.page
+    root = page.locator(".tl-animation").first
+    focused = "() => document.activeElement.className + ' ' + document.activeElement.textContent"
+
+    def tab_to(css_class: str) -> None:  # Tab until an element of that class has the focus
+        for _ in range(40):
+            page.keyboard.press("Tab")
+            if css_class in page.evaluate(focused):
+                return
+        raise AssertionError(f"Tab never reached .{css_class}: {page.evaluate(focused)}")
+
+    tab_to("tl-next")
+    page.keyboard.press("Enter")
+    assert root.get_attribute("data-frame") == "1"
+    page.keyboard.press("Space")
+    assert root.get_attribute("data-frame") == "2"
+    page.keyboard.press("Shift+Tab")  # Back
+    page.keyboard.press("Shift+Tab")  # Play
+    assert "tl-play" in page.evaluate(focused)
+    page.keyboard.press("Space")
+    page.wait_for_function("r => +r.getAttribute('data-frame') > 2", arg=root.element_handle())
+    page.keyboard.press("Space")  # pause
+    rank_map_root = page.locator(".tl-rank-map").first
+    tab_to("tl-gpu")
+    page.keyboard.press("Enter")
+    assert rank_map_root.get_attribute("data-selected-rank") == "0"
+    page.keyboard.press("Escape")
+    assert rank_map_root.get_attribute("data-selected-rank") == ""
+    view.assert_clean()
+
+
+# --- cheat sheets ------------------------------------------------------------------------------
+
+_SHEET_LAYOUT = """() => {
+    const boxes = [...document.querySelectorAll("h1, h2, nav, li, table, footer")]
+        .map(e => [e.tagName, e.getBoundingClientRect()]);
+    const overlaps = [];
+    for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+        const [ta, a] = boxes[i], [tb, b] = boxes[j];
+        if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1
+            && b.top < a.bottom - 1 && !(ta === "TABLE" || tb === "TABLE"))
+            overlaps.push(ta + "/" + tb);
+    }
+    return [document.documentElement.scrollWidth, overlaps.slice(0, 5)];
+}"""
+
+
+def test_every_cheat_sheet_fits_a_phone(chromium_browser, tmp_path):
+    """At 390 px each sheet (and the index) is as wide as the screen (its key table scrolls
+    in its own box if it must), and no heading, item or footer sits on another."""
+    import importlib.util
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("cheat_sheets", root / "scripts" / "cheat_sheets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pages = module.write_sheets(tmp_path)
+    page = chromium_browser.new_page(viewport={"width": 390, "height": 844})
+    try:
+        for path in pages:
+            page.goto(path.as_uri())
+            width, overlaps = page.evaluate(_SHEET_LAYOUT)
+            assert width <= 390 and not overlaps, (path.name, width, overlaps)
+    finally:
+        page.close()

@@ -43,7 +43,13 @@ def test_a_sheet_is_standalone_and_holds_the_chapter(sheets, stem):
     number, title, objectives, takeaways = script().chapter_text(
         ROOT / "notebooks" / f"{stem}.ipynb")
     assert page.startswith("<!DOCTYPE html>") and f"Chapter {number}." in page
-    assert not re.search(r"<script|<link|src=|https?://", page), "a sheet must load nothing"
+    # loads nothing: the favicon is inline, the links are the reader's to follow
+    assert not re.search(r"<script|src=|https?://(?!www.w3.org/2000/svg)", page)
+    assert re.findall(r"<link [^>]*>", page) == [
+        f'<link rel="icon" type="image/svg+xml" href="{cheatsheet.FAVICON}">']
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page
+    assert f'<a href="../notebooks/{stem}.html">Chapter {number} in the book</a>' in page
+    assert "\\&" not in page  # TeX's F\&B spelled F&amp;B
     assert 3 <= len(objectives) <= 5 and len(takeaways) >= 4
     assert page.count("<li>") == len(objectives) + len(takeaways)
     assert "$" not in page and "\\frac" not in page  # TeX spelled out: no MathJax here
@@ -77,3 +83,13 @@ def test_plain_spells_tex_and_markdown():
     assert cheatsheet.plain(r"$2\frac{N-1}{N}B$ in `ring`, **bold**") == \
         "2(N-1)/(N)B in <code>ring</code>, <b>bold</b>"
     assert cheatsheet.plain(r"$\left(a \le b\right)$ <x>") == "(a ≤ b) &lt;x&gt;"
+
+
+def test_the_overlapped_pair_reads_f_and_b(sheets):
+    assert "overlapped F&amp;B pairs" in sheets["11_zero_bubble_dualpipe"]
+
+
+def test_the_index_has_the_sheets_head_and_links_back_to_the_book(sheets):
+    index = sheets["index"]
+    assert index.startswith(cheatsheet.page_head("Cheat sheets"))
+    assert '<a href="../intro.html">The book</a>' in index

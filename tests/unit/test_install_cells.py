@@ -72,6 +72,26 @@ def test_the_install_cell_installs_from_the_repository_when_the_library_is_missi
                       "git+https://github.com/owner/course"]]
 
 
-def test_without_a_repository_the_install_cell_says_how_to_install(monkeypatch):
-    with pytest.raises(ModuleNotFoundError, match=r"pip install -r requirements\.txt"):
+def test_without_a_repository_the_install_cell_names_the_cpu_install_and_the_folder(
+        monkeypatch, tmp_path):
+    (tmp_path / "requirements-cpu.txt").write_text("")
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")  # where Jupyter runs a chapter
+    with pytest.raises(ModuleNotFoundError) as raised:
         run_cell(install_cell(CHAPTERS[0]).source, monkeypatch, installed=False, repository="")
+    message = str(raised.value)
+    # requirements.txt would resolve PyPI's CUDA torch on a Linux laptop
+    assert "pip install -r requirements-cpu.txt" in message
+    assert f"In the course's folder ({tmp_path}) run" in message
+
+
+def test_outside_the_course_the_install_cell_says_which_folder_to_look_for(
+        monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModuleNotFoundError, match=r"\(the clone of the course's repository\)"):
+        run_cell(install_cell(CHAPTERS[0]).source, monkeypatch, installed=False, repository="")
+
+
+def test_every_chapter_has_the_same_install_cell():
+    first = install_cell(CHAPTERS[0]).source
+    assert all(install_cell(path).source == first for path in CHAPTERS)

@@ -12,6 +12,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,8 +37,9 @@ def pins() -> dict[str, str]:
     return out
 
 
-def test_the_install_reads_the_constraints():
-    lines = [l.strip() for l in (ROOT / "requirements.txt").read_text().splitlines()]
+@pytest.mark.parametrize("name", ["requirements.txt", "requirements-reader.txt"])
+def test_the_install_reads_the_constraints(name):
+    lines = [l.strip() for l in (ROOT / name).read_text().splitlines()]
     assert "-c constraints.txt" in lines
     for line in lines:  # every direct requirement is exact
         if line and not line.startswith(("#", "-")):

@@ -259,6 +259,7 @@ def plain(text: str) -> str:
         tex = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", tex)
         for macro, char in sorted(_TEX, key=lambda pair: -len(pair[0])):  # \left before \le
             tex = tex.replace(macro, char)
+        tex = tex.replace(r"\&", "&")  # F\&B, the overlapped pair: "F&B"
         tex = re.sub(r"\^\{([^{}]*)\}", r"^\1", tex)
         tex = re.sub(r"\\([A-Za-z]+)", r"\1", tex)  # \log, \min, \max: the name itself
         return tex.replace("{", "").replace("}", "")
@@ -274,37 +275,58 @@ STYLE = """
 @page { size: A4 landscape; margin: 10mm; }
 body { font: 13px/1.4 system-ui, sans-serif; color: #1f2328; margin: 16px; }
 h1 { font-size: 20px; margin: 0 0 6px; }
-h2 { font-size: 14px; margin: 10px 0 4px; color: #4e79a7; }
-.cols { display: flex; gap: 24px; align-items: flex-start; }
-.cols > div { flex: 1; min-width: 0; }
+h2 { font-size: 14px; margin: 10px 0 4px; color: #3f6490; }
+nav { font-size: 12px; margin: 0 0 8px; }
+a { color: #0b5cad; }
+.cols { display: flex; flex-wrap: wrap; gap: 8px 24px; align-items: flex-start; }
+.cols > div { flex: 1 1 340px; min-width: 0; }
+.scroll { overflow-x: auto; max-width: 100%; }
 ul { margin: 0; padding-left: 1.2em; }
-li { margin: 2px 0; }
+li { margin: 2px 0; overflow-wrap: anywhere; }
 table { border-collapse: collapse; font-size: 13px; }
 th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid #d0d7de; }
 caption { caption-side: top; text-align: left; font-style: italic; padding-bottom: 4px; }
-code { font-size: 12px; background: #f3f7fc; padding: 0 2px; }
+code { font-size: 12px; background: #f3f7fc; padding: 0 2px; overflow-wrap: anywhere; }
 footer { margin-top: 10px; font-size: 11px; color: #57606a; }
+@media (max-width: 600px) { body { margin: 10px; } th, td { padding: 3px 5px; } }
 """
+
+FAVICON = ("data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 32 32'%3E"
+           "%3Crect x='2' y='2' width='13' height='13' rx='3' fill='%234e79a7'/%3E"
+           "%3Crect x='17' y='2' width='13' height='13' rx='3' fill='%23f28e2b'/%3E"
+           "%3Crect x='2' y='17' width='13' height='13' rx='3' fill='%2359a14f'/%3E"
+           "%3Crect x='17' y='17' width='13' height='13' rx='3' fill='%23b07aa1'/%3E%3C/svg%3E")
+"""The book's favicon (_static/favicon.svg) inline: a sheet fetches nothing, not even it."""
+
+
+def page_head(title: str) -> str:
+    """The head of a standalone page of the sheets: the phone's width, the book's favicon,
+    the sheets' style."""
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<link rel="icon" type="image/svg+xml" href="{FAVICON}">'
+            f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>")
 
 
 def cheat_sheet_html(number: int, title: str, objectives: list[str], takeaways: list[str],
-                     table: KeyTable | None = None) -> str:
-    """One chapter's sheet as a standalone HTML page (no script, nothing fetched)."""
+                     table: KeyTable | None = None, chapter_href: str = "") -> str:
+    """One chapter's sheet as a standalone HTML page (no script, nothing fetched);
+    ``chapter_href``: where its chapter is (a link back, with one to every sheet)."""
     table = key_table(number) if table is None else table
     items = lambda xs: "".join(f"<li>{plain(x)}</li>" for x in xs)  # noqa: E731
     head = "".join(f"<th>{plain(h)}</th>" for h in table.header)
     body = "".join("<tr>" + "".join(f"<td>{plain(c)}</td>" for c in row) + "</tr>"
                    for row in table.rows)
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>Chapter {number} cheat sheet: {html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body>"
-            f'<h1>Chapter {number}. {html.escape(title)}</h1>'
+    nav = (f'<nav><a href="{html.escape(chapter_href, quote=True)}">Chapter {number} in the '
+           f'book</a> · <a href="index.html">every cheat sheet</a></nav>' if chapter_href else "")
+    return (page_head(f"Chapter {number} cheat sheet: {title}") + "<body>"
+            f'{nav}<h1>Chapter {number}. {html.escape(title)}</h1>'
             f'<div class="cols"><div><h2>You will be able to</h2><ul>{items(objectives)}</ul>'
-            f'<h2>Key table</h2><table class="tl-cheat-table"><caption>{plain(table.caption)}'
-            f"</caption><tr>{head}</tr>{body}</table></div>"
+            f'<h2>Key table</h2><div class="scroll"><table class="tl-cheat-table"><caption>'
+            f"{plain(table.caption)}</caption><tr>{head}</tr>{body}</table></div></div>"
             f"<div><h2>Takeaways</h2><ul>{items(takeaways)}</ul></div></div>"
             f"<footer>Computed by tutorial_lib.viz.cheatsheet when the book was built."
             f"</footer></body></html>\n")
 
 
-__all__ = ["KeyTable", "KEY_TABLES", "cheat_sheet_html", "key_table", "plain"]
+__all__ = ["KeyTable", "KEY_TABLES", "cheat_sheet_html", "key_table", "page_head", "plain"]

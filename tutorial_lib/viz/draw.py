@@ -77,14 +77,42 @@ def group_color(index: int, size: int = 2) -> str:
     return palette_color(index)
 
 
-def text_color(background: str) -> str:
-    """Black or white, whichever reads better on ``background`` (WCAG relative luminance)."""
-    channels = [int(background[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+BACKGROUND = "#ffffff"
+"""What every figure is drawn on, in light and in dark mode alike (a widget's box, and in
+dark mode the book's CSS gives a figure the same white box: _static/course.css)."""
+MIN_CONTRAST = 4.5
+"""WCAG 2 AA's least contrast ratio for text (success criterion 1.4.3)."""
+
+
+def luminance(color: str) -> float:
+    """WCAG's relative luminance of ``#rrggbb``: 0 for black, 1 for white."""
+    channels = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
     # sRGB to linear light, then the luminance weights of the eye.
     linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
-    luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
-    # Contrast with black is (L + 0.05) / 0.05, with white 1.05 / (L + 0.05): pick the larger.
-    return "#1b1f24" if luminance > 0.179 else "#ffffff"
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def contrast_ratio(one: str, other: str) -> float:
+    """WCAG's contrast ratio of two colours, from 1 (the same) to 21 (black on white)."""
+    light, dark = sorted((luminance(one), luminance(other)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+def text_color(background: str) -> str:
+    """The text colour for a label on ``background``: :data:`INK` or white, whichever
+    contrasts more; black where neither reaches :data:`MIN_CONTRAST` (mid-tones such as
+    the TP blue, where INK gives 3.6:1 and white 4.5:1 just short)."""
+    best = max((INK, "#ffffff"), key=lambda ink: contrast_ratio(ink, background))
+    return best if contrast_ratio(best, background) >= MIN_CONTRAST else "#000000"
+
+
+def readable(color: str, background: str = BACKGROUND) -> str:
+    """``color`` darkened just enough to be read as text on ``background`` (at least
+    :data:`MIN_CONTRAST`): a label written in its series' colour (chapter 8's FP8 legs)."""
+    amount = 0.0
+    while contrast_ratio(darken(color, amount), background) < MIN_CONTRAST and amount < 1:
+        amount = round(amount + 0.02, 2)
+    return darken(color, amount)
 
 
 def mix(color: str, amount: float) -> str:
@@ -131,12 +159,17 @@ def arrow(points: list[tuple[float, float]], color: str, width: float = 2.2) -> 
             f'<polygon points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in tip)}" fill="{color}"/>')
 
 
-def svg(width: float, height: float, body: list[str]) -> str:
-    """One picture: ``body`` (markup strings) in a ``width`` x ``height`` SVG."""
+def svg(width: float, height: float, body: list[str], label: str = "") -> str:
+    """One picture: ``body`` (markup strings) in a ``width`` x ``height`` SVG. With a
+    ``label`` it is an image of that name to a screen reader; without one, a screen reader
+    reads the labels drawn in it (an unnamed ``role="img"`` would hide them and name
+    nothing: axe-core's rule svg-img-alt)."""
+    role = f' role="img" aria-label="{html.escape(label, quote=True)}"' if label else ""
     return (f'<svg viewBox="0 0 {width:.0f} {height:.0f}" width="{width:.0f}" '
-            f'height="{height:.0f}" font-family="{SANS}" role="img">{"".join(body)}</svg>')
+            f'height="{height:.0f}" font-family="{SANS}"{role}>{"".join(body)}</svg>')
 
 
 __all__ = ["KIND_COLORS", "PALETTE", "SINGLETON_COLOR", "INK", "MUTED", "LINE", "SANS", "MONO",
-           "kind_color", "palette_color", "group_color", "text_color", "mix", "darken",
+           "BACKGROUND", "MIN_CONTRAST", "kind_color", "palette_color", "group_color",
+           "luminance", "contrast_ratio", "text_color", "readable", "mix", "darken",
            "rect", "text", "arrow", "svg"]

@@ -101,8 +101,8 @@ def _draw(legs: list[dict], hidden: int) -> str:
                  f'data-precision="{leg["precision"]}">',
                  draw.text(left + 6, y + 14, name, size=14, anchor="start"),
                  draw.arrow([(x0, y + 29), (x1, y + 29)], color, width=width),
-                 draw.text(left + 6, y + 51, wire, size=13, anchor="start", fill=color,
-                           weight="600"),
+                 draw.text(left + 6, y + 51, wire, size=13, anchor="start",
+                           fill=draw.readable(color), weight="600"),
                  draw.text(right - 6, y + 51, f"→ {leg['consumer']}", size=13, anchor="end",
                            fill=draw.MUTED),
                  "</g>"]

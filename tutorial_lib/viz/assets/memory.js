@@ -74,7 +74,11 @@ function startMemoryExplorer(root, D) {
     verdict.textContent = fits ? "fits in " + state.budget + " GiB" : "does not fit in " + state.budget + " GiB";
     line.appendChild(verdict);
     summary.appendChild(line);
-    var LEFT = 64, RIGHT = 70, TOP = 6, ROW = 16, GAP = 4, W = 720;
+    // Drawn at the width of its box, one unit a pixel, so that a phone's 356 px get the
+    // bars and their 11 px labels whole instead of a 720-unit picture to scroll.
+    var LEFT = 44, RIGHT = 62, TOP = 6, ROW = 16, GAP = 4, W = boxWidth();
+    drawnAt = W;
+    svg.setAttribute("width", W);
     var H = TOP + result.ranks.length * (ROW + GAP) + 24;
     svg.setAttribute("height", H); svg.setAttribute("viewBox", "0 0 " + W + " " + H);
     var scale = (W - LEFT - RIGHT) / Math.max(budget, totals[heaviest]);
@@ -97,6 +101,14 @@ function startMemoryExplorer(root, D) {
     svg.appendChild(el("text", {x: bx, y: bottom + 14, "text-anchor": "middle", "font-size": 11},
                        state.budget + " GiB"));
   }
+  function boxWidth() {  // the content width of the svg's box, 240 to 720 px
+    var box = svg.parentNode, style = window.getComputedStyle(box);
+    var w = box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    return w > 0 ? Math.max(240, Math.min(720, Math.floor(w))) : 720;
+  }
+  var drawnAt = 0;
+  svg.setAttribute("data-text-sized", "");  // widget.js: its labels keep their size
+  window.addEventListener("resize", function () { if (boxWidth() !== drawnAt) { draw(); } });
   var legend = root.querySelector(".tl-mem-legend");
   D.parts.forEach(function (p, j) {
     var i = document.createElement("i"); i.style.background = COLORS[j];

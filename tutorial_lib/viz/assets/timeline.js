@@ -109,17 +109,37 @@ function startTimeline(root, D) {
     }
     return null;
   }
-  var dragging = false, dragX = 0;
-  svg.addEventListener("mouseover", function (ev) {
+  // Pointer events: a mouse hovers for a tooltip and drags to zoom; a finger (or pen)
+  // taps a bar for its tooltip, taps it again or taps elsewhere to close it, and its drags
+  // scroll the page as usual.  (With mouse events, a tap showed the tooltip on the
+  // emulated mouseover and hid it on the mousedown that follows.)
+  var dragging = false, dragX = 0, tapped = null, downAt = null;
+  function hideTip() { tip.style.display = "none"; tapped = null; }
+  svg.addEventListener("pointerover", function (ev) {
+    if (ev.pointerType !== "mouse") { return; }
     var g = barOf(ev.target);
     if (g && !dragging) { showTip(parseInt(g.getAttribute("data-i"), 10), ev); }
   });
-  svg.addEventListener("mousemove", function (ev) {
-    if (tip.style.display !== "none") { moveTip(ev); }
+  svg.addEventListener("pointermove", function (ev) {
+    if (ev.pointerType === "mouse" && tip.style.display !== "none") { moveTip(ev); }
   });
-  svg.addEventListener("mouseout", function (ev) {
+  svg.addEventListener("pointerout", function (ev) {
+    if (ev.pointerType !== "mouse") { return; }
     var g = barOf(ev.target);
-    if (g && barOf(ev.relatedTarget) !== g) { tip.style.display = "none"; }
+    if (g && barOf(ev.relatedTarget) !== g) { hideTip(); }
+  });
+  svg.addEventListener("pointerup", function (ev) {
+    if (ev.pointerType === "mouse" || downAt === null) { return; }
+    var moved = Math.abs(ev.clientX - downAt[0]) + Math.abs(ev.clientY - downAt[1]);
+    downAt = null;
+    if (moved > 10) { return; }  // a swipe, not a tap
+    var g = barOf(ev.target);
+    if (!g || g === tapped) { hideTip(); return; }
+    showTip(parseInt(g.getAttribute("data-i"), 10), ev);
+    tapped = g;
+  });
+  document.addEventListener("pointerdown", function (ev) {  // a tap outside closes it
+    if (ev.pointerType !== "mouse" && tapped !== null && !svg.contains(ev.target)) { hideTip(); }
   });
 
   // --- zoom: drag across the chart; double-click or Reset zoom goes back ---
@@ -128,23 +148,24 @@ function startTimeline(root, D) {
     return (ev.clientX - box.left) * svg.viewBox.baseVal.width / box.width;
   }
   function clampX(x) { return Math.max(D.x0, Math.min(D.x0 + D.pw, x)); }
-  svg.addEventListener("mousedown", function (ev) {
+  svg.addEventListener("pointerdown", function (ev) {
+    if (ev.pointerType !== "mouse") { downAt = [ev.clientX, ev.clientY]; return; }
     if (ev.button !== 0) { return; }
     var x = svgX(ev);
     if (x < D.x0 || x > D.x0 + D.pw) { return; }
     dragging = true; dragX = x;
     brush.setAttribute("x", x.toFixed(1)); brush.setAttribute("width", "0");
     brush.setAttribute("display", "inline");
-    tip.style.display = "none";
+    hideTip();
     ev.preventDefault();
   });
-  window.addEventListener("mousemove", function (ev) {
+  window.addEventListener("pointermove", function (ev) {
     if (!dragging) { return; }
     var x = clampX(svgX(ev));
     brush.setAttribute("x", Math.min(x, dragX).toFixed(1));
     brush.setAttribute("width", Math.abs(x - dragX).toFixed(1));
   });
-  window.addEventListener("mouseup", function (ev) {
+  window.addEventListener("pointerup", function (ev) {
     if (!dragging) { return; }
     dragging = false;
     brush.setAttribute("display", "none");
@@ -167,6 +188,16 @@ function startTimeline(root, D) {
       counter.textContent = i === 0 ? "overview" : (cursor.toFixed(2) + " " + D.unit);
       layout();
     }, 1);
+  }
+  // On a touch screen the notes say "tap", and leave out the drag that only a mouse does.
+  if (window.matchMedia && window.matchMedia("(hover: none)").matches) {
+    var notes = root.querySelectorAll(".tl-anim-caption, .tl-anim-note");
+    for (var n = 0; n < notes.length; n++) {
+      notes[n].textContent = notes[n].textContent
+        .replace(/([,;]\s*)?drag across the chart to zoom( into a time range)?/g, "")
+        .replace(/\bhover a bar\b/g, "tap a bar").replace(/\bHover a bar\b/g, "Tap a bar");
+    }
+    if (D.captions) { D.captions[0] = caption.textContent; }
   }
   layout();
 }

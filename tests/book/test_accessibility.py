@@ -1,0 +1,81 @@
+"""Accessibility of the built book, checked by axe-core in chromium.
+
+axe-core is Deque's rules engine (the one behind Lighthouse's and the browsers' own
+accessibility audits); the copy used is the one the PyPI package ``axe-playwright-python``
+ships (pinned in requirements.txt; its ``axe.min.js`` is axe-core 4.12.1), injected into the
+page already loaded for the other tests of the document (``book_view``: no extra page
+load). Every page, at 1440 x 900 and at 390 x 844, may have no violation that axe rates
+"serious" or "critical" (missing names on buttons and links, text under 4.5:1 contrast,
+broken ARIA, ...). Minor and moderate findings are printed, not failed.
+
+Run: ``TUTORIAL_BOOK_HTML=_build/html python -m pytest tests/book/test_accessibility.py``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+from test_reader import DESKTOP, PHONE  # tests/book is on sys.path (no package)
+
+pytestmark = pytest.mark.browser
+
+FAILING_IMPACTS = ("serious", "critical")
+
+
+@lru_cache(maxsize=1)
+def axe_source() -> str:
+    from axe_playwright_python.base import AXE_FILE_PATH
+
+    return AXE_FILE_PATH.read_text(encoding="utf-8")
+
+
+# Runs axe on the page as the reader sees it (folded solutions stay folded); returns each
+# violation with up to 4 of its elements.  WCAG 2.x A and AA rules plus axe's best practices.
+_RUN_AXE = """async () => {
+    const result = await axe.run(document, {resultTypes: ["violations"],
+        runOnly: {type: "tag", values: ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa",
+                                        "best-practice"]}});
+    return result.violations.map(v => ({id: v.id, impact: v.impact, help: v.help,
+        nodes: v.nodes.length,
+        where: v.nodes.slice(0, 4).map(n => n.target.join(" ") + " :: "
+                                       + (n.failureSummary || "").replace(/\\s+/g, " ").slice(0, 160))}));
+}"""
+
+
+def axe_violations(view) -> list[dict]:
+    page = view.page
+    if not page.evaluate("() => typeof window.axe === 'object'"):
+        page.evaluate(axe_source())  # defines window.axe; fetches nothing
+    return page.evaluate(_RUN_AXE)
+
+
+def assert_no_serious_violation(view, docname: str) -> None:
+    found = axe_violations(view)
+    width = view.page.viewport_size["width"]
+    serious = [v for v in found if v["impact"] in FAILING_IMPACTS]
+    for v in found:
+        if v["impact"] not in FAILING_IMPACTS:
+            print(f"axe ({v['impact']}) {docname} at {width} px: {v['id']} x{v['nodes']}")
+    assert not serious, (f"{docname}.html at {width} px: " + "\n".join(
+        f"{v['impact']} {v['id']} ({v['help']}) on {v['nodes']} elements:\n    "
+        + "\n    ".join(v["where"]) for v in serious))
+
+
+def test_axe_finds_nothing_serious_on_a_desktop(book_view, toc_docname):
+    assert_no_serious_violation(book_view(toc_docname, DESKTOP), toc_docname)
+
+
+def test_axe_finds_nothing_serious_on_a_phone(book_view, toc_docname):
+    """The same at 390 px (a separate test, not a parameter: pytest keeps the tests of one
+    document together, and they share its two loaded pages)."""
+    assert_no_serious_violation(book_view(toc_docname, PHONE), toc_docname)
+
+
+def test_axe_reports_what_it_must(fragment_page):
+    """The check can fail: a nameless button (critical) and orange text on white (2.3:1, serious) are reported."""
+    view = fragment_page('<main><h1>t</h1><button></button>'
+                         '<p style="color:#f28e2b;background:#ffffff">orange words</p></main>')
+    found = {v["id"]: v["impact"] for v in axe_violations(view)}
+    assert found.get("button-name") == "critical", found
+    assert found.get("color-contrast") == "serious", found
