@@ -47,3 +47,54 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
                for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
     assert [key.exercise for key in KEYS] == numbers
     assert all(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]
+
+
+def _every_key() -> dict[str, dict]:
+    """The choice keys the library keeps as digests, and the worked answers of the
+    predict-then-run exercises (the library computes those by running the workers)."""
+    from ..answer_keys import CHOICE_KEYS
+    from . import test_exercises_predictions as predictions
+    return {**CHOICE_KEYS, "1.3": predictions.CROSSINGS, "5.5": predictions.BALANCE,
+            "6.4": predictions.DEADLOCKS, "8.4": predictions.FLUSHED, "9.4": predictions.WORK,
+            "2.4": predictions.ARRIVED}
+
+
+def test_no_answer_key_can_be_read_off_the_library():
+    """Every object reachable from tutorial_lib (module globals of every submodule, class
+    attributes, closures, defaults and code constants of the checkers) is searched for a
+    table of each key's answers: 2.3, 3.2 and 4.2 shipped theirs as data (SCENARIOS[name][1])."""
+    from ..answer_keys import keys_read_off, library_objects
+    objects = list(library_objects())
+    assert len(objects) > 10_000  # the walk reached into the library
+    assert keys_read_off(_every_key(), objects) == []
+
+
+def test_the_search_finds_a_key_held_as_data_or_in_a_closure(monkeypatch):
+    """The search above can fail: a table like the old SCENARIOS, as a module global, or
+    held only by a checker's closure, is found."""
+    from tutorial_lib.exercises import ch02, ch03
+
+    from ..answer_keys import COLLECTIVE_KEY, GROUPS_KEY, keys_read_off, library_objects
+    table = {name: (text, COLLECTIVE_KEY[name]) for name, text in ch02.SCENARIOS.items()}
+    monkeypatch.setattr(ch02, "OLD_SCENARIOS", table, raising=False)
+    groups = {name: sorted(g) for name, g in GROUPS_KEY.items()}
+    monkeypatch.setattr(ch03, "check_old", (lambda: lambda fn: groups)(), raising=False)
+    found = {exercise for exercise, _ in keys_read_off(_every_key(), library_objects())}
+    assert found == {"2.3", "3.2"}
+
+
+def test_the_digests_are_of_the_keys_and_the_checkers_pass_the_keys():
+    from tutorial_lib.exercises import ch02, ch03, ch04, kit
+
+    from ..answer_keys import COLLECTIVE_KEY, DOMAINS_KEY, GROUPS_KEY
+    assert ch02.SCENARIO_DIGESTS == {n: kit.answer_digest("2.3", n, op)
+                                     for n, op in COLLECTIVE_KEY.items()}
+    assert ch03.GRADIENT_DIGESTS == {n: kit.answer_digest("3.2", n, kit.group_text(g))
+                                     for n, g in GROUPS_KEY.items()}
+    assert ch04.GRADIENT_DOMAIN_DIGESTS == {
+        n: kit.answer_digest("4.2", n, f"{kit.group_text(g)}/{d}") for n, (g, d) in DOMAINS_KEY.items()}
+    assert list(ch02.SCENARIOS) == list(COLLECTIVE_KEY)
+    assert all(isinstance(text, str) for text in ch02.SCENARIOS.values())  # statements only
+    assert ch02.check_choose_collectives(lambda: COLLECTIVE_KEY)
+    assert ch03.check_gradient_groups(lambda: GROUPS_KEY)
+    assert ch04.check_gradient_domains(lambda: DOMAINS_KEY)

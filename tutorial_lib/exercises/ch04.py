@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Callable
 
 from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, as_whole_numbers,
-                  check_answers)
+                  check_answers, group_sets, group_text, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -249,32 +249,44 @@ def check_send_splits(fn: Callable) -> CheckResult:
 
 # --- exercise 4.2: which groups, divided by what? ----------------------------------------
 
-#: Case name -> (the parameter and its grid, the groups it is summed over, the divisor).
+#: Case name -> the parameter and its grid (the statement; the answers, the groups it is
+#: summed over and the divisor, are kept as digests below).
 #: Megatron's folded layout, world 8, CP = PP = 1, ETP = 1.
 GRADIENT_DOMAIN_CASES = {
-    "router_weight": (
+    "router_weight":
         "router.weight, TP 1 x EP 4 (DP 8, EDP 2): the gate [N, h], a full copy on every rank.",
-        frozenset({"dp"}), 8),
-    "shared_expert_weight": (
+    "shared_expert_weight":
         "shared_experts.weight_up, TP 1 x EP 4 (DP 8, EDP 2): the always-on expert, a full "
-        "copy on every rank.", frozenset({"dp"}), 8),
-    "routed_expert_weight": (
+        "copy on every rank.",
+    "routed_expert_weight":
         "experts.weight_up, TP 1 x EP 4 (DP 8, EDP 2): this EP rank's 2 of the 8 routed "
-        "experts.", frozenset({"expert_dp"}), 8),
-    "router_weight_sp": (
+        "experts.",
+    "router_weight_sp":
         "router.weight, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a full copy "
-        "on every rank; each TP rank routes its own s/TP tokens.", frozenset({"tp", "dp"}), 4),
-    "shared_expert_weight_sp": (
+        "on every rank; each TP rank routes its own s/TP tokens.",
+    "shared_expert_weight_sp":
         "shared_experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a "
-        "full copy on every rank, run on the rank's own s/TP tokens.", frozenset({"tp", "dp"}), 4),
-    "routed_expert_weight_sp": (
+        "full copy on every rank, run on the rank's own s/TP tokens.",
+    "routed_expert_weight_sp":
         "experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): this EP "
-        "rank's 2 of the 8 routed experts.", frozenset({"expert_dp"}), 4),
-    "shared_expert_megatron_sp": (
+        "rank's 2 of the 8 routed experts.",
+    "shared_expert_megatron_sp":
         "Megatron-Core's shared_experts.linear_fc1.weight, TP 2 x EP 4 with sequence "
         "parallelism (DP 4, EDP 2): Megatron splits the shared expert over TP like a dense "
         "MLP, so this is a column-parallel shard [f/TP, h], fed the whole sequence by the "
-        "sequence-parallel all-gather.", frozenset({"dp"}), 4),
+        "sequence-parallel all-gather.",
+}
+
+#: Case -> the digest of ``"groups/divisor"`` (``kit.answer_digest``; groups as
+#: ``kit.group_text``).
+GRADIENT_DOMAIN_DIGESTS = {
+    "router_weight": "cfc3f91d61e231f7d83f81a806c7fab2",
+    "shared_expert_weight": "8610dc3c6bb4feb4afda657626f02dcc",
+    "routed_expert_weight": "dc5f2fbba1352dc278f16360fe179407",
+    "router_weight_sp": "21bfc1cad077c0ae65964438b8d9ac72",
+    "shared_expert_weight_sp": "682603eecb5ef13d5927faeb0a431b50",
+    "routed_expert_weight_sp": "85df84fd0d16d997cc5f9bdc6165a11c",
+    "shared_expert_megatron_sp": "4905ab7f2d1a068eae6c9c3d02063a16",
 }
 
 #: The sizes behind each case: (TP, EP, DP, EDP) of the world-8 grid.
@@ -408,8 +420,16 @@ def check_gradient_domains(fn: Callable) -> CheckResult:
                          HINT_DOMAINS_FORMAT)
 
 
+def _domain_answer(name: str) -> tuple[frozenset, int]:
+    """The right ``(groups, divisor)`` of case ``name``, found among the possible ones."""
+    sets = group_sets(("tp", "dp", "ep", "expert_dp"), 4)
+    world = 8
+    return recover_answer("4.2", name, GRADIENT_DOMAIN_DIGESTS[name], (
+        (f"{group_text(g)}/{d}", (g, d)) for g in sets for d in range(1, world + 1)))
+
+
 def _judge_domain(name: str, answer):
-    _, want, want_divisor = GRADIENT_DOMAIN_CASES[name]
+    want, want_divisor = _domain_answer(name)
     read = _read_domain_answer(answer)
     if read is None:
         return f"got {answer!r}: not a pair (groups, divisor)", None
