@@ -496,7 +496,7 @@ def _run_submission(nb, exercises, time_limit: float, module: str):
         checks = [(ex.number, module, ex.checker, files[ex.number].read_bytes())
                   for ex, _ in ran if files[ex.number].exists()]
         checked = sealed.run_checks(checks, sealed.library_root(), max(
-            CHECK_TIME_MIN, deadline - time.monotonic())) if checks else {}
+            CHECK_TIME_MIN, deadline - time.monotonic()), cwd=workdir) if checks else {}
     for ex, cell in ran:
         verdicts[ex.number] = _verdict(checked.get(ex.number), cell, ex, cells, stub_of)
     return verdicts, deleted

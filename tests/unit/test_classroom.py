@@ -292,3 +292,22 @@ def test_every_bad_value_exits_2_with_the_flag_the_value_and_a_fix(tmp_path, cap
         assert "; " in err.split(value, 1)[1], (argv, err)  # a fix follows the rule
         assert sorted(p for p in tmp_path.rglob("*")) == before, argv
     assert not (tmp_path / "g.csv").exists() and not (tmp_path / "h").exists()
+
+
+NBGRADER_STEPS = ["generate_assignment", "release_assignment", "fetch_assignment", "submit",
+                  "collect", "autograde", "generate_feedback"]
+"""What tests/dist/test_classroom_nbgrader.py runs, in its order."""
+
+
+def test_teaching_md_gives_exactly_the_nbgrader_steps_the_test_runs():
+    from pathlib import Path
+    root = Path(classroom.__file__).resolve().parents[1]
+    page = (root / "book" / "teaching.md").read_text()
+    steps = re.findall(r"^\s*#?\s*nbgrader (\w+)", page, re.M)
+    assert steps == NBGRADER_STEPS
+    assert "--course-id" in page and "--exchange" in page
+    test = (root / "tests" / "dist" / "test_classroom_nbgrader.py").read_text()
+    course = test[test.index("def test_a_course_runs"):]
+    assert re.findall(r'run\("nbgrader", "(\w+)"', course) == NBGRADER_STEPS
+    total = sum(classroom.POINTS_BY_DIFFICULTY[d] for d in classroom.DIFFICULTY.values())
+    assert f"the {total} points of the graded exercises" in page.replace("\n", " ")

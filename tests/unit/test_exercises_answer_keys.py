@@ -6,6 +6,8 @@ answers-per-situation checkers build a reason for each wrong answer: every reaso
 wrong choice, at every stage, is checked not to name the right one."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ..answer_keys import (assert_keeps_its_key, collective_whys, domain_whys, group_whys,
@@ -98,3 +100,110 @@ def test_the_digests_are_of_the_keys_and_the_checkers_pass_the_keys():
     assert ch02.check_choose_collectives(lambda: COLLECTIVE_KEY)
     assert ch03.check_gradient_groups(lambda: GROUPS_KEY)
     assert ch04.check_gradient_domains(lambda: DOMAINS_KEY)
+
+
+# --- hints stop at the text ---------------------------------------------------------------------
+
+
+def _worked_solutions():
+    """(exercise number, the chapter's worked solution's source) for every exercise."""
+    import nbformat
+
+    from tutorial_lib import classroom
+    for path in classroom.chapters():
+        nb = nbformat.read(path, as_version=4)
+        for ex in classroom.chapter_exercises(nb):
+            yield ex.number, nb.cells[ex.solution_cell].source
+
+
+def _compact(text: str) -> str:
+    return re.sub(r"[\s`]", "", text)
+
+
+def solution_pieces(source: str) -> set[str]:
+    """What of a worked solution a hint must not show: each line of its code (14 characters
+    or more once spaces are gone; not a def, import, comment or assert) and each formula it
+    computes (the right side of a return or an assignment that is an operation or a call),
+    written without spaces."""
+    import ast
+    pieces = set()
+    for line in source.split("\n"):
+        line = line.split("  #")[0].strip()
+        if line and not line.startswith(("#", "def ", "assert ", "import ", "from ")) \
+                and len(_compact(line)) >= 14:
+            pieces.add(_compact(line))
+    for node in ast.walk(ast.parse(source)):
+        value = node.value if isinstance(node, (ast.Return, ast.Assign, ast.AugAssign)) else None
+        if isinstance(value, (ast.BinOp, ast.IfExp, ast.Call, ast.ListComp, ast.BoolOp,
+                              ast.Compare)) and len(_compact(ast.unparse(value))) >= 9:
+            pieces.add(_compact(ast.unparse(value)))
+    return pieces
+
+
+def _hint_texts(module) -> list[tuple[str, str]]:
+    """Every hint text a chapter's checkers can give: each stage of each ``Mistakes`` table
+    and of each ``HINT_*`` constant, and every text of a table of reasons (a dict of texts)."""
+    from tutorial_lib.exercises import kit
+    out = []
+    for name, value in vars(module).items():
+        if isinstance(value, kit.Mistakes):
+            out += [(name, t) for t in value.generic]
+            out += [(f"{name}.{m.name}", t) for m in value for t in m.stages]
+        elif name.startswith("HINT") and isinstance(value, (str, tuple)):
+            out += [(name, t) for t in kit.stages_of(value)]
+        elif isinstance(value, dict) and value and all(isinstance(v, (str, tuple))
+                                                       for v in value.values()):
+            out += [(f"{name}[{k!r}]", t) for k, v in value.items()
+                    for t in ((v,) if isinstance(v, str) else v) if isinstance(t, str)]
+    return out
+
+
+def test_no_hint_shows_the_worked_solutions_code_or_formula():
+    """8.1's generic hint was the solution's code, 7.3's the two-step formula, 9.1's the
+    merge's code: no stage of any hint of a chapter holds a line or a formula of that
+    chapter's worked solutions."""
+    import importlib
+    by_chapter: dict[str, set[str]] = {}
+    for number, source in _worked_solutions():
+        by_chapter.setdefault(number.split(".")[0], set()).update(solution_pieces(source))
+    shown = []
+    for chapter, pieces in by_chapter.items():
+        module = importlib.import_module(f"tutorial_lib.exercises.ch{int(chapter):02d}")
+        for name, text in _hint_texts(module):
+            shown += [(name, piece) for piece in pieces if piece in _compact(text)]
+    assert not shown, shown[:10]
+
+
+def test_the_search_for_solution_pieces_finds_a_leak():
+    pieces = solution_pieces("def f_solution(n, b):\n    sent = 2 * (n - 1) * b\n"
+                             "    return sent // n\n")
+    assert "2*(n-1)*b" in pieces
+    assert any(p in _compact("a rank sends 2 * (n - 1) * b bytes") for p in pieces)
+
+
+@pytest.mark.parametrize("key", [k for k in __import__("tests.answer_keys", fromlist=["KEYS"]).KEYS
+                                 if not k.launches], ids=lambda k: k.exercise)
+def test_five_failures_in_a_row_never_reach_the_solution(key):
+    """Each exercise's reference cases, failed five times in a row with each wrong answer:
+    the hints move through their stages, and no output shows a failing case's answer, the
+    worked solution's code or formula, or (2.3, 3.2, 4.2) the key."""
+    from tutorial_lib.exercises import kit
+
+    from ..answer_keys import CHOICE_KEYS, output_of
+    pieces = set().union(*(solution_pieces(s) for n, s in _worked_solutions()
+                           if n == key.exercise))
+    kit.forget_attempts()
+    try:
+        for label in key.answers:
+            for _ in range(5):
+                result = key.checker(key.answers[label])
+                text = output_of(result)
+                assert not result.passed, (key.exercise, label)
+                assert not [p for p in pieces if p in _compact(text)], (key.exercise, label, text)
+            if key.exercise in CHOICE_KEYS:  # the last stage of every reason, too
+                for name, answer in CHOICE_KEYS[key.exercise].items():
+                    if isinstance(answer, frozenset) and len(answer) > 1:
+                        assert repr(sorted(answer)) not in text
+            assert_keeps_its_key(key, label)  # after five failures, still no case's answer
+    finally:
+        kit.forget_attempts()

@@ -187,12 +187,13 @@ def test_each_wrong_domain_gets_its_reason(case, answer, reason):
     ("routed_expert_weight", ({"dp"}, 8), "Which ranks hold a copy",
      "only on the ranks with the same EP rank"),
     ("router_weight", ({"dp"}, 1), "is not the gradient of the mean loss",
-     "divide by the number of dense data-parallel replicas"),
+     "re-read 'Gradient domains'"),
 ])
 def test_a_reason_says_what_is_wrong_first_and_what_to_do_when_it_fails_again(case, answer, first,
                                                                                 then):
-    """Issue 14: staged hints. A first wrong answer gets the reason; the same situation
-    wrong again gets the rule; neither names the group or the number."""
+    """Staged hints. A first wrong answer gets the reason; the same situation wrong again
+    gets the section to re-read and the quantity to reconsider; neither names the group or
+    the number."""
     wrong = _domains(**{case: answer})
     assert_reason(check_gradient_domains(wrong), case, first)
     again = check_gradient_domains(wrong)

@@ -71,8 +71,8 @@ HINT_MISSING = (
     "slot i; receive into a fresh buffer at every step."
 )
 HINT_NOT_A_TENSOR = (
-    "return one tensor: the N chunks concatenated along dim 0 in rank order, e.g. "
-    "torch.cat(chunks). A list of chunks is not accepted."
+    'return one tensor, the N chunks placed along dim 0 in rank order, not a list of '
+    'chunks.'
 )
 HINT_SHAPE = (
     "the result has the wrong shape: with N ranks and a chunk of shape (k, ...), the "
@@ -577,12 +577,10 @@ def check_dispatch(fn: Callable, measured: Callable[[], dict] = measured_dispatc
     :data:`DISPATCH_ROUTES`, against the real all-to-all, run on 4 gloo ranks once the
     student has committed a prediction.  A wrong list is shown as given."""
     check = Checking("Exercise 2.4: dispatch", DISPATCH_MISTAKES)
-    got = check.answers(fn, "the prediction")
-    if got is None:
-        return check.verdict()  # nothing committed: nothing is run
-    ran_ok, ran = check.reference_run(measured)
-    if not ran_ok:
-        return check.verdict(HINT_RUN_FAILED)
+    opened = check.prediction(fn, "the prediction", measured)  # nothing committed: no run
+    if opened is None:
+        return check.verdict()
+    got, ran = opened
     for rank in range(len(DISPATCH_ROUTES)):
         name = f"rank {rank}"
         given = got.get(rank)

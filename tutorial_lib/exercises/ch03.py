@@ -82,9 +82,9 @@ HINT_ROW_NUDGE = (
     "does the bias go, and what must the backward of that step do with dY?"
 )
 HINT_ROW_GENERIC = (
-    "Y = sum_i X_i W_i^T + b. Compute the partial product F.linear(x, weight) without the "
-    "bias, all-reduce it over group='tp' inside an autograd.Function whose backward is the "
-    "identity, then add the bias."
+    "re-read 'Row-parallel: split the input features': each rank's product is a partial "
+    'sum of the output; reconsider which collective completes it, where that collective '
+    'sits in the forward and backward passes, and when the bias is added.'
 )
 
 HINT_GROUPS_FORMAT = (

@@ -43,18 +43,18 @@ HINT_SPLITS_TOKENS = (
     "copy dispatcher's splits. Count every (token, k) entry of topk_idx."
 )
 HINT_SPLITS_ROUND_ROBIN = (
-    "you placed expert e on rank e % ep_size (round-robin). The library gives each EP rank a "
-    "contiguous block of num_experts / ep_size experts: expert e lives on rank "
-    "e // (num_experts // ep_size)."
+    'you placed expert e on rank e % ep_size (round-robin). The library gives each EP '
+    "rank a contiguous block of experts: re-read 'The communication domains' and "
+    'reconsider which rank holds expert e.'
 )
 HINT_SPLITS_DIVIDED_BY_EP = (
-    "you computed the rank of expert e as e // ep_size. Divide by the number of experts per "
-    "rank instead: rank = e // (num_experts // ep_size). (The two agree only when "
-    "num_experts == ep_size ** 2.)"
+    'you computed the rank of expert e by dividing by ep_size. The two agree only when '
+    'num_experts == ep_size ** 2: reconsider how many experts one rank holds, and divide '
+    'by that.'
 )
 HINT_SPLITS_PER_EXPERT = (
-    "you returned one count per expert (num_experts of them). The all-to-all needs one split "
-    "per EP rank: add up the counts of each rank's num_experts // ep_size experts."
+    'you returned one count per expert (num_experts of them). The all-to-all needs one '
+    'split per EP rank: add up the counts of the experts each rank holds.'
 )
 HINT_SPLITS_MISSING_ZEROS = (
     "your list is shorter than ep_size when the last ranks receive nothing (bincount without "
@@ -74,9 +74,9 @@ HINT_SPLITS_NUDGE = (
     "of num_experts / ep_size experts), and how many rows does one entry of topk_idx send?"
 )
 HINT_SPLITS_GENERIC = (
-    "expert e lives on EP rank e // (num_experts // ep_size); every entry of topk_idx is one "
-    "row to send. Count the entries per rank: torch.bincount(topk_idx.flatten() // "
-    "(num_experts // ep_size), minlength=ep_size)."
+    "re-read 'Dispatch, expert compute, combine': reconsider which EP rank holds each "
+    'expert, and how many rows one entry of topk_idx sends; the split for a rank that '
+    'receives nothing is 0.'
 )
 
 HINT_DOMAINS_FORMAT = (
@@ -376,7 +376,8 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
         return HINT_DOMAINS_FORMAT
     count_once = ("after the sum, each token of the global batch has contributed once: how many "
                   "copies of the gradient of the mean loss does the sum hold?")
-    by_replicas = "divide by the number of dense data-parallel replicas, DP."
+    by_replicas = ("re-read 'Gradient domains': reconsider how many copies of one token's "
+                   "contribution the sum holds, counted in replicas of the dense model.")
     if routed and math.isclose(number, edp) and edp != want_divisor:
         return (("dividing by the expert-data-parallel size, as an all-reduce that averages over "
                  "the expert-data-parallel group does, makes expert gradients DP * CP / EDP = "
@@ -386,10 +387,10 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
                 ("dividing by the expert-data-parallel size makes expert gradients DP * CP / EDP "
                  "times too large: the combine's backward already added every EP rank's tokens, "
                  "and after the expert_dp sum each token of the global batch has contributed "
-                 "once, as after the dense sum, so " + by_replicas))
+                 "once, as after the dense sum; " + by_replicas))
     if math.isclose(number, 1):
         return (f"a sum of the replicas' gradients is not the gradient of the mean loss: {count_once}",
-                "a sum of the replicas' gradients is DP times the gradient of the mean loss: "
+                "a sum of the replicas' gradients is not the gradient of the mean loss: "
                 + by_replicas)
     if tp > 1 and math.isclose(number, tp * dp):
         return ("the TP ranks of a replica are not replicas of each other: they share the "

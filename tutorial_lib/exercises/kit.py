@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..launch import LaunchTimeout, WorkerError, launch
+from ..launch import LaunchTimeout, StartupTimeout, WorkerError, launch
 
 STUB_HINT = "replace the `raise NotImplementedError` line with your implementation, then re-run this cell."
 """The hint whenever an attempt hit a stub that was not filled in yet."""
@@ -361,6 +361,8 @@ class Checking:
         """For each failing case that was judged, the names of the mistakes it shows."""
         self.stub = False
         """Whether some attempt hit a stub that still raises ``NotImplementedError``."""
+        self.decided = None
+        """A hint the opening already chose (:meth:`prediction`), for :meth:`verdict`."""
 
     @property
     def cases(self) -> list[Case]:
@@ -399,8 +401,9 @@ class Checking:
         ``NotImplementedError`` when the student's code on some rank is still a stub,
         :class:`~tutorial_lib.launch.WorkerError` (``"rank r raised ..."``),
         :class:`~tutorial_lib.launch.LaunchTimeout` (``"deadlocked after t s, and again after
-        4t s (rank 0: waiting in recv from rank 1; ...)"``: a launch that times out is run
-        once more with :data:`RETRY_TIMEOUT_FACTOR` times the limit), or any other exception.
+        4t s (rank 0: waiting in recv from rank 1; ...)"``: a launch that times out, or whose
+        ranks do not start in time, is run once more, with :data:`RETRY_TIMEOUT_FACTOR` times
+        the limit), or any other exception.
         """
         limits = [timeout] + ([timeout * RETRY_TIMEOUT_FACTOR] if RETRY_TIMEOUT_FACTOR else [])
 
@@ -408,7 +411,7 @@ class Checking:
             for limit in limits:
                 try:
                     out = launch(worker, world_size, args=args, timeout=limit, print_output=False)
-                except LaunchTimeout:
+                except (LaunchTimeout, StartupTimeout):
                     if limit == limits[-1]:
                         raise
                     continue  # a busy machine, or a deadlock: the longer limit tells them apart
@@ -438,6 +441,24 @@ class Checking:
         if not self.stub:
             self.shows({"format"})
         return None
+
+    def prediction(self, fn: Callable[[], object], name: str = "the answers",
+                   measured: Callable[[], object] | None = None) -> tuple[dict, object] | None:
+        """The opening every predict-then-run checker shares: ``(the student's dict, what
+        measured() returned)``; or ``None`` when the verdict is already decided, which
+        :meth:`verdict` then gives: the prediction is no dict (or a stub, or raised; see
+        :meth:`answers`), or the checker's own run failed (:meth:`reference_run`,
+        :data:`HINT_RUN_FAILED`).  ``measured`` runs only once a prediction is committed."""
+        got = self.answers(fn, name)
+        if got is None:
+            return None
+        if measured is None:
+            return got, None
+        ran_ok, ran = self.reference_run(measured)
+        if not ran_ok:
+            self.decided = HINT_RUN_FAILED
+            return None
+        return got, ran
 
     def reference_run(self, measured: Callable[[], object]) -> tuple[bool, object]:
         """``(True, measured())``, the checker's own run of the workers; or ``(False, None)``
@@ -481,6 +502,7 @@ class Checking:
         Under nbgrader (:func:`grading`) a result that did not pass is raised as
         :class:`ExerciseNotPassed` instead of returned.
         """
+        hint = self.decided if hint is None else hint
         if not self.result.passed:
             stage = self.stage
             if self.stub:

@@ -60,18 +60,19 @@ def library_root(here: str | None = None) -> str:
 
 
 def run_checks(checks: list[tuple[str, str, str, bytes]], root: str,
-               timeout: float) -> dict[str, dict]:
+               timeout: float, cwd: str | None = None) -> dict[str, dict]:
     """Run each ``(label, module, checker, pickled function)`` in one new isolated
     interpreter that imports ``module`` from ``root``; ``{label: verdict}``.
 
     A verdict is the checker's ``CheckResult.to_dict()`` plus ``"text"`` (the result as the
     student sees it printed).  A check with no verdict (the interpreter died, or ran past
-    ``timeout`` seconds: then it is killed with every process it started) is left out."""
+    ``timeout`` seconds: then it is killed with every process it started) is left out.
+    ``cwd``: the folder it runs in (the course grader's kernel folder)."""
     prefix = "@@verdict-" + secrets.token_hex(12) + "@@"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NBGRADER", "PYTHON"))}
     process = subprocess.Popen([sys.executable, "-I", "-c", _BOOT, root], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                               start_new_session=True)
+                               cwd=cwd, start_new_session=True)
     try:
         out, _ = process.communicate(pickle.dumps({"prefix": prefix, "checks": checks}),
                                      timeout=max(1.0, timeout))
