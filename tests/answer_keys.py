@@ -39,6 +39,51 @@ from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
 from tutorial_lib.pipeline_parallel.zero_bubble import zb_h1
 
+# --- the keys the library does not hold ----------------------------------------------------
+# The answers of the exercises whose answer is a choice per situation.  The library keeps the
+# statements and only digests of these (kit.answer_digest); tests/unit/test_exercises_answer_keys.py
+# checks that the digests are of these answers and that no object reachable from tutorial_lib
+# holds them.
+
+COLLECTIVE_KEY = {
+    "tp_row_parallel_output": "all_reduce",
+    "tp_column_parallel_input_grad": "all_reduce",
+    "dp_gradients": "all_reduce",
+    "zero_gradients": "reduce_scatter",
+    "zero_parameters": "all_gather",
+    "moe_dispatch": "all_to_all",
+    "pipeline_activations": "send",
+    "initial_weights": "broadcast",
+}
+"""Exercise 2.3: situation -> the collective."""
+
+GROUPS_KEY = {
+    "qkv_weight": frozenset({"dp"}),
+    "fc2_weight": frozenset({"dp"}),
+    "fc2_bias": frozenset({"dp"}),
+    "layernorm_weight": frozenset({"dp"}),
+    "layernorm_weight_sp": frozenset({"tp", "dp"}),
+    "fc2_bias_sp": frozenset({"tp", "dp"}),
+    "fc1_weight_sp": frozenset({"dp"}),
+    "embedding_weight": frozenset({"dp"}),
+}
+"""Exercise 3.2: parameter -> the groups its gradient is reduced over."""
+
+DOMAINS_KEY = {
+    "router_weight": (frozenset({"dp"}), 8),
+    "shared_expert_weight": (frozenset({"dp"}), 8),
+    "routed_expert_weight": (frozenset({"expert_dp"}), 8),
+    "router_weight_sp": (frozenset({"tp", "dp"}), 4),
+    "shared_expert_weight_sp": (frozenset({"tp", "dp"}), 4),
+    "routed_expert_weight_sp": (frozenset({"expert_dp"}), 4),
+    "shared_expert_megatron_sp": (frozenset({"dp"}), 4),
+}
+"""Exercise 4.2: parameter -> (the groups its gradient is summed over, the divisor)."""
+
+CHOICE_KEYS = {"2.3": COLLECTIVE_KEY, "3.2": GROUPS_KEY, "4.2": DOMAINS_KEY}
+"""Every key kept out of the library, by exercise."""
+
+
 # --- how a reference could be printed -----------------------------------------------------
 
 
@@ -215,18 +260,18 @@ def _op_spellings(op: str) -> set[str]:
 
 
 def _choice_forbidden(name, detail, fn):
-    if name not in ch02.SCENARIOS:
+    if name not in COLLECTIVE_KEY:
         return set()
-    return _op_spellings(ch02.SCENARIOS[name][1])
+    return _op_spellings(COLLECTIVE_KEY[name])
 
 
 # --- chapter 3 ------------------------------------------------------------------------------
 
 
 def _groups_forbidden(name, detail, fn):
-    if name not in ch03.GRADIENT_CASES:
+    if name not in GROUPS_KEY:
         return set()
-    want = ch03.GRADIENT_CASES[name][1]
+    want = GROUPS_KEY[name]
     return {repr(sorted(want)), repr(set(want)), repr(frozenset(want))}
 
 
@@ -260,9 +305,9 @@ def _splits_forbidden(name, detail, fn):
 
 
 def _domains_forbidden(name, detail, fn):
-    if name not in ch04.GRADIENT_DOMAIN_CASES:
+    if name not in DOMAINS_KEY:
         return set()
-    _, want, divisor = ch04.GRADIENT_DOMAIN_CASES[name]
+    want, divisor = DOMAINS_KEY[name]
     return {f"({sorted(want)}, {divisor})", f"({set(want)!r}, {divisor})"}
 
 
@@ -679,7 +724,7 @@ ALL_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcas
 def collective_whys() -> list[tuple[str, str, str, set[str]]]:
     """(situation, wrong op, every stage of its reason, the answer's spellings)."""
     out = []
-    for situation, (_, answer) in ch02.SCENARIOS.items():
+    for situation, answer in COLLECTIVE_KEY.items():
         for op in ALL_OPS:
             if op == answer:
                 continue
@@ -707,7 +752,7 @@ GROUP_CHOICES = [frozenset(c) for n in range(3) for c in
 def group_whys() -> list[tuple[str, frozenset, str, set[str]]]:
     """(case, wrong groups, every stage of its reason, the right set's spellings) for 3.2."""
     out = []
-    for case, (_, want) in ch03.GRADIENT_CASES.items():
+    for case, want in GROUPS_KEY.items():
         for given in GROUP_CHOICES:
             if given == want:
                 continue
@@ -724,7 +769,7 @@ DOMAIN_CHOICES = [frozenset(c) for n in range(3) for c in
 def domain_whys() -> list[tuple[str, tuple, str, set[str]]]:
     """(case, wrong (groups, divisor), every stage of its reason, the answer's texts) for 4.2."""
     out = []
-    for case, (_, want, divisor) in ch04.GRADIENT_DOMAIN_CASES.items():
+    for case, (want, divisor) in DOMAINS_KEY.items():
         tp, ep, dp, edp = ch04.GRADIENT_DOMAIN_GRIDS[case]
         for given, number in itertools.product(DOMAIN_CHOICES + [want], (1, 2, 4, 8, 16, tp * dp)):
             if given == want and number == divisor:
@@ -734,3 +779,114 @@ def domain_whys() -> list[tuple[str, tuple, str, set[str]]]:
                 {str(divisor)} if number != divisor else set())
             out += [(case, (given, number), stage, texts) for stage in kit.stages_of(why)]
     return out
+
+
+# --- no key readable off the library ---------------------------------------------------------
+
+
+def library_objects():
+    """Every object a student's kernel can reach from ``tutorial_lib`` without calling
+    anything: the globals of every submodule, and inside them, recursively, the items of
+    containers, the attributes of the library's classes and instances, and the defaults,
+    closure cells, wrapped functions and code constants of functions.  Yields each object
+    once; the modules that do not import here are listed in ``library_objects.skipped``."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import tutorial_lib
+
+    names = ["tutorial_lib"] + [m.name for m in pkgutil.walk_packages(tutorial_lib.__path__,
+                                                                       "tutorial_lib.")]
+    todo, skipped = [], []
+    for name in names:
+        try:
+            todo += list(vars(importlib.import_module(name)).values())
+        except Exception as err:  # noqa: BLE001 - what does not import cannot be read either
+            skipped.append(f"{name}: {type(err).__name__}")
+    library_objects.skipped = skipped
+
+    def ours(obj) -> bool:
+        return (getattr(obj, "__module__", None) or "").startswith("tutorial_lib")
+
+    seen = set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or inspect.ismodule(obj):
+            continue
+        seen.add(id(obj))
+        yield obj
+        if isinstance(obj, dict):
+            todo += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif isinstance(obj, (staticmethod, classmethod)):
+            todo.append(obj.__func__)
+        elif isinstance(obj, property):
+            todo += [obj.fget, obj.fset]
+        elif inspect.iscode(obj):
+            todo += list(obj.co_consts)
+        elif callable(obj) and hasattr(obj, "__code__"):
+            todo += [obj.__code__, obj.__defaults__, obj.__kwdefaults__,
+                     getattr(obj, "__wrapped__", None), getattr(obj, "__dict__", None)]
+            todo += [cell.cell_contents for cell in (obj.__closure__ or ())
+                     if _filled(cell)]
+        elif hasattr(obj, "__wrapped__"):  # functools.lru_cache and other wrappers
+            todo.append(obj.__wrapped__)
+        elif isinstance(obj, type) and ours(obj):
+            todo += list(vars(obj).values())
+        elif ours(type(obj)) and hasattr(obj, "__dict__"):
+            todo += list(vars(obj).values())
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _same_answer(value, answer) -> bool:
+    """Whether a value found in the library is ``answer`` (a set, as any collection of the
+    same strings; a tuple answer, item by item)."""
+    if isinstance(answer, (set, frozenset)):
+        return isinstance(value, (set, frozenset, list, tuple)) and all(
+            isinstance(v, str) for v in value) and set(value) == set(answer)
+    if isinstance(answer, tuple):
+        return isinstance(value, (tuple, list)) and len(value) == len(answer) and all(
+            _same_answer(v, a) for v, a in zip(value, answer))
+    if isinstance(value, bool) or isinstance(answer, bool):
+        return value is answer
+    try:
+        return type(value) in (int, float, str, type(None), list) and value == answer
+    except Exception:  # noqa: BLE001 - not comparable: not the answer
+        return False
+
+
+def _holds(value, answer) -> bool:
+    """Whether ``value`` is the answer, or a tuple or list with the answer as an item."""
+    if _same_answer(value, answer):
+        return True
+    return isinstance(value, (tuple, list)) and any(_same_answer(v, answer) for v in value)
+
+
+def keys_read_off(keys: dict[str, dict], objects) -> list[tuple[str, str]]:
+    """``(exercise, what)`` for each key that a reachable object holds: a dict from the key's
+    cases to their answers (each alone or in a tuple beside the case's statement), or one
+    from answers to collections of cases, for more than half of the key's cases (and at
+    least two): a single matching value is a coincidence, a table is the key."""
+    found = []
+    for obj in objects:
+        if not isinstance(obj, dict) or not obj:
+            continue
+        for exercise, key in keys.items():
+            need = max(2, len(key) // 2 + 1)
+            paired = sum(case in obj and _holds(obj[case], answer) for case, answer in key.items())
+            inverted = sum(any(_same_answer(k, answer) and isinstance(v, (list, tuple, set,
+                                                                          frozenset))
+                               and case in v for k, v in obj.items())
+                           for case, answer in key.items() if not isinstance(answer, tuple))
+            if paired >= need or inverted >= need:
+                found.append((exercise, f"a dict of {len(obj)} entries: {sorted(map(str, obj))[:4]}"))
+    return found

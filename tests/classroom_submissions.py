@@ -42,6 +42,40 @@ DEADLOCK_7_1 = '''def my_send_forward_recv_backward(tensor, shape, dtype=torch.f
 '''
 
 
+GIVES_UP_1_3 = 'def node_crossings():\n    raise RuntimeError("I give up")\n'
+
+#: Wrong answers that try to get a pass by replacing the checker, one trick per exercise of
+#: chapter 1 (one notebook, one kernel, three verdicts).
+TRICKS = {
+    "1.1": ("rebinds the checker's name", """def rank_to_coords(rank, order, sizes):
+    return {}
+
+
+check_rank_to_coords = lambda fn: True
+"""),
+    "1.2": ("patches the checker's module and its helpers", WRONG_1_2 + """
+import tutorial_lib.exercises.ch01 as _ch01
+import tutorial_lib.exercises.kit as _kit
+_ch01.check_data_parallel_group = lambda fn: None
+_kit.CheckResult.passed = property(lambda self: True)
+_kit.finish = lambda result: None
+_kit.Checking.verdict = lambda self, hint=None: None
+"""),
+    "1.3": ("replaces tutorial_lib.exercises in sys.modules", """def node_crossings():
+    return {}
+
+
+import sys, types
+_fake = types.ModuleType("tutorial_lib.exercises")
+_fake.ch01 = types.ModuleType("tutorial_lib.exercises.ch01")
+_fake.ch01.check_node_crossings = lambda fn: print("PASS") or None
+sys.modules["tutorial_lib.exercises"] = _fake
+sys.modules["tutorial_lib.exercises.ch01"] = _fake.ch01
+check_node_crossings = _fake.ch01.check_node_crossings
+"""),
+}
+
+
 def filled(notebook, answers: dict[str, str], delete_checks: tuple[str, ...] = (),
            keep: tuple[str, ...] | None = None):
     """``notebook`` (a student edition) with the stub of each exercise in ``answers``

@@ -16,7 +16,7 @@ tags, so a new exercise needs no change in this module.
 * :func:`nbgrader_source`: the chapter as an nbgrader source notebook: each stub cell is
   nbgrader's answer cell, with the worked solution between ``### BEGIN SOLUTION`` and
   ``### END SOLUTION`` (``nbgrader generate_assignment`` removes it), each check cell an
-  autograded test worth :data:`POINTS`, every other cell locked (``scripts/nbgrader_metadata.py``).
+  autograded test worth :func:`points_of`, every other cell locked (``scripts/nbgrader_metadata.py``).
   Under nbgrader a checker that does not pass raises (``exercises.kit.ExerciseNotPassed``),
   so the test cell fails and scores nothing.
 * :func:`grade`: for graders who do not run nbgrader's database.  Submissions are one folder
@@ -33,10 +33,9 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import json
+import math
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -49,18 +48,46 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 """The chapters of a source checkout (an installed package has no notebooks: pass a folder)."""
 
 TAG_STUB, TAG_CHECK, TAG_SOLUTION = "exercise-stub", "exercise-check", "solution"
+TAG_CONTEXT = "exercise-context"
+"""A cell an exercise refers to (a table, a code cell whose names it uses): a lab sheet
+(:func:`exercises_only`) keeps it."""
 TAG_INSTALL = "install-course"
 """The Colab / Binder install cell every chapter opens with (a no-op where the library is
 installed)."""
 
-POINTS = 1
-"""Points of one exercise, in nbgrader and in the course grader."""
+POINTS_BY_DIFFICULTY = {"warm-up": 1, "core": 2, "stretch": 3}
+"""An exercise's points by its difficulty, in nbgrader and in the course grader alike."""
+
+DIFFICULTY = {
+    # warm-up: predict what a run shows, or choose among named answers
+    **dict.fromkeys(("1.3", "2.3", "2.4", "3.2", "4.2", "5.4", "5.5", "6.4", "7.2", "7.3",
+                     "8.4", "9.4"), "warm-up"),
+    # core: one function from the chapter's formulas or rank arithmetic
+    **dict.fromkeys(("1.1", "1.2", "2.2", "3.3", "4.1", "4.3", "5.1", "5.2", "5.3", "6.2",
+                     "6.3", "8.2", "8.3", "9.2", "9.3", "10.1", "10.2", "11.2"), "core"),
+    # stretch: code that runs on gloo ranks, or a schedule or numerics to build
+    **dict.fromkeys(("2.1", "3.1", "6.1", "7.1", "8.1", "9.1", "11.1"), "stretch"),
+}
+"""Every exercise's difficulty (a test checks that each chapter's exercises are listed)."""
+
+
+def points_of(number: str, points: int | None = None) -> int:
+    """The points of exercise ``number``: ``points`` when given (the same for every
+    exercise), else :data:`POINTS_BY_DIFFICULTY` of its :data:`DIFFICULTY` (core when an
+    exercise is not listed yet)."""
+    if points is not None:
+        return points
+    return POINTS_BY_DIFFICULTY[DIFFICULTY.get(number, "core")]
 
 TIME_LIMIT = 300.0
 """Seconds one submitted notebook may run, kernel start included (the slowest chapter runs
 in about a minute on 2 cores)."""
 
 CSV_COLUMNS = ("student", "notebook", "exercise", "passed", "points", "hint")
+
+CHECK_TIME_MIN = 60.0
+"""Seconds the checks of one notebook get at least, after its cells ran (the rest of the
+notebook's time limit when more is left)."""
 
 WORKDIR_PREFIX = "tutorial-grade-"
 """The grader runs each kernel in a fresh temporary folder whose name starts with this (so
@@ -161,9 +188,11 @@ def student_edition(nb):
 
 
 def exercises_only(nb):
-    """The chapter cut down to its install and setup cells and, per exercise, its statement,
-    stub, check and solution cells (outputs cleared)."""
-    keep = {i for i, c in enumerate(nb.cells) if TAG_INSTALL in _tags(c)} | {setup_cell(nb)}
+    """The chapter cut down to its install and setup cells, the cells its exercises refer to
+    (tagged ``exercise-context``) and, per exercise, its statement, stub, check and solution
+    cells (outputs cleared), in the chapter's order."""
+    keep = {i for i, c in enumerate(nb.cells)
+            if TAG_INSTALL in _tags(c) or TAG_CONTEXT in _tags(c)} | {setup_cell(nb)}
     for ex in chapter_exercises(nb):
         keep |= {ex.heading_cell, ex.stub_cell, ex.check_cell, ex.solution_cell} - {None}
     out = _cleared(nb)
@@ -210,8 +239,11 @@ def _without_final_assert(source: str, checker: str) -> str:
     return "\n".join(lines[:-1]).rstrip() if lines else source.rstrip()
 
 
-def nbgrader_source(nb, points: int = POINTS):
-    """The chapter as an nbgrader source notebook (see the module docstring)."""
+def nbgrader_source(nb, module: str, points: int | None = None):
+    """The chapter as an nbgrader source notebook (see the module docstring); its checkers
+    are those of ``module`` (``tutorial_lib.exercises.ch01``), each test cell grading with
+    ``exercises.sealed.graded``."""
+    from .exercises import sealed
     exercises = chapter_exercises(nb)
     by_stub = {ex.stub_cell: ex for ex in exercises}
     by_check = {ex.check_cell: ex for ex in exercises}
@@ -230,8 +262,10 @@ def nbgrader_source(nb, points: int = POINTS):
                            f"{ex.stub} = {ex.stub}_solution\n{END_SOLUTION}")
             cell.metadata["nbgrader"] = _nbgrader(_grade_id(ex, "answer"), solution=True)
         elif i in by_check:
-            cell.metadata["nbgrader"] = _nbgrader(_grade_id(by_check[i], "check"), grade=True,
-                                                  locked=True, points=points)
+            ex = by_check[i]
+            cell.source = sealed.check_cell(module, ex.checker, ex.stub)
+            cell.metadata["nbgrader"] = _nbgrader(_grade_id(ex, "check"), grade=True, locked=True,
+                                                  points=points_of(ex.number, points))
         else:
             cell.metadata["nbgrader"] = _nbgrader(f"cell-{i:03d}", locked=True)
         cells.append(cell)
@@ -243,17 +277,25 @@ def _grade_id(ex: ExerciseCells, part: str) -> str:
     return f"exercise-{ex.number.replace('.', '-')}-{part}"
 
 
+def chapter_module(chapter: Path) -> str:
+    """The module of a chapter's checkers: ``tutorial_lib.exercises.ch01`` for ``01_...``."""
+    return f"tutorial_lib.exercises.ch{Path(chapter).name[:2]}"
+
+
 def assignment_name(chapter: Path) -> str:
     """The nbgrader assignment of one chapter: ``ch01`` for ``01_communicator_groups``."""
     return f"ch{chapter.name[:2]}"
 
 
 def write_nbgrader_course(course: Path, notebooks: Path = NOTEBOOKS, only: list[str] | None = None,
-                          points: int = POINTS, lab_sheet: bool = False,
-                          assignment: str | None = None) -> list[Path]:
+                          points: int | None = None, lab_sheet: bool = False,
+                          assignment: str | None = None, course_id: str | None = None,
+                          exchange: Path | None = None) -> list[Path]:
     """``course/source/<assignment>/<chapter>.ipynb`` for each chapter (one assignment per
     chapter, ``ch01`` ..., unless ``assignment`` names one for all) and the course's
-    ``nbgrader_config.py`` beside them; the notebooks written."""
+    ``nbgrader_config.py`` beside them (rewritten: this repository's settings, then the
+    course id and the exchange folder when given, which ``release_assignment`` and
+    ``collect`` need); the notebooks written."""
     import nbformat
     course = Path(course)
     written = []
@@ -265,11 +307,16 @@ def write_nbgrader_course(course: Path, notebooks: Path = NOTEBOOKS, only: list[
             nb = exercises_only(nb)
         target = course / "source" / (assignment or assignment_name(path)) / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nbgrader_source(nb, points), target)
+        nbformat.write(nbgrader_source(nb, chapter_module(path), points), target)
         written.append(target)
     config = Path(__file__).resolve().parents[1] / "nbgrader_config.py"
-    if config.exists() and not (course / "nbgrader_config.py").exists():
-        (course / "nbgrader_config.py").write_text(config.read_text())
+    text = config.read_text() if config.exists() else "c = get_config()  # noqa: F821\n"
+    if course_id:
+        text += f"\nc.CourseDirectory.course_id = {course_id!r}\n"
+    if exchange:
+        Path(exchange).mkdir(parents=True, exist_ok=True)
+        text += f"c.Exchange.root = {str(Path(exchange).resolve())!r}\n"
+    (course / "nbgrader_config.py").write_text(text)
     return written
 
 
@@ -287,25 +334,6 @@ class Grade:
     points: int
     hint: str
     """Why it failed (the checker's hint, or what broke), empty when it passed."""
-
-
-def report(nonce: str, exercise: str, run) -> None:
-    """Run in the grading kernel in place of a check cell: ``run()`` calls the checker; print
-    its verdict as one line that starts with ``nonce``, whatever happens."""
-    try:
-        result = run()
-        if hasattr(result, "to_dict"):
-            verdict = result.to_dict()
-            verdict["hint"] = verdict["hint"] or "; ".join(
-                f"{c['name']}: {c['detail']}" for c in verdict["cases"] if not c["passed"])
-        else:
-            verdict = {"passed": False, "hint": f"the checker returned {type(result).__name__}"}
-    except NameError as err:
-        verdict = {"passed": False, "hint": f"{err}: its cell raised, was not run or was deleted"}
-    except BaseException as err:  # noqa: BLE001 - a grader reports, it never stops
-        verdict = {"passed": False, "hint": f"the check raised {type(err).__name__}: {err}"}
-    print(nonce + json.dumps({"exercise": exercise, "passed": bool(verdict.get("passed")),
-                              "hint": verdict.get("hint", "")}), flush=True)
 
 
 def _chapter_of(path: Path, notebooks: Path) -> Path | None:
@@ -351,7 +379,7 @@ def _error_of(cell) -> str | None:
 
 
 def grade_notebook(path: Path, student: str, notebooks: Path = NOTEBOOKS,
-                   time_limit: float = TIME_LIMIT, points: int = POINTS) -> list[Grade]:
+                   time_limit: float = TIME_LIMIT, points: int | None = None) -> list[Grade]:
     """Grade one submitted notebook (see the module docstring); one :class:`Grade` per
     exercise of its chapter, or one row saying why the file is not a chapter."""
     import nbformat
@@ -364,7 +392,8 @@ def grade_notebook(path: Path, student: str, notebooks: Path = NOTEBOOKS,
 
     def rows(verdicts: dict[str, tuple[bool, str]], missing: str) -> list[Grade]:
         return [Grade(student, path.name, ex.number, *(
-            (verdicts[ex.number][0], points if verdicts[ex.number][0] else 0, verdicts[ex.number][1])
+            (verdicts[ex.number][0], points_of(ex.number, points) if verdicts[ex.number][0] else 0,
+             verdicts[ex.number][1])
             if ex.number in verdicts else (False, 0, missing))) for ex in exercises]
 
     try:
@@ -373,16 +402,18 @@ def grade_notebook(path: Path, student: str, notebooks: Path = NOTEBOOKS,
     except Exception as err:  # noqa: BLE001 - not JSON, not a notebook: graded, not raised
         return rows({}, f"the file is not a readable notebook ({type(err).__name__}: "
                         f"{str(err)[:200]})")
-    verdicts, deleted = _run_submission(submitted, exercises, time_limit)
+    verdicts, deleted = _run_submission(submitted, exercises, time_limit,
+                                        chapter_module(chapter))
     for number in deleted:
         verdicts.setdefault(number, (False, "its check cell was deleted"))
     return rows(verdicts, verdicts.pop("", (False, "not graded"))[1])
 
 
-def _graded_cells(nb, exercises: list[ExerciseCells], nonce: str):
+def _graded_cells(nb, exercises: list[ExerciseCells], handoff: Path):
     """The submission's cells to run, check cells (tagged, or exactly ``check_f(f)`` in a
-    notebook that lost its tags) replaced by :func:`report` calls; the exercises whose check
-    cell is gone; and which cell defines each exercise's function."""
+    notebook that lost its tags) replaced by a cell that writes the exercise's function to
+    ``handoff/<number>.pickle`` (:func:`handoff_cell`); the exercises whose check cell is gone;
+    and which cell defines each exercise's function."""
     import nbformat
     waiting = list(exercises)
     cells, stub_of = [], {}
@@ -393,9 +424,7 @@ def _graded_cells(nb, exercises: list[ExerciseCells], nonce: str):
         if (TAG_CHECK in _tags(cell) or untagged_check) and waiting:
             ex = next((e for e in waiting if e.checker in cell.source), waiting[0])
             waiting.remove(ex)
-            code = (f"import tutorial_lib.classroom as _classroom\n"
-                    f"_classroom.report({nonce!r}, {ex.number!r}, lambda: {ex.check_source})")
-            cells.append((nbformat.v4.new_code_cell(code), ex))
+            cells.append((nbformat.v4.new_code_cell(handoff_cell(ex, handoff)), ex))
             continue
         cells.append((nbformat.v4.new_code_cell(cell.source), None))
         for ex in exercises:
@@ -404,25 +433,41 @@ def _graded_cells(nb, exercises: list[ExerciseCells], nonce: str):
     return cells, [e.number for e in waiting], stub_of
 
 
-def _run_submission(nb, exercises, time_limit: float):
-    """Run the cells of one submission in a fresh kernel; ``({number: (passed, hint)}, the
-    numbers whose check cell was deleted)``.  The key ``""`` holds why the rest was not graded."""
+def handoff_cell(ex: ExerciseCells, handoff: Path) -> str:
+    """What the course grader runs in place of a check cell: the function, written to a file
+    for the checking interpreter (``exercises.sealed``); no checker runs in the kernel."""
+    target = str(Path(handoff) / f"{ex.number}.pickle")
+    return ("import cloudpickle as _cloudpickle\n"
+            f"with open({target!r}, 'wb') as _file:\n"
+            f"    _cloudpickle.dump({ex.stub}, _file)")
+
+
+def _run_submission(nb, exercises, time_limit: float, module: str):
+    """Run the cells of one submission in a fresh kernel, then check the functions it handed
+    over with the real checkers of ``module`` (``exercises.sealed.run_checks``);
+    ``({number: (passed, hint)}, the numbers whose check cell was deleted)``.  The key ``""``
+    holds why the rest was not graded."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    nonce = "@@grade-" + secrets.token_hex(8) + "@@"
-    cells, deleted, stub_of = _graded_cells(nb, exercises, nonce)
-    run = nbformat.v4.new_notebook(cells=[c for c, _ in cells])
-    run.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    from .exercises import sealed
+
     verdicts: dict[str, tuple[bool, str]] = {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBGRADER")}
     deadline = time.monotonic() + time_limit
     with tempfile.TemporaryDirectory(prefix=WORKDIR_PREFIX) as workdir:
+        handoff = Path(workdir) / ".handoff"
+        handoff.mkdir()
+        cells, deleted, stub_of = _graded_cells(nb, exercises, handoff)
+        run = nbformat.v4.new_notebook(cells=[c for c, _ in cells])
+        run.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                      "language": "python"}
         client = NotebookClient(run, timeout=max(1, int(time_limit)), kernel_name="python3",
                                 allow_errors=True, shutdown_kernel="immediate",
                                 resources={"metadata": {"path": workdir}})
         tree: list[int] = []
+        ran = []
         try:
             with client.setup_kernel(env=env, cwd=workdir):
                 pid = _kernel_pid(client)
@@ -434,7 +479,7 @@ def _run_submission(nb, exercises, time_limit: float):
                         client.timeout = max(1, int(left))
                         client.execute_cell(cell, index)
                         if ex is not None:
-                            verdicts[ex.number] = _verdict(cell, nonce, ex, cells, stub_of)
+                            ran.append((ex, cell))
                 finally:
                     tree = _process_tree(pid) if pid else []
         except CellTimeoutError:
@@ -447,6 +492,13 @@ def _run_submission(nb, exercises, time_limit: float):
                                    f"{type(err).__name__}: {err}")
         finally:
             _kill(tree)
+        files = {ex.number: handoff / f"{ex.number}.pickle" for ex, _ in ran}
+        checks = [(ex.number, module, ex.checker, files[ex.number].read_bytes())
+                  for ex, _ in ran if files[ex.number].exists()]
+        checked = sealed.run_checks(checks, sealed.library_root(), max(
+            CHECK_TIME_MIN, deadline - time.monotonic()), cwd=workdir) if checks else {}
+    for ex, cell in ran:
+        verdicts[ex.number] = _verdict(checked.get(ex.number), cell, ex, cells, stub_of)
     return verdicts, deleted
 
 
@@ -456,18 +508,36 @@ def _kernel_pid(client) -> int | None:
     return getattr(process, "pid", None)
 
 
-def _verdict(cell, nonce: str, ex: ExerciseCells, cells, stub_of) -> tuple[bool, str]:
-    for out in cell.get("outputs", []):
-        for line in str(out.get("text", "")).split("\n"):
-            if line.startswith(nonce):
-                got = json.loads(line[len(nonce):])
-                hint = got["hint"]
-                if not got["passed"] and ex.number in stub_of:
-                    error = _error_of(cells[stub_of[ex.number]][0])
-                    if error:
-                        hint = f"the cell defining {ex.stub} raised {error}; {hint}"
-                return bool(got["passed"]), "" if got["passed"] else hint
-    return False, _error_of(cell) or "the check printed no verdict"
+def _verdict(checked: dict | None, cell, ex: ExerciseCells, cells, stub_of) -> tuple[bool, str]:
+    """``(passed, hint)`` of one exercise from its checker's verdict (``None``: there is none,
+    and what its hand-off cell raised says why)."""
+    if checked is None:
+        error = _error_of(cell)
+        if error and error.startswith("NameError"):
+            return False, f"{error}: its cell raised, was not run or was deleted"
+        if error:
+            return False, f"the function could not be handed to the checker: {error}"
+        return False, "the check gave no verdict (it ran past the time limit)"
+    if checked["passed"]:
+        return True, ""
+    hint = row_hint(checked)
+    if ex.number in stub_of:
+        error = _error_of(cells[stub_of[ex.number]][0])
+        if error:
+            hint = f"the cell defining {ex.stub} raised {error}; {hint}"
+    return False, hint
+
+
+def row_hint(verdict: dict) -> str:
+    """A verdict that did not pass, as one line of the grades: the first failing case that
+    raised (its name, the exception's type and message), then the checker's hint, or else
+    every failing case's detail."""
+    failing = [c for c in verdict.get("cases", []) if not c["passed"]]
+    raised = next((c for c in failing if re.search(r"\braised\b", c["detail"])), None)
+    hint = verdict.get("hint", "") or "; ".join(f"{c['name']}: {c['detail']}" for c in failing)
+    if raised is not None and raised["detail"] not in hint:
+        hint = f"{raised['name']}: {raised['detail']}" + (f"; {hint}" if hint else "")
+    return hint
 
 
 def submission_notebooks(submissions: list[Path]) -> list[tuple[str, Path]]:
@@ -488,7 +558,7 @@ def submission_notebooks(submissions: list[Path]) -> list[tuple[str, Path]]:
 
 
 def grade(submissions: list[Path], notebooks: Path = NOTEBOOKS, time_limit: float = TIME_LIMIT,
-          points: int = POINTS, progress=None) -> list[Grade]:
+          points: int | None = None, progress=None) -> list[Grade]:
     """Grade every notebook of every student folder (see :func:`submission_notebooks`)."""
     grades = []
     for student, path in submission_notebooks(submissions):
@@ -511,29 +581,153 @@ def write_csv(grades: list[Grade], path: Path) -> None:
 # --- the command line ----------------------------------------------------------------------------
 
 
+class UsageError(ValueError):
+    """A bad value on the command line: the flag, the value, the rule it breaks, a fix."""
+
+    def __init__(self, flag: str, value, rule: str, fix: str):
+        super().__init__(f"{flag} {value}: {rule}; {fix}")
+
+
+def positive_seconds(flag: str, text: str) -> float:
+    """``text`` as a finite number of seconds > 0, for ``flag``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(flag, text, "must be a finite number of seconds > 0",
+                         f"try {flag} {TIME_LIMIT:g}")
+    return value
+
+
+def whole_points(flag: str, text: str | None) -> int | None:
+    """``text`` as a whole number of points >= 1 (``None``: the difficulty table's)."""
+    if text is None:
+        return None
+    if not re.fullmatch(r"\s*\d+\s*", str(text)) or int(text) < 1:
+        raise UsageError(flag, text, "must be a whole number of points >= 1",
+                         f"try {flag} 1, or leave it out for the points of DIFFICULTY "
+                         f"({', '.join(f'{k} {v}' for k, v in POINTS_BY_DIFFICULTY.items())})")
+    return int(text)
+
+
+def chapter_folder(flag: str, folder: Path) -> list[Path]:
+    """The chapters of ``folder``, which must hold some."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(flag, folder, "is not a folder", f"pass {flag} DIR, the folder of the "
+                         "chapter notebooks (01_....ipynb)")
+    found = chapters(folder)
+    if not found:
+        raise UsageError(flag, folder, "holds no chapter notebook (01_....ipynb)",
+                         f"pass {flag} DIR, the folder of the chapters")
+    return found
+
+
+def chapter_prefixes(found: list[Path], prefixes: list[str]) -> list[str]:
+    """Chapter prefixes (``01``, ``3``...) that each match a chapter of ``found``; as ``01``."""
+    names = ", ".join(p.name[:2] for p in found)
+    out = []
+    for prefix in prefixes:
+        if not re.fullmatch(r"\d{1,2}", prefix):
+            raise UsageError("CHAPTER", prefix, "is not a chapter number",
+                             f"give two-digit chapter numbers: {names}")
+        padded = f"{int(prefix):02d}"
+        if not any(p.name.startswith(padded) for p in found):
+            raise UsageError("CHAPTER", prefix, "matches no chapter", f"choose among {names}")
+        out.append(padded)
+    return out
+
+
+def writable_folder(flag: str, folder: Path, notebooks: Path | None = None) -> Path:
+    """A folder that exists or can be made, can be written, and is not ``notebooks``."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(flag, folder, "is a file, not a folder", f"pass {flag} a new folder")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(flag, folder, f"cannot be made: {existing} is not a folder",
+                         f"pass {flag} a folder under a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(flag, folder, f"cannot be written ({existing} is not writable)",
+                         f"pass {flag} a folder you can write to")
+    if notebooks is not None and folder.resolve() == Path(notebooks).resolve():
+        raise UsageError(flag, folder, "is the chapters' own folder (it would overwrite the "
+                         "chapters and their solutions)", f"pass {flag} another folder")
+    return folder
+
+
+def writable_file(flag: str, path: Path) -> Path:
+    """A file that can be written: not a folder, in a folder that exists and is writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(flag, path, "is a folder", f"pass {flag} a file name, e.g. {path}/grades.csv")
+    if not path.parent.is_dir():
+        raise UsageError(flag, path, f"its folder {path.parent} does not exist",
+                         f"make the folder first, or pass {flag} grades.csv")
+    if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(flag, path, "cannot be written", f"pass {flag} a file you can write")
+    return path
+
+
+def submission_folders(paths: list[Path]) -> list[tuple[str, Path]]:
+    """Every ``(student, notebook)`` of the submissions given; each path must exist and be a
+    notebook or a folder, and some notebook must be found."""
+    for path in map(Path, paths):
+        if not path.exists():
+            raise UsageError("SUBMISSIONS", path, "does not exist",
+                             "pass the folder that holds one folder per student")
+        if path.is_file() and path.suffix != ".ipynb":
+            raise UsageError("SUBMISSIONS", path, "is a file but not a notebook (.ipynb)",
+                             "pass a student's folder or the folder of students' folders")
+    found = submission_notebooks(paths)
+    if not found:
+        raise UsageError("SUBMISSIONS", " ".join(map(str, paths)), "holds no notebook (.ipynb), "
+                         "in it or in a folder inside it",
+                         "pass the folder that holds one folder per student, each with notebooks")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a bad value exits 2 with the flag, the value and a fix, before
+    anything is written or run."""
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.classroom",
                                      description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     out = commands.add_parser("handout", help="write the student edition of the chapters")
     out.add_argument("--out", required=True, type=Path, help="folder to write the notebooks to")
     out.add_argument("--exercises-only", action="store_true",
-                     help="only the setup cell and the exercises of each chapter (a lab sheet)")
+                     help="only the setup cell, the exercises and the cells they refer to "
+                          "(a lab sheet)")
     out.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="the chapters' folder")
-    out.add_argument("chapter", nargs="*", help="chapter prefixes, e.g. 01 03 (default: all)")
+    out.add_argument("chapter", nargs="*", help="chapter numbers, e.g. 01 03 (default: all)")
     run = commands.add_parser("grade", help="run the checkers of submitted notebooks")
     run.add_argument("submissions", nargs="+", type=Path,
                      help="one folder per student (its name is the student's), or a folder of them")
     run.add_argument("--csv", required=True, type=Path, help="where to write the grades")
-    run.add_argument("--time-limit", type=float, default=TIME_LIMIT,
+    run.add_argument("--time-limit", default=str(TIME_LIMIT),
                      help=f"seconds per notebook (default {TIME_LIMIT:g})")
-    run.add_argument("--points", type=int, default=POINTS, help="points per exercise")
+    run.add_argument("--points", help="points of every exercise (default: by difficulty, "
+                                      "DIFFICULTY and POINTS_BY_DIFFICULTY)")
     run.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="the chapters' folder")
     args = parser.parse_args(argv)
-    if not chapters(args.notebooks):
-        parser.error(f"no chapter notebooks in {args.notebooks}: pass --notebooks DIR")
+    try:
+        found = chapter_folder("--notebooks", args.notebooks)
+        if args.command == "handout":
+            only = chapter_prefixes(found, args.chapter)
+            target = writable_folder("--out", args.out, args.notebooks)
+        else:
+            time_limit = positive_seconds("--time-limit", args.time_limit)
+            points = whole_points("--points", args.points)
+            target = writable_file("--csv", args.csv)
+            submission_folders(args.submissions)
+    except UsageError as err:
+        print(f"{parser.prog} {args.command}: error: {err}", file=sys.stderr)
+        return 2
     if args.command == "handout":
-        for path in handout(args.out, args.notebooks, args.chapter, args.exercises_only):
+        for path in handout(target, args.notebooks, only, args.exercises_only):
             print(path)
         return 0
 
@@ -541,9 +735,9 @@ def main(argv: list[str] | None = None) -> int:
         passed = sum(r.passed for r in rows)
         print(f"{student}/{path.name}: {passed}/{len(rows)} exercises passed", flush=True)
 
-    grades = grade(args.submissions, args.notebooks, args.time_limit, args.points, progress)
-    write_csv(grades, args.csv)
-    print(f"{len(grades)} rows written to {args.csv}")
+    grades = grade(args.submissions, args.notebooks, time_limit, points, progress)
+    write_csv(grades, target)
+    print(f"{len(grades)} rows written to {target}")
     return 0
 
 

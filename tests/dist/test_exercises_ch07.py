@@ -224,3 +224,29 @@ def test_deadlocking_rule_is_caught_and_the_pair_named(rule, hint, passed_before
 def test_a_rule_that_is_not_a_bool_gets_the_format_hint(garbage):
     result = check_send_first(garbage)
     assert not result.passed and result.hint == ch07.HINT_NOT_BOOL
+
+
+# --- a verdict that depends on a timeout --------------------------------------------------------
+
+
+def test_a_right_answer_passes_with_a_cpu_hog_beside_it_and_a_deadlock_is_retried_once():
+    """A busy hub: one busy-looping process per core runs beside the checker, and the
+    overlapped exchange still passes at its default 6 s limit (a case that runs past it is
+    run once more at four times the limit).  A real deadlock is reported after both runs."""
+    import os
+    import subprocess
+    import sys
+
+    from tutorial_lib.exercises import kit
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)]
+    try:
+        assert check_send_forward_recv_backward(overlapped)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert kit.RETRY_TIMEOUT_FACTOR == 4.0
+    result = check_send_forward_recv_backward(grad_from_wrapping_prev, timeout=1.0)
+    detail = result.cases[1].detail
+    assert detail.startswith("deadlocked after 1 s, and again after 4 s ("), detail

@@ -6,6 +6,8 @@ answers-per-situation checkers build a reason for each wrong answer: every reaso
 wrong choice, at every stage, is checked not to name the right one."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ..answer_keys import (assert_keeps_its_key, collective_whys, domain_whys, group_whys,
@@ -47,3 +49,161 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
                for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
     assert [key.exercise for key in KEYS] == numbers
     assert all(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]
+
+
+def _every_key() -> dict[str, dict]:
+    """The choice keys the library keeps as digests, and the worked answers of the
+    predict-then-run exercises (the library computes those by running the workers)."""
+    from ..answer_keys import CHOICE_KEYS
+    from . import test_exercises_predictions as predictions
+    return {**CHOICE_KEYS, "1.3": predictions.CROSSINGS, "5.5": predictions.BALANCE,
+            "6.4": predictions.DEADLOCKS, "8.4": predictions.FLUSHED, "9.4": predictions.WORK,
+            "2.4": predictions.ARRIVED}
+
+
+def test_no_answer_key_can_be_read_off_the_library():
+    """Every object reachable from tutorial_lib (module globals of every submodule, class
+    attributes, closures, defaults and code constants of the checkers) is searched for a
+    table of each key's answers: 2.3, 3.2 and 4.2 shipped theirs as data (SCENARIOS[name][1])."""
+    from ..answer_keys import keys_read_off, library_objects
+    objects = list(library_objects())
+    assert len(objects) > 10_000  # the walk reached into the library
+    assert keys_read_off(_every_key(), objects) == []
+
+
+def test_the_search_finds_a_key_held_as_data_or_in_a_closure(monkeypatch):
+    """The search above can fail: a table like the old SCENARIOS, as a module global, or
+    held only by a checker's closure, is found."""
+    from tutorial_lib.exercises import ch02, ch03
+
+    from ..answer_keys import COLLECTIVE_KEY, GROUPS_KEY, keys_read_off, library_objects
+    table = {name: (text, COLLECTIVE_KEY[name]) for name, text in ch02.SCENARIOS.items()}
+    monkeypatch.setattr(ch02, "OLD_SCENARIOS", table, raising=False)
+    groups = {name: sorted(g) for name, g in GROUPS_KEY.items()}
+    monkeypatch.setattr(ch03, "check_old", (lambda: lambda fn: groups)(), raising=False)
+    found = {exercise for exercise, _ in keys_read_off(_every_key(), library_objects())}
+    assert found == {"2.3", "3.2"}
+
+
+def test_the_digests_are_of_the_keys_and_the_checkers_pass_the_keys():
+    from tutorial_lib.exercises import ch02, ch03, ch04, kit
+
+    from ..answer_keys import COLLECTIVE_KEY, DOMAINS_KEY, GROUPS_KEY
+    assert ch02.SCENARIO_DIGESTS == {n: kit.answer_digest("2.3", n, op)
+                                     for n, op in COLLECTIVE_KEY.items()}
+    assert ch03.GRADIENT_DIGESTS == {n: kit.answer_digest("3.2", n, kit.group_text(g))
+                                     for n, g in GROUPS_KEY.items()}
+    assert ch04.GRADIENT_DOMAIN_DIGESTS == {
+        n: kit.answer_digest("4.2", n, f"{kit.group_text(g)}/{d}") for n, (g, d) in DOMAINS_KEY.items()}
+    assert list(ch02.SCENARIOS) == list(COLLECTIVE_KEY)
+    assert all(isinstance(text, str) for text in ch02.SCENARIOS.values())  # statements only
+    assert ch02.check_choose_collectives(lambda: COLLECTIVE_KEY)
+    assert ch03.check_gradient_groups(lambda: GROUPS_KEY)
+    assert ch04.check_gradient_domains(lambda: DOMAINS_KEY)
+
+
+# --- hints stop at the text ---------------------------------------------------------------------
+
+
+def _worked_solutions():
+    """(exercise number, the chapter's worked solution's source) for every exercise."""
+    import nbformat
+
+    from tutorial_lib import classroom
+    for path in classroom.chapters():
+        nb = nbformat.read(path, as_version=4)
+        for ex in classroom.chapter_exercises(nb):
+            yield ex.number, nb.cells[ex.solution_cell].source
+
+
+def _compact(text: str) -> str:
+    return re.sub(r"[\s`]", "", text)
+
+
+def solution_pieces(source: str) -> set[str]:
+    """What of a worked solution a hint must not show: each line of its code (14 characters
+    or more once spaces are gone; not a def, import, comment or assert) and each formula it
+    computes (the right side of a return or an assignment that is an operation or a call),
+    written without spaces."""
+    import ast
+    pieces = set()
+    for line in source.split("\n"):
+        line = line.split("  #")[0].strip()
+        if line and not line.startswith(("#", "def ", "assert ", "import ", "from ")) \
+                and len(_compact(line)) >= 14:
+            pieces.add(_compact(line))
+    for node in ast.walk(ast.parse(source)):
+        value = node.value if isinstance(node, (ast.Return, ast.Assign, ast.AugAssign)) else None
+        if isinstance(value, (ast.BinOp, ast.IfExp, ast.Call, ast.ListComp, ast.BoolOp,
+                              ast.Compare)) and len(_compact(ast.unparse(value))) >= 9:
+            pieces.add(_compact(ast.unparse(value)))
+    return pieces
+
+
+def _hint_texts(module) -> list[tuple[str, str]]:
+    """Every hint text a chapter's checkers can give: each stage of each ``Mistakes`` table
+    and of each ``HINT_*`` constant, and every text of a table of reasons (a dict of texts)."""
+    from tutorial_lib.exercises import kit
+    out = []
+    for name, value in vars(module).items():
+        if isinstance(value, kit.Mistakes):
+            out += [(name, t) for t in value.generic]
+            out += [(f"{name}.{m.name}", t) for m in value for t in m.stages]
+        elif name.startswith("HINT") and isinstance(value, (str, tuple)):
+            out += [(name, t) for t in kit.stages_of(value)]
+        elif isinstance(value, dict) and value and all(isinstance(v, (str, tuple))
+                                                       for v in value.values()):
+            out += [(f"{name}[{k!r}]", t) for k, v in value.items()
+                    for t in ((v,) if isinstance(v, str) else v) if isinstance(t, str)]
+    return out
+
+
+def test_no_hint_shows_the_worked_solutions_code_or_formula():
+    """8.1's generic hint was the solution's code, 7.3's the two-step formula, 9.1's the
+    merge's code: no stage of any hint of a chapter holds a line or a formula of that
+    chapter's worked solutions."""
+    import importlib
+    by_chapter: dict[str, set[str]] = {}
+    for number, source in _worked_solutions():
+        by_chapter.setdefault(number.split(".")[0], set()).update(solution_pieces(source))
+    shown = []
+    for chapter, pieces in by_chapter.items():
+        module = importlib.import_module(f"tutorial_lib.exercises.ch{int(chapter):02d}")
+        for name, text in _hint_texts(module):
+            shown += [(name, piece) for piece in pieces if piece in _compact(text)]
+    assert not shown, shown[:10]
+
+
+def test_the_search_for_solution_pieces_finds_a_leak():
+    pieces = solution_pieces("def f_solution(n, b):\n    sent = 2 * (n - 1) * b\n"
+                             "    return sent // n\n")
+    assert "2*(n-1)*b" in pieces
+    assert any(p in _compact("a rank sends 2 * (n - 1) * b bytes") for p in pieces)
+
+
+@pytest.mark.parametrize("key", [k for k in __import__("tests.answer_keys", fromlist=["KEYS"]).KEYS
+                                 if not k.launches], ids=lambda k: k.exercise)
+def test_five_failures_in_a_row_never_reach_the_solution(key):
+    """Each exercise's reference cases, failed five times in a row with each wrong answer:
+    the hints move through their stages, and no output shows a failing case's answer, the
+    worked solution's code or formula, or (2.3, 3.2, 4.2) the key."""
+    from tutorial_lib.exercises import kit
+
+    from ..answer_keys import CHOICE_KEYS, output_of
+    pieces = set().union(*(solution_pieces(s) for n, s in _worked_solutions()
+                           if n == key.exercise))
+    kit.forget_attempts()
+    try:
+        for label in key.answers:
+            for _ in range(5):
+                result = key.checker(key.answers[label])
+                text = output_of(result)
+                assert not result.passed, (key.exercise, label)
+                assert not [p for p in pieces if p in _compact(text)], (key.exercise, label, text)
+            if key.exercise in CHOICE_KEYS:  # the last stage of every reason, too
+                for name, answer in CHOICE_KEYS[key.exercise].items():
+                    if isinstance(answer, frozenset) and len(answer) > 1:
+                        assert repr(sorted(answer)) not in text
+            assert_keeps_its_key(key, label)  # after five failures, still no case's answer
+    finally:
+        kit.forget_attempts()

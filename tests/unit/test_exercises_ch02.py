@@ -7,6 +7,7 @@ import pytest
 from tutorial_lib.exercises import ch02
 from tutorial_lib.exercises.ch02 import SCENARIOS, check_choose_collectives
 
+from ..answer_keys import COLLECTIVE_KEY
 from ..notebook_cells import answers_checker_tests, assert_reason
 
 
@@ -17,7 +18,7 @@ def test_receive_first_hint_says_nobody_sends():
 # --- exercise 2.3: which collective --------------------------------------------------------------
 
 
-ANSWERS = {name: op for name, (_, op) in SCENARIOS.items()}
+ANSWERS = dict(COLLECTIVE_KEY)
 
 
 def test_every_spelling_of_an_op_is_accepted():

@@ -11,6 +11,7 @@ from tutorial_lib.exercises import ch03
 from tutorial_lib.exercises.ch03 import (GRADIENT_CASES, STEP_CASES, check_gradient_groups,
                                          reference_step_bytes)
 
+from ..answer_keys import GROUPS_KEY
 from ..notebook_cells import answers_checker_tests, assert_reason
 
 
@@ -18,16 +19,16 @@ from ..notebook_cells import answers_checker_tests, assert_reason
 
 
 def _answers(**changes):
-    right = {name: set(groups) for name, (_, groups) in GRADIENT_CASES.items()}
+    right = {name: set(groups) for name, groups in GROUPS_KEY.items()}
     right.update(changes)
     return lambda: right
 
 
 def test_correct_groups_pass_in_any_spelling():
     assert check_gradient_groups(_answers())
-    spelled = {name: "+".join(sorted(groups, reverse=True)) for name, (_, groups) in GRADIENT_CASES.items()}
+    spelled = {name: "+".join(sorted(groups, reverse=True)) for name, groups in GROUPS_KEY.items()}
     assert check_gradient_groups(lambda: spelled)  # "tp+dp", "dp"
-    assert check_gradient_groups(lambda: {name: list(g) for name, (_, g) in GRADIENT_CASES.items()})
+    assert check_gradient_groups(lambda: {name: list(g) for name, g in GROUPS_KEY.items()})
 
 
 @pytest.mark.parametrize("case,answer,reason", [

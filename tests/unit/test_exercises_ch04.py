@@ -14,6 +14,7 @@ from tutorial_lib.exercises.ch04 import (GRADIENT_DOMAIN_CASES, GRADIENT_DOMAIN_
 from tutorial_lib.data_parallel import DOMAINS, grad_domain
 from tutorial_lib.transformer import MLP
 
+from ..answer_keys import DOMAINS_KEY
 from ..notebook_cells import answers_checker_tests, assert_hint, assert_reason
 
 
@@ -121,14 +122,14 @@ def test_splits_checker_turns_an_exception_into_a_case():
 
 
 def _domains(**changes):
-    right = {name: (set(groups), divisor) for name, (_, groups, divisor) in GRADIENT_DOMAIN_CASES.items()}
+    right = {name: (set(groups), divisor) for name, (groups, divisor) in DOMAINS_KEY.items()}
     right.update(changes)
     return lambda: right
 
 
 def test_the_answers_follow_the_library():
     """Each case's answer is what the layer's attributes and DataParallel's domains say."""
-    for name, (_, groups, divisor) in GRADIENT_DOMAIN_CASES.items():
+    for name, (groups, divisor) in DOMAINS_KEY.items():
         tp, ep, dp, edp = GRADIENT_DOMAIN_GRIDS[name]
         config = ParallelConfig(8, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                 expert_tensor_parallel_size=1)  # the exercise: ETP = 1
@@ -155,9 +156,9 @@ def test_the_answers_follow_the_library():
 def test_correct_domains_pass_in_any_spelling():
     assert check_gradient_domains(_domains())
     spelled = {name: {"groups": "+".join(sorted(g)), "divisor": float(d)}
-               for name, (_, g, d) in GRADIENT_DOMAIN_CASES.items()}
+               for name, (g, d) in DOMAINS_KEY.items()}
     assert check_gradient_domains(lambda: spelled)
-    assert check_gradient_domains(lambda: {name: [list(g), d] for name, (_, g, d) in GRADIENT_DOMAIN_CASES.items()})
+    assert check_gradient_domains(lambda: {name: [list(g), d] for name, (g, d) in DOMAINS_KEY.items()})
 
 
 @pytest.mark.parametrize("case,answer,reason", [
@@ -186,12 +187,13 @@ def test_each_wrong_domain_gets_its_reason(case, answer, reason):
     ("routed_expert_weight", ({"dp"}, 8), "Which ranks hold a copy",
      "only on the ranks with the same EP rank"),
     ("router_weight", ({"dp"}, 1), "is not the gradient of the mean loss",
-     "divide by the number of dense data-parallel replicas"),
+     "re-read 'Gradient domains'"),
 ])
 def test_a_reason_says_what_is_wrong_first_and_what_to_do_when_it_fails_again(case, answer, first,
                                                                                 then):
-    """Exercises that teach: staged hints. A first wrong answer gets the reason; the same situation
-    wrong again gets the rule; neither names the group or the number."""
+    """Staged hints. A first wrong answer gets the reason; the same situation wrong again
+    gets the section to re-read and the quantity to reconsider; neither names the group or
+    the number."""
     wrong = _domains(**{case: answer})
     assert_reason(check_gradient_domains(wrong), case, first)
     again = check_gradient_domains(wrong)

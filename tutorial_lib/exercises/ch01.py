@@ -432,9 +432,10 @@ def check_node_crossings(fn: Callable) -> CheckResult:
     groups :func:`~tutorial_lib.grid.build_grid` builds.  A wrong set is shown as the
     student gave it, never the right one."""
     check = Checking("Exercise 1.3: node_crossings", NODE_MISTAKES)
-    got = check.answers(fn)
-    if got is None:
+    opened = check.prediction(fn)
+    if opened is None:
         return check.verdict()
+    got, _ = opened
     for name, (_, sizes) in NODE_SCENARIOS.items():
         given = got.get(name)
         kinds = as_group_kinds(given) if name in got else None

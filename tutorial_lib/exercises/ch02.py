@@ -23,7 +23,8 @@ from functools import lru_cache
 from typing import Callable
 
 from ..launch import LaunchTimeout, launch
-from .kit import HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_number, check_answers, deadlock_kind, is_close
+from .kit import (HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_number,
+                  check_answers, deadlock_kind, is_close, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -70,8 +71,8 @@ HINT_MISSING = (
     "slot i; receive into a fresh buffer at every step."
 )
 HINT_NOT_A_TENSOR = (
-    "return one tensor: the N chunks concatenated along dim 0 in rank order, e.g. "
-    "torch.cat(chunks). A list of chunks is not accepted."
+    'return one tensor, the N chunks placed along dim 0 in rank order, not a list of '
+    'chunks.'
 )
 HINT_SHAPE = (
     "the result has the wrong shape: with N ranks and a chunk of shape (k, ...), the "
@@ -356,37 +357,49 @@ def check_ring_all_reduce_bytes(fn: Callable) -> CheckResult:
 
 # --- exercise 2.3: which collective? ------------------------------------------------------
 
-#: Situation name -> (what happens, the collective it calls for).
+#: Situation name -> what happens (the statement; the answers are kept as digests below).
 SCENARIOS = {
-    "tp_row_parallel_output": (
+    "tp_row_parallel_output":
         "Tensor parallelism: after a row-parallel linear layer each TP rank holds a partial "
-        "sum of the layer's output, and every TP rank needs the full sum.", "all_reduce"),
-    "tp_column_parallel_input_grad": (
+        "sum of the layer's output, and every TP rank needs the full sum.",
+    "tp_column_parallel_input_grad":
         "Tensor parallelism, backward pass: a column-parallel layer's input was the same on "
         "every TP rank, and each rank computed the gradient with respect to that input from "
         "its own output columns only, a partial sum; every TP rank needs the full gradient.",
-        "all_reduce"),
-    "dp_gradients": (
+    "dp_gradients":
         "Plain data parallelism: after the backward pass every replica needs the sum of all "
-        "replicas' gradients.", "all_reduce"),
-    "zero_gradients": (
+        "replicas' gradients.",
+    "zero_gradients":
         "Data parallelism with a distributed optimizer (ZeRO): after the backward pass each "
         "rank needs the summed gradients of only the 1/N of the parameters it updates.",
-        "reduce_scatter"),
-    "zero_parameters": (
+    "zero_parameters":
         "The same distributed optimizer, after its step: each rank has updated its 1/N of "
         "the parameters, and every rank needs all of them for the next forward pass.",
-        "all_gather"),
-    "moe_dispatch": (
+    "moe_dispatch":
         "Expert parallelism: each rank's tokens were routed to experts that live on other "
-        "ranks, a different number of tokens to each rank.", "all_to_all"),
-    "pipeline_activations": (
+        "ranks, a different number of tokens to each rank.",
+    "pipeline_activations":
         "Pipeline parallelism: stage 2 finished a microbatch's forward pass; stage 3 needs "
-        "its output activations.", "send"),
-    "initial_weights": (
+        "its output activations.",
+    "initial_weights":
         "Rank 0 loaded a checkpoint; every other rank must start from identical weights.",
-        "broadcast"),
 }
+
+#: Situation -> the digest of its collective (``kit.answer_digest``): the checker finds the
+#: answer among the collectives while it runs; the library holds no key to read off.
+SCENARIO_DIGESTS = {
+    "tp_row_parallel_output": "41c415c9b0cd95c8024b423714607e71",
+    "tp_column_parallel_input_grad": "9ad98b24cc6b433fab689f3bcbb2ba4e",
+    "dp_gradients": "50305a66dbd9cc5edf2679c4ce6402d9",
+    "zero_gradients": "c1700977b0f767d9dd50e680ea89616d",
+    "zero_parameters": "8f42c6926538f532e8b71d4f5937d8ab",
+    "moe_dispatch": "e5dffffe3143663c852629fc00f88d0a",
+    "pipeline_activations": "6c4bfc8ff0361f4d22dfda121e64ddb1",
+    "initial_weights": "3c68e978346362f91136e2ee366c9acc",
+}
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send")
+"""The answers 2.3 allows."""
 
 _OP_NAMES = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
              "allgather": "all_gather", "alltoall": "all_to_all", "alltoallv": "all_to_all",
@@ -477,7 +490,8 @@ def check_choose_collectives(fn: Callable) -> CheckResult:
 
 
 def _judge_collective(situation: str, given) -> tuple[str, str | None] | None:
-    answer = SCENARIOS[situation][1]
+    answer = recover_answer("2.3", situation, SCENARIO_DIGESTS[situation],
+                            ((op, op) for op in COLLECTIVES))
     chosen = normalize_op(given)
     if chosen == answer:
         return None
@@ -563,12 +577,10 @@ def check_dispatch(fn: Callable, measured: Callable[[], dict] = measured_dispatc
     :data:`DISPATCH_ROUTES`, against the real all-to-all, run on 4 gloo ranks once the
     student has committed a prediction.  A wrong list is shown as given."""
     check = Checking("Exercise 2.4: dispatch", DISPATCH_MISTAKES)
-    got = check.answers(fn, "the prediction")
-    if got is None:
-        return check.verdict()  # nothing committed: nothing is run
-    ran_ok, ran = check.reference_run(measured)
-    if not ran_ok:
-        return check.verdict(HINT_RUN_FAILED)
+    opened = check.prediction(fn, "the prediction", measured)  # nothing committed: no run
+    if opened is None:
+        return check.verdict()
+    got, ran = opened
     for rank in range(len(DISPATCH_ROUTES)):
         name = f"rank {rank}"
         given = got.get(rank)

@@ -29,7 +29,8 @@ from functools import lru_cache
 from typing import Callable
 
 from ..launch import LaunchTimeout, launch
-from .kit import Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, check_answers, is_close
+from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, check_answers,
+                  group_sets, group_text, is_close, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -81,9 +82,9 @@ HINT_ROW_NUDGE = (
     "does the bias go, and what must the backward of that step do with dY?"
 )
 HINT_ROW_GENERIC = (
-    "Y = sum_i X_i W_i^T + b. Compute the partial product F.linear(x, weight) without the "
-    "bias, all-reduce it over group='tp' inside an autograd.Function whose backward is the "
-    "identity, then add the bias."
+    "re-read 'Row-parallel: split the input features': each rank's product is a partial "
+    'sum of the output; reconsider which collective completes it, where that collective '
+    'sits in the forward and backward passes, and when the bias is added.'
 )
 
 HINT_GROUPS_FORMAT = (
@@ -376,69 +377,92 @@ def check_row_parallel_linear(fn: Callable, timeout: float = 30.0) -> CheckResul
 
 # --- exercise 3.2: which groups must a gradient be reduced over? --------------------------
 
-#: Case name -> (the parameter, in a TP=2, DP=2 Megatron grid; the groups it needs).
+#: Case name -> the parameter, in a TP=2, DP=2 Megatron grid (the statement; the answers
+#: are kept as digests below).
 GRADIENT_CASES = {
-    "qkv_weight": (
+    "qkv_weight":
         "self_attention.linear_qkv.weight: column-parallel; each TP rank holds the rows "
-        "(output features) of its own attention heads.", frozenset({"dp"})),
-    "fc2_weight": (
+        "(output features) of its own attention heads.",
+    "fc2_weight":
         "mlp.linear_fc2.weight: row-parallel; each TP rank holds its own columns (input "
-        "features).", frozenset({"dp"})),
-    "fc2_bias": (
+        "features).",
+    "fc2_bias":
         "mlp.linear_fc2.bias: the row-parallel layer's bias, a full copy on every TP rank, "
-        "added after the all-reduce.", frozenset({"dp"})),
-    "layernorm_weight": (
+        "added after the all-reduce.",
+    "layernorm_weight":
         "input_layernorm.weight: a full copy on every TP rank; no sequence parallelism.",
-        frozenset({"dp"})),
-    "layernorm_weight_sp": (
+    "layernorm_weight_sp":
         "input_layernorm.weight with sequence parallelism: each TP rank normalises only its "
-        "own s/T tokens.", frozenset({"tp", "dp"})),
-    "fc2_bias_sp": (
+        "own s/T tokens.",
+    "fc2_bias_sp":
         "mlp.linear_fc2.bias with sequence parallelism: added after the reduce-scatter, to "
-        "this rank's s/T tokens only.", frozenset({"tp", "dp"})),
-    "fc1_weight_sp": (
+        "this rank's s/T tokens only.",
+    "fc1_weight_sp":
         "mlp.linear_fc1.weight with sequence parallelism: column-parallel; its input is "
-        "all-gathered along the sequence before the matmul.", frozenset({"dp"})),
-    "embedding_weight": (
+        "all-gathered along the sequence before the matmul.",
+    "embedding_weight":
         "the word embedding of a VocabParallelEmbedding: each TP rank holds the rows of its own "
-        "range of the vocabulary.", frozenset({"dp"})),
+        "range of the vocabulary.",
+}
+
+#: Case -> the digest of its set of groups (``kit.answer_digest`` of ``kit.group_text``).
+GRADIENT_DIGESTS = {
+    "qkv_weight": "2673854107f2d1847226cdd2f9347f22",
+    "fc2_weight": "df3a99688c4081cf28ba7867a5cb93b8",
+    "fc2_bias": "e8b7c54e4f58a92c7a90839cd2ec503b",
+    "layernorm_weight": "7f953617cd3d8b13c95dabd935f91476",
+    "layernorm_weight_sp": "cdcd4f5e613ba68ba9b1945fd44a0093",
+    "fc2_bias_sp": "c8976b44cd2fb5cb55a78ea3759b4493",
+    "fc1_weight_sp": "d505351da923f6bff14bb82aaccc50f6",
+    "embedding_weight": "a3636264da1a301fcc2e56b2aa511d73",
 }
 
 KNOWN_GROUPS = ("tp", "dp", "pp", "world")
 
-_SHARDED_WHY = {
-    "qkv_weight": "its gradient dW_i = X^T dY_i is already complete on rank i: X is the full "
-                  "input on every TP rank and dY_i is the gradient of this rank's own outputs",
-    "fc2_weight": "its gradient dW_i = X_i^T dY is already complete on rank i: X_i is this "
-                  "rank's slice of the input and dY is the same full gradient on every TP rank",
-    "fc1_weight_sp": "its input is all-gathered before the matmul (and again in backward, for "
-                     "dW), so X is the full sequence and dW_i = X^T dY_i is already complete on "
-                     "rank i",
-    "embedding_weight": "each rank's rows are the rows of its own vocabulary range and dY reaches "
-                        "every rank whole, so each rank's row gradients are already complete",
-}
-_REPLICATED_WHY = {
-    "fc2_bias": "without sequence parallelism dY is the same full tensor on every TP rank, so "
-                "db = sum over tokens of dY is already identical on all of them",
-    "layernorm_weight": "without sequence parallelism every TP rank normalises all s tokens with the "
-                        "same dY, so the copies' gradients are already identical and complete",
-}
-#: Stages: what is wrong (a first failure), then what to do (the same case failing again).
-_PARTIAL_WHY = {
+#: Case -> why a TP sum is wrong where none is needed, or missing where one is: one table
+#: for all cases, so which cases need a TP sum is not written in its shape.  A text, or
+#: stages (what is wrong, then what to look at).
+_TP_WHY = {
+    "qkv_weight":
+        "the TP ranks hold different pieces of this weight, so adding their gradients would add "
+        "gradients of different numbers; its gradient dW_i = X^T dY_i is already complete on "
+        "rank i: X is the full input on every TP rank and dY_i is the gradient of this rank's "
+        "own outputs.",
+    "fc2_weight":
+        "the TP ranks hold different pieces of this weight, so adding their gradients would add "
+        "gradients of different numbers; its gradient dW_i = X_i^T dY is already complete on "
+        "rank i: X_i is this rank's slice of the input and dY is the same full gradient on every "
+        "TP rank.",
+    "fc1_weight_sp":
+        "the TP ranks hold different pieces of this weight, so adding their gradients would add "
+        "gradients of different numbers; its input is all-gathered before the matmul (and again "
+        "in backward, for dW), so X is the full sequence and dW_i = X^T dY_i is already complete "
+        "on rank i.",
+    "embedding_weight":
+        "the TP ranks hold different pieces of this weight, so adding their gradients would add "
+        "gradients of different numbers; each rank's rows are the rows of its own vocabulary "
+        "range and dY reaches every rank whole, so each rank's row gradients are already "
+        "complete.",
+    "fc2_bias":
+        "no TP reduction is needed: without sequence parallelism dY is the same full tensor on "
+        "every TP rank, so db = sum over tokens of dY is already identical on all of them. "
+        "Summing over TP would multiply the gradient by T.",
+    "layernorm_weight":
+        "no TP reduction is needed: without sequence parallelism every TP rank normalises all s "
+        "tokens with the same dY, so the copies' gradients are already identical and complete. "
+        "Summing over TP would multiply the gradient by T.",
     "layernorm_weight_sp": (
         "dgamma = sum over tokens of dy * x_hat, and with sequence parallelism this rank only "
         "saw its s/T tokens: its gradient is a partial sum. Which ranks hold the other parts?",
-        "dgamma = sum over tokens of dy * x_hat, and this rank only saw its s/T tokens: a "
-        "partial sum, whose other parts sit on the ranks that saw the other tokens of the same "
-        "samples (allreduce_sequence_parallel_grads adds them up); the replicas, which saw "
-        "other samples, still have to agree as well."),
+        "this rank's gradient is a partial sum over its s/T tokens. Re-read the section on "
+        "sequence parallelism: which ranks saw the other tokens of the same samples, and "
+        "which saw other samples?"),
     "fc2_bias_sp": (
         "db = sum over tokens of dY, and after the reduce-scatter this rank holds dY for its "
         "s/T tokens only: its gradient is a partial sum. Which ranks hold the other parts?",
-        "db = sum over tokens of dY, and after the reduce-scatter this rank holds dY for its "
-        "s/T tokens only: a partial sum, whose other parts sit on the ranks that hold the "
-        "other tokens of the same samples; the replicas, which saw other samples, still have "
-        "to agree as well."),
+        "this rank's gradient is a partial sum over its s/T tokens. Re-read the section on "
+        "sequence parallelism: which ranks hold dY for the other tokens of the same samples, "
+        "and which for other samples?"),
 }
 
 
@@ -454,14 +478,8 @@ def _why_groups_wrong(case: str, given: frozenset, want: frozenset):
     if "pp" in given:
         return ("there is no pipeline here (PP = 1), and pipeline stages hold different layers, "
                 "never copies of one parameter: no gradient is ever reduced over PP.")
-    if "tp" in given and "tp" not in want:
-        if case in _SHARDED_WHY:
-            return (f"the TP ranks hold different pieces of this weight, so adding their "
-                    f"gradients would add gradients of different numbers; {_SHARDED_WHY[case]}.")
-        return (f"no TP reduction is needed: {_REPLICATED_WHY[case]}. Summing over TP would "
-                f"multiply the gradient by T.")
-    if "tp" in want and "tp" not in given:
-        return _PARTIAL_WHY[case]
+    if ("tp" in given) != ("tp" in want):
+        return _TP_WHY[case]
     if "dp" in want and "dp" not in given:
         return ("the data-parallel replicas processed different samples: without averaging over "
                 "DP each replica would step with the gradient of its own samples and the replicas "
@@ -480,7 +498,8 @@ def check_gradient_groups(fn: Callable) -> CheckResult:
 
 
 def _judge_groups(name: str, answer) -> tuple[str, str | None] | None:
-    want = GRADIENT_CASES[name][1]
+    want = recover_answer("3.2", name, GRADIENT_DIGESTS[name],
+                          ((group_text(g), g) for g in group_sets(KNOWN_GROUPS, len(KNOWN_GROUPS))))
     given = as_group_kinds(answer)
     if given == want:
         return None

@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Callable
 
 from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, as_whole_numbers,
-                  check_answers)
+                  check_answers, group_sets, group_text, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -43,18 +43,18 @@ HINT_SPLITS_TOKENS = (
     "copy dispatcher's splits. Count every (token, k) entry of topk_idx."
 )
 HINT_SPLITS_ROUND_ROBIN = (
-    "you placed expert e on rank e % ep_size (round-robin). The library gives each EP rank a "
-    "contiguous block of num_experts / ep_size experts: expert e lives on rank "
-    "e // (num_experts // ep_size)."
+    'you placed expert e on rank e % ep_size (round-robin). The library gives each EP '
+    "rank a contiguous block of experts: re-read 'The communication domains' and "
+    'reconsider which rank holds expert e.'
 )
 HINT_SPLITS_DIVIDED_BY_EP = (
-    "you computed the rank of expert e as e // ep_size. Divide by the number of experts per "
-    "rank instead: rank = e // (num_experts // ep_size). (The two agree only when "
-    "num_experts == ep_size ** 2.)"
+    'you computed the rank of expert e by dividing by ep_size. The two agree only when '
+    'num_experts == ep_size ** 2: reconsider how many experts one rank holds, and divide '
+    'by that.'
 )
 HINT_SPLITS_PER_EXPERT = (
-    "you returned one count per expert (num_experts of them). The all-to-all needs one split "
-    "per EP rank: add up the counts of each rank's num_experts // ep_size experts."
+    'you returned one count per expert (num_experts of them). The all-to-all needs one '
+    'split per EP rank: add up the counts of the experts each rank holds.'
 )
 HINT_SPLITS_MISSING_ZEROS = (
     "your list is shorter than ep_size when the last ranks receive nothing (bincount without "
@@ -74,9 +74,9 @@ HINT_SPLITS_NUDGE = (
     "of num_experts / ep_size experts), and how many rows does one entry of topk_idx send?"
 )
 HINT_SPLITS_GENERIC = (
-    "expert e lives on EP rank e // (num_experts // ep_size); every entry of topk_idx is one "
-    "row to send. Count the entries per rank: torch.bincount(topk_idx.flatten() // "
-    "(num_experts // ep_size), minlength=ep_size)."
+    "re-read 'Dispatch, expert compute, combine': reconsider which EP rank holds each "
+    'expert, and how many rows one entry of topk_idx sends; the split for a rank that '
+    'receives nothing is 0.'
 )
 
 HINT_DOMAINS_FORMAT = (
@@ -249,32 +249,44 @@ def check_send_splits(fn: Callable) -> CheckResult:
 
 # --- exercise 4.2: which groups, divided by what? ----------------------------------------
 
-#: Case name -> (the parameter and its grid, the groups it is summed over, the divisor).
+#: Case name -> the parameter and its grid (the statement; the answers, the groups it is
+#: summed over and the divisor, are kept as digests below).
 #: Megatron's folded layout, world 8, CP = PP = 1, ETP = 1.
 GRADIENT_DOMAIN_CASES = {
-    "router_weight": (
+    "router_weight":
         "router.weight, TP 1 x EP 4 (DP 8, EDP 2): the gate [N, h], a full copy on every rank.",
-        frozenset({"dp"}), 8),
-    "shared_expert_weight": (
+    "shared_expert_weight":
         "shared_experts.weight_up, TP 1 x EP 4 (DP 8, EDP 2): the always-on expert, a full "
-        "copy on every rank.", frozenset({"dp"}), 8),
-    "routed_expert_weight": (
+        "copy on every rank.",
+    "routed_expert_weight":
         "experts.weight_up, TP 1 x EP 4 (DP 8, EDP 2): this EP rank's 2 of the 8 routed "
-        "experts.", frozenset({"expert_dp"}), 8),
-    "router_weight_sp": (
+        "experts.",
+    "router_weight_sp":
         "router.weight, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a full copy "
-        "on every rank; each TP rank routes its own s/TP tokens.", frozenset({"tp", "dp"}), 4),
-    "shared_expert_weight_sp": (
+        "on every rank; each TP rank routes its own s/TP tokens.",
+    "shared_expert_weight_sp":
         "shared_experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a "
-        "full copy on every rank, run on the rank's own s/TP tokens.", frozenset({"tp", "dp"}), 4),
-    "routed_expert_weight_sp": (
+        "full copy on every rank, run on the rank's own s/TP tokens.",
+    "routed_expert_weight_sp":
         "experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): this EP "
-        "rank's 2 of the 8 routed experts.", frozenset({"expert_dp"}), 4),
-    "shared_expert_megatron_sp": (
+        "rank's 2 of the 8 routed experts.",
+    "shared_expert_megatron_sp":
         "Megatron-Core's shared_experts.linear_fc1.weight, TP 2 x EP 4 with sequence "
         "parallelism (DP 4, EDP 2): Megatron splits the shared expert over TP like a dense "
         "MLP, so this is a column-parallel shard [f/TP, h], fed the whole sequence by the "
-        "sequence-parallel all-gather.", frozenset({"dp"}), 4),
+        "sequence-parallel all-gather.",
+}
+
+#: Case -> the digest of ``"groups/divisor"`` (``kit.answer_digest``; groups as
+#: ``kit.group_text``).
+GRADIENT_DOMAIN_DIGESTS = {
+    "router_weight": "cfc3f91d61e231f7d83f81a806c7fab2",
+    "shared_expert_weight": "8610dc3c6bb4feb4afda657626f02dcc",
+    "routed_expert_weight": "dc5f2fbba1352dc278f16360fe179407",
+    "router_weight_sp": "21bfc1cad077c0ae65964438b8d9ac72",
+    "shared_expert_weight_sp": "682603eecb5ef13d5927faeb0a431b50",
+    "routed_expert_weight_sp": "85df84fd0d16d997cc5f9bdc6165a11c",
+    "shared_expert_megatron_sp": "4905ab7f2d1a068eae6c9c3d02063a16",
 }
 
 #: The sizes behind each case: (TP, EP, DP, EDP) of the world-8 grid.
@@ -364,7 +376,8 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
         return HINT_DOMAINS_FORMAT
     count_once = ("after the sum, each token of the global batch has contributed once: how many "
                   "copies of the gradient of the mean loss does the sum hold?")
-    by_replicas = "divide by the number of dense data-parallel replicas, DP."
+    by_replicas = ("re-read 'Gradient domains': reconsider how many copies of one token's "
+                   "contribution the sum holds, counted in replicas of the dense model.")
     if routed and math.isclose(number, edp) and edp != want_divisor:
         return (("dividing by the expert-data-parallel size, as an all-reduce that averages over "
                  "the expert-data-parallel group does, makes expert gradients DP * CP / EDP = "
@@ -374,10 +387,10 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
                 ("dividing by the expert-data-parallel size makes expert gradients DP * CP / EDP "
                  "times too large: the combine's backward already added every EP rank's tokens, "
                  "and after the expert_dp sum each token of the global batch has contributed "
-                 "once, as after the dense sum, so " + by_replicas))
+                 "once, as after the dense sum; " + by_replicas))
     if math.isclose(number, 1):
         return (f"a sum of the replicas' gradients is not the gradient of the mean loss: {count_once}",
-                "a sum of the replicas' gradients is DP times the gradient of the mean loss: "
+                "a sum of the replicas' gradients is not the gradient of the mean loss: "
                 + by_replicas)
     if tp > 1 and math.isclose(number, tp * dp):
         return ("the TP ranks of a replica are not replicas of each other: they share the "
@@ -408,8 +421,16 @@ def check_gradient_domains(fn: Callable) -> CheckResult:
                          HINT_DOMAINS_FORMAT)
 
 
+def _domain_answer(name: str) -> tuple[frozenset, int]:
+    """The right ``(groups, divisor)`` of case ``name``, found among the possible ones."""
+    sets = group_sets(("tp", "dp", "ep", "expert_dp"), 4)
+    world = 8
+    return recover_answer("4.2", name, GRADIENT_DOMAIN_DIGESTS[name], (
+        (f"{group_text(g)}/{d}", (g, d)) for g in sets for d in range(1, world + 1)))
+
+
 def _judge_domain(name: str, answer):
-    _, want, want_divisor = GRADIENT_DOMAIN_CASES[name]
+    want, want_divisor = _domain_answer(name)
     read = _read_domain_answer(answer)
     if read is None:
         return f"got {answer!r}: not a pair (groups, divisor)", None

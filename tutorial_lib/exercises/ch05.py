@@ -62,10 +62,10 @@ HINT_LOSS_PER_TOKEN = (
     "and f_i = N'/(K'T) * count_i is then 1."
 )
 HINT_LOSS_GATES = (
-    "P_i must average the router probability of expert i over ALL T tokens, the "
-    "probabilities s_{i,t} of every expert, not only the top-k gates of the experts each "
+    'P_i must average the router probability of expert i over ALL T tokens, the '
+    'probabilities s_{i,t} of every expert, not only the top-k gates of the experts each '
     "token chose. The unchosen experts' probabilities are what the gradient lowers or "
-    "raises: P_i = probs.mean(dim=0)."
+    'raises.'
 )
 HINT_LOSS_OWN_TOPK = (
     "count the experts in topk_idx, the experts the tokens were really sent to. With "
@@ -858,9 +858,10 @@ def check_predicted_balance(fn: Callable) -> CheckResult:
     (:func:`library_balance`).  A wrong prediction is shown as given; the library's value
     is not printed."""
     check = Checking("Exercise 5.5: predicted_balance", PREDICT_MISTAKES)
-    got = check.answers(fn)
-    if got is None:
+    opened = check.prediction(fn)
+    if opened is None:
         return check.verdict()
+    got, _ = opened
     for routing in BALANCE_ROUTINGS:
         truth = library_balance(routing)
         experts = BALANCE_ROUTINGS[routing][0]

@@ -448,9 +448,10 @@ def check_mixed_deadlock(fn: Callable) -> CheckResult:
     every pipeline of :data:`MIXED_SCENARIOS`.  A wrong prediction is shown as given; the
     simulator's outcome is not printed."""
     check = Checking("Exercise 6.4: mixed_deadlock", MIXED_MISTAKES)
-    got = check.answers(fn)
-    if got is None:
+    opened = check.prediction(fn)
+    if opened is None:
         return check.verdict()
+    got, _ = opened
     for name, (_, pp, m, gpipe_ranks) in MIXED_SCENARIOS.items():
         given = _read_prediction(got[name]) if name in got else ...
         if given is ...:

@@ -38,7 +38,7 @@ HINT_RECV_FROM_PREVIOUS = (
     "you receive the gradient from the previous stage, the classic wrong peer: it passed at "
     "PP = 2 and deadlocked at PP = 3. The gradient of the activation you send is computed by "
     "the stage that consumes it, the NEXT stage, so in send_forward_recv_backward both "
-    "messages go to and come from p2p.next_rank(). At PP = 2 the previous rank on "
+    "messages go to and come from one neighbour. At PP = 2 the previous rank on "
     "Megatron's ring (it wraps: stage 0's previous is the last stage) is the next rank, "
     "which is why only PP >= 3 shows the mistake."
 )
@@ -47,16 +47,16 @@ HINT_RECV_FROM_NONE = (
     "at PP = 2 already (recv: peer rank None). The guide's code takes Megatron's previous "
     "rank, which wraps around (p2p.prev_rank(wrap=True)): with it the same mistake passes "
     "at PP = 2 and deadlocks from PP = 3 on. Either way the gradient comes from the NEXT "
-    "stage: receive it from p2p.next_rank(), the rank you send the activation to."
+    "stage, the rank you send the activation to."
 )
 HINT_SEND_TO_PREVIOUS = (
     "the activation goes to the wrong stage: the forward pass runs from stage s to stage "
-    "s + 1, so send_forward_recv_backward sends to p2p.next_rank() (and receives the "
-    "gradient from the same rank)."
+    "s + 1: re-read 'The six helpers' and reconsider which neighbour send_forward_recv_backward "
+    "talks to, in both directions."
 )
 HINT_LAST_STAGE = (
-    "the last stage has no next stage (p2p.next_rank() is None): there, return None without "
-    "communicating, as the library's helpers do."
+    "the last stage has no next stage: there, return None without communicating, as the "
+    "library's helpers do."
 )
 HINT_RETURNED_SENT = (
     "you returned the activation you sent, not the gradient you received: allocate a buffer "
@@ -80,15 +80,15 @@ HINT_NO_P2P = (
     "handles they return (comm.wait_all), which is when the trace records them."
 )
 HINT_FIX_DEADLOCK = (
-    "the ranks deadlocked: some rank waits for a message its neighbour never sends. In one "
-    "steady-state round stage s sends its activation to s + 1 and receives the gradient from "
-    "s + 1, while stage s + 1 does the opposite; check that your function sends and receives "
-    "exactly once, both with p2p.next_rank()."
+    'the ranks deadlocked: some rank waits for a message its neighbour never sends. In '
+    'one steady-state round stage s sends its activation to s + 1 and receives the '
+    'gradient from s + 1, while stage s + 1 does the opposite; check that your function '
+    'sends and receives exactly once, both with the same neighbour.'
 )
 HINT_FIX_GENERIC = (
-    "send_forward_recv_backward(tensor, shape, dtype): on the last stage return None; "
-    "otherwise send `tensor` to p2p.next_rank() and receive a tensor of `shape` and `dtype` "
-    "from the same rank, post both before waiting for either, and return what you received."
+    "re-read 'The six helpers' and 'The guide's wrong peer, caught at PP = 3': reconsider "
+    'which stage this one exchanges with in send_forward_recv_backward, what the last '
+    'stage does, and when to wait.'
 )
 
 HINT_ALL_SEND_FIRST = (
@@ -104,25 +104,25 @@ HINT_ALL_RECV_FIRST = (
 )
 HINT_NOT_BOOL = "return True (this end sends first) or False (it receives first), nothing else."
 HINT_ORDER_GENERIC = (
-    "each exchange has two ends, stage s in send_forward_recv_backward and stage s + 1 in "
-    "send_backward_recv_forward, and exactly one of them must send first. Any rule that gives "
-    "the two ends of every link opposite answers works: by the parity of the stage (Megatron's "
-    "choice), or by the helper."
+    'each exchange has two ends, stage s in send_forward_recv_backward and stage s + 1 in '
+    'send_backward_recv_forward, and exactly one of them must send first. Re-read '
+    "'Deadlocks: why sequential mode needs the parity rule' and reconsider what the two "
+    'ends of one link know about themselves.'
 )
 
 MODE_ANSWERS = {"sequential": "sequential", "serial": "sequential", "overlapped": "overlapped",
                 "overlap": "overlapped", "batched": "batched", "batch": "batched"}
 HINT_MODE_FORMAT = "return one of 'sequential', 'overlapped' or 'batched'."
 HINT_NVLINK_RULE = (
-    "choosing by the hardware (NVLink -> overlapped, otherwise batched) is a common rule of "
-    "thumb, and it is not what Megatron does: the hardware is never inspected. The training "
-    "script sets batch_p2p_comm = not overlap_p2p_comm, and turns overlap_p2p_comm off unless "
-    "the schedule is interleaved."
+    'choosing by the hardware (NVLink -> overlapped, otherwise batched) is a common rule '
+    'of thumb, and it is not what Megatron does: the hardware is never inspected. Re-read '
+    "'What Megatron really does': reconsider which flags the training script derives from "
+    'the schedule.'
 )
 HINT_OVERLAP_WITHOUT_INTERLEAVING = (
-    "without the interleaved schedule Megatron's training script sets overlap_p2p_comm = "
-    "False whatever the flags say (the non-interleaved schedule cannot overlap its P2P), so "
-    "batch_p2p_comm = not overlap_p2p_comm = True: batched."
+    "without the interleaved schedule Megatron's training script turns overlap off "
+    'whatever the flags say (the non-interleaved schedule cannot overlap its P2P): '
+    'reconsider what that leaves for the batching flag.'
 )
 HINT_OVERLAP_IS_DEFAULT = (
     "with the interleaved schedule overlap is on by default: the flag is "
@@ -130,17 +130,19 @@ HINT_OVERLAP_IS_DEFAULT = (
     "the mode is overlapped."
 )
 HINT_FLAG_TURNS_OVERLAP_OFF = (
-    "--no-overlap-p2p-communication turns overlap off, and batch_p2p_comm = not "
-    "overlap_p2p_comm turns batching on: batched."
+    '--no-overlap-p2p-communication turns overlap off; reconsider what the training '
+    'script then does with the batching flag, which it derives from the overlap flag.'
 )
 HINT_NEVER_SEQUENTIAL = (
-    "Megatron never runs a sequential mode: with batch_p2p_comm it batches, without it "
-    "(_p2p_ops) it posts non-blocking isend / irecv and then waits, which is the overlapped "
-    "mode. And the training script sets batch_p2p_comm = not overlap_p2p_comm."
+    'Megatron never runs a sequential mode: with batching on it batches, without it '
+    '(_p2p_ops) it posts non-blocking isend / irecv and then waits, which is the '
+    "overlapped mode. Re-read 'What Megatron really does' for how the batching flag is "
+    'set.'
 )
 HINT_MODE_GENERIC = (
-    "two steps: overlap_p2p_comm = (not no_overlap_flag) and interleaved; then "
-    "batch_p2p_comm = not overlap_p2p_comm."
+    "re-read 'What Megatron really does': reconsider, in order, what the schedule and the "
+    '--no-overlap-p2p-communication flag do to overlap, then what overlap does to '
+    'batching.'
 )
 
 #: The mistakes of exercise 7.1, in order of preference.

@@ -67,9 +67,9 @@ HINT_Q_INTEGERS = (
     "bits: 0.1171875 is a value, 0.1 is not), after clamping to +-448, not with torch.round."
 )
 HINT_Q_GENERIC = (
-    "tiles = x.float().view(T, H // 128, 128); scale = tiles.abs().amax(-1).clamp(min=1e-4) "
-    "/ 448; q = (tiles / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), "
-    "reshaped back to [T, H]."
+    "re-read 'Tiles and scales' and 'E4M3, and why the library clamps': reconsider which "
+    "values share one scale, what that scale maps the tile's largest magnitude to, and what "
+    "happens to values beyond E4M3's range."
 )
 
 HINT_BYTES_FORMAT = "return one number: the bytes this rank's dispatch all-to-all moves."
@@ -542,9 +542,10 @@ def check_flushed_values(fn) -> CheckResult:
     """Check ``fn() -> {(scaling, outlier): count}`` against the library's quantizer on
     exercise 8.4's tensor, for every scaling and outlier; a wrong count is shown as given."""
     check = Checking("Exercise 8.4: flushed_values", FLUSH_MISTAKES)
-    got = check.answers(fn)
-    if got is None:
+    opened = check.prediction(fn)
+    if opened is None:
         return check.verdict()
+    got, _ = opened
     variants = {"count": dict(outlier_counts=True), "tiles": dict(tiles=False),
                 "normal": dict(smallest=2.0 ** -6), "none": dict(smallest=0.0)}
     for scaling in SCALINGS:

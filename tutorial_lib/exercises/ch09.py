@@ -46,21 +46,22 @@ HINT_MERGE_MAX = (
     "mass: both parts contribute, each weighted by e^(lse_x - lse)."
 )
 HINT_MERGE_LSE = (
-    "the output is right but the merged lse is not: it is log(e^lse_a + e^lse_b) "
-    "(torch.logaddexp), not the max or the sum of the two; the next merge needs it."
+    'the output is right but the merged lse is not: it is the log of the whole softmax '
+    "sum over both parts' keys, not the max or the sum of the two lse's; the next merge "
+    'needs it.'
 )
 HINT_MERGE_UNNORMALISED = (
     "you weighted the parts by e^lse_a and e^lse_b but did not divide by their sum: the "
     "weights are e^lse_x / (e^lse_a + e^lse_b) = e^(lse_x - lse)."
 )
 HINT_MERGE_OVERFLOW = (
-    "a case with scores near 1000 gave inf or NaN: e^1000 overflows. Never form e^lse itself: "
-    "lse = torch.logaddexp(lse_a, lse_b) and weights torch.exp(lse_a - lse), which are at most 1."
+    'a case with scores near 1000 gave inf or NaN: e^1000 overflows. Never form e^lse '
+    'itself: work with differences of log-sum-exps, whose exponentials are at most 1 '
+    '(torch has a log-add-exp).'
 )
 HINT_MERGE_EMPTY = (
-    "a part with no keys (lse = -inf, out = 0) must weigh nothing: torch.logaddexp(-inf, "
-    "lse_b) is lse_b and torch.exp(-inf - lse_b) is 0. A formula that subtracts lse_a from "
-    "itself, or divides by e^lse_a, turns that case into NaN."
+    'a part with no keys (lse = -inf, out = 0) must weigh nothing. A formula that '
+    'subtracts lse_a from itself, or divides by e^lse_a, turns that case into NaN.'
 )
 HINT_MERGE_NUDGE = (
     "each part is a softmax average over its own keys, normalised by its own sum e^lse. "
@@ -68,8 +69,9 @@ HINT_MERGE_NUDGE = (
     "log of the whole sum? Compute it without ever forming e^lse."
 )
 HINT_MERGE_GENERIC = (
-    "lse = torch.logaddexp(lse_a, lse_b); out = out_a * torch.exp(lse_a - lse)[..., None] + "
-    "out_b * torch.exp(lse_b - lse)[..., None]."
+    "re-read 'The merge: attention in pieces, exactly': reconsider each part's share of "
+    'the whole softmax sum, and the log of that whole sum, computed without forming '
+    'e^lse.'
 )
 
 #: The mistakes of exercise 9.1, in order of preference: a wrong format on any case; a wrong
@@ -257,7 +259,10 @@ HINT_RING_NUDGE = (
     "how many times does a rank pass a block on in the forward ring, and what does one "
     "block hold (whose tokens, which tensors)?"
 )
-HINT_RING_GENERIC = "bytes = (CP - 1) * 2 * batch * heads * (seq_length / CP) * head_dim * bytes_per_element."
+HINT_RING_GENERIC = (
+    "re-read 'The ring (`p2p`)': reconsider how many sends one rank makes in the forward "
+    'ring, and what one block holds (whose tokens, which tensors, bytes per element).'
+)
 
 RING_HINTS = Mistakes((HINT_RING_NUDGE, HINT_RING_GENERIC), any_case={"format"}, format=HINT_RING_FORMAT,
                       backward=HINT_RING_BACKWARD, steps=HINT_RING_STEPS, k_only=HINT_RING_K_ONLY,
@@ -378,12 +383,10 @@ def check_ring_work(fn: Callable, measured: Callable[[], dict] = measured_ring_w
     has committed a prediction, ``measured()`` runs the causal ring on WORK_CP ranks (gloo
     workers) and counts the pairs each rank attended.  A wrong count is shown as given."""
     check = Checking("Exercise 9.4: ring_work", WORK_MISTAKES)
-    got = check.answers(fn, "the prediction")
-    if got is None:
-        return check.verdict()  # nothing committed: nothing is run
-    ran_ok, ran = check.reference_run(measured)
-    if not ran_ok:
-        return check.verdict(HINT_RUN_FAILED)
+    opened = check.prediction(fn, "the prediction", measured)  # nothing committed: no run
+    if opened is None:
+        return check.verdict()
+    got, ran = opened
     rules = {"not_causal": dict(causal=False), "striped": dict(striped=True),
              "diagonal_full": dict(diagonal=lambda c: c * c),
              "diagonal_half": dict(diagonal=lambda c: c * c / 2),

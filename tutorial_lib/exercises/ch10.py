@@ -57,8 +57,8 @@ HINT_LAYER_NUDGE = (
     "which are split over TP?"
 )
 HINT_LAYER_GENERIC = (
-    "bytes = 4 (T (4 h + 4) + T (3 h + h + heads) / TP + 2 T ffn / TP), T = seq_length x "
-    "micro_batch."
+    "re-read 'The anatomy of a rank': reconsider, tensor by tensor, what a dense layer "
+    'keeps for backward, per token, and which of those tensors are split over TP.'
 )
 
 LAYER_HINTS = Mistakes((HINT_LAYER_NUDGE, HINT_LAYER_GENERIC), any_case={"format"},

@@ -51,9 +51,8 @@ HINT_RIGHT_AFTER = (
     ("the bubble is still 1F1B's. A W placed right after its B runs while the rank the "
      "gradient went to is waiting for the next one: it delays this rank's next B, and so "
      "the whole chain of B's back to rank 0.",
-     "the last ranks must hurry their B's: on rank r, let the first r B's go without their "
-     "W, then run the oldest W owed after each B; the W's still owed go at the end, where "
-     "they fill what was the cool-down's bubble.")
+     "the last ranks must hurry their B's: re-read 'ZB-H1: 1F1B with the W's deferred' and "
+     "reconsider how many W's rank r can defer, and where the W's still owed go.")
 )
 HINT_HOARDING = (
     "the W's wait too long. Saved for the end, they leave the cool-down's gaps idle (the "
@@ -67,8 +66,9 @@ HINT_PLACE_NUDGE = (
     "cool-down), and which W's could fill those gaps without delaying a B?"
 )
 HINT_PLACE_GENERIC = (
-    "ZB-H1's rule: on rank r the first r backwards go without their W; after each later "
-    "backward, run the oldest W owed; the W's still owed at the end."
+    "re-read 'ZB-H1: 1F1B with the W's deferred': reconsider how many W's a rank may "
+    "defer before its B's stop delaying the ranks downstream, and where the W's owed at "
+    'the end go.'
 )
 #: The mistakes of exercise 11.1, in order of preference.
 PLACE_HINTS = Mistakes(
@@ -168,16 +168,19 @@ HINT_DUAL_STAGES = (
     "DualPipe on pp ranks has pp stages per copy (each rank holds one stage of each copy): "
     "its (PP/2 - 1) is (pp/2 - 1), with the whole stage's f, b, w and F&B = f + b."
 )
-HINT_ZB = ("ZB-H1 keeps 1F1B's (PP - 1)(F + B) minus 2W per hop: the W's leave the B chain "
-           "and fill the cool-down: (pp - 1)(f + b - 2w).")
+HINT_ZB = (
+    "ZB-H1 keeps 1F1B's bubble minus what the W's take off the B chain: re-read 'The "
+    "table of bubbles and memory' and reconsider how many W's leave each hop."
+)
 HINT_IDLE_NUDGE = (
     "count stages and chunk costs per schedule before using the table: 1F1B and ZB-H1 "
     "have pp stages of cost f, b, w; DualPipeV 2 pp stages of half that; DualPipe pp "
     "stages per copy, whole."
 )
 HINT_IDLE_GENERIC = (
-    "1F1B (pp-1)(f+b); ZB-H1 (pp-1)(f+b-2w); DualPipeV (pp-1)(F&B+B-3W) with F = f/2, "
-    "B = b/2, W = w/2, F&B = F + B; DualPipe (pp/2-1)(F&B+b-3w) with F&B = f + b."
+    "re-read 'The table of bubbles and memory': reconsider, for each schedule, how many "
+    "stages the pp ranks hold and what one stage's F, B and W cost in f, b and w before "
+    'using its row.'
 )
 IDLE_HINTS = Mistakes((HINT_IDLE_NUDGE, HINT_IDLE_GENERIC), any_case={"format"},
                       format=HINT_IDLE_FORMAT, v_ranks=HINT_V_RANKS, v_halves=HINT_V_HALVES,

@@ -32,7 +32,9 @@ only shows its verdict.
 """
 from __future__ import annotations
 
+import hashlib
 import html
+import itertools
 import math
 import os
 import re
@@ -40,7 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..launch import LaunchTimeout, WorkerError, launch
+from ..launch import LaunchTimeout, StartupTimeout, WorkerError, launch
 
 STUB_HINT = "replace the `raise NotImplementedError` line with your implementation, then re-run this cell."
 """The hint whenever an attempt hit a stub that was not filled in yet."""
@@ -331,6 +333,12 @@ HINT_RUN_FAILED = (
 """The hint of a predict-then-run checker whose own run failed (:meth:`Checking.reference_run`)."""
 
 
+RETRY_TIMEOUT_FACTOR = 4.0
+"""A case on ranks that runs past its timeout is run once more with this many times the
+limit before it counts as a deadlock, so that a right answer on a busy machine is not failed
+(``0``: no second run)."""
+
+
 class Checking:
     """One run of a checker: its cases, the mistakes its failing cases show, its verdict.
 
@@ -353,6 +361,8 @@ class Checking:
         """For each failing case that was judged, the names of the mistakes it shows."""
         self.stub = False
         """Whether some attempt hit a stub that still raises ``NotImplementedError``."""
+        self.decided = None
+        """A hint the opening already chose (:meth:`prediction`), for :meth:`verdict`."""
 
     @property
     def cases(self) -> list[Case]:
@@ -390,21 +400,32 @@ class Checking:
         compared with ``expected``; or what went wrong, with the case's detail set:
         ``NotImplementedError`` when the student's code on some rank is still a stub,
         :class:`~tutorial_lib.launch.WorkerError` (``"rank r raised ..."``),
-        :class:`~tutorial_lib.launch.LaunchTimeout` (``"deadlocked after t s (rank 0:
-        waiting in recv from rank 1; ...)"``), or any other exception.
+        :class:`~tutorial_lib.launch.LaunchTimeout` (``"deadlocked after t s, and again after
+        4t s (rank 0: waiting in recv from rank 1; ...)"``: a launch that times out, or whose
+        ranks do not start in time, is run once more, with :data:`RETRY_TIMEOUT_FACTOR` times
+        the limit), or any other exception.
         """
+        limits = [timeout] + ([timeout * RETRY_TIMEOUT_FACTOR] if RETRY_TIMEOUT_FACTOR else [])
+
         def attempt():
-            try:
-                out = launch(worker, world_size, args=args, timeout=timeout, print_output=False)
-            except WorkerError as err:
-                if err.summary.startswith("NotImplementedError"):
-                    raise NotImplementedError from None
-                raise
-            return out if unpack is None else unpack(out)
+            for limit in limits:
+                try:
+                    out = launch(worker, world_size, args=args, timeout=limit, print_output=False)
+                except (LaunchTimeout, StartupTimeout):
+                    if limit == limits[-1]:
+                        raise
+                    continue  # a busy machine, or a deadlock: the longer limit tells them apart
+                except WorkerError as err:
+                    if err.summary.startswith("NotImplementedError"):
+                        raise NotImplementedError from None
+                    raise
+                return out if unpack is None else unpack(out)
 
         case, got = self.run(name, attempt, expected, compare)
         if isinstance(got, LaunchTimeout):
-            case.detail = f"deadlocked after {timeout:g} s ({deadlock_summary(got.report)})"
+            again = f", and again after {limits[-1]:g} s" if len(limits) > 1 else ""
+            case.detail = (f"deadlocked after {timeout:g} s{again} "
+                           f"({deadlock_summary(got.report)})")
         elif isinstance(got, WorkerError):
             case.detail = f"rank {got.rank} raised {got.summary}"
         return case, got
@@ -420,6 +441,24 @@ class Checking:
         if not self.stub:
             self.shows({"format"})
         return None
+
+    def prediction(self, fn: Callable[[], object], name: str = "the answers",
+                   measured: Callable[[], object] | None = None) -> tuple[dict, object] | None:
+        """The opening every predict-then-run checker shares: ``(the student's dict, what
+        measured() returned)``; or ``None`` when the verdict is already decided, which
+        :meth:`verdict` then gives: the prediction is no dict (or a stub, or raised; see
+        :meth:`answers`), or the checker's own run failed (:meth:`reference_run`,
+        :data:`HINT_RUN_FAILED`).  ``measured`` runs only once a prediction is committed."""
+        got = self.answers(fn, name)
+        if got is None:
+            return None
+        if measured is None:
+            return got, None
+        ran_ok, ran = self.reference_run(measured)
+        if not ran_ok:
+            self.decided = HINT_RUN_FAILED
+            return None
+        return got, ran
 
     def reference_run(self, measured: Callable[[], object]) -> tuple[bool, object]:
         """``(True, measured())``, the checker's own run of the workers; or ``(False, None)``
@@ -463,6 +502,7 @@ class Checking:
         Under nbgrader (:func:`grading`) a result that did not pass is raised as
         :class:`ExerciseNotPassed` instead of returned.
         """
+        hint = self.decided if hint is None else hint
         if not self.result.passed:
             stage = self.stage
             if self.stub:
@@ -520,6 +560,44 @@ def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
         stage = failed_before(exercise, name)
         hints.append(at_stage(format_hint, 0) if why is None else f"{name}: {at_stage(why, stage)}")
     return check.verdict("\n".join(dict.fromkeys(hints)) if hints else "")
+
+
+# --- answer keys kept as salted digests ---------------------------------------------------
+
+KEY_SALT = "distributed-llm-training-hands-on/exercise-keys/1"
+"""Mixed into every digest of an answer, so a digest found elsewhere says nothing."""
+
+
+def answer_digest(exercise: str, case: str, answer: str) -> str:
+    """The digest the library keeps instead of ``answer``, the canonical text of the right
+    answer to ``case`` of ``exercise`` (e.g. ``"all_reduce"``, ``"dp+tp"``)."""
+    text = f"{KEY_SALT}|{exercise}|{case}|{answer}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def recover_answer(exercise: str, case: str, digest: str, candidates: Iterable[tuple[str, object]]):
+    """The value of the candidate ``(canonical text, value)`` whose digest is ``digest``
+    (``None`` when none is): a checker finds a case's answer among the possible ones while it
+    runs, and keeps it nowhere.
+
+    Honestly: with a handful of possible answers, the digests protect a key from being read
+    off the library, not from being found by trying every answer, which the checker itself
+    allows too (it says which cases pass).  They keep a grade from being had by copying data."""
+    for text, value in candidates:
+        if answer_digest(exercise, case, text) == digest:
+            return value
+    return None
+
+
+def group_text(groups: Iterable[str]) -> str:
+    """The canonical text of a set of group kinds: ``{"tp", "dp"}`` -> ``"dp+tp"``."""
+    return "+".join(sorted(groups))
+
+
+def group_sets(kinds: Iterable[str], largest: int) -> list[frozenset]:
+    """Every set of at most ``largest`` of ``kinds`` (the empty set included)."""
+    kinds = list(kinds)
+    return [frozenset(c) for n in range(largest + 1) for c in itertools.combinations(kinds, n)]
 
 
 # --- reading a launcher's deadlock report -------------------------------------------------
@@ -621,7 +699,7 @@ def as_group_kinds(answer) -> frozenset | None:
 
 
 __all__ = ["Case", "CheckResult", "Checking", "ExerciseNotPassed", "GRADING_ENVIRONMENT", "Mistake",
-           "Mistakes", "STUB_HINT", "WAITING_IN", "as_group_kinds", "as_number", "as_rank_list",
+           "Mistakes", "KEY_SALT", "RETRY_TIMEOUT_FACTOR", "STUB_HINT", "WAITING_IN", "answer_digest", "as_group_kinds", "as_number", "as_rank_list",
            "as_whole_numbers", "at_stage", "check_answers", "deadlock_kind", "deadlock_summary",
-           "failed_before", "finish", "forget_attempts", "grading", "is_close", "remember",
-           "run_case", "stages_of"]
+           "failed_before", "finish", "forget_attempts", "grading", "group_sets", "group_text",
+           "is_close", "recover_answer", "remember", "run_case", "stages_of"]
