@@ -11,8 +11,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tutorial_lib.chapters import CHAPTERS as MANIFEST
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-CHAPTERS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = [entry.notebook for entry in MANIFEST]
 OBJECTIVES = "**You will be able to**"
 CHECK = re.compile(r"\*\*Concept check (\d+)\.(\d+)\.\*\* (?P<question>.+?)\n\n"
                    r":::\{admonition\} Answer\n:class: dropdown\n\n(?P<answer>.+?)\n:::",

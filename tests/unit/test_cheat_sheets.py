@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tutorial_lib.chapters import stems
 from tutorial_lib.viz import cheatsheet
 
 ROOT = Path(__file__).resolve().parents[2]
-CHAPTERS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = stems()
 
 
 def script():

@@ -35,6 +35,7 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
     import nbformat
 
     from tutorial_lib import classroom
+    from tutorial_lib.chapters import notebook_paths
 
     from ..answer_keys import KEYS as CHECKER_KEYS
     from .test_exercises_predictions import KEYS as PREDICTION_KEYS
@@ -43,7 +44,7 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
         return tuple(int(part) for part in key.exercise.split("."))
 
     KEYS = sorted(CHECKER_KEYS + PREDICTION_KEYS, key=number)
-    numbers = [ex.number for path in classroom.chapters()
+    numbers = [ex.number for path in notebook_paths()
                for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
     assert [key.exercise for key in KEYS] == numbers
     assert all(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]

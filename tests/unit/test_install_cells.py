@@ -17,8 +17,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tutorial_lib.chapters import notebook_paths
+
 REPO = Path(__file__).resolve().parents[2]
-CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = notebook_paths()
 TAG = "install-course"
 
 
