@@ -17,6 +17,7 @@ import pytest
 from tutorial_lib import classroom
 
 from ..classroom_submissions import CH01, SYNTAX_ERROR_1_1, WRONG_1_2, worked_solution
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def test_generate_assignment_removes_every_solution_and_keeps_every_checker(tmp_
             assert any(s.startswith(stub) for s in sources), (chapter.name, ex.number)
         # every other cell of the chapter is there, locked
         assert len(released.cells) == len(original.cells) - len(classroom.chapter_exercises(original))
-        assert all(c.metadata["nbgrader"]["locked"] or c.metadata["nbgrader"]["solution"]
+        assert every(c.metadata["nbgrader"]["locked"] or c.metadata["nbgrader"]["solution"]
                    for c in released.cells)
 
 

@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from tutorial_lib.chapters import CHAPTERS as MANIFEST
+from tests.asserts import every
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 CHAPTERS = [entry.notebook for entry in MANIFEST]
@@ -34,7 +35,7 @@ def test_the_chapter_opens_with_objectives_prerequisites_and_time(name):
     assert block.startswith("- "), block
     objectives = [" ".join(item.split()) for item in block[2:].split("\n- ")]
     assert 3 <= len(objectives) <= 5, objectives
-    assert all(o[0].islower() and o.endswith((";", ".")) for o in objectives), objectives
+    assert every(o[0].islower() and o.endswith((";", ".")) for o in objectives), objectives
     assert "**Prerequisites.**" in opening
     assert opening.index(OBJECTIVES) < opening.index("**Prerequisites.**") \
         < opening.index("**How long it takes")

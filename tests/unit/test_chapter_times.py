@@ -19,6 +19,7 @@ import pytest
 
 from tutorial_lib import reference
 from tutorial_lib.chapters import stems
+from tests.asserts import every
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -132,6 +133,6 @@ def test_the_stored_times_have_every_section_and_exercise_of_the_chapter(chapter
     assert parts[-1] == "the whole chapter"
     assert [p for p in parts if p != "Opening"][:-1] == sections + exercises, (
         f"{chapter} changed since it was timed: python scripts/time_chapters.py {chapter[:2]}")
-    assert all(seconds >= 0 for _, seconds in rows)
+    assert every(seconds >= 0 for _, seconds in rows)
     whole = rows[-1][1]
     assert sum(seconds for part, seconds in rows[:len(parts) - 1 - len(exercises)]) <= whole

@@ -10,6 +10,7 @@ import pytest
 
 from ..answer_keys import (assert_keeps_its_key, collective_whys, domain_whys, group_whys,
                            key_params, why_names_the_answer)
+from tests.asserts import every
 
 
 @pytest.mark.parametrize("key,label", key_params(launching=False))
@@ -47,4 +48,4 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
     numbers = [ex.number for path in notebook_paths()
                for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
     assert [key.exercise for key in KEYS] == numbers
-    assert all(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]
+    assert every(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]

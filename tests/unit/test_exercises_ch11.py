@@ -8,6 +8,7 @@ from tutorial_lib.exercises import ch11
 from tutorial_lib.exercises.ch11 import check_idle_times, check_place_weights
 from tutorial_lib.exercises.kit import forget_attempts
 from tutorial_lib.pipeline_schedules import Action, one_f_one_b, zb_h1
+from tests.asserts import every
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +88,7 @@ def idle_times(pp, f, b, w, v_pp=None, v_costs=1.0, dual_stages=None, zb_w=2):
 
 def test_the_table_read_right_passes():
     assert check_idle_times(idle_times)
-    assert all(ch11.simulated_idle_times(pp, f, b, w) == {
+    assert every(ch11.simulated_idle_times(pp, f, b, w) == {
         k: v for k, v in idle_times(pp, f, b, w).items()} for pp, f, b, w in ch11.IDLE_CASES)
 
 
