@@ -45,6 +45,13 @@ def test_the_toc_reader_sees_a_chapter_left_out_or_moved():
     assert toc_notebooks(swapped)[:2] == listed[1::-1]
 
 
+def test_the_intro_s_chapter_table_has_a_row_per_chapter_in_order():
+    intro = (REPO / "book" / "intro.md").read_text(encoding="utf-8")
+    table = intro.split("## What the chapters cover", 1)[1].split("\n\n")[1]
+    numbers = re.findall(r"^\| (\d+) \|", table, re.M)
+    assert [int(n) for n in numbers] == [c.number for c in CHAPTERS]
+
+
 def test_numbers_run_from_1_in_order_and_name_the_notebooks():
     assert [c.number for c in CHAPTERS] == list(range(1, len(CHAPTERS) + 1))
     for entry in CHAPTERS:
