@@ -65,7 +65,7 @@ def wait_for_line(stream, marker: str, seconds: float = 180) -> list[str]:
     return lines
 
 
-def wait_for_files(folder, count: int, process=None, seconds: float = 60) -> list[str]:
+def wait_for_files(folder, count: int, process=None, seconds: float = 300) -> list[str]:
     """Wait until ``folder`` holds ``count`` files (each written whole: written as
     ``NAME.tmp``, then renamed; a ``.tmp`` file is not counted), checking every 20 ms that
     ``process`` still runs; their names."""
