@@ -21,6 +21,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tutorial_lib.chapters import CHAPTERS  # noqa: E402
 from tutorial_lib.viz.cheatsheet import cheat_sheet_html, page_head  # noqa: E402
 
 OBJECTIVES = "**You will be able to**"
@@ -52,12 +53,12 @@ def chapter_text(path: Path) -> tuple[int, str, list[str], list[str]]:
 
 
 def write_sheets(out: Path, chapters: list[str] | None = None) -> list[Path]:
-    """Write the sheets of ``chapters`` (notebook name prefixes; all by default) and an
-    index into ``out``; the paths written."""
+    """Write the sheets of ``chapters`` (numbers as notebook names start, ``"05"``; every
+    chapter of :data:`tutorial_lib.chapters.CHAPTERS` by default) and an index into
+    ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    notebooks = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    if chapters:
-        notebooks = [p for p in notebooks if p.name[:2] in chapters]
+    notebooks = [ROOT / "notebooks" / entry.notebook for entry in CHAPTERS
+                 if not chapters or entry.key in chapters]
     written, links = [], []
     for path in notebooks:
         number, title, objectives, takeaways = chapter_text(path)

@@ -1,6 +1,6 @@
 """Measure how long each chapter takes to run, and store it as the reference "chapter_times".
 
-    python scripts/time_chapters.py                 # every chapter in _toc.yml, stored
+    python scripts/time_chapters.py                 # every chapter, stored
     python scripts/time_chapters.py 06 08           # only these (by number prefix), merged
     python scripts/time_chapters.py --dry-run       # print, store nothing
 
@@ -28,22 +28,12 @@ COMMAND = "python scripts/time_chapters.py"
 
 
 def chapters() -> list[Path]:
-    """The chapter notebooks, in book order (_toc.yml)."""
-    import yaml
+    """The chapter notebooks, in book order (``tutorial_lib.chapters``, which a unit test
+    checks against _toc.yml)."""
+    sys.path.insert(0, str(ROOT))
+    from tutorial_lib.chapters import CHAPTERS
 
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if str(node.get("file", "")).startswith("notebooks/"):
-                files.append(ROOT / f"{node['file']}.ipynb")
-            for key in ("parts", "chapters", "sections"):
-                for child in node.get(key) or []:
-                    walk(child)
-
-    walk(toc)
-    return files
+    return [NOTEBOOKS / entry.notebook for entry in CHAPTERS]
 
 
 def cell_seconds(cell) -> float:

@@ -5,8 +5,9 @@ that ends in ``raise NotImplementedError``, a check tagged ``exercise-check`` th
 exactly ``checker(name)``, and a solution tagged ``solution`` (folded in the book) that
 defines ``<name>_solution`` and ends in ``assert checker(<name>_solution)``.
 
-:data:`CHAPTERS` lists them all.  ``tests/unit/test_exercises_notebooks.py`` checks the
-cells and runs the stubs and solutions whose checkers start no process;
+:data:`CHAPTERS` lists them all, one entry per chapter of
+:data:`tutorial_lib.chapters.CHAPTERS` that has exercises.
+``tests/unit/test_exercises_notebooks.py`` checks the cells and runs the stubs and solutions whose checkers start no process;
 ``tests/dist/test_exercises_notebooks.py`` runs the ones that launch gloo workers.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tutorial_lib import comm, moe_balance, p2p
+from tutorial_lib.chapters import chapter as registered
 from tutorial_lib.deepseek import layer_range
 from tutorial_lib.config import ConfigError
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
@@ -54,14 +56,20 @@ class Exercise:
 class Chapter:
     """A notebook's exercises, in notebook order, and what their cells need."""
 
-    notebook: str
-    """The notebook's file name in ``notebooks/``."""
+    number: int
+    """The chapter's number (its notebook and checkers are its entry in
+    :data:`tutorial_lib.chapters.CHAPTERS`)."""
     exercises: tuple[Exercise, ...]
     setup: dict = field(default_factory=dict)
     """What the notebook's setup cell imports that the exercise cells use (the checkers
     are added by name)."""
     min_cases: int = 3
     """The fewest cases a passing checker of this chapter may have run."""
+
+    @property
+    def notebook(self) -> str:
+        """The notebook's file name in ``notebooks/``."""
+        return registered(self.number).notebook
 
     @property
     def path(self) -> Path:
@@ -74,66 +82,66 @@ class Chapter:
 BOTH = ("stub", "solution")  # the checker launches workers before it calls the student's code
 
 CHAPTERS = [
-    Chapter("01_communicator_groups.ipynb", (
+    Chapter(1, (
         Exercise("rank_to_coords", ch01.check_rank_to_coords),
         Exercise("data_parallel_group", ch01.check_data_parallel_group),
         Exercise("node_crossings", ch01.check_node_crossings, min_cases=4),
     ), min_cases=7),
-    Chapter("02_collectives.ipynb", (
+    Chapter(2, (
         Exercise("my_ring_all_gather", ch02.check_ring_all_gather, launches=BOTH),
         Exercise("ring_all_reduce_bytes", ch02.check_ring_all_reduce_bytes, launches=BOTH),
         Exercise("choose_collectives", ch02.check_choose_collectives),
         Exercise("dispatch", ch02.check_dispatch, launches=("solution",)),
     ), {"torch": torch, "comm": comm, "SCENARIOS": ch02.SCENARIOS}),
-    Chapter("03_tp_dp.ipynb", (
+    Chapter(3, (
         Exercise("row_parallel_linear", ch03.check_row_parallel_linear, launches=BOTH),
         Exercise("gradient_groups", ch03.check_gradient_groups),
         Exercise("step_bytes", ch03.check_step_bytes, launches=("solution",)),
     ), {"torch": torch, "F": F, "comm": comm, "GRADIENT_CASES": ch03.GRADIENT_CASES,
         "StepConfig": ch03.StepConfig}),
-    Chapter("04_moe_ep.ipynb", (
+    Chapter(4, (
         Exercise("send_splits", ch04.check_send_splits),
         Exercise("gradient_domains", ch04.check_gradient_domains),
         Exercise("layer_bytes_sent", ch04.check_layer_bytes_sent, launches=("solution",)),
     ), {"torch": torch, "table": table, "GRADIENT_DOMAIN_CASES": ch04.GRADIENT_DOMAIN_CASES},
         min_cases=6),
-    Chapter("05_moe_aux_losses.ipynb", (
+    Chapter(5, (
         Exercise("expert_balance_loss", ch05.check_expert_balance_loss),
         Exercise("biased_topk", ch05.check_biased_topk),
         Exercise("update_bias", ch05.check_update_bias),
         Exercise("blind_routing", ch05.check_blind_routing),
         Exercise("predicted_balance", ch05.check_predicted_balance),
     ), {"torch": torch, "F": F, "moe_balance": moe_balance}),
-    Chapter("06_pipeline_4d.ipynb", (
+    Chapter(6, (
         Exercise("my_one_f_one_b", ch06.check_one_f_one_b),
         Exercise("bubble", ch06.check_bubble),
         Exercise("holdings", ch06.check_stage_holdings),
         Exercise("mixed_deadlock", ch06.check_mixed_deadlock),
     ), {"Action": Action, "layer_range": layer_range}),
-    Chapter("07_p2p_modes.ipynb", (
+    Chapter(7, (
         Exercise("my_send_forward_recv_backward", ch07.check_send_forward_recv_backward,
                  launches=BOTH),
         Exercise("send_first", ch07.check_send_first, launches=BOTH),
         Exercise("megatron_p2p_mode", ch07.check_megatron_p2p_mode),
     ), {"torch": torch, "comm": comm, "p2p": p2p}),
-    Chapter("08_fp8_communication.ipynb", (
+    Chapter(8, (
         Exercise("quantize_1x128", ch08.check_quantize_1x128),
         Exercise("payload_bytes", ch08.check_payload_bytes),
         Exercise("keep_ends_in_bf16", ch08.check_keep_ends_in_bf16),
         Exercise("flushed_values", ch08.check_flushed_values),
     ), {"torch": torch, "dataclasses": dataclasses}, min_cases=4),
-    Chapter("09_context_parallel.ipynb", (
+    Chapter(9, (
         Exercise("merge", ch09.check_merge_partials),
         Exercise("held", ch09.check_held_chunks),
         Exercise("ring_pass_bytes", ch09.check_ring_pass_bytes),
         Exercise("ring_work", ch09.check_ring_work, launches=("solution",)),
     ), {"torch": torch}, min_cases=4),
-    Chapter("10_memory.ipynb", (
+    Chapter(10, (
         Exercise("dense_layer_bytes", ch10.check_dense_layer_bytes),
         Exercise("smallest_layout", ch10.check_smallest_layout),
     ), {"heaviest_rank_bytes": heaviest_rank_bytes, "Recompute": Recompute,
         "ConfigError": ConfigError}, min_cases=4),
-    Chapter("11_zero_bubble_dualpipe.ipynb", (
+    Chapter(11, (
         Exercise("place_weights", ch11.check_place_weights),
         Exercise("idle_times", ch11.check_idle_times),
     ), {"Action": Action, "one_f_one_b": one_f_one_b}, min_cases=5),

@@ -375,16 +375,22 @@ def reduce_squared_norms(squares: dict[str, torch.Tensor],
     return total.sqrt()
 
 
-def _grad_norm(params, grads, default_domain: str) -> torch.Tensor:
-    """The global norm of ``grads``, one per parameter of ``params`` (``None``: no gradient)."""
+def _squared_norms(params, grads, default_domain: str) -> dict[str, torch.Tensor]:
+    """This rank's squared norm of ``grads`` (one per parameter of ``params``; ``None``: no
+    gradient) per domain, each parameter counted where :func:`counts_in_grad_norm` says."""
     squares: dict[str, torch.Tensor] = {}
     for p, grad in zip(params, grads):
         domain = grad_domain(p, default_domain)
         square = squares.setdefault(domain, torch.zeros(1, dtype=torch.float32, device=p.device))
         if grad is not None and counts_in_grad_norm(p, domain):
             square += grad.detach().float().square().sum()
+    return squares
+
+
+def _grad_norm(params, grads, default_domain: str) -> torch.Tensor:
+    """The global norm of ``grads``, one per parameter of ``params`` (``None``: no gradient)."""
     with get_tracer().tags(phase="clip_grad"):
-        return reduce_squared_norms(squares)
+        return reduce_squared_norms(_squared_norms(params, grads, default_domain))
 
 
 def get_grad_norm(params, default_domain: str = "dp") -> torch.Tensor:
@@ -424,6 +430,84 @@ def _accumulate_in_fp32(param: torch.Tensor) -> None:
     """Gradient hook: add the microbatch's (bf16) gradient into the fp32 ``main_grad``."""
     param.main_grad.add_(param.grad)
     param.grad = None
+
+
+class MixedPrecisionOptimizer:
+    """What both optimizers below share: the wrapped optimizer steps fp32 *main*
+    parameters (``main_params``), and one step is always the same four moves.
+
+    ``step()``: bring the gradients to the main parameters
+    (:meth:`_copy_model_grads_to_main_grads`: upcast, or reduce-scatter for ZeRO-1);
+    with ``max_grad_norm``, clip them by the global norm (:meth:`clip_grad_norm`, the
+    squares from :meth:`_main_grad_squares`); step the wrapped optimizer; copy the main
+    parameters back into the model's (:meth:`_copy_main_params_to_model_params`: rounded,
+    or all-gathered).  Megatron-Core splits it the same way: its ``MixedPrecisionOptimizer``
+    (a ``MegatronOptimizer``) is the parent of both ``Float16OptimizerWithFloat16Params``
+    and ``DistributedOptimizer``, and its ``step()`` runs ``_copy_model_grads_to_main_grads``,
+    ``clip_grad_norm``, the inner step and ``_copy_main_params_to_model_params`` in this
+    order (Megatron-LM 71371b4e, megatron/core/optimizer/optimizer.py; the loss scaler
+    between the first two is fp16's, and bf16 runs without one).
+    """
+
+    step_tags: dict = {}
+    """Tracer tags on every event of a step."""
+    sharded_over_data_parallel = False
+    """Whether each DP rank holds a different slice of the main gradients (the clip's
+    sum then runs over DP too)."""
+
+    def __init__(self, params: list, optimizer: torch.optim.Optimizer,
+                 max_grad_norm: float | None):
+        self.params = params
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def main_params(self) -> list[torch.Tensor]:
+        """The fp32 tensors the wrapped optimizer updates."""
+        raise NotImplementedError
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        raise NotImplementedError
+
+    def _main_grad_squares(self) -> dict[str, torch.Tensor]:
+        """This rank's squared norm of the main gradients, per domain."""
+        raise NotImplementedError
+
+    def _copy_main_params_to_model_params(self) -> None:
+        raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        """Scale the main gradients by ``min(1, max_norm / (norm + eps))``, the norm taken
+        over the whole model (:func:`reduce_squared_norms`); return the norm."""
+        with get_tracer().tags(phase="clip_grad"):
+            norm = reduce_squared_norms(self._main_grad_squares(),
+                                        sharded_over_data_parallel=self.sharded_over_data_parallel)
+        scale = torch.clamp(max_norm / (norm + eps), max=1.0)
+        for main in self.main_params:
+            if main.grad is not None:
+                main.grad.mul_(scale)
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        with get_tracer().tags(**self.step_tags):
+            self._copy_model_grads_to_main_grads()
+            if self.max_grad_norm is not None:
+                self.last_grad_norm = self.clip_grad_norm(self.max_grad_norm)
+            self.optimizer.step()
+            self._copy_main_params_to_model_params()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps for the optimizer: the fp32 main parameters + the wrapped
+        optimizer's state."""
+        out = {"master_params": sum(main.numel() * 4 for main in self.main_params)}
+        out.update(optimizer_state_bytes(self.optimizer))
+        return out
 
 
 class ShardedBuffer:
@@ -498,7 +582,7 @@ class ShardedBuffer:
         return self._flatten(tensors)[self.shard_start:self.shard_start + self.shard_numel].clone()
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(MixedPrecisionOptimizer):
     """ZeRO stage 1: each DP rank keeps optimizer state for 1/DP of the parameters.
 
     ``step()`` replaces the DP all-reduce: it reduce-scatters the accumulated
@@ -524,7 +608,6 @@ class DistributedOptimizer:
         by_key: dict[tuple[str, str], list] = {}  # one flat buffer per domain and dtype
         for p in params:
             by_key.setdefault((grad_domain(p, group), str(p.dtype)), []).append(p)
-        self.params = params
         self.buffers = [ShardedBuffer(domain, by_key[domain, dtype])
                         for domain, dtype in sorted(by_key)]
         # Low-precision parameters accumulate their gradients in fp32 (see the class doc).
@@ -533,13 +616,15 @@ class DistributedOptimizer:
             if p.dtype != torch.float32:
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                 self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_in_fp32))
-        self.optimizer = optimizer_class([b.main_param for b in self.buffers], **optimizer_kwargs)
-        self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: torch.Tensor | None = None
+        super().__init__(params, optimizer_class([b.main_param for b in self.buffers],
+                                                 **optimizer_kwargs), max_grad_norm)
+
+    step_tags = {"phase": "optimizer", "zero": 1}
+    sharded_over_data_parallel = True  # the main gradients are reduce-scattered
 
     @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def main_params(self) -> list[torch.Tensor]:
+        return [b.main_param for b in self.buffers]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -547,32 +632,22 @@ class DistributedOptimizer:
             if p.dtype != torch.float32:
                 p.main_grad.zero_()
 
-    @torch.no_grad()
-    def step(self) -> None:
-        tracer = get_tracer()
-        with tracer.tags(phase="optimizer", zero=1):
-            for buffer in self.buffers:
-                with tracer.tags(op_name="ShardedBuffer.reduce_scatter_grads"):
-                    buffer.reduce_scatter_grads()
-            if self.max_grad_norm is not None:
-                self.last_grad_norm = self._clip_grad_norm(self.max_grad_norm)
-            self.optimizer.step()
-            for buffer in self.buffers:
-                with tracer.tags(op_name="ShardedBuffer.all_gather_params"):
-                    buffer.all_gather_params()
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for buffer in self.buffers:
+            with get_tracer().tags(op_name="ShardedBuffer.reduce_scatter_grads"):
+                buffer.reduce_scatter_grads()
 
-    def _clip_grad_norm(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-        # The gradients are now sharded over DP as well: the DP group joins the sum.
+    def _main_grad_squares(self) -> dict[str, torch.Tensor]:
         squares: dict[str, torch.Tensor] = {}
         for b in self.buffers:  # a domain may have a buffer per dtype
             square = (b.main_param.grad.square() * b.norm_mask).sum()
             squares[b.domain] = squares.get(b.domain, 0) + square
-        with get_tracer().tags(phase="clip_grad"):
-            norm = reduce_squared_norms(squares, sharded_over_data_parallel=True)
-        scale = torch.clamp(max_norm / (norm + eps), max=1.0)
-        for b in self.buffers:
-            b.main_param.grad.mul_(scale)
-        return norm
+        return squares
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for buffer in self.buffers:
+            with get_tracer().tags(op_name="ShardedBuffer.all_gather_params"):
+                buffer.all_gather_params()
 
     # --- checkpoints: the state as a plain optimizer would hold it ----------------------
     #
@@ -630,12 +705,6 @@ class DistributedOptimizer:
             if inner:
                 self.optimizer.state[buffer.main_param] = inner
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank keeps for the optimizer: fp32 master slice + the wrapped state."""
-        out = {"master_params": sum(b.main_param.numel() * 4 for b in self.buffers)}
-        out.update(optimizer_state_bytes(self.optimizer))
-        return out
-
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -654,7 +723,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
 # --- 5. bf16 parameters, an fp32 master copy, no sharding ---------------------------------
 
 
-class Float16OptimizerWithFloat16Params:
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
     """Plain DP with bf16 parameters: the wrapped optimizer updates an fp32 master copy.
 
     What Megatron-Core runs for ``--bf16`` without ``--use-distributed-optimizer``
@@ -681,39 +750,27 @@ class Float16OptimizerWithFloat16Params:
                              f"parameters are fp32 already and need no master copy; convert the "
                              f"model to bf16 (model.bfloat16()) or give the parameters to the "
                              f"optimizer itself (Megatron-Core's FP32Optimizer)")
-        self.params, self.group = params, group
-        self.main_params = [nn.Parameter(p.detach().float().clone()) for p in params]
-        self.optimizer = optimizer_class(self.main_params, **optimizer_kwargs)
-        self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: torch.Tensor | None = None
+        self.group = group
+        self._main_params = [nn.Parameter(p.detach().float().clone()) for p in params]
+        super().__init__(params, optimizer_class(self._main_params, **optimizer_kwargs),
+                         max_grad_norm)
 
     @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def main_params(self) -> list[torch.Tensor]:
+        return self._main_params
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def _copy_model_grads_to_main_grads(self) -> None:
         for p, main in zip(self.params, self.main_params):
             grad = main_grad_of(p)
             main.grad = None if grad is None else grad.detach().float().clone()
-        if self.max_grad_norm is not None:
-            grads = [main.grad for main in self.main_params]
-            norm = _grad_norm(self.params, grads, self.group)
-            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            for grad in grads:
-                if grad is not None:
-                    grad.mul_(scale)
-            self.last_grad_norm = norm
-        self.optimizer.step()
+
+    def _main_grad_squares(self) -> dict[str, torch.Tensor]:
+        return _squared_norms(self.params, [main.grad for main in self.main_params], self.group)
+
+    def _copy_main_params_to_model_params(self) -> None:
         for p, main in zip(self.params, self.main_params):
             p.copy_(main)  # rounded to the parameter's dtype
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank keeps for the optimizer: the fp32 masters + the wrapped state."""
-        out = {"master_params": sum(main.numel() * 4 for main in self.main_params)}
-        out.update(optimizer_state_bytes(self.optimizer))
-        return out

@@ -29,6 +29,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "recipes": (),
     "source": (),
     "classroom": (),
+    "chapters": (),
     "layering": (),
     "grid": ("config",),
     "checkpointing": ("config",),
@@ -118,9 +119,10 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "viz.fp8_tiles": ("fp8_format", "viz.widget"),
     "viz.fp8_legs": ("fp8_format", "viz.draw"),
     "viz.memory_explorer": ("config", "costs.memory_model", "memory", "recompute", "viz.widget"),
-    "viz.cheatsheet": ("config", "costs", "grid", "pipeline_parallel", "recipes"),
+    "viz.cheatsheet": ("chapters", "config", "costs", "grid", "pipeline_parallel", "recipes"),
     # the exercises: the kit, and the modules each exercise is about
     "exercises": (),
+    "exercises.sealed": (),
     "exercises.kit": ("launch",),
     "exercises.ch01": ("exercises.kit", "grid"),
     "exercises.ch02": ("ring_collectives", "comm", "exercises.kit", "launch"),
@@ -146,7 +148,13 @@ LAZY_IMPORTS: dict[str, dict[str, str]] = {
         "comm": "only inside a rank, for the namespace of its cells: the notebook's process "
                 "loads no torch to start a cluster",
     },
+    "classroom": {
+        "exercises.sealed": "the sealed check runs only when the grader grades: writing a "
+                            "handout or an nbgrader source loads no checker",
+    },
     "reference": {
+        "chapters": "the manifest names a chapter's stored times only when a chapter's table "
+                    "is read: measuring scripts save references without it",
         "viz.table": "only when a table of stored timings is drawn: importing viz loads every "
                      "drawing, and reference is read by scripts that draw nothing",
     },

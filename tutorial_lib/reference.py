@@ -121,6 +121,9 @@ def chapter_time_rows(chapter: str) -> list[list]:
     the reference machine: ``[part, seconds]`` for each section, then each exercise (its
     stub, check and solution cells), then the whole chapter, kernel start included; as
     ``scripts/time_chapters.py`` stored them in the reference ``chapter_times``."""
+    from .chapters import chapter as registered
+
+    registered(chapter)  # a name that is no chapter's fails here, naming the chapters
     rows = {row["chapter"]: row for row in load("chapter_times").rows}
     if chapter not in rows:
         raise KeyError(f"chapter {chapter!r} was never timed: python scripts/time_chapters.py "

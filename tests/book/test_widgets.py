@@ -10,8 +10,6 @@ and ``button.tl-play``; rank maps ``tl-rank-map`` and ``.tl-gpu`` cells.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.dist.test_context_parallel import _attention_worker
@@ -31,6 +29,7 @@ from tutorial_lib.viz.fp8_tiles import tile_explorer
 from tutorial_lib.viz.moe_flow import animate_token_flow
 from tutorial_lib.viz.rank_map import rank_map
 from tutorial_lib.viz.timeline import timeline
+from tests.asserts import every
 
 pytestmark = pytest.mark.browser
 
@@ -82,7 +81,7 @@ def test_the_rank_map_in_chromium(tmp_path, chromium_browser):
         for i, group in enumerate(a.lookup()["groups"]["tp"]):
             hex_colour = draw.group_color(i, len(group))
             rgb = "rgb(%d, %d, %d)" % tuple(int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
-            assert all(colour == rgb for rank, colour in painted if rank in group)
+            assert every(colour == rgb for rank, colour in painted if rank in group)
 
         # click rank 5: its TP group {4, 5} and EP group {5, 7} light up, others dim
         root.locator(".%s-cell[data-rank='5']" % a.prefix).first.click()
@@ -264,7 +263,10 @@ def test_the_token_flow_plays_in_chromium(dispatch_run, tmp_path, fragment_page)
     assert caption.startswith("Dispatch 1/4: rank 0 sends 12 copies")
     # the flying squares animate (CSS), and land where the frame draws them
     assert second.locator(".tl-frame:visible .tl-moe-fly").count() == 12
-    time.sleep(1.5)
+    # the screenshot shows them landed: each flying square's animation has finished
+    view.page.wait_for_function(
+        "() => [...document.querySelectorAll('.tl-moe-fly')].flatMap(e => e.getAnimations())"
+        ".every(a => a.playState === 'finished')", timeout=10_000)
     second.screenshot(path=str(tmp_path / "flow.png"))
     view.assert_clean()
 

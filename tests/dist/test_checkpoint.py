@@ -31,7 +31,6 @@ gathers the shards per parameter for a checkpoint).
 import hashlib
 import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -52,8 +51,9 @@ from tutorial_lib.launch import launch
 from tutorial_lib.config import ConfigError
 from tutorial_lib.train_4d import TrainingArgs, train, train_worker, validate_args
 
-from .conftest import wait_until_gone
+from .conftest import wait_for_line, wait_until_gone
 from .launch_once import launch_once
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -71,7 +71,7 @@ PP3_DP2 = dict(world_size=6, pipeline_model_parallel_size=3)
 def losses(result) -> dict[int, float]:
     """Step (0-based: the batch it draws, ``iteration - 1``) -> loss."""
     by_rank = [{r["iteration"] - 1: r["loss"] for r in records} for records in result.results]
-    assert all(mine == by_rank[0] for mine in by_rank)  # every rank logs the same losses
+    assert every(mine == by_rank[0] for mine in by_rank)  # every rank logs the same losses
     return by_rank[0]
 
 
@@ -304,13 +304,15 @@ def started(flags, **env):
 
 
 def _wait_for(predicate, process, seconds=180):
+    """Wait until ``predicate()`` (a process appeared: one that prints nothing, found in
+    /proc); fails when ``process`` ends or ``seconds`` pass first."""
     deadline = time.time() + seconds
     while not predicate():
         if process.poll() is not None or time.time() > deadline:
             os.killpg(process.pid, signal.SIGKILL)
             out, err = process.communicate()
             pytest.fail(f"the run ended or stalled (rc {process.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
-        time.sleep(0.02)
+        time.sleep(0.02)  # /proc has no wake-up for a new process: look again
 
 
 def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
@@ -322,9 +324,10 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     flags = [*CLI, "--use-distributed-optimizer", "--steps", "4", "--save", str(save),
              "--save-interval", "2", "--json"]
     half = save / "iter_0000004.tmp"
-    with started(flags, **{PAUSE_BEFORE_COMMIT_ENV: "4"}) as killed:
-        _wait_for(lambda: (half / checkpointing.COMMON_FILENAME).exists(), killed)
-        time.sleep(0.5)  # every rank is past its writes, rank 0 sleeps in the test hook
+    # without --json the ranks' output reaches the terminal, the save hook's line with it
+    with started(flags[:-1], **{PAUSE_BEFORE_COMMIT_ENV: "4"}) as killed:
+        # printed by rank 0 after the barrier that follows every rank's writes
+        wait_for_line(killed.stderr, "test hook: iteration 4 is written", seconds=600)
         processes = _descendants(killed.pid)
         os.killpg(killed.pid, signal.SIGKILL)  # the launcher and its forkserver
         killed.communicate()
@@ -357,11 +360,7 @@ def test_ctrl_c_prints_one_line_with_the_step_and_the_command_to_resume(tmp_path
     flags = [*CLI, "--pipeline-model-parallel-size", "2", "--steps", "1000", "--save", str(save),
              "--save-interval", "1"]
     with started(flags) as run_:
-        selector = selectors.DefaultSelector()
-        selector.register(run_.stdout, selectors.EVENT_READ)
-        seen = []
-        _wait_for(lambda: (selector.select(0.02) and seen.append(run_.stdout.readline()))
-                  or any("saved checkpoint of iteration 2" in line for line in seen), run_)
+        wait_for_line(run_.stdout, "saved checkpoint of iteration 2")
         processes = _descendants(run_.pid)
         os.killpg(run_.pid, signal.SIGINT)
         out, err = run_.communicate(timeout=60)

@@ -23,6 +23,7 @@ from tutorial_lib import classroom
 from ..classroom_submissions import (CH01, CH07, DEADLOCK_7_1, ENDLESS_1_2, GIVES_UP_1_3,
                                      SYNTAX_ERROR_1_1, TRICKS, WRONG_1_2, filled, lab_sheet,
                                      worked_solution, write)
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_the_csv_has_a_row_per_student_and_exercise(graded):
                                      for n in ch01] + [("erin", n) for n in ("7.1", "7.2", "7.3")])
     assert {r["notebook"] for r in rows if r["student"] == "erin"} == {CH07.name}
     assert f"alice/01_communicator_groups.ipynb: 2/{len(ch01)} exercises passed" in stdout
-    assert all(by_key["alice", n]["passed"] == "False" for n in ch01[2:])
+    assert every(by_key["alice", n]["passed"] == "False" for n in ch01[2:])
 
 
 def test_right_answers_score_and_wrong_ones_get_the_checkers_hint(graded):
@@ -96,7 +97,7 @@ def test_broken_submissions_fail_with_the_reason(graded):
     by_key = graded[0]
     assert by_key["bob", "1.1"]["passed"] == "False"
     assert "raised SyntaxError" in by_key["bob", "1.1"]["hint"]
-    assert all("not a readable notebook" in by_key["dan", n]["hint"] for n in ("1.1", "1.2"))
+    assert every("not a readable notebook" in by_key["dan", n]["hint"] for n in ("1.1", "1.2"))
     erin = by_key["erin", "7.1"]  # passes at PP = 2, deadlocks at PP = 3
     from tutorial_lib.exercises import ch07
     assert (erin["passed"], erin["hint"]) == ("False", ch07.HINT_RECV_FROM_PREVIOUS)
@@ -113,7 +114,7 @@ def test_a_wrong_answer_that_replaces_the_checker_is_failed_by_the_real_one(grad
     assert (row["passed"], row["points"]) == ("False", "0")
     table = {"1.1": ch01.COORDS_MISTAKES, "1.2": ch01.DATA_PARALLEL_MISTAKES,
              "1.3": ch01.NODE_MISTAKES}[number]
-    assert all(any(line in m.stages for m in table) or line in table.generic
+    assert every(any(line in m.stages for m in table) or line in table.generic
                for line in row["hint"].split("\n")), row["hint"]
 
 

@@ -19,6 +19,7 @@ from tutorial_lib import classroom
 from tutorial_lib.exercises import sealed
 
 from ..classroom_submissions import CH01, TRICKS, worked_solution
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ def test_generate_assignment_removes_every_solution_and_keeps_every_checker(tmp_
             assert any(s.startswith(stub) for s in sources), (chapter.name, ex.number)
         # every other cell of the chapter is there, locked
         assert len(released.cells) == len(original.cells) - len(classroom.chapter_exercises(original))
-        assert all(c.metadata["nbgrader"]["locked"] or c.metadata["nbgrader"]["solution"]
+        assert every(c.metadata["nbgrader"]["locked"] or c.metadata["nbgrader"]["solution"]
                    for c in released.cells)
 
 

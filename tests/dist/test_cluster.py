@@ -1,8 +1,6 @@
 """The persistent cluster and the %%ranks magic, with real gloo workers and real kernels."""
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -13,7 +11,8 @@ from tutorial_lib import comm
 from tutorial_lib.cluster import Cluster, ClusterStopped, run_cell
 from tutorial_lib.launch import LaunchTimeout, WorkerError
 
-from .conftest import process_alive, wait_until_gone
+from .conftest import (process_alive, run_two_notebooks, start_reporting_script,
+                       wait_until_gone)
 
 pytestmark = pytest.mark.dist
 
@@ -132,8 +131,11 @@ INTERRUPTED = textwrap.dedent("""
     from tutorial_lib.cluster import Cluster
     c = Cluster(2, print_output=False)
     print("pids", *[p.pid for p in c._ranks.processes], flush=True)
-    try:
-        c.run_code("import time\\ntime.sleep(60)")
+    reached = sys.argv[1]  # each rank says it has the call (a file, renamed once written),
+    try:                   # then hangs: the hang is the behaviour under test
+        c.run_code(f"import os, time\\npath = os.path.join({reached!r}, str(ctx.rank))\\n"
+                   "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n"
+                   "time.sleep(60)")
     except KeyboardInterrupt:
         print("interrupted; running:", c.running, flush=True)
     print("after", c.run_code("ctx.rank + 40").results, flush=True)
@@ -142,12 +144,8 @@ INTERRUPTED = textwrap.dedent("""
 
 
 def test_an_interrupted_call_stops_on_every_rank_and_the_cluster_stays_usable(tmp_path):
-    script = tmp_path / "interrupt.py"
-    script.write_text(INTERRUPTED)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc, _ = start_reporting_script(tmp_path, INTERRUPTED, 2)  # the call reached both ranks
     pids = [int(p) for p in proc.stdout.readline().split()[1:]]
-    time.sleep(1.0)  # the call has reached the ranks (they sleep for 60 s)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert "interrupted; running: True" in out, err
@@ -204,11 +202,4 @@ TWO_CLUSTERS = textwrap.dedent("""
 
 
 def test_two_notebooks_with_clusters_at_once_never_collide(tmp_path):
-    script = tmp_path / "two.py"
-    script.write_text(TWO_CLUSTERS)
-    procs = [subprocess.Popen([sys.executable, str(script), str(tag)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for tag in (1, 2)]
-    for tag, proc in zip((1, 2), procs):
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-        assert f"ok {tag}" in out
+    run_two_notebooks(tmp_path, TWO_CLUSTERS, seconds=180)

@@ -4,6 +4,7 @@ import torch
 
 from tutorial_lib import comm, ring_collectives
 from tutorial_lib.launch import WorkerError, launch
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -135,8 +136,8 @@ def test_trace_shows_two_n_minus_one_sends_of_one_chunk_each(n):
         assert len(sends) == len(recvs) == 2 * (n - 1)
         assert {e.bytes for e in sends} <= {tensor_bytes // n}
         assert sends.total_bytes() == 2 * (n - 1) * tensor_bytes // n  # 2(N-1)/N x the tensor
-        assert all(e.peer == (rank + 1) % n for e in sends)
-        assert all(e.peer == (rank - 1) % n for e in recvs)
+        assert every(e.peer == (rank + 1) % n for e in sends)
+        assert every(e.peer == (rank - 1) % n for e in recvs)
     assert ring_collectives.ring_cost(tensor_bytes, n)["bytes_sent"] == 2 * (n - 1) * tensor_bytes // n
 
 
@@ -154,7 +155,7 @@ def test_every_send_and_recv_is_tagged_with_phase_step_and_chunk(n):
             assert by_step == {s: (first_sent - s) % n for s in range(n - 1)}
             assert {e.tags["step"]: e.tags["chunk"] for e in recvs} == {
                 s: (first_sent - s - 1) % n for s in range(n - 1)}
-            assert all(e.tags["algorithm"] == "ring_all_reduce" for e in list(sends) + list(recvs))
+            assert every(e.tags["algorithm"] == "ring_all_reduce" for e in list(sends) + list(recvs))
 
 
 def test_calls_are_numbered_so_one_trace_can_hold_several():

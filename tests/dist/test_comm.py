@@ -4,6 +4,7 @@ import torch
 
 from tutorial_lib import comm
 from tutorial_lib.launch import WorkerError, launch
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -52,7 +53,7 @@ def test_every_wrapper_computes_the_right_thing_and_records_it():
     assert {e.tags["layer"] for e in trace} == {3}
     by_op = {op: trace.filter(op=op) for op in
              ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv")}
-    assert all(len(events) == n for events in by_op.values())
+    assert every(len(events) == n for events in by_op.values())
     e = by_op["all_reduce"].filter(rank=2)[0]
     assert (e.group_kind, e.group_ranks, e.shape, e.dtype, e.bytes) == ("world", (0, 1, 2, 3), (4,), "float32", 16)
     assert e.values_in == [2.0] * 4 and e.values_out == [6.0] * 4 and e.t_end >= e.t_start

@@ -6,6 +6,7 @@ import torch
 
 from tutorial_lib import comm, costs, timing
 from tutorial_lib.launch import launch
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -51,7 +52,7 @@ def test_measured_samples_fit_to_a_sane_model():
     samples = timing.measure_collective(ops, sizes=sizes, world_size=WORLD, repeats=3)
     # One sample per (op, size); sizes divisible by 4 ranks x 4 bytes are kept exactly.
     assert sorted((s.op, s.nbytes) for s in samples) == sorted((o, b) for o in ops for b in sizes)
-    assert all(s.n == WORLD and s.seconds > 0 for s in samples)
+    assert every(s.n == WORLD and s.seconds > 0 for s in samples)
     fit = costs.fit_alpha_beta(samples)
     assert fit.model.alpha >= 0 and fit.model.beta >= 0
     assert fit.model.alpha > 0 or fit.model.beta > 0

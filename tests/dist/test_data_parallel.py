@@ -29,6 +29,7 @@ from tutorial_lib.launch import launch
 from tutorial_lib.trace import get_tracer
 
 from .launch_once import launch_once
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -280,7 +281,7 @@ def test_one_gradient_sync_per_step_after_the_last_microbatch(world_name, varian
                         if e.tags.get("microbatch", MICROBATCHES - 1) < MICROBATCHES - 1]
             last_backward = events.filter(op="compute", name="backward",
                                           microbatch=MICROBATCHES - 1)[0]
-            assert all(e.t_start >= last_backward.t_start for e in syncs)
+            assert every(e.t_start >= last_backward.t_start for e in syncs)
             # Overlap: launched from hooks, inside the backward; else after it.
             for e in syncs:
                 assert e.tags["overlap"] is overlap
@@ -337,7 +338,7 @@ def test_zero1_shards_state_and_communicates_once_per_step(world_name, variant):
             assert not events.filter(op="all_reduce", phase="optimizer")
             # With clipping the norm's all-reduces are the only others: one scalar each.
             others = events.filter(op="all_reduce")
-            assert all(e.tags["phase"] == "clip_grad" and e.bytes == 4 for e in others)
+            assert [e for e in others if e.tags["phase"] != "clip_grad" or e.bytes != 4] == []
             assert bool(others) == (VARIANTS[variant].max_norm is not None and dp > 1)
 
 

@@ -20,13 +20,13 @@ deadlock demonstrations (they only hang), their exercises (the reader's code, ch
 the CPU) and the cells that run the train_4d command line (the steps below run its worker).
 """
 import sys
-from pathlib import Path
 
 import cloudpickle
 import pytest
 import torch
 
 from tutorial_lib import launch as launch_module
+from tutorial_lib.chapters import CHAPTERS
 from tutorial_lib.launch import launch
 from tutorial_lib.train_4d import TrainingArgs, train_worker, validate_args
 
@@ -36,7 +36,6 @@ from .worker_checks import check as _check
 pytestmark = pytest.mark.dist
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 TIMING_KEYS = ("step_time_s", "tokens_per_s")
 
 
@@ -127,9 +126,9 @@ def _train_records(records):
 
 
 def _chapters() -> dict[str, dict]:
-    names = {path.name[:2]: path for path in NOTEBOOKS.glob("0*.ipynb")}
-    return {key: chapter_namespace(path, f"chapter_{key}_under_test")
-            for key, path in sorted(names.items())}
+    """Every chapter's definitions (``tutorial_lib.chapters``), by its two-digit number."""
+    return {entry.key: chapter_namespace(entry.path, f"chapter_{entry.key}_under_test")
+            for entry in CHAPTERS}
 
 
 def _save_then_resume(ctx, args, root):
@@ -297,11 +296,17 @@ def test_every_chapter_function_and_train_4d_step_keeps_its_tensors_on_ctx_devic
     assert not failures, "\n".join(failures)
 
 
-def test_the_strict_runs_cover_every_chapter_and_three_train_4d_layouts(strict_runs):
-    """Chapters 1 to 9 and 11 each have at least one job, and train_4d its three layouts
-    (chapter 10 launches only train_4d, whose runs log the memory it reads)."""
+def test_the_strict_runs_are_each_chapter_s_listed_runs_and_the_train_4d_layouts(
+        strict_runs):
+    """Each chapter's jobs are the runs its entry in ``tutorial_lib.chapters`` lists
+    (``device_runs``: none missing, none unlisted), every chapter but 10 has some (chapter
+    10 launches only train_4d, whose runs log the memory it reads), and train_4d runs its
+    layouts."""
     jobs, _ = strict_runs
     labels = [label for world in jobs.values() for label, *_ in world]
-    assert {label[:2] for label in labels} >= {f"{k:02d}" for k in (*range(1, 10), 11)}
+    for entry in CHAPTERS:
+        ran = sorted(label for label in labels if label.startswith(f"{entry.key} "))
+        assert ran == sorted(f"{entry.key} {run}" for run in entry.device_runs), entry.stem
+    assert [entry.number for entry in CHAPTERS if not entry.device_runs] == [10]
     assert [label for label in labels if label.startswith("train_4d")] == [
         *TRAIN_LAYOUTS, *TRAIN_EXTRAS]

@@ -11,6 +11,7 @@ from tutorial_lib.exercises import ch02
 from tutorial_lib.exercises.ch02 import check_ring_all_gather, check_ring_all_reduce_bytes
 
 from ..notebook_cells import assert_hint, assert_staged_hint, hint_cases
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist  # the checkers launch real gloo workers
 
@@ -178,7 +179,7 @@ def test_arrival_order_names_the_slots():
 
 def test_an_exception_becomes_a_case_with_the_rank():
     result = check_ring_all_gather(raises_key_error)
-    assert all("raised KeyError" in c.detail for c in result.cases)
+    assert every("raised KeyError" in c.detail for c in result.cases)
 
 
 @pytest.mark.parametrize("deadlocks,hint,waiting_in", [
@@ -249,7 +250,7 @@ def test_n_minus_one_b_passes_only_where_it_coincides():
     # (N-1)*B equals 2(N-1)/N*B only for N = 2: the hint must still name the mistake
     result = check_ring_all_reduce_bytes(lambda nbytes, n: (n - 1) * nbytes)
     assert [c.passed for c in result.cases][:2] == [True, True]
-    assert all("N=2 " not in c.name for c in result.cases if not c.passed)
+    assert every("N=2 " not in c.name for c in result.cases if not c.passed)
 
 
 @pytest.mark.parametrize("garbage", [None, "0,2", object()])

@@ -15,6 +15,7 @@ from tutorial_lib.exercises.ch03 import (STEP_CASES, check_row_parallel_linear, 
 from tutorial_lib.tensor_parallel import reduce_from_tensor_model_parallel_region
 
 from ..notebook_cells import assert_hint, hint_cases
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist  # the checkers launch real gloo workers
 
@@ -158,7 +159,7 @@ def test_dividing_the_replicated_parameters_by_t_is_named():
     assert result.hint == ch03.HINT_STEP_DP_REPLICATED_SPLIT, result.hint
     failed = [c for c in result.cases if not c.passed]
     assert failed and all(c.detail.endswith("the traced step sends other dp bytes") for c in failed)
-    assert all(c.passed for c in result.cases if "T=1," in c.name)  # no TP: nothing to divide
+    assert every(c.passed for c in result.cases if "T=1," in c.name)  # no TP: nothing to divide
 
 
 @pytest.mark.parametrize("garbage", [3, None, {"tp": 1}, {"tp": "a lot", "dp": 0}, (1, 2)])

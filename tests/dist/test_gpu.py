@@ -31,6 +31,7 @@ from tutorial_lib.launch import launch
 from tutorial_lib.train_4d import TrainingArgs, train
 
 from .test_device import TRAIN_BASE, _chapters, jobs_by_world
+from tests.asserts import every
 
 pytestmark = [pytest.mark.dist, pytest.mark.gpu]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -112,7 +113,7 @@ def test_train_4d_on_cuda_gives_the_cpu_losses(world, layout):
     # at its activations' peak (from step 2 on Adam's state exists during the forwards)
     for on_gpu, on_cpu in zip(cuda_ranks, cpu_ranks, strict=True):
         gpu, host = on_gpu[-1]["memory"], on_cpu[-1]["memory"]
-        assert all(gpu[k] == host[k] for k in ("weights", "gradients", "optimizer"))
+        assert every(gpu[k] == host[k] for k in ("weights", "gradients", "optimizer"))
         held = gpu["weights"] + gpu["optimizer"] + gpu["peak_activations"]
         assert gpu["cuda_max_memory_allocated"] >= held, gpu
 
@@ -138,9 +139,9 @@ def test_cuda_event_timings_are_positive_ordered_and_measure_the_gpu():
     for rank in range(2):
         events = sorted(run.trace.filter(rank=rank).events, key=lambda e: e.t_start)
         assert [e.op for e in events] == ["compute", "all_reduce", "all_reduce"]
-        assert all(e.clock == "cuda" for e in events)
-        assert all(e.t_end > e.t_start for e in events)                 # positive
-        assert all(a.t_end <= b.t_start + 1e-4 for a, b in zip(events, events[1:]))  # one stream
+        assert every(e.clock == "cuda" for e in events)
+        assert every(e.t_end > e.t_start for e in events)                 # positive
+        assert every(a.t_end <= b.t_start + 1e-4 for a, b in zip(events, events[1:]))  # one stream
         assert started <= events[0].t_start and events[-1].t_end <= finished  # wall clock
         # 8 matmuls of 4096^3: ~1 ms each even on the fastest GPU, far above the host's
         # few microseconds of queueing them

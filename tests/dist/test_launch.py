@@ -13,7 +13,9 @@ import torch
 from tutorial_lib import comm
 from tutorial_lib.launch import LaunchTimeout, WorkerError, launch
 
-from .conftest import process_alive, wait_until_gone
+from .conftest import (process_alive, run_two_notebooks, start_reporting_script,
+                       wait_until_gone)
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -129,9 +131,10 @@ SCRIPT = textwrap.dedent("""
     from tutorial_lib.launch import launch
 
     def work(ctx, pid_dir):
-        with open(os.path.join(pid_dir, str(ctx.rank)), "w") as f:
+        with open(os.path.join(pid_dir, f"{ctx.rank}.tmp"), "w") as f:
             f.write(str(os.getpid()))
-        time.sleep(120)
+        os.rename(os.path.join(pid_dir, f"{ctx.rank}.tmp"), os.path.join(pid_dir, str(ctx.rank)))
+        time.sleep(120)  # the job the test interrupts or orphans: it must still be running
 
     # No __main__ guard on purpose: the launcher must not re-run this file in workers.
     print("launching", flush=True)
@@ -140,20 +143,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def _start_script(tmp_path):
-    script = tmp_path / "long_job.py"
-    script.write_text(SCRIPT)
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while len(os.listdir(pid_dir)) < 3:
-        assert time.time() < deadline, "workers did not start"
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    time.sleep(0.2)
-    pids = [int((pid_dir / f).read_text()) for f in os.listdir(pid_dir)]
-    assert all(process_alive(p) for p in pids)
+    proc, files = start_reporting_script(tmp_path, SCRIPT, 3)  # each rank's pid
+    pids = [int(path.read_text()) for path in files]
+    assert every(process_alive(p) for p in pids)
     return proc, pids
 
 
@@ -194,14 +186,7 @@ CONCURRENT = textwrap.dedent("""
 
 
 def test_two_notebooks_launching_at_once_do_not_collide(tmp_path):
-    script = tmp_path / "two_launches.py"
-    script.write_text(CONCURRENT)
-    procs = [subprocess.Popen([sys.executable, str(script), str(tag)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for tag in (1, 2)]
-    for tag, proc in zip((1, 2), procs):
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        assert f"ok {tag}" in out
+    run_two_notebooks(tmp_path, CONCURRENT, seconds=120)
 
 
 # --- hardening: clocks, causes, cleanup, odd results, children, restarts ----------
@@ -219,7 +204,7 @@ class SlowToUnpickle:
 
 
 def _sleep_then_build(seconds):
-    time.sleep(seconds)
+    time.sleep(seconds)  # the behaviour under test: a worker slow to start
     return seconds
 
 
@@ -351,8 +336,8 @@ def test_a_worker_that_closes_its_stdout_and_stderr_keeps_its_result():
 
 
 def _starts_children(ctx, pid_dir):
-    child = subprocess.Popen(["sleep", "300"])
-    pid = os.fork()
+    child = subprocess.Popen(["sleep", "300"])  # children that would outlive the launch:
+    pid = os.fork()                             # the behaviour under test
     if pid == 0:
         time.sleep(300)
         os._exit(0)

@@ -13,6 +13,7 @@ from tutorial_lib.train_4d import TrainingArgs, train
 
 from .launch_once import launch_once
 from .memory_checks import assert_memory_as_predicted, predicted_memory
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -47,6 +48,6 @@ def test_the_last_stage_holds_the_least_activations():
     # ranks 4, 5 are pipeline rank 2: 1F1B holds min(PP - rank, M) = 2, 2, 1 microbatches
     assert max(peaks[4:]) < min(peaks[:4]), peaks
     # Adam's two fp32 moments per parameter, the weights fp32: optimizer = 2 x weights
-    assert all(r[-1]["memory"]["optimizer"] == 2 * r[-1]["memory"]["weights"] for r in plain)
+    assert every(r[-1]["memory"]["optimizer"] == 2 * r[-1]["memory"]["weights"] for r in plain)
     expected = predicted_memory(replace(ARGS, use_distributed_optimizer=False))
     assert [r.chunk_microbatches for r in expected] == [2, 2, 1]

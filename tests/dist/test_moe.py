@@ -45,6 +45,7 @@ from tutorial_lib.moe_balance import BalanceConfig
 from tutorial_lib.tensor_parallel import allreduce_sequence_parallel_grads
 
 from .worker_checks import check as _check, close as _close
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -326,6 +327,6 @@ def test_bias_load_is_summed_over_every_rank_that_routed_tokens_under_sequence_p
     results = launch(_bias_load_under_sequence_parallel, 4).results
     local_loads = [r[0] for r in results]
     total = [sum(col) for col in zip(*local_loads)]
-    assert all(r[1] == total for r in results)  # TP and DP ranks all counted
+    assert every(r[1] == total for r in results)  # TP and DP ranks all counted
     assert local_loads[0] != local_loads[1]  # the two TP ranks routed different tokens
-    assert all(r[2] == results[0][2] for r in results)  # so every bias moved alike
+    assert every(r[2] == results[0][2] for r in results)  # so every bias moved alike

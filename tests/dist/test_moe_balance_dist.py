@@ -21,6 +21,7 @@ from tutorial_lib import moe_balance
 from tutorial_lib import parallel_state
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import launch
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -87,7 +88,7 @@ def test_sequence_loss_over_context_parallel_ranks_equals_the_whole_sequence():
         assert out["loads"]["cp"] == moe_balance.expert_load(topk_idx, N).tolist()   # the whole sequences
         assert out["marker"] == [int(i in out["dp_ranks"]) for i in range(N)]
     world_load = moe_balance.expert_load(torch.cat(all_tokens, dim=1), N).tolist()
-    assert all(out["loads"]["world"] == world_load for out in res.results)
+    assert every(out["loads"]["world"] == world_load for out in res.results)
     # on the cp group: the loss's two all-reduces (counts + length, then the value), then
     # global_expert_load's; nothing of the loss leaks onto another group
     cp_reduces = res.trace.filter(op="all_reduce", group_kind="cp", rank=0)

@@ -17,6 +17,7 @@ from tutorial_lib.launch import launch
 from tutorial_lib.trace import Trace, TraceEvent
 from tutorial_lib.viz.moe_flow import TokenFlowAnimation, animate_token_flow, dispatch_matrix
 from tutorial_lib.viz.widget import Animation
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -134,7 +135,7 @@ def test_frames_are_start_dispatch_per_sender_experts_combine_per_receiver_total
     assert phases == (["start"] + [f"dispatch:{k}" for k in range(N)] + ["experts"]
                       + [f"combine:{k}" for k in range(N)] + ["totals"])
     assert anim.captions[0].startswith("Start") and anim.captions[-1].startswith("Totals")
-    assert all(d["matrix"] == SPLITS for d in anim.data)
+    assert every(d["matrix"] == SPLITS for d in anim.data)
     assert anim.flow.dispatch == SPLITS and anim.flow.combine == _transpose(SPLITS)
 
 

@@ -11,6 +11,7 @@ import torch
 from tutorial_lib import p2p, parallel_state
 from tutorial_lib.config import ParallelConfig
 from tutorial_lib.launch import LaunchTimeout, launch
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -208,7 +209,7 @@ def test_parse_topology_reads_the_matrix():
     assert len(links) == 5 * 4
     assert links[("GPU0", "GPU1")] == links[("GPU3", "GPU2")] == "NV12"
     assert links[("GPU1", "GPU2")] == "SYS" and links[("NIC0", "GPU1")] == "PXB"
-    assert all(a != b for a, b in links)
+    assert every(a != b for a, b in links)
     with pytest.raises(ValueError, match="GPU0"):
         p2p.parse_topology("No devices were found")
 

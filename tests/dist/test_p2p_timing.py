@@ -4,6 +4,7 @@ import pytest
 from tutorial_lib import p2p, timing
 from tutorial_lib.launch import LaunchTimeout, launch
 from tutorial_lib.trace import Trace, TraceEvent
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -22,7 +23,7 @@ def test_a_round_delivers_every_neighbours_values(mode, pp):
     # every link carries one message each way: 2 (PP - 1) sends of 3 float32
     assert sorted((e.rank, e.peer) for e in sends) == sorted(
         [(s, s + 1) for s in range(pp - 1)] + [(s + 1, s) for s in range(pp - 1)])
-    assert all(e.bytes == 12 for e in sends)
+    assert every(e.bytes == 12 for e in sends)
 
 
 def test_the_round_with_the_guides_peer_deadlocks_at_pp3():
@@ -44,7 +45,7 @@ def test_measure_p2p_modes_times_every_mode_and_size():
     assert len({(e.tags["measured_mode"], e.tags["size"], e.tags["iteration"]) for e in measured}) \
         == len(sizes) * len(p2p.MODES) * 4
     ratios = timing.ratios_to(timings)
-    assert all(ratios[("batched", n, 3)] == 1.0 for n in sizes) and len(ratios) == len(timings)
+    assert every(ratios[("batched", n, 3)] == 1.0 for n in sizes) and len(ratios) == len(timings)
 
 
 def test_round_time_is_last_start_to_last_end():

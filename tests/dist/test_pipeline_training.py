@@ -45,6 +45,7 @@ from tutorial_lib.train_4d import TrainingArgs, train, validate_args
 from .launch_once import launch_once
 from .memory_checks import assert_memory_as_predicted
 from .worker_checks import pipeline_backward
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -353,7 +354,7 @@ def test_the_tp_ep_sweep_holds_the_layouts_issue_17_names():
     names = set(map(tuple, TP_EP_LAYOUTS))
     assert {(2, 1, 2, 1, 4), (2, 1, 2, 2, 4), (2, 1, 4, 1, 8), (2, 1, 4, 2, 8), (4, 1, 2, 4, 8),
             (2, 2, 2, 1, 8), (2, 2, 2, 2, 8), (2, 3, 2, 1, 6), (2, 4, 2, 1, 8)} <= names
-    assert all(tp > 1 and ep > 1 and etp in (1, tp) for tp, _, ep, etp, _ in TP_EP_LAYOUTS)
+    assert every(tp > 1 and ep > 1 and etp in (1, tp) for tp, _, ep, etp, _ in TP_EP_LAYOUTS)
     assert (2, 1, 2, 2, 6) not in names  # ETP 2 x EP 2 = 4 does not divide 6 ranks (rule 1)
     assert TP_EP_SCHEDULE_LAYOUT in names
 
@@ -371,7 +372,7 @@ def test_tp_and_ep_together_train_like_world_size_one(world):
     for name, args in runs.items():
         expected = world_one_losses(args)
         got = result.results[0][name]["losses"]
-        assert all(r[name]["losses"] == got for r in result.results)
+        assert every(r[name]["losses"] == got for r in result.results)
         worst = max(abs(a - b) for a, b in zip(got, expected))
         assert len(got) == 3 and worst < ATOL, (name, got, expected, worst)
 
@@ -482,7 +483,7 @@ def test_train_4d_json_and_progress_lines():
     as_json = _run([sys.executable, str(TRAIN_4D), "--world-size", "4", "--pipeline-model-parallel-size",
                     "2", "--expert-model-parallel-size", "2", "--json", *SMALL])
     assert as_json.returncode == 0, as_json.stderr[-3000:]
-    assert all(line.startswith("{") for line in as_json.stdout.splitlines())  # JSON only
+    assert every(line.startswith("{") for line in as_json.stdout.splitlines())  # JSON only
     records = _records(as_json.stdout)
     assert [r["iteration"] for r in records] == [1, 2, 3]
     banner = as_json.stderr
@@ -539,7 +540,7 @@ def test_train_4d_under_torchrun_one_node_and_two_nodes_gives_the_launchers_loss
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
     outputs = [node.communicate(timeout=240) for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
+    assert every(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
     # global rank 0 lives on node 0, and only rank 0 prints
     two_nodes, silent = _records(outputs[0][0]), _records(outputs[1][0])
     assert silent == []

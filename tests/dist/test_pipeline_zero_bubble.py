@@ -23,6 +23,7 @@ from tutorial_lib.train_4d import TrainingArgs
 from .launch_once import launch_once
 from .memory_checks import assert_memory_as_predicted
 from .worker_checks import pipeline_backward
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -194,7 +195,7 @@ def _hidden_and_exposed(events, run=None):
         if any(a.t_start <= t.t_start and t.t_end <= a.t_end for t in others):
             hidden.append(a)
         else:
-            assert all(t.t_end <= a.t_start for t in others), a
+            assert every(t.t_end <= a.t_start for t in others), a
             exposed.append(a)
     assert hidden, "no all-to-all ran under the other microbatch's compute"
     return hidden, exposed

@@ -77,6 +77,7 @@ from tutorial_lib.tp_dp_step import train_step
 
 from .launch_once import launch_once
 from .worker_checks import check as _check, close as _close
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -170,10 +171,24 @@ def _serial(clip):
 # --- the workers ----------------------------------------------------------------------------
 
 
+def _train_steps(ctx, name, variant, wrapped, optimizer, run, after_step=lambda step: None):
+    """``STEPS`` steps of ``variant`` on this rank's share of each global batch; each step's
+    loss and gradient norm appended to ``run``."""
+    dp_rank, dp = parallel_state.get_rank_in("dp"), parallel_state.get_size("dp")
+    for step in range(STEPS):
+        batch = split_global_batch(_global_batch(step), dp_rank, dp)
+        with ctx.tracer.tags(variant=name, step=step):
+            result = train_step(wrapped, optimizer, batch, MICROBATCHES,
+                                max_grad_norm=_max_norm(variant))
+        run["losses"].append(result.loss)
+        run["norms"].append(result.grad_norm)
+        after_step(step)
+
+
 def _train_worker(ctx, tp_size):
     parallel_state.initialize_model_parallel(
         ParallelConfig(ctx.world_size, tensor_model_parallel_size=tp_size), layout="megatron")
-    dp_rank, dp = parallel_state.get_rank_in("dp"), parallel_state.get_size("dp")
+    dp_rank = parallel_state.get_rank_in("dp")
     out = {"tp_rank": parallel_state.get_rank_in("tp"), "dp_rank": dp_rank,
            "tp_group": parallel_state.get_group_ranks("tp"),
            "dp_group": parallel_state.get_group_ranks("dp"), "variants": {}}
@@ -190,13 +205,8 @@ def _train_worker(ctx, tp_size):
         handle = _record_embedding_grads(model, embedding_grads)
         run = {"losses": [], "norms": [],
                "init_params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-        for step in range(STEPS):
-            batch = split_global_batch(_global_batch(step), dp_rank, dp)
-            with ctx.tracer.tags(variant=name, step=step):
-                result = train_step(wrapped, optimizer, batch, MICROBATCHES,
-                                    max_grad_norm=_max_norm(variant))
-            run["losses"].append(result.loss)
-            run["norms"].append(result.grad_norm)
+
+        def after_step(step):  # called inside this iteration: its names are this variant's
             if step == 0:
                 handle.remove()
                 run["embedding_grads"] = embedding_grads
@@ -204,6 +214,8 @@ def _train_worker(ctx, tp_size):
                 if variant.zero1:
                     _check(len(optimizer.buffers) == 1, "one gradient domain expected")
                     run["zero1_grad_shard"] = optimizer.buffers[0].main_param.grad.clone()
+
+        _train_steps(ctx, name, variant, wrapped, optimizer, run, after_step)
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         run["partition_dims"] = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False)
                                      else None) for n, p in model.named_parameters()}
@@ -213,22 +225,14 @@ def _train_worker(ctx, tp_size):
         if variant.zero1:
             wrapped = model
             optimizer = DistributedOptimizer(model.parameters(), torch.optim.Adam, lr=LR, eps=EPS)
-            masters = [b.main_param for b in optimizer.buffers]
         else:
             wrapped = DataParallel(model, bucket_size_bytes=BUCKET_BYTES, grad_reduce_in_fp32=True)
             optimizer = Float16OptimizerWithFloat16Params(model.parameters(), torch.optim.Adam,
                                                           lr=LR, eps=EPS)
-            masters = optimizer.main_params
         run = {"losses": [], "norms": []}
-        for step in range(STEPS):
-            batch = split_global_batch(_global_batch(step), dp_rank, dp)
-            with ctx.tracer.tags(variant=name, step=step):
-                result = train_step(wrapped, optimizer, batch, MICROBATCHES,
-                                    max_grad_norm=_max_norm(variant))
-            run["losses"].append(result.loss)
-            run["norms"].append(result.grad_norm)
+        _train_steps(ctx, name, variant, wrapped, optimizer, run)
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        run["masters"] = [m.detach().clone() for m in masters]
+        run["masters"] = [m.detach().clone() for m in optimizer.main_params]
         run["state_bytes"] = optimizer.state_bytes()
         out["variants"][name] = run
     return out
@@ -334,7 +338,7 @@ def test_step_collectives_equal_the_prediction(layout, variant):
         if not v.zero1:  # the first buckets start inside the last microbatch's backward
             buckets = events.filter(group_kind="dp", phase="backward")
             assert any(e.tags["overlap"] for e in buckets)
-            assert all(e.tags.get("microbatch", MICROBATCHES - 1) == MICROBATCHES - 1 for e in buckets)
+            assert every(e.tags.get("microbatch", MICROBATCHES - 1) == MICROBATCHES - 1 for e in buckets)
 
 
 # --- bf16 parameters, fp32 master: ZeRO-1 against plain DP ---------------------------------
@@ -369,7 +373,7 @@ def test_bf16_zero1_equals_plain_dp_with_an_fp32_master(layout, clip):
             assert p.dtype == torch.bfloat16, f"{where}: {name} is {p.dtype}"
             assert torch.equal(p, zero["params"][name]), f"{where}: {name} differs"
         assert zero["losses"] == plain["losses"], where
-        assert all(m.dtype == torch.float32 for m in plain["masters"] + zero["masters"])
+        assert every(m.dtype == torch.float32 for m in plain["masters"] + zero["masters"])
         if clip:  # the norm's squares are summed in another order: fp32 rounding only
             assert zero["norms"] == pytest.approx(plain["norms"], rel=1e-6), where
             assert plain["norms"] == pytest.approx(serial["norms"], rel=BF16_LOSS_RTOL), where

@@ -42,6 +42,7 @@ from tutorial_lib.config import ConfigError
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.moe import MoELayer
 from tutorial_lib.train_4d import TrainingArgs, build_chunks, train, validate_args
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -173,7 +174,7 @@ def test_fp32_leaves_the_chunks_as_built_and_a_recipe_reaches_every_chunk():
 
     plain = build_chunks(TrainingArgs())
     assert simulated(plain) == set() and wires(plain) == [None, None, None]
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in plain[0].modules())
+    assert every(not m._forward_hooks and not m._forward_pre_hooks for m in plain[0].modules())
     # two chunks per rank (interleaved), so a recipe applied to the first only would show here
     args = TrainingArgs(precision_recipe="deepseek_v3", schedule="interleaved",
                         pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)

@@ -22,6 +22,7 @@ from .launch_once import launch_once
 from .worker_checks import backward as _backward, check as _check, close as _close
 from tutorial_lib.saved_activations import saved_activation_bytes
 from tutorial_lib.transformer import TransformerBlock, allreduce_sequence_parallel_grads, block_collectives
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -101,7 +102,7 @@ def test_block_equals_the_serial_block_and_issues_the_expected_collectives(tp_si
     for rank, result in enumerate(res.results):
         group = result["group"]
         events = res.trace.filter(rank=rank, layer="block", comm_only=True)
-        assert all(e.group_kind == "tp" and list(e.group_ranks) == group for e in events)
+        assert every(e.group_kind == "tp" and list(e.group_ranks) == group for e in events)
         got = [{"phase": e.tags["phase"], "op_name": e.tags["op_name"], "op": e.op, "bytes": e.bytes}
                for e in events]
         assert got == expected
@@ -178,4 +179,4 @@ def _sp_grads_before_finish(ctx):
 
 def test_sequence_parallel_grad_sync_refuses_to_run_before_data_parallel_has_finished():
     messages = launch(_sp_grads_before_finish, 2).results
-    assert all("call model.finish_grad_sync() first" in m for m in messages), messages
+    assert every("call model.finish_grad_sync() first" in m for m in messages), messages

@@ -8,6 +8,7 @@ from tutorial_lib import comm, ring_collectives
 from tutorial_lib.launch import launch
 from tutorial_lib.viz.collective_animation import (Animation, animate_collective, animate_ring,
                                           animate_ring_all_reduce)
+from tests.asserts import every
 
 pytestmark = pytest.mark.dist
 
@@ -210,7 +211,7 @@ def test_the_replay_of_a_gloo_call_is_the_ring_the_library_runs(op):
         assert mine["buffers"] == real["buffers"], (mine["phase"], mine["step"])
     if op == "reduce_scatter":  # then every rank keeps only its own part
         kept = replay.data[-1]["buffers"]
-        assert all(c == (chunks[r] if j == r else None)
+        assert every(c == (chunks[r] if j == r else None)
                    for r, chunks in steps[-1]["buffers"].items()
                    for j, c in enumerate(kept[r]))
 

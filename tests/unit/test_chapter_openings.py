@@ -11,8 +11,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tutorial_lib.chapters import CHAPTERS as MANIFEST
+from tests.asserts import every
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-CHAPTERS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = [entry.notebook for entry in MANIFEST]
 OBJECTIVES = "**You will be able to**"
 CHECK = re.compile(r"\*\*Concept check (\d+)\.(\d+)\.\*\* (?P<question>.+?)\n\n"
                    r":::\{admonition\} Answer\n:class: dropdown\n\n(?P<answer>.+?)\n:::",
@@ -32,7 +35,7 @@ def test_the_chapter_opens_with_objectives_prerequisites_and_time(name):
     assert block.startswith("- "), block
     objectives = [" ".join(item.split()) for item in block[2:].split("\n- ")]
     assert 3 <= len(objectives) <= 5, objectives
-    assert all(o[0].islower() and o.endswith((";", ".")) for o in objectives), objectives
+    assert every(o[0].islower() and o.endswith((";", ".")) for o in objectives), objectives
     assert "**Prerequisites.**" in opening
     assert opening.index(OBJECTIVES) < opening.index("**Prerequisites.**") \
         < opening.index("**How long it takes")

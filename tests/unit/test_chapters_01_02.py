@@ -9,8 +9,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tutorial_lib.chapters import chapter
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-CHAPTERS = {1: "01_communicator_groups.ipynb", 2: "02_collectives.ipynb"}
+CHAPTERS = {number: chapter(number).notebook for number in (1, 2)}
 CODE_WIDTH = 88  # characters: what a book page shows without scrolling sideways
 INLINE_CODE = 40  # characters an unbreakable run of inline code may take on a 390 px phone
 #: Symbols an inline formula may have: MathJax never breaks one. Measured in chromium at

@@ -16,6 +16,7 @@ import pytest
 
 from tutorial_lib import classroom
 from tutorial_lib.exercises import sealed
+from tests.asserts import every
 
 CHAPTERS = classroom.chapters()
 
@@ -31,7 +32,7 @@ def test_every_chapter_has_its_exercises_numbered_by_their_headings():
         chapter = str(int(path.name[:2]))
         assert exercises and all(ex.number.split(".")[0] == chapter for ex in exercises), path.name
         assert len({ex.number for ex in exercises}) == len(exercises)
-        assert all(ex.solution_cell is not None for ex in exercises), path.name
+        assert every(ex.solution_cell is not None for ex in exercises), path.name
 
 
 def test_a_check_cell_that_is_not_check_f_of_f_is_refused():
@@ -51,7 +52,7 @@ def test_the_student_edition_has_every_checker_and_no_solution(path):
     code = "\n".join(c.source for c in edition.cells if c.cell_type == "code")
     assert "_solution" not in code
     assert not any("solution" in c.metadata.get("tags", []) for c in edition.cells)
-    assert all(c.outputs == [] for c in edition.cells if c.cell_type == "code")
+    assert every(c.outputs == [] for c in edition.cells if c.cell_type == "code")
     for ex in classroom.chapter_exercises(chapter):
         assert ex.check_source in [c.source.strip() for c in edition.cells]
         assert chapter.cells[ex.stub_cell].source in [c.source for c in edition.cells]
@@ -66,12 +67,12 @@ def test_the_nbgrader_source_marks_every_cell(path):
     source = classroom.nbgrader_source(chapter, module, points=2)
     metas = [c.metadata["nbgrader"] for c in source.cells]
     assert len({m["grade_id"] for m in metas}) == len(metas)
-    assert all(re.fullmatch(r"[A-Za-z0-9_-]+", m["grade_id"]) for m in metas)
+    assert every(re.fullmatch(r"[A-Za-z0-9_-]+", m["grade_id"]) for m in metas)
     answers = [c for c, m in zip(source.cells, metas) if m["solution"]]
     tests = [c for c, m in zip(source.cells, metas) if m["grade"]]
     assert len(answers) == len(tests) == len(exercises)
-    assert all(m["locked"] for m in metas if not m["solution"])
-    assert all(m["points"] == 2 for m in metas if m["grade"])
+    assert every(m["locked"] for m in metas if not m["solution"])
+    assert every(m["points"] == 2 for m in metas if m["grade"])
     for ex, answer, test in zip(exercises, answers, tests):
         assert test.source == sealed.check_cell(module, ex.checker, ex.stub)
         before, region = answer.source.split(classroom.BEGIN_SOLUTION)
@@ -187,7 +188,7 @@ def test_a_file_that_is_not_json_fails_every_exercise_of_its_chapter_with_the_re
     numbers = [e.number for e in classroom.chapter_exercises(read(CHAPTERS[0]))]
     assert numbers[:3] == ["1.1", "1.2", "1.3"]
     assert [(g.exercise, g.passed, g.points) for g in grades] == [(n, False, 0) for n in numbers]
-    assert all("not a readable notebook" in g.hint for g in grades)
+    assert every("not a readable notebook" in g.hint for g in grades)
 
 
 def test_a_notebook_that_is_no_chapter_gets_one_row_saying_so(tmp_path):

@@ -17,6 +17,7 @@ from tutorial_lib import costs
 from tutorial_lib.arguments import describe_run, validate_args
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from tutorial_lib.train_4d import TrainingArgs
+from tests.asserts import every
 
 
 # --- the load-balanced split --------------------------------------------------------------
@@ -86,7 +87,7 @@ def test_the_ring_visits_every_block_once():
             assert sorted(row[r] for row in steps) == list(range(size))
             assert steps[0][r] == r
         for t in range(1, size):  # rank r holds at step t what rank r-1 held at step t-1
-            assert all(steps[t][r] == steps[t - 1][(r - 1) % size] for r in range(size))
+            assert every(steps[t][r] == steps[t - 1][(r - 1) % size] for r in range(size))
 
 
 def test_pair_kinds_follow_the_causal_mask():

@@ -6,6 +6,7 @@ import pytest
 
 from tutorial_lib import costs, timing
 from tutorial_lib.costs import AlphaBeta, Sample
+from tests.asserts import every
 
 KIB = 1024
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
@@ -224,7 +225,7 @@ def test_bandwidth_table_covers_every_parallelism_with_its_collective():
     assert "once per optimizer step" in rows["DP"].frequency and "O(params)" in rows["DP"].volume_per_op
     assert "send/recv" in rows["PP"].collective and "microbatch" in rows["PP"].frequency
     for row in rows.values():
-        assert all(getattr(row, f) for f in ("collective", "frequency", "volume_per_op",
+        assert every(getattr(row, f) for f in ("collective", "frequency", "volume_per_op",
                                               "bandwidth_need", "typical_link"))
 
 
@@ -233,7 +234,7 @@ def test_link_bandwidths_are_labelled_vendor_figures():
     assert links["NVLink 4"].gb_per_s_bidirectional == 900
     assert links["PCIe Gen5 x16"].gb_per_s_per_direction == 64
     assert links["InfiniBand NDR"].gb_per_s_per_direction == 50  # 400 Gb/s / 8
-    assert all("vendor spec" in l.source for l in links.values())
+    assert every("vendor spec" in l.source for l in links.values())
     assert costs.transfer_seconds(50e9, links["InfiniBand NDR"]) == pytest.approx(1.0)
 
 

@@ -15,6 +15,7 @@ from tutorial_lib.config import ConfigError, ModelConfig
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.launch import choose_backend
 from tutorial_lib.trace import Tracer
+from tests.asserts import every
 
 
 # --- the backend of a launch ---------------------------------------------------------------
@@ -131,7 +132,7 @@ def test_scaled_mm_is_off_by_default_and_refused_on_the_cpu():
     with pytest.raises(ValueError, match="compute capability 8.9"):
         precision.apply_recipe(model, "deepseek_v3", fp8_gemm="scaled_mm")
     precision.apply_recipe(model, "deepseek_v3")  # the default: the simulation
-    assert all(getattr(m, "fp8_gemm", "simulated") == "simulated" for m in model.modules())
+    assert every(getattr(m, "fp8_gemm", "simulated") == "simulated" for m in model.modules())
 
 
 # --- the trace's clock -----------------------------------------------------------------------
@@ -146,4 +147,4 @@ def test_a_cpu_rank_keeps_the_host_clock():
     event = tracer.end(tracer.begin("all_reduce", on_gpu=False))
     events = tracer.resolved_events()
     assert [e.clock for e in events] == ["host", "host"] and events[1] is event
-    assert all(e.t_end >= e.t_start and math.isfinite(e.t_end) for e in events)
+    assert every(e.t_end >= e.t_start and math.isfinite(e.t_end) for e in events)

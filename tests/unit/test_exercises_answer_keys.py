@@ -12,6 +12,7 @@ import pytest
 
 from ..answer_keys import (assert_keeps_its_key, collective_whys, domain_whys, group_whys,
                            key_params, why_names_the_answer)
+from tests.asserts import every
 
 
 @pytest.mark.parametrize("key,label", key_params(launching=False))
@@ -37,6 +38,7 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
     import nbformat
 
     from tutorial_lib import classroom
+    from tutorial_lib.chapters import notebook_paths
 
     from ..answer_keys import KEYS as CHECKER_KEYS
     from .test_exercises_predictions import KEYS as PREDICTION_KEYS
@@ -45,10 +47,10 @@ def test_every_exercise_of_every_chapter_has_an_answer_key():
         return tuple(int(part) for part in key.exercise.split("."))
 
     KEYS = sorted(CHECKER_KEYS + PREDICTION_KEYS, key=number)
-    numbers = [ex.number for path in classroom.chapters()
+    numbers = [ex.number for path in notebook_paths()
                for ex in classroom.chapter_exercises(nbformat.read(path, as_version=4))]
     assert [key.exercise for key in KEYS] == numbers
-    assert all(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]
+    assert every(len(key.answers) >= 2 for key in KEYS), [k.exercise for k in KEYS if len(k.answers) < 2]
 
 
 def _every_key() -> dict[str, dict]:
@@ -96,7 +98,7 @@ def test_the_digests_are_of_the_keys_and_the_checkers_pass_the_keys():
     assert ch04.GRADIENT_DOMAIN_DIGESTS == {
         n: kit.answer_digest("4.2", n, f"{kit.group_text(g)}/{d}") for n, (g, d) in DOMAINS_KEY.items()}
     assert list(ch02.SCENARIOS) == list(COLLECTIVE_KEY)
-    assert all(isinstance(text, str) for text in ch02.SCENARIOS.values())  # statements only
+    assert every(isinstance(text, str) for text in ch02.SCENARIOS.values())  # statements only
     assert ch02.check_choose_collectives(lambda: COLLECTIVE_KEY)
     assert ch03.check_gradient_groups(lambda: GROUPS_KEY)
     assert ch04.check_gradient_domains(lambda: DOMAINS_KEY)

@@ -8,6 +8,7 @@ from tutorial_lib.exercises import ch01
 from tutorial_lib.exercises.ch01 import check_data_parallel_group, check_rank_to_coords
 
 from ..notebook_cells import assert_hint, assert_staged_hint, hint_cases
+from tests.asserts import every
 
 
 # --- exercise 1.1: the checker recognises the classic mistakes --------------------------
@@ -85,7 +86,7 @@ def test_slowest_first_hint_says_fastest_first():
 
 def test_rank_to_coords_exception_becomes_a_case():
     result = check_rank_to_coords(coords_raising)
-    assert all("raised KeyError" in c.detail for c in result.cases)
+    assert every("raised KeyError" in c.detail for c in result.cases)
 
 
 # --- exercise 1.2 -------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_the_two_mistakes_issue_14_names(wrong, hint):
     pipeline stage TP*CP*DP ranks (EP = 1 in the dense grid)."""
     assert_hint(check_data_parallel_group(wrong), hint)
     result = check_data_parallel_group(wrong)
-    assert all("differs from rank" in c.detail for c in result.cases if not c.passed)
+    assert every("differs from rank" in c.detail for c in result.cases if not c.passed)
 
 
 def test_a_wrong_group_is_described_not_corrected():

@@ -16,6 +16,7 @@ from tutorial_lib.exercises import ch05
 from tutorial_lib.exercises.ch05 import check_biased_topk, check_expert_balance_loss, check_update_bias
 
 from ..notebook_cells import assert_hint
+from tests.asserts import every
 
 
 # --- exercise 5.1: the expert-level balance loss ---------------------------------------------
@@ -52,7 +53,7 @@ def test_the_cases_include_balance_collapse_and_a_device_limited_routing():
     limited = [(p, idx, k) for name, p, idx, _, k in ch05.loss_cases() if "device-limited" in name]
     p, idx, k = limited[0]
     assert not torch.equal(torch.topk(p, k, dim=-1).indices.sort(-1).values, idx.sort(-1).values)
-    assert all(len(set((row // 2).tolist())) == 1 for row in idx)  # one device (of 2 experts) each
+    assert every(len(set((row // 2).tolist())) == 1 for row in idx)  # one device (of 2 experts) each
     # every mistake changes the answer of at least one case
     for mistake in ch05.LOSS_MISTAKES:
         assert any(float(ch05.expert_loss_variant(p, idx, n, k, mistake)) != pytest.approx(values[name])

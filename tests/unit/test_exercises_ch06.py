@@ -10,6 +10,7 @@ from tutorial_lib.exercises.ch06 import (check_bubble, check_one_f_one_b, check_
                                          stage_holdings)
 from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
+from tests.asserts import every
 
 
 # --- exercise 6.1: the 1F1B list ---------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_bubble_mistakes_are_named():
     assert not idle_over_work.passed and idle_over_work.hint == ch06.HINT_IDLE_OVER_WORK
     forgot_v = check_bubble(lambda pp, m, v: (pp - 1) / (m + pp - 1))
     assert not forgot_v.passed and forgot_v.hint == ch06.HINT_FORGOT_V
-    assert all(c.passed for c in forgot_v.cases if ", V=1" in c.name)
+    assert every(c.passed for c in forgot_v.cases if ", V=1" in c.name)
     other = check_bubble(lambda pp, m, v: 0.5)
     assert not other.passed and other.hint == ch06.HINT_BUBBLE_GENERIC
     assert not check_bubble(lambda pp, m, v: "a lot").passed
@@ -133,7 +134,7 @@ def test_either_definition_of_the_bubble_passes_when_stated():
     # a definition stated, the other's value given
     swapped = check_bubble(lambda pp, m, v: ("ideal", (pp - 1) / (v * m + pp - 1)))
     assert not swapped.passed and swapped.hint == ch06.HINT_WRONG_DEFINITION
-    assert all(c.passed for c in swapped.cases if c.name.startswith("PP=1,"))  # both are 0
+    assert every(c.passed for c in swapped.cases if c.name.startswith("PP=1,"))  # both are 0
     swapped = check_bubble(lambda pp, m, v: ("step", (pp - 1) / (v * m)))
     assert not swapped.passed and swapped.hint == ch06.HINT_WRONG_DEFINITION
     forgot_v = check_bubble(lambda pp, m, v: ("ideal", (pp - 1) / m))
@@ -164,7 +165,7 @@ def test_contiguous_chunks_are_named():
 
     result = check_stage_holdings(contiguous)
     assert not result.passed and result.hint == ch06.HINT_CONTIGUOUS
-    assert all(c.passed for c in result.cases if ", V=1," in c.name)
+    assert every(c.passed for c in result.cases if ", V=1," in c.name)
 
 
 def test_head_on_the_wrong_rank_is_named():

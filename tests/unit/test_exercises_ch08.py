@@ -10,6 +10,7 @@ import torch
 from tutorial_lib import fp8
 from tutorial_lib.exercises import ch08
 from tutorial_lib.exercises.ch08 import check_keep_ends_in_bf16, check_payload_bytes, check_quantize_1x128
+from tests.asserts import every
 
 
 # --- 8.1 -------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ def test_end_rules_before_the_base_rules_demote_the_router_and_norms_and_fail():
     ``*layernorm`` and turns them bf16.  The checker used to accept that; it must name it."""
     result = check_keep_ends_in_bf16(_before_base(_ends))
     assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
-    assert all(not c.passed for c in result.cases)
+    assert every(not c.passed for c in result.cases)
     assert "layers.0.input_layernorm -> bf16" in result.cases[0].detail
     assert "wanted" not in result.cases[0].detail  # the student's value, not the key
     last = result.cases[-1]  # 61 layers: layer 60 is MoE, its router was demoted
@@ -220,7 +221,7 @@ def test_only_the_last_router_in_bf16_fails_on_every_model():
     result = check_keep_ends_in_bf16(one_router_down)
     assert not result.passed and result.hint == ch08.HINT_ENDS_DEMOTED, str(result)
     assert [c.passed for c in result.cases] == [False] * len(ch08.ENDS_CASES)
-    assert all("1 module(s) wrong" in c.detail and ".mlp.router -> bf16" in c.detail
+    assert every("1 module(s) wrong" in c.detail and ".mlp.router -> bf16" in c.detail
                for c in result.cases)
 
 

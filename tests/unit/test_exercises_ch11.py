@@ -10,6 +10,7 @@ from tutorial_lib.exercises.kit import forget_attempts
 from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
 from tutorial_lib.pipeline_parallel.zero_bubble import zb_h1
+from tests.asserts import every
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +90,7 @@ def idle_times(pp, f, b, w, v_pp=None, v_costs=1.0, dual_stages=None, zb_w=2):
 
 def test_the_table_read_right_passes():
     assert check_idle_times(idle_times)
-    assert all(ch11.simulated_idle_times(pp, f, b, w) == {
+    assert every(ch11.simulated_idle_times(pp, f, b, w) == {
         k: v for k, v in idle_times(pp, f, b, w).items()} for pp, f, b, w in ch11.IDLE_CASES)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from tutorial_lib.exercises import kit
 from tutorial_lib.exercises.kit import Case, Checking, Mistakes
+from tests.asserts import every
 
 TABLE = Mistakes("generic", any_case={"format"}, format="F", a="A", b="B", also_a="A")
 
@@ -30,7 +31,7 @@ def test_mistakes_pick_the_first_that_explains_the_failures(failing, hint):
 def test_a_table_knows_its_names_and_refuses_an_unknown_any_case():
     assert [m.name for m in TABLE] == ["format", "a", "b", "also_a"]
     assert "b" in TABLE and TABLE.hint_of("also_a") == "A"
-    assert all(m.any_case for m in Mistakes("g", any_case=True, x="X", y="Y"))
+    assert every(m.any_case for m in Mistakes("g", any_case=True, x="X", y="Y"))
     with pytest.raises(ValueError, match="no hint"):
         Mistakes("g", any_case={"typo"}, x="X")
 

@@ -39,6 +39,7 @@ from tutorial_lib.exercises import ch01, ch02, ch05, ch06, ch08, ch09, kit
 
 from ..answer_keys import AnswerKey, assert_keeps_its_key, listed, numbers, raising
 from ..notebook_cells import CHAPTERS, assert_hint, assert_staged_hint, run_cell, tagged_cells
+from tests.asserts import every
 
 # --- exercise 1.3: which groups cross the node boundary ------------------------------------
 
@@ -195,7 +196,7 @@ def test_every_mistake_is_wrong_somewhere_and_told_apart():
             for routing in changed:
                 values = ch05.balance_variants(routing, quantity)
                 mine = values[mistake]
-                assert all(values[other] != pytest.approx(mine) for other in values
+                assert every(values[other] != pytest.approx(mine) for other in values
                            if other != mistake), (routing, quantity, mistake)
 
 

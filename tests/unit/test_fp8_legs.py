@@ -7,6 +7,7 @@ import pytest
 
 from tutorial_lib import fp8
 from tutorial_lib.viz.fp8_legs import dispatch_combine_figure, dispatch_combine_legs
+from tests.asserts import every
 
 
 def test_deepseek_v3_legs_are_fp8_out_to_the_experts_and_bf16_back():
@@ -22,7 +23,7 @@ def test_deepseek_v3_legs_are_fp8_out_to_the_experts_and_bf16_back():
     assert (legs[0]["precision"], legs[3]["precision"]) == fp8.DEEPSEEK_V3_DISPATCH
     assert (legs[1]["precision"], legs[2]["precision"]) == fp8.DEEPSEEK_V3_COMBINE
     assert [leg["bytes_per_row"] for leg in legs] == [7392, 14336, 7392, 14336]
-    assert all(("FP8" in leg["consumer"]) == leg["precision"].startswith("fp8") for leg in legs)
+    assert every(("FP8" in leg["consumer"]) == leg["precision"].startswith("fp8") for leg in legs)
 
 
 @pytest.mark.parametrize("dispatch,combine", [

@@ -17,8 +17,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tutorial_lib.chapters import notebook_paths
+from tests.asserts import every
+
 REPO = Path(__file__).resolve().parents[2]
-CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CHAPTERS = notebook_paths()
 TAG = "install-course"
 
 
@@ -94,4 +97,4 @@ def test_outside_the_course_the_install_cell_says_which_folder_to_look_for(
 
 def test_every_chapter_has_the_same_install_cell():
     first = install_cell(CHAPTERS[0]).source
-    assert all(install_cell(path).source == first for path in CHAPTERS)
+    assert every(install_cell(path).source == first for path in CHAPTERS)

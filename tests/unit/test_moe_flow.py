@@ -11,6 +11,7 @@ import pytest
 
 from tutorial_lib.trace import Trace, TraceEvent
 from tutorial_lib.viz.moe_flow import animate_token_flow, dispatch_matrix
+from tests.asserts import every
 
 
 def _transpose(m):
@@ -147,4 +148,4 @@ def test_the_phase_pills_are_buttons_to_each_phases_first_frame():
         assert [(name, int(goto)) for goto, name in pills] == list(first.items())
     page = anim.to_html()
     assert "startTokenFlow" in page and 'role="button"' in page
-    assert all(label.endswith(("copies", "copy")) for d in anim.data for label in d["labels"])
+    assert every(label.endswith(("copies", "copy")) for d in anim.data for label in d["labels"])

@@ -15,6 +15,7 @@ from tutorial_lib.pipeline_parallel.schedules import (get_schedule_table, gpipe,
 from tutorial_lib.pipeline_parallel.simulator import (DeadlockError, MismatchError,
                                                       bubble_fraction, makespan, planned_spans,
                                                       simulate)
+from tests.asserts import every
 
 # Every valid (schedule, PP, M, V): PP 1..6, M 1..12; interleaved needs V >= 2, PP >= 2, M % PP == 0.
 CASES = ([(name, pp, m, 1) for name in ("gpipe", "1f1b") for pp in range(1, 7) for m in range(1, 13)]
@@ -49,7 +50,7 @@ def test_each_rank_runs_every_forward_and_backward_once_per_chunk(case):
         expected = Counter({(i, c): 1 for i in range(m) for c in range(v)})
         for kind in ("forward", "backward"):
             assert Counter((a.microbatch, a.chunk) for a in actions if a.kind == kind) == expected
-        assert all(a.peer is None for a in actions if a.is_compute)
+        assert every(a.peer is None for a in actions if a.is_compute)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -296,8 +297,8 @@ def test_simulation_completes_and_respects_causality(case):
     done = {}
     for rank, timed in tl.items():
         assert [t.action for t in timed] == scheds[rank]  # every action ran: no deadlock
-        assert all(t.start <= t.end for t in timed)
-        assert all(a.end <= b.start for a, b in zip(timed, timed[1:]))  # one thing at a time
+        assert every(t.start <= t.end for t in timed)
+        assert every(a.end <= b.start for a, b in zip(timed, timed[1:]))  # one thing at a time
         for t in timed:
             if t.action.is_compute:
                 stage = t.action.model_stage(rank, pp)
@@ -365,7 +366,7 @@ def test_bubble_is_the_closed_form_for_any_forward_backward_ratio(ratio):
         expected = Fraction(pp - 1, v * m + pp - 1)
         assert bubble_fraction(tl) == expected == pytest.approx(expected_bubble(pp, m, v))
         assert makespan(tl) == (v * m + pp - 1) * (f + b)
-        assert all(bubble_fraction(tl, r) == expected for r in tl)  # every rank idles alike
+        assert every(bubble_fraction(tl, r) == expected for r in tl)  # every rank idles alike
 
 
 def test_interleaving_shrinks_the_bubble():
@@ -409,7 +410,7 @@ def test_wrong_recv_backward_peer_deadlocks_from_pp3(pp, m):
     stuck_on_prev = [r for r, a in waiting.items() if a.kind == "recv_grad" and a.peer == (r - 1) % pp]
     assert stuck_on_prev, waiting  # someone waits for a gradient from the previous rank
     report = str(err.value)
-    assert all(f"rank {r}:" in report for r in range(pp))
+    assert every(f"rank {r}:" in report for r in range(pp))
     assert "recv_grad" in report and "blocked" in report
     assert sum(len(t) for t in err.value.partial.values()) < sum(len(a) for a in wrong.values())
 

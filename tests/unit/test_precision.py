@@ -16,6 +16,7 @@ from tutorial_lib.precision import (PrecisionRecipe, apply_recipe, get_recipe, r
                                     remove_recipe, resolve_recipe)
 
 from ..tiny_deepseek import TinyDeepSeek
+from tests.asserts import every
 
 HIDDEN, VOCAB = 128, 32
 
@@ -217,10 +218,10 @@ def test_fp32_recipe_and_remove_recipe_give_back_the_exact_model(model):
     assert not torch.equal(changed, plain)
     apply_recipe(model, "deepseek_v3")  # applying again replaces, it does not stack hooks
     assert torch.equal(model(IDS), changed)
-    assert all(len(m._forward_pre_hooks) <= 1 for m in model.modules())
+    assert every(len(m._forward_pre_hooks) <= 1 for m in model.modules())
     remove_recipe(model)
     assert torch.equal(model(IDS), plain)
-    assert all(m.dispatcher.dispatch_precision is None for m in model.modules()
+    assert every(m.dispatcher.dispatch_precision is None for m in model.modules()
                if isinstance(m, moe.MoELayer))
 
 
@@ -407,7 +408,7 @@ def test_every_card_entry_has_a_check_and_the_card_covers_section_3_3():
     assert "BF16" in card["optimizer_moments"].deepseek_v3
     assert "FP32" in card["master_weights"].deepseek_v3
     assert "amax" in card["online_scaling"].deepseek_v3
-    assert all(e.section.startswith("3.") for e in card.values())
+    assert every(e.section.startswith("3.") for e in card.values())
     rows = precision.recipe_card_rows()
     assert len(rows) == len(keys) and all(len(r) == 4 and all(r) for r in rows)
 

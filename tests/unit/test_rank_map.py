@@ -15,6 +15,7 @@ from tutorial_lib.viz.rank_map import (
     ALL_KINDS, KIND_TRAFFIC, KNOBS, RankMap, crossing_flags, rank_formula, rank_map,
     traffic_line,
 )
+from tests.asserts import every
 
 KINDS = GROUP_KINDS + EXTRA_GROUP_KINDS
 
@@ -138,12 +139,12 @@ def test_two_maps_never_share_ids_or_classes():
         assert ids == [m.prefix]
         # Only the shared hook classes the browser test looks for (tl-rank-map, tl-gpu) are unprefixed.
         for attr in re.findall(r'\bclass="([^"]+)"', html):
-            assert all(token.startswith(m.prefix + "-") or token in ("tl-rank-map", "tl-gpu")
+            assert every(token.startswith(m.prefix + "-") or token in ("tl-rank-map", "tl-gpu")
                        for token in attr.split()), attr
         # every CSS rule is scoped under this instance's root id
         css = re.search(r"<style>(.*?)</style>", html, re.S).group(1)
         for selector in re.findall(r"([^{}]+)\{", css):
-            assert all(s.strip().startswith("#" + m.prefix) for s in selector.split(",")), selector
+            assert every(s.strip().startswith("#" + m.prefix) for s in selector.split(",")), selector
         # the script is wrapped in an IIFE: nothing at top level but the function call
         script = re.findall(r"<script>(.*?)</script>", html, re.S)[-1].strip()
         assert script.startswith("(function () {") and script.endswith("})();")

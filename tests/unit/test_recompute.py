@@ -16,6 +16,7 @@ from tutorial_lib.recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_
                                     Recompute, check_recompute, kept_per_layer, recompute_groups,
                                     recomputed_at_once)
 from tutorial_lib.saved_activations import saved_bytes_by_layer
+from tests.asserts import every
 
 FULL_UNIFORM = Recompute("full", "uniform", 2)
 FULL_BLOCK = Recompute("full", "block", 1)
@@ -131,7 +132,7 @@ def test_recomputation_changes_no_number_and_keeps_what_the_rule_says(recompute)
     loss, grads, kept = _step(recompute)
     assert torch.equal(loss, loss0)
     assert grads.keys() == grads0.keys()
-    assert all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    assert every(torch.equal(grads[n], grads0[n]) for n in grads0)
     s, h, heads = MODEL.seq_length, MODEL.hidden_size, MODEL.num_attention_heads
     want = predicted_kept(plain, recompute, MODEL.num_layers, input_bytes=s * ROWS * h * 4,
                           core_attention_bytes=ROWS * heads * s * 4)

@@ -21,6 +21,7 @@ from tutorial_lib.config import (ConfigError, ModelConfig, ParallelConfig, Train
                                  field_docs)
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.train_4d import CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs
+from tests.asserts import every
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
 
@@ -52,7 +53,7 @@ def test_every_config_field_has_a_docstring():
     for cls in (ParallelConfig, ModelConfig, TrainConfig):
         docs = field_docs(cls)
         assert list(docs) == [f.name for f in fields(cls)], cls
-        assert all(doc.strip() for doc in docs.values()), cls
+        assert every(doc.strip() for doc in docs.values()), cls
     assert field_docs(ModelConfig)["dropout"].startswith("Dropout probability")
 
 
@@ -426,7 +427,7 @@ def test_the_banner_names_layout_schedule_p2p_mode_and_recipe():
     args = TrainingArgs(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                         schedule="gpipe", p2p_mode="overlapped", precision_recipe="bf16")
     lines = describe_run(args).splitlines()
-    assert all(line.startswith("train_4d: ") for line in lines)
+    assert every(line.startswith("train_4d: ") for line in lines)
     text = "\n".join(lines)
     assert ("layout      TP2 x PP2 x EP1 x DP2 = 8 ranks (experts: ETP2 x EP1 x EDP2); "
             "Megatron's rank order tp-cp-ep-dp-pp") in text

@@ -13,6 +13,7 @@ from tutorial_lib.viz.moe_flow import TokenFlowAnimation
 from tutorial_lib.viz.rank_map import RankMap
 from tutorial_lib.viz.timeline import Timeline
 from tutorial_lib.viz.widget import Animation, Widget
+from tests.asserts import every
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "tutorial_lib" / "viz" / "assets"
@@ -69,7 +70,7 @@ def test_every_css_rule_is_scoped_to_the_root(name):
         if selector.startswith("@keyframes"):
             assert selector.split()[1].startswith("tl-x-1-")
         elif selector not in ("from", "to"):
-            assert all(s.strip().startswith("#tl-x-1") for s in selector.split(",")), selector
+            assert every(s.strip().startswith("#tl-x-1") for s in selector.split(",")), selector
 
 
 class Box(Widget):

@@ -2,20 +2,9 @@
 
 A sheet is a standalone HTML page (inline CSS, no script, nothing fetched): the chapter's
 title, what the reader will be able to do, its key table and its takeaways.  The key table
-is computed here from the library, as the chapter computes it, at sizes a slide can hold:
-
-====  ==========================================================================
- 1    every group kind of 16 ranks on two 8-GPU nodes, and which cross the boundary
- 2    bytes and steps per rank of each collective's ring (or chain) algorithm
- 3    ZeRO-1's optimizer state per rank against plain data parallelism
- 4    one rank's MoE all-to-all bytes per layer and step, dispatch and combine
- 5    each balance loss at perfect balance and at collapse
- 6    GPipe, 1F1B and interleaved 1F1B: the simulated bubble, the formula, the peak
- 7    which (schedule, P2P mode) pairs Megatron runs
- 8    the bytes of a token copy on the wire, per precision
- 9    the bytes a CP rank sends per attention layer, per ``cp_comm_type``
-11    1F1B, ZB-H1, ZBV, DualPipeV, DualPipe: simulated bubble, formula, memory
-====  ==========================================================================
+is computed here from the library, as the chapter computes it, at sizes a slide can hold,
+by the function that the chapter's entry in :data:`tutorial_lib.chapters.CHAPTERS` names
+(``key_table``); each function's caption says what its table shows.
 
 The text (title, objectives, takeaways) comes from the notebook: ``scripts/cheat_sheets.py``
 reads it and writes every sheet; the book build calls that script, so the sheets land in
@@ -27,6 +16,8 @@ import html
 import re
 from dataclasses import dataclass
 from typing import Callable
+
+from ..chapters import CHAPTERS
 
 
 @dataclass(frozen=True)
@@ -225,12 +216,9 @@ def _zero_bubble_table() -> KeyTable:
 
 
 KEY_TABLES: dict[int, Callable[[], KeyTable]] = {
-    1: _groups_table, 2: _collectives_table, 3: _zero_table, 4: _moe_table,
-    5: _losses_table, 6: _bubble_table, 7: _modes_table, 8: _wire_table, 9: _cp_table,
-    10: _memory_table,
-    11: _zero_bubble_table,
-}
-"""Chapter number -> its key table's builder."""
+    entry.number: globals()[entry.key_table] for entry in CHAPTERS}
+"""Chapter number -> its key table's builder (named by the chapter's entry in
+:data:`tutorial_lib.chapters.CHAPTERS`)."""
 
 
 def key_table(chapter: int) -> KeyTable:
