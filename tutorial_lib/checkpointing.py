@@ -276,8 +276,23 @@ def _check_count(name: str, value, flag: str) -> None:
                                         f"e.g. {flag} 2")
 
 
-def check_save_args(save: str | None, save_interval: int | None) -> None:
-    """``save_interval`` is a whole number >= 1 and comes with ``save``; ``save`` can be a directory."""
+def _check_directory_flag(flag: str, value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ConfigError("checkpoint", f"{flag} {value!r} names no directory (an unset shell "
+                                        f"variable, such as {flag} $CKPT?); pass a directory, or "
+                                        f"leave {flag} out")
+
+
+def check_save_args(save: str | None, save_interval: int | None,
+                    keep_last: int | None = None) -> None:
+    """``save_interval`` and ``keep_last`` are whole numbers >= 1 and come with ``save``;
+    ``save`` can be a directory."""
+    _check_directory_flag("--save", save)
+    if keep_last is not None:
+        _check_count("keep_last", keep_last, "--keep-last")
+        if not save:
+            raise ConfigError("checkpoint", f"keep_last ({keep_last}) keeps the last checkpoints "
+                                            f"of a save directory; add --save DIR")
     if save_interval is not None:
         _check_count("save_interval", save_interval, "--save-interval")
         if not save:
@@ -290,12 +305,13 @@ def check_save_args(save: str | None, save_interval: int | None) -> None:
 
 def check_load_args(load: str | None, ckpt_step: int | None) -> Checkpoint | None:
     """The checkpoint ``--load`` / ``--ckpt-step`` name (``None`` without ``load``), or :class:`ConfigError`."""
+    _check_directory_flag("--load", load)
     if ckpt_step is not None:
         _check_count("ckpt_step", ckpt_step, "--ckpt-step")
         if not load:
             raise ConfigError("checkpoint", f"ckpt_step ({ckpt_step}) picks an iteration of the load "
                                             f"directory; add --load DIR")
-    return find_checkpoint(load, ckpt_step) if load else None
+    return find_checkpoint(load, ckpt_step) if load is not None else None
 
 
 def check_checkpoint_args(common: dict, args) -> None:
