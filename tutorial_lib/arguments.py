@@ -270,7 +270,8 @@ def _validate_checkpoint_args(args: TrainingArgs) -> None:
                                         f"{args.max_restarts}; e.g. --max-restarts 2")
     found = checkpointing.check_load_args(args.load, args.ckpt_step)
     if found is not None:
-        checkpointing.check_checkpoint_args(found.common, args)
+        checkpointing.check_checkpoint_args(found.common, args, found.path)
+        checkpointing.verify_checkpoint(found)  # before any worker unpickles its .metadata
 
 
 def _names_a_file(name: str) -> bool:

@@ -63,8 +63,8 @@ from torch.distributed.tensor import DTensor, Shard
 from . import checkpointing, parallel_state
 from .data_parallel import DistributedOptimizer, grad_domain, is_tensor_parallel
 
-__all__ = ["ADAM_STATE", "PAUSE_BEFORE_COMMIT_ENV", "model_tensors", "sharded_state_dict",
-           "save_checkpoint", "load_checkpoint"]
+__all__ = ["ADAM_STATE", "PAUSE_BEFORE_COMMIT_ENV", "CheckedFileSystemReader", "model_tensors",
+           "sharded_state_dict", "save_checkpoint", "load_checkpoint"]
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 """The optimizer state a checkpoint holds per parameter (the 4D run's optimizer is Adam)."""
@@ -73,6 +73,21 @@ PAUSE_BEFORE_COMMIT_ENV = "TUTORIAL_LIB_PAUSE_BEFORE_COMMIT"
 """Test hook: when this environment variable holds an iteration, the save of that iteration
 stops (rank 0 prints a line and sleeps) after every rank has written and before the
 commit, so a test can kill the run in the middle of a save."""
+
+
+class CheckedFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` with the restricted unpickler
+    (:func:`tutorial_lib.checkpointing.read_dcp_metadata`) instead of ``pickle.load``: every
+    worker reads it again after the launcher's check, and a file swapped in between must not
+    run code either."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = checkpointing.read_dcp_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def model_tensors(chunks) -> dict[str, torch.Tensor]:
@@ -204,8 +219,10 @@ def save_checkpoint(checkpoints_path: str, iteration: int, chunks, optimizer, ar
     dist.barrier()  # nobody writes before the directory is there (and empty)
     state = sharded_state_dict(chunks, optimizer)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(temporary))
-    if rank == 0:
-        checkpointing.write_common_state(temporary, checkpointing.common_state(args, iteration))
+    if rank == 0:  # DCP's coordinator writes .metadata once every rank's files are written
+        common = checkpointing.common_state(args, iteration)
+        common["files"] = checkpointing.file_digests(temporary)
+        checkpointing.write_common_state(temporary, common)
     dist.barrier()  # every rank has written: the checkpoint is complete, not yet committed
     if rank == 0 and os.environ.get(PAUSE_BEFORE_COMMIT_ENV) == str(iteration):
         print(f"test hook: iteration {iteration} is written to {temporary}, pausing before "
@@ -235,7 +252,7 @@ def load_checkpoint(checkpoints_path: str, chunks, optimizer, args, ckpt_step: i
     moments = {name: _empty_state(param) for name, param in params.items()}  # filled by the load
     rng_state = torch.empty_like(torch.get_rng_state()) if same_tp_pp else None
     state = _state_dict(tensors, moments, rng_state)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(found.path))
+    dcp.load(state, storage_reader=CheckedFileSystemReader(found.path))
     by_param = {params[name]: value for name, value in moments.items()}
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.load_parameter_state(by_param)
