@@ -64,6 +64,7 @@ from .config import ConfigError, ModelConfig
 __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "TEMPORARY_SUFFIX", "CKPT_FORMAT", "MODEL_ARGS",
            "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
            "is_save_iteration", "prepare_checkpoint_dir", "commit_checkpoint", "write_tracker",
+           "remove_old_checkpoints",
            "common_state", "read_common_state", "Checkpoint", "find_checkpoint",
            "latest_checkpoint", "check_save_args", "file_digests", "DCP_METADATA_GLOBALS",
            "MetadataUnpickler", "read_dcp_metadata", "verify_checkpoint", "check_load_args", "check_checkpoint_args", "tensor_sharding",
@@ -176,6 +177,23 @@ def commit_checkpoint(checkpoints_path: str, iteration: int) -> str:
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+def remove_old_checkpoints(checkpoints_path: str, keep_last: int) -> list[int]:
+    """Delete the committed iterations of ``checkpoints_path`` but the last ``keep_last``
+    (and never the tracker's); returns those deleted.  Each is first renamed out of the
+    ``iter_NNNNNNN`` names (``iter_N.old``), so a kill midway leaves no half a checkpoint
+    under a loadable name."""
+    tracker = get_checkpoint_tracker_filename(checkpoints_path)
+    tracked = read_metadata(tracker) if os.path.isfile(tracker) else None
+    committed = _committed_iterations(checkpoints_path)
+    old = [i for i in committed[:max(0, len(committed) - keep_last)] if i != tracked]
+    for iteration in old:
+        name = get_checkpoint_name(checkpoints_path, iteration)
+        shutil.rmtree(name + ".old", ignore_errors=True)
+        os.rename(name, name + ".old")
+        shutil.rmtree(name + ".old", ignore_errors=True)
+    return old
 
 
 # --- the common state -------------------------------------------------------------------------

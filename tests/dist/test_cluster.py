@@ -14,6 +14,7 @@ from tutorial_lib.cluster import Cluster, ClusterStopped, run_cell
 from tutorial_lib.launch import LaunchTimeout, WorkerError
 
 from .conftest import process_alive, wait_until_gone
+from .faults import fault_bench  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.dist
 
@@ -212,3 +213,31 @@ def test_two_notebooks_with_clusters_at_once_never_collide(tmp_path):
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
         assert f"ok {tag}" in out
+
+
+def test_a_rank_that_died_between_calls_is_named_on_the_next_call(fault_bench):
+    """A rank killed while the cluster is idle (the machine's OOM killer, say): the next call
+    names it and its signal in a WorkerError (it was a bare BrokenPipeError), the cluster is
+    stopped, ``running`` and the status line say so, and one call restarts it."""
+    cluster = Cluster(2, print_output=False)
+    try:
+        pids = cluster.run(lambda ctx: os.getpid()).results
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_until_gone([pids[1]]) == []
+        with pytest.raises(WorkerError) as info:
+            cluster.run(lambda ctx: ctx.rank)
+        assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+        assert str(info.value).startswith("rank 1 failed: process was killed by signal SIGKILL "
+                                          "(exit code -9)")
+        assert cluster.running is False
+        assert cluster.status() == ("cluster of 2 ranks: stopped (rank 1 was killed by signal "
+                                    "SIGKILL (exit code -9) between calls); restart() starts it")
+        assert wait_until_gone([pids[0]]) == []  # rank 0 was stopped with it
+        cluster.restart()
+        assert cluster.run(lambda ctx: ctx.rank).results == [0, 1]
+        pid = cluster.run(lambda ctx: os.getpid()).results[0]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until_gone([pid]) == []
+        assert cluster.running is False  # found from the processes, before any call
+    finally:
+        cluster.close()

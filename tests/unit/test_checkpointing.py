@@ -383,3 +383,25 @@ def test_a_file_outside_the_checkpoint_is_refused(tmp_path):
     del state["files"]
     with pytest.raises(ConfigError, match=r"names the file '../../etc/passwd', outside"):
         checkpointing.verify_checkpoint(found._replace(common=state))
+
+
+def test_keep_last_removes_older_committed_checkpoints_but_never_the_trackers(tmp_path):
+    for iteration in (1, 2, 3):
+        fake_save(tmp_path, iteration)
+    fake_save(tmp_path, 4, commit=False)  # being written: not committed, not counted
+    assert checkpointing.remove_old_checkpoints(str(tmp_path), 2) == [1]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000004.tmp",
+                                            TRACKER_FILENAME]
+    (tmp_path / TRACKER_FILENAME).write_text("2\n")  # --ckpt-step's world, say
+    assert checkpointing.remove_old_checkpoints(str(tmp_path), 1) == []  # 2 is the tracker's
+    assert checkpointing.remove_old_checkpoints(str(tmp_path), 3) == []
+
+
+def test_the_sigterm_line_names_the_iteration_the_checkpoint_and_the_resume_command(script,
+                                                                                    tmp_path):
+    args = replace(ARGS, save=str(tmp_path))
+    fake_save(tmp_path, 3)
+    line = script.stopped(args, 3, ["--steps", "6", "--save", str(tmp_path)])
+    assert line.startswith(f"train_4d.py: SIGTERM: stopped after iteration 3/6; last checkpoint: "
+                           f"{tmp_path / 'iter_0000003'} (iteration 3); resume: python ")
+    assert line.endswith(f"--steps 6 --save {tmp_path} --load {tmp_path}") and "\n" not in line
