@@ -33,6 +33,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 steps=5, seed=1234, lr=3e-3, clip_grad=1.0, schedule="1f1b", p2p_mode="batched",
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
+                keep_last=None, async_save=False, max_restarts=0,  # a cluster's faults: off
                 context_parallel_size=1, cp_comm_type="p2p",  # issue 18: CP, off by default
                 expert_tensor_parallel_size=None,  # issue 17: unset means TP, as Megatron
                 recompute_granularity=None, recompute_method=None,  # issue 19: no recomputation
