@@ -52,6 +52,26 @@ Checkpoints (Megatron's flags, ``torch.distributed.checkpoint`` underneath)::
 half-written ``--load`` directory, or a checkpoint of another model (``--hidden-size`` ...),
 exits with status 2 before any worker starts.  Ctrl-C prints one line: the step it stopped
 at, the last checkpoint and the command that resumes from it (exit status 130).
+
+Load only checkpoints you trust: DCP's ``.metadata`` is a pickle.  It is read with an
+unpickler that admits DCP's own metadata classes only, and every file is checked against
+the sizes and SHA-256 digests ``common.json`` records and the chunks ``.metadata`` places in
+it, before any worker starts: a crafted or damaged checkpoint exits with status 2 naming
+the file.
+
+What a cluster does to a run::
+
+    python examples/train_4d.py ... --save ckpt --save-interval 100 --max-restarts 3
+    torchrun --max-restarts 3 --nproc-per-node 8 examples/train_4d.py ... --save ckpt
+
+``--max-restarts N``: when a worker dies (killed, out of memory) the world starts again from
+the last committed checkpoint of ``--save``, at most N times, saying why on stderr; the
+losses are an uninterrupted run's.  Under torchrun, torchrun's own ``--max-restarts`` starts
+the workers again and they resume from ``--save`` the same way.  ``SIGTERM`` (a scheduler's
+notice before preemption): the ranks finish the step they are in, save it and the run
+exits 0 with the command that resumes.  ``--async-save`` writes checkpoints in the
+background (``torch.distributed.checkpoint.async_save``; a kill meanwhile keeps the previous
+one); ``--keep-last N`` keeps the newest N.
 """
 from __future__ import annotations
 
