@@ -333,6 +333,16 @@ def _check_count(name: str, value, flag: str) -> None:
                                         f"e.g. {flag} 2")
 
 
+def _check_count_of(name: str, value, directory: str | None, directory_flag: str,
+                    does: str) -> None:
+    """``value`` (unset, or a whole number >= 1) comes with the directory it is about."""
+    if value is None:
+        return
+    _check_count(name, value, "--" + name.replace("_", "-"))
+    if not directory:
+        raise ConfigError("checkpoint", f"{name} ({value}) {does}; add {directory_flag} DIR")
+
+
 def _check_directory_flag(flag: str, value: str | None) -> None:
     if value is not None and not value.strip():
         raise ConfigError("checkpoint", f"{flag} {value!r} names no directory (an unset shell "
@@ -345,16 +355,10 @@ def check_save_args(save: str | None, save_interval: int | None,
     """``save_interval`` and ``keep_last`` are whole numbers >= 1 and come with ``save``;
     ``save`` can be a directory."""
     _check_directory_flag("--save", save)
-    if keep_last is not None:
-        _check_count("keep_last", keep_last, "--keep-last")
-        if not save:
-            raise ConfigError("checkpoint", f"keep_last ({keep_last}) keeps the last checkpoints "
-                                            f"of a save directory; add --save DIR")
-    if save_interval is not None:
-        _check_count("save_interval", save_interval, "--save-interval")
-        if not save:
-            raise ConfigError("checkpoint", f"save_interval ({save_interval}) needs a directory to "
-                                            f"save into; add --save DIR")
+    _check_count_of("keep_last", keep_last, save, "--save",
+                    "keeps the last checkpoints of a save directory")
+    _check_count_of("save_interval", save_interval, save, "--save",
+                    "needs a directory to save into")
     if save and os.path.exists(save) and not os.path.isdir(save):
         raise ConfigError("checkpoint", f"save directory {save!r} is a file; pass a directory "
                                         f"(it is created if missing)")
@@ -363,11 +367,7 @@ def check_save_args(save: str | None, save_interval: int | None,
 def check_load_args(load: str | None, ckpt_step: int | None) -> Checkpoint | None:
     """The checkpoint ``--load`` / ``--ckpt-step`` name (``None`` without ``load``), or :class:`ConfigError`."""
     _check_directory_flag("--load", load)
-    if ckpt_step is not None:
-        _check_count("ckpt_step", ckpt_step, "--ckpt-step")
-        if not load:
-            raise ConfigError("checkpoint", f"ckpt_step ({ckpt_step}) picks an iteration of the load "
-                                            f"directory; add --load DIR")
+    _check_count_of("ckpt_step", ckpt_step, load, "--load", "picks an iteration of the load directory")
     return find_checkpoint(load, ckpt_step) if load is not None else None
 
 

@@ -89,12 +89,17 @@ def bad_files(tmp_path):
     return tmp_path
 
 
+def _refusals(driver: str, *arguments) -> list[dict]:
+    """Each JSON line ``driver`` prints, run in one fresh Python process."""
+    done = subprocess.run([sys.executable, "-c", driver, *arguments], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
 def test_every_bad_value_exits_2_with_its_rule_before_torch_is_loaded(bad_files):
     runs = [[a.replace("{dir}", str(bad_files)) for a in argv] for argv, _ in BAD]
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(SCRIPT), json.dumps(runs)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
+    results = _refusals(DRIVER, str(SCRIPT), json.dumps(runs))
     assert len(results) == len(BAD)
     for result, (_, fragments) in zip(results, BAD):
         assert result["code"] == 2, result
@@ -122,10 +127,7 @@ for argv in json.loads(sys.argv[1]):
 
 
 def test_the_memory_command_refuses_zero_with_the_flag_and_a_fix():
-    done = subprocess.run([sys.executable, "-c", MEMORY_DRIVER, json.dumps(MEMORY_BAD)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
+    results = _refusals(MEMORY_DRIVER, json.dumps(MEMORY_BAD))
     assert len(results) == len(MEMORY_BAD)
     for result, (flag, value) in zip(results, MEMORY_BAD):
         assert result["code"] == 2, result
