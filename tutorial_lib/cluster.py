@@ -45,7 +45,7 @@ import cloudpickle
 
 from .launch import (Collector, LaunchResult, LaunchTimeout, RankProcesses, StartupTimeout,
                      WorkerError, _check_positive_int, _check_seconds, _safe_summary, _send,
-                     describe_exit, enter_worker, flush_output, join_world, pickled_result, resolve_backend,
+                     describe_exit, enter_worker, process_running, flush_output, join_world, pickled_result, resolve_backend,
                      worker_options)
 from .trace import Trace, Tracer, set_tracer
 
@@ -261,6 +261,8 @@ class Cluster:
         if self._ranks is None:
             return None
         for rank, process in enumerate(self._ranks.processes):
+            if process.exitcode is None and not process_running(process.pid):
+                process.join(5.0)  # gone: the forkserver reports its exit status soon
             if process.exitcode is not None:
                 self._ranks.collector.drain(0.5)  # what it wrote before it died
                 error = self._ranks.collector.died(rank, process.exitcode)
@@ -375,7 +377,8 @@ class Cluster:
             dead = self._ranks.dead_ranks(collector.finished)
             error = collector.first_cause(self._ranks.processes) if dead else None
             if error is not None:
-                self._fail(f"rank {dead[0]} died")
+                exitcode = self._ranks.processes[dead[0]].exitcode
+                self._fail(f"rank {dead[0]} {describe_exit(exitcode)} during a call")
                 raise _with_note(error, "The cluster was stopped. cluster.restart() starts it again.")
             if deadline is None and collector.started >= set(targets):
                 deadline = time.time() + timeout  # the clock starts when every rank has the call

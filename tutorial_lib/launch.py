@@ -910,14 +910,21 @@ RUN_DIR = re.compile(r"^tutorial_lib_[a-z0-9]+_(\d+)_")
 and a random tail, ``<pid>`` the process that made it."""
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped by its parent) does not."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:  # another user's process
+    except OSError:  # no /proc: ask the kernel (a zombie then counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process
+            return True
         return True
-    return True
 
 
 def remove_orphaned_run_dirs(directory: str | None = None) -> list[str]:
@@ -927,7 +934,7 @@ def remove_orphaned_run_dirs(directory: str | None = None) -> list[str]:
     removed = []
     for name in os.listdir(directory):
         found = RUN_DIR.match(name)
-        if found and not _running(int(found.group(1))):
+        if found and not process_running(int(found.group(1))):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             removed.append(os.path.join(directory, name))
     return removed
