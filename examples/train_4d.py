@@ -52,6 +52,26 @@ Checkpoints (Megatron's flags, ``torch.distributed.checkpoint`` underneath)::
 half-written ``--load`` directory, or a checkpoint of another model (``--hidden-size`` ...),
 exits with status 2 before any worker starts.  Ctrl-C prints one line: the step it stopped
 at, the last checkpoint and the command that resumes from it (exit status 130).
+
+Load only checkpoints you trust: DCP's ``.metadata`` is a pickle.  It is read with an
+unpickler that admits DCP's own metadata classes only, and every file is checked against
+the sizes and SHA-256 digests ``common.json`` records and the chunks ``.metadata`` places in
+it, before any worker starts: a crafted or damaged checkpoint exits with status 2 naming
+the file.
+
+What a cluster does to a run::
+
+    python examples/train_4d.py ... --save ckpt --save-interval 100 --max-restarts 3
+    torchrun --max-restarts 3 --nproc-per-node 8 examples/train_4d.py ... --save ckpt
+
+``--max-restarts N``: when a worker dies (killed, out of memory) the world starts again from
+the last committed checkpoint of ``--save``, at most N times, saying why on stderr; the
+losses are an uninterrupted run's.  Under torchrun, torchrun's own ``--max-restarts`` starts
+the workers again and they resume from ``--save`` the same way.  ``SIGTERM`` (a scheduler's
+notice before preemption): the ranks finish the step they are in, save it and the run
+exits 0 with the command that resumes.  ``--async-save`` writes checkpoints in the
+background (``torch.distributed.checkpoint.async_save``; a kill meanwhile keeps the previous
+one); ``--keep-last N`` keeps the newest N.
 """
 from __future__ import annotations
 
@@ -59,9 +79,10 @@ import argparse
 import json
 import os
 import shlex
+import shutil
+import signal
 import sys
-import tempfile
-from dataclasses import fields
+from dataclasses import fields, replace
 
 # Only torch-free modules until the arguments are valid: a bad value exits with status 2
 # before torch is loaded (tutorial_lib.arguments); tutorial_lib.train_4d comes in main().
@@ -70,7 +91,8 @@ from tutorial_lib.arguments import (CONFIG_FIELDS, DEVICES, LOG_KEYS, TrainingAr
                                     args_from_dict, describe_run, load_config_file,
                                     validate_args)
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
-from tutorial_lib.launch import LaunchTimeout, WorkerError, is_torchrun, run_under_torchrun
+from tutorial_lib.launch import (LaunchTimeout, WorkerError, is_torchrun, make_run_dir,
+                                run_under_torchrun)
 
 #: The command line's own fix for --device cuda where the GPUs are too few.
 CPU_FIX = "  on the command line: --device cpu (or --device auto) runs on the CPU over gloo"
@@ -109,22 +131,11 @@ def parse_args(argv=None) -> tuple[TrainingArgs, bool]:
     return args_from_dict(values, source=f"--config {config}" if config else None), as_json
 
 
-def _steps_done(progress_file: str) -> int:
-    try:
-        with open(progress_file) as handle:
-            return int(handle.read())
-    except (OSError, ValueError):
-        return 0
-
-
-def interrupted(args: TrainingArgs, steps_done: int, argv=None) -> str:
-    """One line for Ctrl-C: the step, the last checkpoint and the command that resumes from it."""
-    resumed = checkpointing.latest_checkpoint(args.load) if args.load and args.ckpt_step is None else None
-    done = max(steps_done, resumed.iteration if resumed else args.ckpt_step or 0)
-    line = f"train_4d.py: interrupted in iteration {done + 1}/{args.steps} ({done} finished)"
+def _resume(args: TrainingArgs, argv=None) -> str:
+    """``; last checkpoint: ... (iteration N); resume: <the same command with --load>``."""
     latest = checkpointing.latest_checkpoint(args.save)
     if latest is None:
-        return line + "; no checkpoint saved (--save DIR --save-interval N keeps one)"
+        return "; no checkpoint saved (--save DIR --save-interval N keeps one)"
     kept, skip = [], False
     for word in sys.argv[1:] if argv is None else argv:  # the same command, loading the checkpoint
         if skip:
@@ -134,7 +145,52 @@ def interrupted(args: TrainingArgs, steps_done: int, argv=None) -> str:
         else:
             kept.append(word)
     command = shlex.join(["python", sys.argv[0], *kept, "--load", args.save])
-    return line + f"; last checkpoint: {latest.path} (iteration {latest.iteration}); resume: {command}"
+    return f"; last checkpoint: {latest.path} (iteration {latest.iteration}); resume: {command}"
+
+
+def interrupted(args: TrainingArgs, steps_done: int, argv=None) -> str:
+    """One line for Ctrl-C: the step, the last checkpoint and the command that resumes from it."""
+    resumed = checkpointing.latest_checkpoint(args.load) if args.load and args.ckpt_step is None else None
+    done = max(steps_done, resumed.iteration if resumed else args.ckpt_step or 0)
+    return (f"train_4d.py: interrupted in iteration {done + 1}/{args.steps} ({done} finished)"
+            + _resume(args, argv))
+
+
+def stopped(args: TrainingArgs, steps_done: int, argv=None) -> str:
+    """One line for SIGTERM: the iteration it stopped after, the checkpoint saved there and
+    the command that resumes from it."""
+    return (f"train_4d.py: SIGTERM: stopped after iteration {steps_done}/{args.steps}"
+            + _resume(args, argv))
+
+
+def failed(error: Exception, args: TrainingArgs, argv=None) -> str:
+    """The run failed: the launcher's report, then the last checkpoint and how to resume."""
+    return f"train_4d.py: the run failed:\n{error}\ntrain_4d.py: {_resume(args, argv)[2:]}"
+
+
+def restarting(error: WorkerError, restart: int, args: TrainingArgs) -> tuple[str, TrainingArgs]:
+    """The line saying why the world starts again, and the arguments it starts with: from
+    the last committed checkpoint of ``--save``, else from the run's own start."""
+    latest = checkpointing.latest_checkpoint(args.save)
+    where = (f"from {latest.path} (iteration {latest.iteration})" if latest is not None
+             else "from the start (no checkpoint committed yet)")
+    line = (f"train_4d.py: rank {error.rank}: {error.summary}; restart {restart} of "
+            f"{args.max_restarts}, {where}")
+    return line, (replace(args, load=args.save, ckpt_step=None) if latest is not None else args)
+
+
+def torchrun_restart(args: TrainingArgs) -> TrainingArgs:
+    """Under ``torchrun --max-restarts N`` torchrun starts every worker again after one dies,
+    counting in ``TORCHELASTIC_RESTART_COUNT``: a restarted world resumes from the last
+    committed checkpoint of ``--save`` (from the run's own start without one)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    latest = checkpointing.latest_checkpoint(args.save) if restart else None
+    if latest is None:
+        return args
+    if int(os.environ["RANK"]) == 0:
+        print(f"train_4d.py: torchrun restart {restart}: resuming from {latest.path} "
+              f"(iteration {latest.iteration})", file=sys.stderr, flush=True)
+    return replace(args, load=args.save, ckpt_step=None)
 
 
 def main(argv=None) -> int:
@@ -142,8 +198,15 @@ def main(argv=None) -> int:
         args, as_json = parse_args(argv)
         local_ranks = None
         if is_torchrun():
+            if args.max_restarts:
+                raise ConfigError("checkpoint", f"--max-restarts {args.max_restarts} is the "
+                                                f"launcher's; under torchrun give it to "
+                                                f"torchrun: torchrun --max-restarts "
+                                                f"{args.max_restarts} ... examples/train_4d.py "
+                                                f"--save DIR")
             args.world_size = int(os.environ["WORLD_SIZE"])
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+            args = torchrun_restart(args)
         validate_args(args, local_ranks=local_ranks)
     except (ConfigError, OSError, ValueError) as error:
         print(f"train_4d.py: error: {error}", file=sys.stderr)
@@ -154,7 +217,8 @@ def main(argv=None) -> int:
         print(describe_run(args, legend=not as_json), file=sys.stderr if as_json else sys.stdout,
               flush=True)
     try:  # loads torch; Ctrl-C meanwhile: one line, no traceback
-        from tutorial_lib.train_4d import format_progress, format_saved, train, train_worker
+        from tutorial_lib.train_4d import (StopRequest, format_progress, format_saved,
+                                           read_progress, train, train_worker)
     except KeyboardInterrupt:
         print(INTERRUPTED_EARLY, file=sys.stderr)
         return 130
@@ -170,10 +234,11 @@ def main(argv=None) -> int:
 
     if is_torchrun():
         rank = int(os.environ["RANK"])
-        try:
-            run_under_torchrun(train_worker, args=(args, show if rank == 0 else None,
-                                                   saved if rank == 0 else None), trace=False,
-                               backend=DEVICES[args.device])
+        try:  # SIGTERM (torchrun passes a scheduler's on): finish the step, save, return
+            records, _ = run_under_torchrun(
+                train_worker, args=(args, show if rank == 0 else None,
+                                    saved if rank == 0 else None, StopRequest()),
+                trace=False, backend=DEVICES[args.device])
         except ConfigError as error:  # --device cuda without a GPU per local rank
             print(f"train_4d.py: error: {error}\n{CPU_FIX}", file=sys.stderr)
             return 2
@@ -181,24 +246,50 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(interrupted(args, done[0], argv), file=sys.stderr)
             return 130
+        if rank == 0 and records and records[-1]["iteration"] < args.steps:
+            print(stopped(args, records[-1]["iteration"], argv), file=sys.stderr)
         return 0
-    with tempfile.TemporaryDirectory(prefix="train_4d_") as scratch:
-        progress_file = os.path.join(scratch, "steps_done")
-        try:
-            # Progress lines come from rank 0 as it trains; JSON is printed once all are done.
-            result = train(args, progress=not as_json, progress_file=progress_file)
-        except ConfigError as error:  # --device cuda with fewer GPUs than ranks: nothing started
-            print(f"train_4d.py: error: {error}\n{CPU_FIX}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # Ctrl-C: the launcher has ended the workers
-            print(interrupted(args, _steps_done(progress_file), argv), file=sys.stderr)
-            return 130
-        except (WorkerError, LaunchTimeout) as error:
-            print(f"train_4d.py: the run failed:\n{error}", file=sys.stderr)
-            return 1
+    scratch = make_run_dir("tutorial_lib_train4d_")
+    progress_file = os.path.join(scratch, "records.jsonl")
+    stop_file = os.path.join(scratch, "stop")
+    # SIGTERM (a scheduler's notice): the workers finish the step, save and return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: open(stop_file, "w").close())
+    run_args, restarts = args, 0
+    try:
+        while True:
+            try:
+                # Progress lines come from rank 0 as it trains; JSON is printed once all are done.
+                result = train(run_args, progress=not as_json, progress_file=progress_file,
+                               stop_file=stop_file)
+                break
+            except ConfigError as error:  # --device cuda with fewer GPUs than ranks: nothing started
+                print(f"train_4d.py: error: {error}\n{CPU_FIX}", file=sys.stderr)
+                return 2
+            except KeyboardInterrupt:  # Ctrl-C: the launcher has ended the workers
+                print(interrupted(args, max(read_progress(progress_file), default=0), argv),
+                      file=sys.stderr)
+                return 130
+            except WorkerError as error:  # a worker that raised is a bug: no restart
+                if error.exitcode is None or restarts >= args.max_restarts:
+                    print(failed(error, args, argv), file=sys.stderr)
+                    return 1
+                restarts += 1
+                line, run_args = restarting(error, restarts, args)
+                print(line, file=sys.stderr, flush=True)
+            except LaunchTimeout as error:
+                print(failed(error, args, argv), file=sys.stderr)
+                return 1
+        # after a restart, each iteration's record from the world that last ran it
+        records = (list(read_progress(progress_file).values()) if restarts
+                   else result.results[0])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(scratch, ignore_errors=True)
     if as_json:
-        for record in result.results[0]:
+        for record in records:
             show(record)
+    if records and records[-1]["iteration"] < args.steps:
+        print(stopped(args, records[-1]["iteration"], argv), file=sys.stderr)
     return 0
 
 

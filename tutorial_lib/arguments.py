@@ -106,9 +106,23 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     """Save every this many steps (needs ``save``; without it, only after the last step)."""
     load: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Directory to resume from, saved under any layout: the checkpoint its
-    ``latest_checkpointed_iteration.txt`` names; training continues from that step up to ``steps``."""
+    ``latest_checkpointed_iteration.txt`` names; training continues from that step up to
+    ``steps``.  Load only checkpoints you trust: ``.metadata`` is a pickle (read here with
+    an unpickler that admits torch.distributed.checkpoint's metadata classes only)."""
     ckpt_step: int | None = None
     """Load this iteration of ``load`` instead of the latest one."""
+    keep_last: int | None = None
+    """Keep only the last N committed checkpoints of ``save`` (older ones are deleted once a
+    newer one is committed); not set: keep every one."""
+    async_save: bool = False
+    """Write checkpoints with ``torch.distributed.checkpoint.async_save`` (Megatron's
+    ``--async-save``): training goes on while a background thread writes; a save waits
+    for the one before it, which is committed only then (a kill meanwhile keeps the
+    previous committed checkpoint)."""
+    max_restarts: int = 0
+    """When a worker dies (killed, out of memory), start the world again from the last
+    committed checkpoint of ``save`` (from scratch without one), at most this many times
+    (torchrun's flag; under torchrun pass it to torchrun instead)."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard Adam's state over the data-parallel ranks of each gradient domain (dense
     weights over ``dp``, routed experts over ``expert_dp``); the same losses as plain Adam."""
@@ -186,6 +200,11 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
                  "waits before it declares a hang; e.g. --timeout 600")
     parallel, model, train = args.configs()
     validate(parallel, model, train)
+    if args.num_experts and args.first_k_dense_replace > args.num_layers:
+        raise ConfigError("malformed", f"first_k_dense_replace ({args.first_k_dense_replace}) "
+                                       f"is more than the model's num_layers ({args.num_layers}): "
+                                       f"the first k layers are dense, the rest MoE; e.g. "
+                                       f"--first-k-dense-replace 1 (--num-experts 0: no MoE)")
     pp, v = args.pipeline_model_parallel_size, args.chunks_per_rank
     if args.schedule == "interleaved":
         if pp < 2 or v < 2:
@@ -245,10 +264,14 @@ def _check_split_backward_schedule(args: TrainingArgs) -> None:
 def _validate_checkpoint_args(args: TrainingArgs) -> None:
     """``save`` / ``save_interval`` / ``load`` / ``ckpt_step``: the checkpoint to load must be
     complete and of this model (:mod:`tutorial_lib.checkpointing`), read before any worker starts."""
-    checkpointing.check_save_args(args.save, args.save_interval)
+    checkpointing.check_save_args(args.save, args.save_interval, args.keep_last)
+    if args.max_restarts < 0:
+        raise ConfigError("checkpoint", f"max_restarts must be a whole number >= 0, got "
+                                        f"{args.max_restarts}; e.g. --max-restarts 2")
     found = checkpointing.check_load_args(args.load, args.ckpt_step)
     if found is not None:
-        checkpointing.check_checkpoint_args(found.common, args)
+        checkpointing.check_checkpoint_args(found.common, args, found.path)
+        checkpointing.verify_checkpoint(found)  # before any worker unpickles its .metadata
 
 
 def _names_a_file(name: str) -> bool:

@@ -13,7 +13,8 @@ sharded format.  One ``--save`` directory (Megatron-LM's names)::
                                           chunks, and the file holding each chunk
         __0_0.distcp ... __7_0.distcp     the chunks rank 0 ... 7 wrote
         common.json                       what is not a tensor: iteration, consumed
-                                          samples, the run's arguments (rank 0 writes it)
+                                          samples, the run's arguments, the size and
+                                          SHA-256 of each DCP file (rank 0 writes it)
       iter_0000004/
       iter_0000006.tmp/                   a save in progress, or one a kill interrupted
 
@@ -32,6 +33,14 @@ on rank 0 after a barrier: a kill during the save also leaves the previous itera
 the tracker, but a kill between truncating the tracker and writing it leaves an empty
 tracker, which its ``read_metadata`` refuses.
 
+**A checkpoint from elsewhere** (:func:`verify_checkpoint`, before any worker starts).
+``.metadata`` is a pickle, and DCP reads it with ``pickle.load``: a crafted one runs any
+code.  Here it is read with an unpickler that admits DCP's metadata classes only
+(:data:`DCP_METADATA_GLOBALS`), before the launch and again in every worker; still, load
+only checkpoints you trust.  Then every file is checked against the sizes and digests
+``common.json`` records and the chunks ``.metadata`` places in it, so a truncated or
+altered checkpoint is refused in seconds, naming the file, instead of failing inside DCP.
+
 **What must match on load** (:func:`check_checkpoint_args`): the model's structure,
 :data:`MODEL_ARGS`, because it fixes which tensors exist and their global shapes
 (Megatron-LM d98e8a64's ``check_checkpoint_args`` compares ``num_layers``, ``hidden_size``
@@ -42,8 +51,10 @@ sharded checkpoint is for.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 from typing import NamedTuple
@@ -53,8 +64,10 @@ from .config import ConfigError, ModelConfig
 __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "TEMPORARY_SUFFIX", "CKPT_FORMAT", "MODEL_ARGS",
            "get_checkpoint_name", "get_checkpoint_tracker_filename", "read_metadata",
            "is_save_iteration", "prepare_checkpoint_dir", "commit_checkpoint", "write_tracker",
+           "remove_old_checkpoints",
            "common_state", "read_common_state", "Checkpoint", "find_checkpoint",
-           "latest_checkpoint", "check_save_args", "check_load_args", "check_checkpoint_args", "tensor_sharding",
+           "latest_checkpoint", "check_save_args", "file_digests", "DCP_METADATA_GLOBALS",
+           "MetadataUnpickler", "read_dcp_metadata", "verify_checkpoint", "check_load_args", "check_checkpoint_args", "tensor_sharding",
            "local_chunk"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -166,6 +179,23 @@ def commit_checkpoint(checkpoints_path: str, iteration: int) -> str:
     return final
 
 
+def remove_old_checkpoints(checkpoints_path: str, keep_last: int) -> list[int]:
+    """Delete the committed iterations of ``checkpoints_path`` but the last ``keep_last``
+    (and never the tracker's); returns those deleted.  Each is first renamed out of the
+    ``iter_NNNNNNN`` names (``iter_N.old``), so a kill midway leaves no half a checkpoint
+    under a loadable name."""
+    tracker = get_checkpoint_tracker_filename(checkpoints_path)
+    tracked = read_metadata(tracker) if os.path.isfile(tracker) else None
+    committed = _committed_iterations(checkpoints_path)
+    old = [i for i in committed[:max(0, len(committed) - keep_last)] if i != tracked]
+    for iteration in old:
+        name = get_checkpoint_name(checkpoints_path, iteration)
+        shutil.rmtree(name + ".old", ignore_errors=True)
+        os.rename(name, name + ".old")
+        shutil.rmtree(name + ".old", ignore_errors=True)
+    return old
+
+
 # --- the common state -------------------------------------------------------------------------
 
 
@@ -189,8 +219,35 @@ def write_common_state(directory: str, state: dict) -> None:
 
 
 def read_common_state(directory: str) -> dict:
-    with open(os.path.join(directory, COMMON_FILENAME)) as handle:
-        return json.load(handle)
+    """``common.json`` of ``directory``; :class:`ConfigError` naming the file if it is not a
+    JSON object."""
+    path = os.path.join(directory, COMMON_FILENAME)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            state = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError("checkpoint", f"{path} is not JSON ({error}): the checkpoint is "
+                                        f"damaged; load another iteration (--ckpt-step N) or "
+                                        f"save it again") from None
+    if not isinstance(state, dict) or not isinstance(state.get("args"), dict):
+        raise ConfigError("checkpoint", f"{path} holds no object with the run's 'args': not a "
+                                        f"common.json this course's train_4d wrote; load a "
+                                        f"directory it saved")
+    return state
+
+
+def file_digests(directory: str) -> dict[str, dict]:
+    """``{name: {"bytes": n, "sha256": hex}}`` of DCP's files in ``directory`` (its
+    ``.metadata`` and every ``.distcp``): what ``common.json`` records, so that a truncated
+    or altered file is found before any worker starts."""
+    digests = {}
+    for name in sorted(os.listdir(directory)):
+        if name == DCP_METADATA or name.endswith(".distcp"):
+            with open(os.path.join(directory, name), "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256")
+            digests[name] = {"bytes": os.path.getsize(os.path.join(directory, name)),
+                             "sha256": digest.hexdigest()}
+    return digests
 
 
 # --- finding a checkpoint to load ---------------------------------------------------------
@@ -276,13 +333,32 @@ def _check_count(name: str, value, flag: str) -> None:
                                         f"e.g. {flag} 2")
 
 
-def check_save_args(save: str | None, save_interval: int | None) -> None:
-    """``save_interval`` is a whole number >= 1 and comes with ``save``; ``save`` can be a directory."""
-    if save_interval is not None:
-        _check_count("save_interval", save_interval, "--save-interval")
-        if not save:
-            raise ConfigError("checkpoint", f"save_interval ({save_interval}) needs a directory to "
-                                            f"save into; add --save DIR")
+def _check_count_of(name: str, value, directory: str | None, directory_flag: str,
+                    does: str) -> None:
+    """``value`` (unset, or a whole number >= 1) comes with the directory it is about."""
+    if value is None:
+        return
+    _check_count(name, value, "--" + name.replace("_", "-"))
+    if not directory:
+        raise ConfigError("checkpoint", f"{name} ({value}) {does}; add {directory_flag} DIR")
+
+
+def _check_directory_flag(flag: str, value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ConfigError("checkpoint", f"{flag} {value!r} names no directory (an unset shell "
+                                        f"variable, such as {flag} $CKPT?); pass a directory, or "
+                                        f"leave {flag} out")
+
+
+def check_save_args(save: str | None, save_interval: int | None,
+                    keep_last: int | None = None) -> None:
+    """``save_interval`` and ``keep_last`` are whole numbers >= 1 and come with ``save``;
+    ``save`` can be a directory."""
+    _check_directory_flag("--save", save)
+    _check_count_of("keep_last", keep_last, save, "--save",
+                    "keeps the last checkpoints of a save directory")
+    _check_count_of("save_interval", save_interval, save, "--save",
+                    "needs a directory to save into")
     if save and os.path.exists(save) and not os.path.isdir(save):
         raise ConfigError("checkpoint", f"save directory {save!r} is a file; pass a directory "
                                         f"(it is created if missing)")
@@ -290,17 +366,16 @@ def check_save_args(save: str | None, save_interval: int | None) -> None:
 
 def check_load_args(load: str | None, ckpt_step: int | None) -> Checkpoint | None:
     """The checkpoint ``--load`` / ``--ckpt-step`` name (``None`` without ``load``), or :class:`ConfigError`."""
-    if ckpt_step is not None:
-        _check_count("ckpt_step", ckpt_step, "--ckpt-step")
-        if not load:
-            raise ConfigError("checkpoint", f"ckpt_step ({ckpt_step}) picks an iteration of the load "
-                                            f"directory; add --load DIR")
-    return find_checkpoint(load, ckpt_step) if load else None
+    _check_directory_flag("--load", load)
+    _check_count_of("ckpt_step", ckpt_step, load, "--load", "picks an iteration of the load directory")
+    return find_checkpoint(load, ckpt_step) if load is not None else None
 
 
-def check_checkpoint_args(common: dict, args) -> None:
-    """The checkpoint's model matches ``args`` (:data:`MODEL_ARGS`) and steps remain to train."""
+def check_checkpoint_args(common: dict, args, path: str | None = None) -> None:
+    """The checkpoint's model matches ``args`` (:data:`MODEL_ARGS`) and steps remain to train;
+    ``path``: the checkpoint's directory, named in the message."""
     saved = common["args"]
+    where = f" in {os.path.join(path, COMMON_FILENAME)}" if path else ""
     defaults = dataclasses.asdict(ModelConfig())
     for name in MODEL_ARGS:
         mine = getattr(args, name, defaults[name])
@@ -308,15 +383,120 @@ def check_checkpoint_args(common: dict, args) -> None:
         if mine != theirs:
             flag = "--" + name.replace("_", "-")
             raise ConfigError("checkpoint", f"{name} ({mine}) differs from the checkpoint's "
-                                            f"({theirs}): a checkpoint fixes the model's shapes "
+                                            f"({theirs}){where}: a checkpoint fixes the model's shapes "
                                             f"({', '.join(MODEL_ARGS)}); pass {flag} {theirs}, "
                                             f"or load a checkpoint of this model")
     iteration = common["iteration"]
     if iteration >= args.steps:
-        raise ConfigError("checkpoint", f"the checkpoint is at iteration {iteration} and steps is "
+        raise ConfigError("checkpoint", f"the checkpoint{where.replace(' in ', ' ')} is at iteration "
+                                        f"{iteration} and steps is "
                                         f"{args.steps}: nothing is left to train (steps counts "
                                         f"from the start, as Megatron's --train-iters); pass "
                                         f"--steps {iteration + 1} or more")
+
+
+# --- a checkpoint from elsewhere: DCP's index read safely, the files it names checked ------
+
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo", "_StoragePrefix"),
+    "torch": ("Size",),
+    "torch.serialization": ("_get_layout",),
+    "pathlib": ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"),
+}
+"""Every global a DCP ``.metadata`` names (torch 2.13: the dataclasses of
+``torch/distributed/checkpoint/metadata.py``, ``_StorageInfo`` of ``filesystem.py``, the
+``torch.Size`` of every shape and offset, a layout by name, the checkpoint id's path), besides
+torch's dtypes (``torch.float32`` ...).  ``.metadata`` is a pickle: anything else in it
+(``os.system``, ``builtins.eval``) would run when DCP's own ``pickle.load`` read it."""
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    pass
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` admitting only :data:`DCP_METADATA_GLOBALS` and torch's
+    dtypes (imports torch when it meets one of them)."""
+
+    def find_class(self, module: str, name: str):
+        if name in DCP_METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch":
+            import torch
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise _ForbiddenGlobal(f"{module}.{name}")
+
+
+def read_dcp_metadata(path: str):
+    """DCP's ``Metadata`` from the file ``path`` with :class:`MetadataUnpickler`;
+    :class:`ConfigError` naming the file if it names any other global or cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            return MetadataUnpickler(handle).load()
+    except _ForbiddenGlobal as error:
+        raise ConfigError("checkpoint", f"{path} names {error}, which torch.distributed."
+                                        f"checkpoint's metadata never holds: unpickling it could "
+                                        f"run any code, so it was not loaded. Load only "
+                                        f"checkpoints you trust (this one was not written by "
+                                        f"train_4d, or was altered since)") from None
+    except Exception as error:  # noqa: BLE001 - truncated or flipped bytes raise anything
+        raise ConfigError("checkpoint", f"{path} cannot be read ({type(error).__name__}: "
+                                        f"{error}): the checkpoint is damaged; load another "
+                                        f"iteration (--ckpt-step N) or save it again") from None
+
+
+def _damaged(path: str, what: str) -> ConfigError:
+    return ConfigError("checkpoint", f"{path} {what}: the checkpoint is damaged; load another "
+                                     f"iteration (--ckpt-step N) or save it again")
+
+
+def verify_checkpoint(found: Checkpoint):
+    """Check a checkpoint's files before any worker reads them; returns DCP's metadata.
+
+    The sizes and SHA-256 digests ``common.json`` records (every save since they were
+    added: a truncated file, flipped bytes), then ``.metadata`` through
+    :func:`read_dcp_metadata`, then that every file it names is in the directory and as
+    long as the offsets and lengths it records.  :class:`ConfigError` naming the file.
+    """
+    files = found.common.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise _damaged(os.path.join(found.path, COMMON_FILENAME), "records its files in an "
+                                                                  "unknown form")
+    for name, expected in sorted(files.items()):
+        path = os.path.join(found.path, name)
+        if not os.path.isfile(path):
+            raise _damaged(path, "is missing")
+        size = os.path.getsize(path)
+        if size != expected.get("bytes"):
+            raise _damaged(path, f"has {size} bytes, common.json records {expected.get('bytes')}")
+        with open(path, "rb") as handle:
+            if hashlib.file_digest(handle, "sha256").hexdigest() != expected.get("sha256"):
+                raise _damaged(path, "does not match the SHA-256 digest common.json records "
+                                     "(its bytes changed)")
+    metadata_path = os.path.join(found.path, DCP_METADATA)
+    metadata = read_dcp_metadata(metadata_path)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise _damaged(metadata_path, "records no storage data (which file holds each chunk)")
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        name = info.relative_path
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise _damaged(metadata_path, f"names the file {name!r}, outside the checkpoint")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        path = os.path.join(found.path, name)
+        if not os.path.isfile(path):
+            raise _damaged(path, f"is missing ({DCP_METADATA} records chunks in it)")
+        if os.path.getsize(path) < end:
+            raise _damaged(path, f"has {os.path.getsize(path)} bytes, but {DCP_METADATA} records "
+                                 f"chunks up to byte {end} (a truncated file)")
+    return metadata
 
 
 # --- which ranks hold which piece of a tensor --------------------------------------------------

@@ -45,7 +45,7 @@ import cloudpickle
 
 from .launch import (Collector, LaunchResult, LaunchTimeout, RankProcesses, StartupTimeout,
                      WorkerError, _check_positive_int, _check_seconds, _safe_summary, _send,
-                     enter_worker, flush_output, join_world, pickled_result, resolve_backend,
+                     describe_exit, enter_worker, process_running, flush_output, join_world, pickled_result, resolve_backend,
                      worker_options)
 from .trace import Trace, Tracer, set_tracer
 
@@ -251,8 +251,25 @@ class Cluster:
 
     @property
     def running(self) -> bool:
-        """True while the workers are up and ready for a call."""
-        return self._ranks is not None
+        """True while the workers are up and ready for a call: every process is alive (a rank
+        that died since the last call stops the cluster, :meth:`status` says which)."""
+        return self._dead_rank_error() is None and self._ranks is not None
+
+    def _dead_rank_error(self) -> WorkerError | None:
+        """A rank whose process ended while the cluster ran, as a :class:`WorkerError` (rank,
+        exit code or signal, its last lines on stderr); the cluster is stopped then."""
+        if self._ranks is None:
+            return None
+        for rank, process in enumerate(self._ranks.processes):
+            if process.exitcode is None and not process_running(process.pid):
+                process.join(5.0)  # gone: the forkserver reports its exit status soon
+            if process.exitcode is not None:
+                self._ranks.collector.drain(0.5)  # what it wrote before it died
+                error = self._ranks.collector.died(rank, process.exitcode)
+                self._fail(f"rank {rank} {describe_exit(process.exitcode)} between calls")
+                return _with_note(error, "It died while the cluster was idle; the cluster was "
+                                         "stopped. cluster.restart() starts it again.")
+        return None
 
     def close(self) -> None:
         """Stop every worker (and what it started); the cluster can be started again."""
@@ -276,7 +293,8 @@ class Cluster:
         self.start()
 
     def status(self) -> str:
-        """One line: running or not, the ranks, the calls so far, the last failure."""
+        """One line: running or not, the ranks, the calls so far, the last failure (a rank
+        that died is found here, from its process)."""
         if not self.running:
             why = f" ({self.last_failure})" if self.last_failure else ""
             return f"cluster of {self.world_size} ranks: stopped{why}; restart() starts it"
@@ -321,6 +339,9 @@ class Cluster:
     def _call(self, what, ranks, timeout: float, trace: bool, capture_values: int) -> LaunchResult:
         _check_seconds("timeout", timeout)
         targets = self._targets(ranks)
+        dead = self._dead_rank_error()
+        if dead is not None:
+            raise dead
         if not self.running:
             raise ClusterStopped(self.status())
         request = cloudpickle.dumps(("call", what, trace, capture_values))
@@ -328,7 +349,11 @@ class Cluster:
         collector.new_call(targets)
         started = time.time()
         for r in targets:
-            self._commands[r].send_bytes(request)
+            try:
+                self._commands[r].send_bytes(request)
+            except OSError:  # BrokenPipeError: the rank died just now
+                self._ranks.processes[r].join(5.0)  # reap it: its exit status names the cause
+                raise self._dead_rank_error() or ClusterStopped(self.status()) from None
         self.calls += 1
         try:
             self._wait(collector, targets, timeout)
@@ -352,7 +377,8 @@ class Cluster:
             dead = self._ranks.dead_ranks(collector.finished)
             error = collector.first_cause(self._ranks.processes) if dead else None
             if error is not None:
-                self._fail(f"rank {dead[0]} died")
+                exitcode = self._ranks.processes[dead[0]].exitcode
+                self._fail(f"rank {dead[0]} {describe_exit(exitcode)} during a call")
                 raise _with_note(error, "The cluster was stopped. cluster.restart() starts it again.")
             if deadline is None and collector.started >= set(targets):
                 deadline = time.time() + timeout  # the clock starts when every rank has the call

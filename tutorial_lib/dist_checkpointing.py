@@ -63,8 +63,8 @@ from torch.distributed.tensor import DTensor, Shard
 from . import checkpointing, parallel_state
 from .data_parallel import DistributedOptimizer, grad_domain, is_tensor_parallel
 
-__all__ = ["ADAM_STATE", "PAUSE_BEFORE_COMMIT_ENV", "model_tensors", "sharded_state_dict",
-           "save_checkpoint", "load_checkpoint"]
+__all__ = ["ADAM_STATE", "PAUSE_BEFORE_COMMIT_ENV", "CheckedFileSystemReader", "model_tensors",
+           "sharded_state_dict", "Save", "start_save", "save_checkpoint", "load_checkpoint"]
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 """The optimizer state a checkpoint holds per parameter (the 4D run's optimizer is Adam)."""
@@ -73,6 +73,21 @@ PAUSE_BEFORE_COMMIT_ENV = "TUTORIAL_LIB_PAUSE_BEFORE_COMMIT"
 """Test hook: when this environment variable holds an iteration, the save of that iteration
 stops (rank 0 prints a line and sleeps) after every rank has written and before the
 commit, so a test can kill the run in the middle of a save."""
+
+
+class CheckedFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` with the restricted unpickler
+    (:func:`tutorial_lib.checkpointing.read_dcp_metadata`) instead of ``pickle.load``: every
+    worker reads it again after the launcher's check, and a file swapped in between must not
+    run code either."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = checkpointing.read_dcp_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:  # as DCP's own reader does
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def model_tensors(chunks) -> dict[str, torch.Tensor]:
@@ -189,33 +204,82 @@ def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def save_checkpoint(checkpoints_path: str, iteration: int, chunks, optimizer, args) -> str:
-    """Write the state after ``iteration`` steps to ``checkpoints_path/iter_N``; every rank calls it.
+class Save:
+    """A checkpoint whose files are being written (in the background with ``async_save``);
+    :meth:`finish` waits for them and commits it.  Every rank calls :meth:`finish`, at the
+    same point of training."""
 
-    Returns the committed directory.  Rank 0 makes ``iter_N.tmp``; every rank writes its
-    chunks there with DCP; after a barrier rank 0 writes ``common.json``, renames the
-    directory and rewrites the tracker (:func:`tutorial_lib.checkpointing.commit_checkpoint`).
+    def __init__(self, checkpoints_path: str, iteration: int, args, future=None):
+        self.checkpoints_path, self.iteration, self.args = checkpoints_path, iteration, args
+        self.future = future
+        self.temporary = (checkpointing.get_checkpoint_name(checkpoints_path, iteration)
+                          + checkpointing.TEMPORARY_SUFFIX)
+
+    def finish(self) -> str:
+        """Wait for this rank's writes; rank 0 writes ``common.json`` (with each file's size
+        and digest), renames the directory and rewrites the tracker
+        (:func:`tutorial_lib.checkpointing.commit_checkpoint`), then removes what
+        ``keep_last`` no longer keeps.  Returns the committed directory."""
+        if self.future is not None:
+            self.future.result()  # DCP's coordinator (rank 0) has written .metadata by then
+        rank, iteration = dist.get_rank(), self.iteration
+        if rank == 0:  # DCP's coordinator writes .metadata once every rank's files are written
+            common = checkpointing.common_state(self.args, iteration)
+            common["files"] = checkpointing.file_digests(self.temporary)
+            checkpointing.write_common_state(self.temporary, common)
+        dist.barrier()  # every rank has written: the checkpoint is complete, not yet committed
+        if rank == 0 and os.environ.get(PAUSE_BEFORE_COMMIT_ENV) == str(iteration):
+            print(f"test hook: iteration {iteration} is written to {self.temporary}, pausing "
+                  f"before the commit", file=sys.stderr, flush=True)
+            time.sleep(600)
+        final = checkpointing.get_checkpoint_name(self.checkpoints_path, iteration)
+        if rank == 0:
+            checkpointing.commit_checkpoint(self.checkpoints_path, iteration)
+            if self.args.keep_last:
+                checkpointing.remove_old_checkpoints(self.checkpoints_path, self.args.keep_last)
+        dist.barrier()  # when finish returns, the tracker names iteration N on every rank
+        return final
+
+
+_ASYNC_GROUP = None
+
+
+def _async_group():
+    """A gloo group of the whole world for DCP's background writes: its collectives run in a
+    thread while training's own run on the default group, and two threads must not share
+    one group's sequence of collectives (made once, collectively, at the first async save)."""
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is None:
+        _ASYNC_GROUP = dist.new_group(backend="gloo")
+    return _ASYNC_GROUP
+
+
+def start_save(checkpoints_path: str, iteration: int, chunks, optimizer, args,
+               async_save: bool = False) -> Save:
+    """Start writing the state after ``iteration`` steps into ``iter_N.tmp``; every rank calls it.
+
+    Rank 0 makes the directory; every rank hands its chunks to DCP: ``dcp.save`` (done when
+    it returns) or ``dcp.async_save``, which copies the state to CPU memory and writes it
+    from a thread while training goes on.  :meth:`Save.finish` commits it.
     """
-    rank = dist.get_rank()
-    temporary = checkpointing.get_checkpoint_name(checkpoints_path, iteration) + checkpointing.TEMPORARY_SUFFIX
-    if rank == 0:
+    if dist.get_rank() == 0:
         os.makedirs(checkpoints_path, exist_ok=True)
         checkpointing.prepare_checkpoint_dir(checkpoints_path, iteration)
     dist.barrier()  # nobody writes before the directory is there (and empty)
+    save = Save(checkpoints_path, iteration, args)
     state = sharded_state_dict(chunks, optimizer)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(temporary))
-    if rank == 0:
-        checkpointing.write_common_state(temporary, checkpointing.common_state(args, iteration))
-    dist.barrier()  # every rank has written: the checkpoint is complete, not yet committed
-    if rank == 0 and os.environ.get(PAUSE_BEFORE_COMMIT_ENV) == str(iteration):
-        print(f"test hook: iteration {iteration} is written to {temporary}, pausing before "
-              f"the commit", file=sys.stderr, flush=True)
-        time.sleep(600)
-    final = checkpointing.get_checkpoint_name(checkpoints_path, iteration)
-    if rank == 0:
-        checkpointing.commit_checkpoint(checkpoints_path, iteration)
-    dist.barrier()  # when save_checkpoint returns, the tracker names iteration N on every rank
-    return final
+    writer = dcp.FileSystemWriter(save.temporary)
+    if async_save:
+        save.future = dcp.async_save(state, storage_writer=writer, process_group=_async_group())
+    else:
+        dcp.save(state, storage_writer=writer)
+    return save
+
+
+def save_checkpoint(checkpoints_path: str, iteration: int, chunks, optimizer, args) -> str:
+    """Write the state after ``iteration`` steps to ``checkpoints_path/iter_N`` and commit it
+    (:func:`start_save`, then :meth:`Save.finish`); every rank calls it.  Returns ``iter_N``."""
+    return start_save(checkpoints_path, iteration, chunks, optimizer, args).finish()
 
 
 def load_checkpoint(checkpoints_path: str, chunks, optimizer, args, ckpt_step: int | None = None) -> int:
@@ -235,7 +299,7 @@ def load_checkpoint(checkpoints_path: str, chunks, optimizer, args, ckpt_step: i
     moments = {name: _empty_state(param) for name, param in params.items()}  # filled by the load
     rng_state = torch.empty_like(torch.get_rng_state()) if same_tp_pp else None
     state = _state_dict(tensors, moments, rng_state)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(found.path))
+    dcp.load(state, storage_reader=CheckedFileSystemReader(found.path))
     by_param = {params[name]: value for name, value in moments.items()}
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.load_parameter_state(by_param)

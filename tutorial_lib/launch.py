@@ -127,10 +127,14 @@ class WorkerError(RuntimeError):
     so one bad rank does not lose the rest.
     """
 
-    def __init__(self, rank: int, summary: str, worker_traceback: str):
+    def __init__(self, rank: int, summary: str, worker_traceback: str,
+                 exitcode: int | None = None):
         self.rank = rank
         self.summary = summary
         self.worker_traceback = worker_traceback
+        self.exitcode = exitcode
+        """The process's exit status when it died without a Python exception (negative: the
+        signal that killed it); ``None`` when the function raised."""
         self.results: list = []
         super().__init__(f"rank {rank} failed: {summary}\n\n"
                          f"----- traceback from rank {rank} -----\n{worker_traceback}")
@@ -149,7 +153,61 @@ class LaunchTimeout(RuntimeError):
         lines.append("A rank blocked in a receive (or collective) whose peers never send is "
                      "a deadlock: check that every send has a matching receive on the peer, "
                      "in the same order, and that every rank of a group joins each collective.")
+        if collective_mismatch_suspected(report):
+            lines.append(MISMATCH_HINT)
         super().__init__("\n".join(lines))
+
+
+RETURNED = ("finished its function (returned from fn); waits in the launcher's end-of-call "
+            "barrier for the other ranks")
+"""What the report says of a rank whose function returned while others still run theirs."""
+MISMATCH_HINT = ("possible collective mismatch: rerun with check_collectives=True, which "
+                 "compares every collective's op, shapes and dtypes across the ranks and names "
+                 "the first that differ")
+"""Added to a timeout's report when a rank returned while its peers wait in a collective, or
+when ranks wait in the same group's op with different ops or shapes."""
+
+
+RETURNED_EARLY = "returned from fn while other ranks were still inside a collective"
+"""How a rank whose end-of-call barrier met its peers' collective (torch's check on) is reported."""
+
+
+def describe_exit(exitcode: int) -> str:
+    """``"was killed by signal SIGKILL (exit code -9)"`` or ``"exited with code 3"``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by signal {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def _returned_ranks_named(summary: str, returned: set[int]) -> str:
+    """A mismatch explanation with a returned rank's barrier (torch's check sees its own
+    ops there) said as what it is."""
+    return re.sub(r"rank (\d+) runs [^.]*? as its op #\d+",
+                  lambda m: (f"rank {m.group(1)} returned from fn" if int(m.group(1)) in returned
+                             else m.group(0)), summary)
+
+
+_WAIT = re.compile(r"waiting in (\S+) on (\w+ group \[[^\]]*\])(?: shape (\([^)]*\) \S+))?")
+_P2P_OPS = ("send", "recv", "isend", "irecv")
+
+
+def collective_mismatch_suspected(report: dict[int, str]) -> bool:
+    """A timeout report that looks like ranks issuing different collectives: some rank
+    returned from its function while another waits in a collective, or ranks wait in the
+    same group's collective with different ops or shapes (gloo then hangs or crashes)."""
+    waits = [m.groups() for m in map(_WAIT.match, report.values()) if m]
+    collectives = [(op, group, shape) for op, group, shape in waits if op not in _P2P_OPS]
+    returned = any(text.startswith(RETURNED.split(";")[0]) for text in report.values())
+    if returned and collectives:
+        return True
+    seen: dict[str, set] = {}
+    for op, group, shape in collectives:
+        seen.setdefault(group, set()).add((op, shape))
+    return any(len(kinds) > 1 for kinds in seen.values())
 
 
 class StartupTimeout(RuntimeError):
@@ -267,7 +325,7 @@ def _write_status(run_dir: str, rank: int, tracer: Tracer | None) -> None:
     if event is not None:
         text = f"{event.t_start!r}\nwaiting in {_describe_pending(event)}"
     elif tracer is not None and tracer.finished:
-        text = f"{time.time()!r}\nfinished its function; waiting for the other ranks to finish theirs"
+        text = f"{time.time()!r}\n{RETURNED}"
     else:
         text = ""
     tmp = os.path.join(run_dir, f"status.{rank}.tmp")
@@ -323,7 +381,8 @@ def _send(conn, message) -> None:
 
 def enter_worker(rank: int, stdout_conn, stderr_conn, alive, run_dir: str) -> None:
     """The first thing a worker does: its own process group, stdout and stderr into the
-    launcher's pipes, the watchdog, and a stack dump on SIGUSR1 for the reports."""
+    launcher's pipes, the watchdog, faulthandler (a crash prints its signal and Python
+    stack) and a stack dump on SIGUSR1 for the reports."""
     os.setpgid(0, 0)  # lead a process group: the launcher ends it whole
     for fd, conn in ((1, stdout_conn), (2, stderr_conn)):
         os.dup2(conn.fileno(), fd)  # the launcher holds the read end
@@ -331,6 +390,9 @@ def enter_worker(rank: int, stdout_conn, stderr_conn, alive, run_dir: str) -> No
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     threading.Thread(target=_watch, args=(alive, run_dir, rank), daemon=True).start()
+    # a crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints its signal and the Python
+    # stack on stderr, which the launcher's report quotes
+    faulthandler.enable(file=sys.stderr, all_threads=False)
     stack_file = open(os.path.join(run_dir, f"stack.{rank}"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
 
@@ -442,7 +504,12 @@ def _worker_main(rank, world_size, backend, init_method, payload, result_conn, s
             tracer.finished = True
             # Leave together: a rank that exits while a peer still reads from it
             # would break that peer's last op ("Connection reset by peer").
-            dist.barrier()
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - torch's check met a peer's collective here
+                raise RuntimeError(f"{RETURNED_EARLY} (the launcher's end-of-call barrier met "
+                                   f"theirs): every rank must issue the same collectives; "
+                                   f"did this rank skip one, or return early?") from None
         message = ("ok", rank, pickled_result(rank, result), tracer.event_dicts())
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the notebook
         message = ("error", rank, _safe_summary(exc), traceback.format_exc())
@@ -760,6 +827,19 @@ class Collector:
     def last_stderr(self, rank: int, lines: int = 8) -> list[str]:
         return [text for stream, text in self.output[rank] if stream == "stderr"][-lines:]
 
+    def died(self, rank: int, exitcode: int) -> WorkerError:
+        """The error of ``rank``, whose process ended with ``exitcode`` without a result: the
+        signal by name, and what it wrote last on stderr (from faulthandler's "Fatal Python
+        error" on, when it crashed: the signal and the Python stack)."""
+        lines = [text for stream, text in self.output[rank] if stream == "stderr"]
+        crash = [i for i, text in enumerate(lines) if text.startswith("Fatal Python error")]
+        last = lines[crash[-1]:][:40] if crash else lines[-8:]
+        said = ("its last lines on stderr:\n" + "\n".join(f"    {t}" for t in last)
+                if last else "it wrote nothing to stderr")
+        return WorkerError(rank, f"process {describe_exit(exitcode)} before returning a result",
+                           f"(no Python traceback: the process died, e.g. killed by a signal, "
+                           f"os._exit, a C++ abort, or out of memory; {said})", exitcode=exitcode)
+
     def first_cause(self, processes, grace: float = 0.5) -> WorkerError | None:
         """The failure that started it all, with the others it caused listed after it.
 
@@ -774,22 +854,21 @@ class Collector:
         reported = {f.rank for f in self.failures}
         for rank, p in enumerate(processes):
             if rank not in self.finished and rank not in reported and p.exitcode is not None:
-                last = self.last_stderr(rank)
-                said = ("its last lines on stderr:\n" + "\n".join(f"    {t}" for t in last)
-                        if last else "it wrote nothing to stderr")
-                self.failures.insert(0, WorkerError(
-                    rank, f"process exited with code {p.exitcode} before returning a result",
-                    f"(no Python traceback: the process died, e.g. killed by a signal, "
-                    f"os._exit, a C++ abort, or out of memory; {said})"))
+                self.failures.insert(0, self.died(rank, p.exitcode))
         if not self.failures:  # what looked like a death was a result still in its pipe
             return None
         lost_peer = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
         causes = [f for f in self.failures if not any(t in f.summary for t in lost_peer)]
+        # a rank that returned while the others were in a collective comes first: their
+        # errors then name its end-of-call barrier as "returned from fn"
+        returned = {f.rank for f in self.failures if RETURNED_EARLY in f.summary}
+        causes.sort(key=lambda f: f.rank not in returned)
         first = (causes or self.failures)[0]
         others = [f for f in self.failures if f is not first]
         if others:
             first.args = (first.args[0] + "\n\nAfterwards, probably as a consequence:\n" +
-                          "\n".join(f"  rank {f.rank}: {f.summary[:200]}" for f in others),)
+                          "\n".join(f"  rank {f.rank}: {_returned_ranks_named(f.summary, returned)[:200]}"
+                                    for f in others),)
         first.results = list(self.results)
         return first
 
@@ -826,6 +905,66 @@ def _start(processes) -> None:
                 p.start()
 
 
+RUN_DIR = re.compile(r"^tutorial_lib_[a-z0-9]+_(\d+)_")
+"""The temporary folders of launches, clusters and train_4d runs: ``tutorial_lib_<kind>_<pid>_``
+and a random tail, ``<pid>`` the process that made it."""
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, not yet reaped by its parent) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel (a zombie then counts as running)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process
+            return True
+        return True
+
+
+def remove_orphaned_run_dirs(directory: str | None = None) -> list[str]:
+    """Remove the run folders (:data:`RUN_DIR`) whose process is gone: a launcher killed by
+    ``SIGKILL`` cannot remove its own.  Returns the paths removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(directory):
+        found = RUN_DIR.match(name)
+        if found and not process_running(int(found.group(1))):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            removed.append(os.path.join(directory, name))
+    return removed
+
+
+def make_run_dir(prefix: str) -> str:
+    """A new temporary folder ``<prefix><pid>_...`` (``prefix`` like ``tutorial_lib_launch_``),
+    after removing those of processes that died without removing theirs."""
+    remove_orphaned_run_dirs()
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 class RankProcesses:
     """The worker processes of one launch (or one cluster) and the launcher's pipe ends.
 
@@ -837,7 +976,7 @@ class RankProcesses:
     def __init__(self, world_size: int, print_output: bool, prefix: str = "tutorial_lib_launch_"):
         self.world_size = world_size
         self.context = _get_context()
-        self.run_dir = tempfile.mkdtemp(prefix=prefix)
+        self.run_dir = make_run_dir(prefix)
         self.init_method = f"file://{os.path.join(self.run_dir, 'rendezvous')}"
         self.collector = Collector(world_size, print_output)
         self.processes: list = []
@@ -1030,6 +1169,20 @@ def torchrun_backend(backend: str = "auto") -> tuple[str, str]:
     return chosen, (f"cuda:{local_rank}" if chosen == "nccl" else "cpu")
 
 
+def _torchrun_store(rank: int, world_size: int):
+    """torchrun's store (``MASTER_ADDR:MASTER_PORT``, as ``env://`` reads it), its keys under
+    a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``).  After ``--max-restarts``
+    starts the workers again, torch 2.13's store still holds the dead attempt's gloo
+    addresses, and the new workers tried to connect to them ("Connection refused")."""
+    import torch.distributed as dist
+    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not use_agent_store and rank == 0,
+                          multi_tenant=not use_agent_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"tutorial_lib/attempt_{attempt}", store)
+
+
 def run_under_torchrun(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
                        backend: str = "auto", trace: bool = True, capture_values: int = 0):
     """Run ``fn(ctx, ...)`` in this torchrun process; returns ``(result, tracer events)``.
@@ -1045,8 +1198,8 @@ def run_under_torchrun(fn: Callable[..., Any], args: tuple = (), kwargs: dict | 
         import torch
         torch.cuda.set_device(device)
     tracer = set_tracer(Tracer(rank, enabled=trace, capture_values=capture_values))
-    dist.init_process_group(process_group_backend(backend), init_method="env://", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(process_group_backend(backend), store=_torchrun_store(rank, world_size),
+                            rank=rank, world_size=world_size)
     try:
         enter_device(device, os.environ.get(STRICT_DEVICE_VARIABLE) or None)
         ctx = WorkerContext(rank=rank, world_size=world_size, backend=backend, device=device,

@@ -219,7 +219,16 @@ def configs_from_args(options) -> tuple:
                               pipeline_model_parallel_size=pick("pp"),
                               expert_model_parallel_size=pick("ep"),
                               context_parallel_size=pick("cp"))
-    train = TrainConfig(options.global_batch_size or batch, options.num_microbatches or micro)
+    for flag, value in (("--global-batch-size", options.global_batch_size),
+                        ("--num-microbatches", options.num_microbatches),
+                        ("--world-size", options.world_size), ("--tp", options.tp),
+                        ("--pp", options.pp), ("--ep", options.ep), ("--cp", options.cp),
+                        ("--virtual-pipeline-size", options.virtual_pipeline_size)):
+        if value is not None and value < 1:  # 0 must not fall back to the default silently
+            raise ConfigError("malformed", f"{flag} must be a whole number >= 1, got {value}; "
+                                           f"leave it out for the default, or e.g. {flag} 4")
+    train = TrainConfig(batch if options.global_batch_size is None else options.global_batch_size,
+                        micro if options.num_microbatches is None else options.num_microbatches)
     return model, parallel, train, options.precision or precision
 
 

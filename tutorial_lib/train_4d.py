@@ -89,7 +89,9 @@ atomic commit, the checks) and :mod:`tutorial_lib.dist_checkpointing` (the DCP c
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -117,7 +119,8 @@ from .trace import get_tracer
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
            "load_config_file", "check_memory", "describe_run", "LOG_KEYS", "build_chunks",
            "train_worker", "train", "format_progress", "format_saved",
-           "write_progress", "moe_aux_loss_scale"]
+           "write_progress", "read_progress", "moe_aux_loss_scale", "StopRequest",
+           "DIE_AFTER_ENV"]
 
 # TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
 # torch, so that examples/train_4d.py refuses a bad value before it loads torch; they are
@@ -210,7 +213,50 @@ def _measured_memory(modules, optimizer, out, device) -> dict:
     return measured
 
 
-def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[dict]:
+DIE_AFTER_ENV = "TUTORIAL_LIB_DIE_AFTER"
+"""Test hook: ``"RANK:ITERATION:MARKER"`` makes that rank kill itself with ``SIGKILL`` after
+that iteration (and its save), once: it first creates the file ``MARKER``, and does nothing
+when the file is there (so the restarted world trains on)."""
+
+
+def _die_if_asked(rank: int, iteration: int) -> None:
+    asked = os.environ.get(DIE_AFTER_ENV)
+    if not asked:
+        return
+    who, when, marker = asked.split(":", 2)
+    if (int(who), int(when)) == (rank, iteration) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopRequest:
+    """A request to stop training at the end of the current step: ``SIGTERM`` to this process
+    (what a scheduler sends before it preempts a job; torchrun passes it on to its workers),
+    or the file ``stop_file`` (what ``examples/train_4d.py`` writes when it gets one).
+    Megatron-LM's ``--exit-signal-handler`` is the same idea: every rank checks, the ranks
+    agree (one all-reduce per step), then save and exit."""
+
+    def __init__(self, stop_file: str | None = None):
+        self.stop_file = stop_file
+        self.received = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def __call__(self) -> bool:
+        return self.received or bool(self.stop_file and os.path.exists(self.stop_file))
+
+
+def _agreed(flag: bool, device) -> bool:
+    """True on every rank when it is true on any (not traced: not part of the step)."""
+    import torch.distributed as dist
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None) -> list[dict]:
     """Train on this rank; every rank returns the same per-step records but for ``memory``,
     its own.
 
@@ -218,6 +264,10 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
     ``on_save(iteration, directory)`` after each checkpoint is committed.  Records are
     numbered by ``iteration`` (from 1); with ``args.load`` they start at the iteration
     after the checkpoint's.  Every tensor lives on ``ctx.device`` (a GPU under NCCL).
+    ``stop``: a :class:`StopRequest` (or any callable) asked after each step; when it is
+    true on some rank, every rank saves (with ``args.save``) and returns the records so far.
+    With ``args.async_save`` a save is written in the background and committed at the next
+    save or at the end.
     """
     parallel, _, _ = args.configs()
     parallel.world_size = ctx.world_size
@@ -244,6 +294,13 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
     rows = args.global_batch_size // dp // m
     shape = (args.seq_length // cp, rows, args.hidden_size)
     records = []
+    pending = None  # an asynchronous save still being written
+
+    def finish(save) -> None:
+        if save is not None:
+            directory = save.finish()
+            if on_save is not None:
+                on_save(save.iteration, directory)
     for step in range(first_step, args.steps):
         started = time.perf_counter()
         model.zero_grad()
@@ -288,11 +345,20 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None) -> list[di
         records.append(record)
         if on_step is not None:
             on_step(record)
-        if checkpointing.is_save_iteration(step + 1, args.steps, args.save, args.save_interval):
-            from .dist_checkpointing import save_checkpoint
-            directory = save_checkpoint(args.save, step + 1, chunks, optimizer, args)
-            if on_save is not None:
-                on_save(step + 1, directory)
+        stopping = stop is not None and _agreed(stop(), device)
+        if args.save and (stopping or checkpointing.is_save_iteration(step + 1, args.steps, args.save,
+                                                                      args.save_interval)):
+            from .dist_checkpointing import start_save
+            finish(pending)  # the save before: written by now, committed here
+            pending = start_save(args.save, step + 1, chunks, optimizer, args,
+                                 async_save=args.async_save and not stopping)
+            if not args.async_save or stopping:
+                finish(pending)
+                pending = None
+        _die_if_asked(ctx.rank, step + 1)
+        if stopping:
+            break
+    finish(pending)
     return records
 
 
@@ -328,22 +394,42 @@ def _print_saved_on_rank_0(ctx):
     return on_save
 
 
-def write_progress(path: str, steps_done: int) -> None:
-    """Record how many steps are done in ``path`` (rank 0, after each step; atomic)."""
-    with open(path + ".tmp", "w") as handle:
-        handle.write(str(steps_done))
-    os.replace(path + ".tmp", path)
+def write_progress(path: str, record: dict) -> None:
+    """Append ``record`` to ``path`` as one JSON line (rank 0, after each step): what
+    ``examples/train_4d.py`` reports when interrupted, and the records of a world that died
+    before it returned them (:func:`read_progress`)."""
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def read_progress(path: str) -> dict[int, dict]:
+    """The records :func:`write_progress` appended, by iteration (a later one of the same
+    iteration, from a restarted world, wins); a line cut by a kill is skipped."""
+    records = {}
+    try:
+        with open(path) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return records
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        records[record["iteration"]] = record
+    return records
 
 
 def train(args: TrainingArgs, progress: bool = False, trace: bool = False,
-          progress_file: str | None = None, **launch_kwargs):
+          progress_file: str | None = None, stop_file: str | None = None, **launch_kwargs):
     """Validate, launch ``args.world_size`` gloo/NCCL workers, train; returns the ``LaunchResult``.
 
     ``result.results[0]`` is the list of per-step records.  Raises :class:`ConfigError`
     before starting anything when the grid or the batch breaks a rule, or when
     ``args.device`` is ``cuda`` and this machine has fewer GPUs than ranks.  ``progress_file``:
-    rank 0 writes the number of finished steps there after each step (what
-    ``examples/train_4d.py`` reports when interrupted).
+    rank 0 appends each step's record there (:func:`write_progress`).  ``stop_file``: the
+    workers stop at the end of the step during which this file appears (or they get
+    ``SIGTERM``), saving first (:class:`StopRequest`).
     """
     from .launch import launch
     validate_args(args)
@@ -352,16 +438,17 @@ def train(args: TrainingArgs, progress: bool = False, trace: bool = False,
                             if getattr(args, name)})
     launch_kwargs.setdefault("timeout", args.timeout)
     launch_kwargs.setdefault("backend", DEVICES[args.device])
-    return launch(_worker, args.world_size, args=(args, progress, progress_file), trace=trace,
-                  print_output=progress, **launch_kwargs)
+    return launch(_worker, args.world_size, args=(args, progress, progress_file, stop_file),
+                  trace=trace, print_output=progress, **launch_kwargs)
 
 
-def _worker(ctx, args, progress, progress_file=None):
+def _worker(ctx, args, progress, progress_file=None, stop_file=None):
     printer = _print_on_rank_0(ctx, args) if progress else None
 
     def on_step(record):
         if printer is not None:
             printer(record)
         if progress_file and ctx.rank == 0:
-            write_progress(progress_file, record["iteration"])
-    return train_worker(ctx, args, on_step, _print_saved_on_rank_0(ctx) if progress else None)
+            write_progress(progress_file, record)
+    stop = StopRequest(stop_file) if stop_file else None
+    return train_worker(ctx, args, on_step, _print_saved_on_rank_0(ctx) if progress else None, stop)

@@ -79,7 +79,7 @@ def wait_for_files(folder, count: int, process=None, seconds: float = 300) -> li
     return names
 
 
-def start_reporting_script(tmp_path, source: str, ranks: int):
+def start_reporting_script(tmp_path, source: str, ranks: int, env=None):
     """Start ``source`` as a script (``python script.py FOLDER``) whose ``ranks`` ranks each
     write a file into FOLDER once they run (:func:`wait_for_files`'s rule); return the
     process and the files' names when all are there."""
@@ -87,7 +87,7 @@ def start_reporting_script(tmp_path, source: str, ranks: int):
     script.write_text(source)
     folder.mkdir()
     proc = subprocess.Popen([sys.executable, str(script), str(folder)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     return proc, [folder / name for name in wait_for_files(folder, ranks, proc)]
 
 

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tutorial_lib import checkpointing
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.dist_checkpointing import PAUSE_BEFORE_COMMIT_ENV
-from tutorial_lib.launch import launch
+from tutorial_lib.launch import descendants, launch
 from tutorial_lib.config import ConfigError
 from tutorial_lib.train_4d import TrainingArgs, train, train_worker, validate_args
 
@@ -270,24 +270,6 @@ def _env(**extra) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (the launcher's forkserver and the workers it forked)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 @contextmanager
 def started(flags, **env):
     """``examples/train_4d.py FLAGS`` in a session of its own (as a terminal's foreground job);
@@ -328,7 +310,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_pat
     with started(flags[:-1], **{PAUSE_BEFORE_COMMIT_ENV: "4"}) as killed:
         # printed by rank 0 after the barrier that follows every rank's writes
         wait_for_line(killed.stderr, "test hook: iteration 4 is written", seconds=600)
-        processes = _descendants(killed.pid)
+        processes = descendants(killed.pid)
         os.killpg(killed.pid, signal.SIGKILL)  # the launcher and its forkserver
         killed.communicate()
     assert wait_until_gone(processes, 10) == []  # the workers follow their launcher
@@ -361,7 +343,7 @@ def test_ctrl_c_prints_one_line_with_the_step_and_the_command_to_resume(tmp_path
              "--save-interval", "1"]
     with started(flags) as run_:
         wait_for_line(run_.stdout, "saved checkpoint of iteration 2")
-        processes = _descendants(run_.pid)
+        processes = descendants(run_.pid)
         os.killpg(run_.pid, signal.SIGINT)
         out, err = run_.communicate(timeout=60)
     assert run_.returncode == 130, err[-3000:]
@@ -383,7 +365,7 @@ def test_ctrl_c_while_the_workers_start_is_one_line_too(tmp_path):
     its own; started with SIGINT ignored, it stays quiet."""
     with started([*CLI, "--pipeline-model-parallel-size", "2", "--steps", "1000"]) as run_:
         def forkserver_started():
-            for pid in _descendants(run_.pid):
+            for pid in descendants(run_.pid):
                 try:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         if b"forkserver" in f.read():

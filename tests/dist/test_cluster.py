@@ -13,6 +13,7 @@ from tutorial_lib.launch import LaunchTimeout, WorkerError
 
 from .conftest import (process_alive, run_two_notebooks, start_reporting_script,
                        wait_until_gone)
+from .faults import fault_bench  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.dist
 
@@ -203,3 +204,33 @@ TWO_CLUSTERS = textwrap.dedent("""
 
 def test_two_notebooks_with_clusters_at_once_never_collide(tmp_path):
     run_two_notebooks(tmp_path, TWO_CLUSTERS, seconds=180)
+
+
+def test_a_rank_that_died_between_calls_is_named_on_the_next_call(fault_bench):
+    """A rank killed while the cluster is idle (the machine's OOM killer, say): the next call
+    names it and its signal in a WorkerError (it was a bare BrokenPipeError), the cluster is
+    stopped, ``running`` and the status line say so, and one call restarts it."""
+    cluster = Cluster(2, print_output=False)
+    try:
+        pids = cluster.run(lambda ctx: os.getpid()).results
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_until_gone([pids[1]]) == []
+        with pytest.raises(WorkerError) as info:
+            cluster.run(lambda ctx: ctx.rank)
+        assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+        assert str(info.value).startswith("rank 1 failed: process was killed by signal SIGKILL "
+                                          "(exit code -9)")
+        assert cluster.running is False
+        # found before the call starts, or (its exit status not yet collected) during it
+        assert cluster.status().startswith("cluster of 2 ranks: stopped (rank 1 was killed by "
+                                           "signal SIGKILL (exit code -9) ")
+        assert cluster.status().endswith("); restart() starts it")
+        assert wait_until_gone([pids[0]]) == []  # rank 0 was stopped with it
+        cluster.restart()
+        assert cluster.run(lambda ctx: ctx.rank).results == [0, 1]
+        pid = cluster.run(lambda ctx: os.getpid()).results[0]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until_gone([pid]) == []
+        assert cluster.running is False  # found from the processes, before any call
+    finally:
+        cluster.close()

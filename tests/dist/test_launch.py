@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -11,11 +12,13 @@ import pytest
 import torch
 
 from tutorial_lib import comm
-from tutorial_lib.launch import LaunchTimeout, WorkerError, launch
+from tutorial_lib.launch import (MISMATCH_HINT, RETURNED, LaunchTimeout, WorkerError,
+                                 collective_mismatch_suspected, launch)
 
 from .conftest import (process_alive, run_two_notebooks, start_reporting_script,
                        wait_until_gone)
 from tests.asserts import every
+from .faults import fault_bench  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.dist
 
@@ -142,8 +145,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start_script(tmp_path):
-    proc, files = start_reporting_script(tmp_path, SCRIPT, 3)  # each rank's pid
+def _start_script(tmp_path, env=None):
+    proc, files = start_reporting_script(tmp_path, SCRIPT, 3, env=env)  # each rank's pid
     pids = [int(path.read_text()) for path in files]
     assert every(process_alive(p) for p in pids)
     return proc, pids
@@ -379,15 +382,76 @@ def test_a_launch_right_after_the_forkserver_died_starts_a_new_one():
     assert forkserver._forkserver._forkserver_pid != server_pid
 
 
-def test_workers_exit_when_the_launcher_is_killed_and_never_reaped(tmp_path):
+def test_workers_exit_when_the_launcher_is_killed_and_never_reaped(tmp_path, fault_bench,
+                                                                   monkeypatch):
     """A launcher killed by SIGKILL whose parent never waits for it stays a zombie; polling
-    its pid would say it lives.  The liveness pipe reports end-of-file all the same."""
-    proc, pids = _start_script(tmp_path)
+    its pid would say it lives.  The liveness pipe reports end-of-file all the same.  Its
+    run folder, which it could not remove, is removed by the next launch."""
+    proc, pids = _start_script(tmp_path, env=fault_bench.env)
     os.kill(proc.pid, signal.SIGKILL)  # and no proc.wait(): the launcher stays a zombie
     try:
         assert wait_until_gone(pids, seconds=15) == [], "workers outlived an unreaped launcher"
     finally:
         proc.wait(timeout=10)
+    assert [name.split("_")[3] for name in fault_bench.run_dirs()] == [str(proc.pid)]
+    monkeypatch.setattr(tempfile, "tempdir", str(fault_bench.tmpdir))  # where it made it
+    assert [r["value"] for r in launch(_identity, 1, args=(1,)).results] == [1]
+    assert fault_bench.run_dirs() == []
+
+
+def _crash(ctx):
+    import ctypes
+    if ctx.rank == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    torch.distributed.barrier()
+
+
+def test_a_crash_is_reported_with_its_signal_and_the_python_stack(fault_bench):
+    """faulthandler in every worker: a segfault said "code -11" and nothing more."""
+    with pytest.raises(WorkerError) as info:
+        launch(_crash, 2, timeout=120)
+    message = str(info.value)
+    assert info.value.rank == 1 and info.value.exitcode == -signal.SIGSEGV
+    assert "process was killed by signal SIGSEGV (exit code -11)" in message
+    assert "Fatal Python error: Segmentation fault" in message
+    assert 'test_launch.py", line' in message and "in _crash" in message
+
+
+def _one_rank_returns_early(ctx, shape_of):
+    if ctx.rank == 1:
+        return "left"
+    comm.all_reduce(torch.zeros(3))
+
+
+def test_a_rank_that_returned_while_its_peers_wait_in_a_collective(fault_bench):
+    """Without torch's check the launch ends at the timeout (2 s, counted once every rank
+    joined: a busy machine does not shorten it); the report says the rank returned from fn
+    and suggests the check.  With the check, the rank's end-of-call barrier, which the check
+    sees as an op of its own, is named as what it is."""
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_one_rank_returns_early, 2, args=(None,), timeout=2, check_collectives=False)
+    assert info.value.report[1].startswith("finished its function (returned from fn); waits in "
+                                           "the launcher's end-of-call barrier")
+    assert str(info.value).endswith(MISMATCH_HINT)
+    with pytest.raises(WorkerError) as info:
+        launch(_one_rank_returns_early, 2, args=(None,), timeout=120, check_collectives=True)
+    message = str(info.value)
+    assert message.startswith("rank 1 failed: RuntimeError: returned from fn while other ranks "
+                              "were still inside a collective"), message
+    assert "rank 0 runs allreduce of shape [3] float as its op #0 on the group, but rank 1 " \
+           "returned from fn" in message
+
+
+def test_the_mismatch_hint_reads_the_report():
+    """Which timeout reports suggest ``check_collectives=True`` (pure: reports as written)."""
+    wait = "waiting in {} on world group [0, 1, 2, 3] shape {} torch.float32 (for 2.0 s)"
+    returned = f"{RETURNED} (for 1.0 s)"
+    assert collective_mismatch_suspected({0: wait.format("all_reduce", "(4,)"), 1: returned})
+    assert collective_mismatch_suspected({0: wait.format("all_reduce", "(4,)"),
+                                          1: wait.format("all_reduce", "(3,)")})
+    assert not collective_mismatch_suspected({0: wait.format("all_reduce", "(4,)"),
+                                              1: wait.format("all_reduce", "(4,)")})
+    assert not collective_mismatch_suspected({0: wait.format("recv", "(4,)"), 1: returned})
 
 
 def _uneven_p2p_then_collectives(ctx):

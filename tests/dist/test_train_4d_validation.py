@@ -46,6 +46,15 @@ BAD = [
     (["--world-size", "2", "--tensor-model-parallel-size", "2", "--seq-length", "15"],
      ["[rule 6]", "seq_length (15)", "14 or 16"]),
     (["--hidden-size", "65536", "--num-layers", "64"], ["[memory]", "pipeline rank 0", "optimizer", "Fix:"]),
+    (["--first-k-dense-replace", "99"], ["first_k_dense_replace (99)", "num_layers (4)",
+                                          "--first-k-dense-replace 1"]),
+    (["--load", ""], ["--load '' names no directory", "$CKPT", "leave --load out"]),
+    (["--save", ""], ["--save '' names no directory"]),
+    (["--keep-last", "2"], ["keep_last (2)", "add --save DIR"]),
+    (["--save", "{dir}/ckpt", "--keep-last", "0"], ["keep_last must be a whole number >= 1, got 0",
+                                                    "--keep-last 2"]),
+    (["--max-restarts", "-1"], ["max_restarts must be a whole number >= 0, got -1",
+                                "--max-restarts 2"]),
     (["--config", "{dir}/fast.json"], ["fast.json: lr must be a number, got 'fast' (str)"]),
     (["--config", "{dir}/list.json"], ["list.json' holds an array ([1, 2]), not an object of options"]),
     (["--config", "{dir}/string.json"], ["string.json' holds a string"]),
@@ -69,7 +78,7 @@ for argv in json.loads(sys.argv[2]):
     with contextlib.redirect_stderr(err):
         code = cli.main(argv)
     print(json.dumps({"argv": argv, "code": code, "err": err.getvalue(),
-                      "torch": "torch" in sys.modules}))
+                      "torch": "torch" in sys.modules, "numpy": "numpy" in sys.modules}))
 """
 
 
@@ -80,12 +89,17 @@ def bad_files(tmp_path):
     return tmp_path
 
 
+def _refusals(driver: str, *arguments) -> list[dict]:
+    """Each JSON line ``driver`` prints, run in one fresh Python process."""
+    done = subprocess.run([sys.executable, "-c", driver, *arguments], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
 def test_every_bad_value_exits_2_with_its_rule_before_torch_is_loaded(bad_files):
     runs = [[a.replace("{dir}", str(bad_files)) for a in argv] for argv, _ in BAD]
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(SCRIPT), json.dumps(runs)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
+    results = _refusals(DRIVER, str(SCRIPT), json.dumps(runs))
     assert len(results) == len(BAD)
     for result, (_, fragments) in zip(results, BAD):
         assert result["code"] == 2, result
@@ -94,6 +108,32 @@ def test_every_bad_value_exits_2_with_its_rule_before_torch_is_loaded(bad_files)
             assert fragment in result["err"], (fragment, result)
         assert "Traceback" not in result["err"]
         assert result["torch"] is False, result  # refused before torch was imported
+        assert result["numpy"] is False, result  # nor numpy: a refusal costs no import
+
+
+#: ``python -m tutorial_lib.memory`` with values that fell back to the defaults silently.
+MEMORY_BAD = [["--global-batch-size", "0"], ["--num-microbatches", "0"], ["--pp", "0"]]
+
+MEMORY_DRIVER = r"""
+import contextlib, io, json, sys
+from tutorial_lib import memory
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = memory.main(argv)
+    print(json.dumps({"code": code, "err": err.getvalue(), "numpy": "numpy" in sys.modules,
+                      "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_memory_command_refuses_zero_with_the_flag_and_a_fix():
+    results = _refusals(MEMORY_DRIVER, json.dumps(MEMORY_BAD))
+    assert len(results) == len(MEMORY_BAD)
+    for result, (flag, value) in zip(results, MEMORY_BAD):
+        assert result["code"] == 2, result
+        assert f"{flag} must be a whole number >= 1, got {value}" in result["err"], result
+        assert f"e.g. {flag} 4" in result["err"], result
+        assert result["numpy"] is False and result["torch"] is False, result
 
 
 def test_the_command_line_as_typed_exits_2_at_once(bad_files):

@@ -10,10 +10,14 @@ Pure: directories made in ``tmp_path``, no worker.  The saves and loads of real 
 import importlib.util
 import json
 import os
+import pickle
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from tutorial_lib import checkpointing
 from tutorial_lib.checkpointing import (CKPT_FORMAT, TRACKER_FILENAME, check_checkpoint_args,
@@ -31,10 +35,15 @@ ARGS = TrainingArgs(steps=6, num_layers=4, hidden_size=16, vocab_size=32, seq_le
 
 
 def fake_save(root, iteration, args=ARGS, commit=True) -> str:
-    """What a save leaves on disk, minus the tensors: DCP's index and the common state."""
+    """What a save leaves on disk: DCP's files (one small tensor, saved by this process
+    alone) and the common state with their digests."""
     temporary = prepare_checkpoint_dir(str(root), iteration)
-    Path(temporary, ".metadata").write_bytes(b"dcp")
-    checkpointing.write_common_state(temporary, common_state(args, iteration))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group: "a single process"
+        dcp.save({"w": torch.arange(64.0)}, storage_writer=dcp.FileSystemWriter(temporary))
+    state = common_state(args, iteration)
+    state["files"] = checkpointing.file_digests(temporary)
+    checkpointing.write_common_state(temporary, state)
     return commit_checkpoint(str(root), iteration) if commit else temporary
 
 
@@ -71,9 +80,9 @@ def test_commit_renames_the_directory_then_points_the_tracker(tmp_path):
 
 def test_saving_an_iteration_again_replaces_it_whole(tmp_path):
     fake_save(tmp_path, 2)
-    (tmp_path / "iter_0000002" / "__0_0.distcp").write_bytes(b"old")
+    (tmp_path / "iter_0000002" / "__7_0.distcp").write_bytes(b"old")  # a larger world's
     fake_save(tmp_path, 2)  # a later run that saves iteration 2 again
-    assert not (tmp_path / "iter_0000002" / "__0_0.distcp").exists()
+    assert not (tmp_path / "iter_0000002" / "__7_0.distcp").exists()
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", TRACKER_FILENAME]
 
 
@@ -255,3 +264,144 @@ def test_which_group_splits_a_tensor_and_the_chunks_dcp_records():
     assert local_chunk((4, 16, 16), None, 0, 1) == ((0, 0, 0), (4, 16, 16))
     with pytest.raises(ValueError):
         local_chunk((6, 4), 0, 0, 4)
+
+
+# --- checkpoints from elsewhere: untrusted and damaged ----------------------------------------
+
+
+class _RunsACommand:
+    """What a crafted ``.metadata`` holds: unpickling it calls ``os.system``."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def _damage(root: Path, case: str) -> Path:
+    """Damage the committed checkpoint of iteration 2 in ``root``; returns the file named."""
+    ckpt = root / "iter_0000002"
+    shard = next(ckpt.glob("*.distcp"))
+    if case == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:-40])
+        return shard
+    if case == "flipped bytes":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        return shard
+    common = ckpt / "common.json"
+    if case == "common.json not JSON":
+        common.write_text(common.read_text()[:-30])
+    elif case == "common.json of another model":
+        state = json.loads(common.read_text())
+        state["args"]["hidden_size"] = 32
+        common.write_text(json.dumps(state))
+    elif case == "shard missing, no digests":  # an older save: only .metadata's offsets
+        state = json.loads(common.read_text())
+        del state["files"]
+        common.write_text(json.dumps(state))
+        shard.unlink()
+        return shard
+    elif case == "truncated, no digests":
+        state = json.loads(common.read_text())
+        del state["files"]
+        common.write_text(json.dumps(state))
+        shard.write_bytes(shard.read_bytes()[:100])
+        return shard
+    return common
+
+
+DAMAGE = {"truncated shard": "bytes, common.json records", "flipped bytes": "does not match the SHA-256 digest",
+          "common.json not JSON": "is not JSON", "common.json of another model":
+          "hidden_size (16) differs from the checkpoint's (32) in",
+          "shard missing, no digests": "is missing (.metadata records chunks in it)",
+          "truncated, no digests": "(a truncated file)"}
+
+
+def test_a_crafted_metadata_never_runs_and_exits_2_naming_the_file(script, tmp_path, monkeypatch,
+                                                                     capsys):
+    """A ``.metadata`` holding a pickled ``os.system`` call: DCP's ``pickle.load`` would run it
+    in every worker; the restricted unpickler refuses it before any worker starts, and the
+    workers' own reader (``CheckedFileSystemReader``) refuses it too."""
+    from tutorial_lib.dist_checkpointing import CheckedFileSystemReader
+    import tutorial_lib.train_4d
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker would have started")
+    monkeypatch.setattr(tutorial_lib.train_4d, "train", no_workers)
+    fake_save(tmp_path, 2)
+    marker = tmp_path / "the command ran"
+    metadata = tmp_path / "iter_0000002" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_RunsACommand(f"touch '{marker}'")))
+    state = json.loads((tmp_path / "iter_0000002" / "common.json").read_text())
+    state["files"] = checkpointing.file_digests(str(tmp_path / "iter_0000002"))  # a consistent forgery
+    (tmp_path / "iter_0000002" / "common.json").write_text(json.dumps(state))
+    assert script.main(["--load", str(tmp_path), "--num-layers", "4", "--hidden-size", "16",
+                        "--vocab-size", "32", "--seq-length", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train_4d.py: error: [checkpoint] {metadata} names posix.system"), err
+    assert "Load only checkpoints you trust" in err
+    with pytest.raises(ConfigError, match="names posix.system"):
+        CheckedFileSystemReader(str(tmp_path / "iter_0000002")).read_metadata()
+    assert not marker.exists()
+    # what the unpickler admits is what DCP writes: a real save reads back whole
+    fake_save(tmp_path, 4)
+    found = checkpointing.verify_checkpoint(find_checkpoint(str(tmp_path)))
+    assert [key for key in found.state_dict_metadata] == ["w"]
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_checkpoint_exits_2_naming_the_file(script, tmp_path, monkeypatch, capsys, case):
+    import tutorial_lib.train_4d
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker would have started")
+    monkeypatch.setattr(tutorial_lib.train_4d, "train", no_workers)
+    fake_save(tmp_path, 2)
+    named = _damage(tmp_path, case)
+    assert script.main(["--load", str(tmp_path), "--num-layers", "4", "--hidden-size", "16",
+                        "--vocab-size", "32", "--seq-length", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train_4d.py: error: [checkpoint]") and str(named) in err, err
+    assert DAMAGE[case] in err, err
+    assert "Traceback" not in err
+
+
+def test_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    """``.metadata`` names the file of each chunk: a name with a folder in it would read
+    outside the checkpoint."""
+    fake_save(tmp_path, 2)
+    found = find_checkpoint(str(tmp_path))
+    metadata = checkpointing.read_dcp_metadata(os.path.join(found.path, ".metadata"))
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    with open(os.path.join(found.path, ".metadata"), "wb") as handle:
+        pickle.dump(metadata, handle)
+    state = dict(found.common)
+    del state["files"]
+    with pytest.raises(ConfigError, match=r"names the file '../../etc/passwd', outside"):
+        checkpointing.verify_checkpoint(found._replace(common=state))
+
+
+def test_keep_last_removes_older_committed_checkpoints_but_never_the_trackers(tmp_path):
+    for iteration in (1, 2, 3):
+        fake_save(tmp_path, iteration)
+    fake_save(tmp_path, 4, commit=False)  # being written: not committed, not counted
+    assert checkpointing.remove_old_checkpoints(str(tmp_path), 2) == [1]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000004.tmp",
+                                            TRACKER_FILENAME]
+    (tmp_path / TRACKER_FILENAME).write_text("2\n")  # --ckpt-step's world, say
+    assert checkpointing.remove_old_checkpoints(str(tmp_path), 1) == []  # 2 is the tracker's
+    assert checkpointing.remove_old_checkpoints(str(tmp_path), 3) == []
+
+
+def test_the_sigterm_line_names_the_iteration_the_checkpoint_and_the_resume_command(script,
+                                                                                    tmp_path):
+    args = replace(ARGS, save=str(tmp_path))
+    fake_save(tmp_path, 3)
+    line = script.stopped(args, 3, ["--steps", "6", "--save", str(tmp_path)])
+    assert line.startswith(f"train_4d.py: SIGTERM: stopped after iteration 3/6; last checkpoint: "
+                           f"{tmp_path / 'iter_0000003'} (iteration 3); resume: python ")
+    assert line.endswith(f"--steps 6 --save {tmp_path} --load {tmp_path}") and "\n" not in line

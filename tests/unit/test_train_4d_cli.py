@@ -34,6 +34,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 steps=5, seed=1234, lr=3e-3, clip_grad=1.0, schedule="1f1b", p2p_mode="batched",
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
+                keep_last=None, async_save=False, max_restarts=0,  # a cluster's faults: off
                 context_parallel_size=1, cp_comm_type="p2p",  # chapter 9: CP, off by default
                 expert_tensor_parallel_size=None,  # TP x EP: unset means TP, as Megatron
                 recompute_granularity=None, recompute_method=None,  # chapter 10: no recomputation
@@ -555,3 +556,51 @@ def test_the_split_backward_schedules_are_accepted_on_the_tested_layouts(schedul
     validate_args(replace(args, schedule=schedule))
     assert args.chunks_per_rank == 1
     assert replace(args, schedule=schedule).chunks_per_rank == (1 if schedule == "zb-h1" else 2)
+
+
+def _died(rank=1, exitcode=-9):
+    from tutorial_lib.launch import WorkerError, describe_exit
+    return WorkerError(rank, f"process {describe_exit(exitcode)} before returning a result",
+                       "(no Python traceback)", exitcode=exitcode)
+
+
+@pytest.mark.parametrize("max_restarts", [0, 2])
+def test_a_dead_worker_restarts_the_world_at_most_max_restarts_times(script, monkeypatch, capsys,
+                                                                    max_restarts):
+    """The command line's restart loop with a ``train`` whose worker always dies (the real
+    restarts: tests/dist/test_train_4d_faults.py): ``max_restarts`` restarts, each said on
+    stderr, then exit 1 naming the rank, its signal and how to resume; a worker that raised
+    is a bug, never restarted."""
+    from tutorial_lib.launch import WorkerError
+    calls = []
+
+    def dies(args, **kwargs):
+        calls.append(args)
+        raise _died()
+    monkeypatch.setattr("tutorial_lib.train_4d.train", dies)
+    assert script.main(["--steps", "2", "--max-restarts", str(max_restarts)]) == 1
+    err = capsys.readouterr().err
+    assert len(calls) == 1 + max_restarts
+    restarts = [line for line in err.splitlines() if "; restart " in line]
+    assert restarts == [f"train_4d.py: rank 1: process was killed by signal SIGKILL (exit code "
+                        f"-9) before returning a result; restart {i} of {max_restarts}, from the "
+                        f"start (no checkpoint committed yet)" for i in range(1, max_restarts + 1)]
+    assert "train_4d.py: the run failed:\nrank 1 failed: process was killed by signal SIGKILL" in err
+    assert err.rstrip().endswith("train_4d.py: no checkpoint saved (--save DIR --save-interval N "
+                                 "keeps one)")
+
+    def raises(args, **kwargs):
+        calls.append(args)
+        raise WorkerError(0, "ValueError: a bug", "Traceback ...")
+    calls.clear()
+    monkeypatch.setattr("tutorial_lib.train_4d.train", raises)
+    assert script.main(["--steps", "2", "--max-restarts", "2"]) == 1
+    assert len(calls) == 1
+
+
+def test_max_restarts_under_torchrun_belongs_to_torchrun(script, monkeypatch, capsys):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "localhost")):
+        monkeypatch.setenv(name, value)
+    assert script.main(["--max-restarts", "2"]) == 2
+    assert "under torchrun give it to torchrun: torchrun --max-restarts 2" in capsys.readouterr().err

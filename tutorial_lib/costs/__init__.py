@@ -30,7 +30,8 @@ What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``mem
 recomputation rule from :mod:`tutorial_lib.recompute`); ``alpha_beta``,
 ``tp_dp_step``, ``moe`` and ``cp_messages`` import numpy (``cp_messages`` through
 ``alpha_beta``) and none of them imports torch when it is loaded, so
-``import tutorial_lib.costs`` loads no torch.  One function reaches torch through
+``import tutorial_lib.costs`` loads no torch; and the numpy ones are imported only when one
+of their names is first used, so ``import tutorial_lib.costs`` loads no numpy either.  One function reaches torch through
 another module of the library when it is called: :func:`tp_dp_step_collectives` with
 ``tp > 1`` reads each block's collectives from
 :func:`tutorial_lib.transformer.block_collectives` (which imports torch).  Every other
@@ -44,25 +45,41 @@ len(e.group_ranks))`` works directly on a trace event ``e``.
 from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, dp_gradient_bytes,
                         link_bandwidths, pp_activation_bytes, tp_all_reduce_bytes,
                         transfer_seconds)
-from .cp_messages import (CP_MODES, cp_attention_messages, cp_bytes_sent,
-                               cp_kv_block_bytes)
-from .alpha_beta import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
-                          algorithm_bandwidth, all_gather_bytes, all_reduce_bytes,
-                          all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
-                          fit_alpha_beta, nccl_tests_size, predict_time, reduce_scatter_bytes,
-                          ring_bytes_sent, ring_steps, send_bytes, tree_broadcast_time)
 from .memory_model import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
-                     layer_activation_bytes, layer_parameters, memory_of_ranks,
-                     memory_on_this_machine, memory_per_rank, stage_activation_bytes)
-from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
-                  moe_expert_tp_bytes,
-                  moe_dedup_rows, moe_rank_all_to_alls, moe_rank_send_splits,
-                  moe_send_counts)
-from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
-                         data_parallel_bucket_bytes, distributed_optimizer_collectives,
-                         gpt_parameter_shapes, megatron_distributed_optimizer_numel,
-                         step_bytes_by_group, tp_dp_step_collectives,
-                         zero1_state_bytes_per_rank)
+                           layer_activation_bytes, layer_parameters, memory_of_ranks,
+                           memory_on_this_machine, memory_per_rank, stage_activation_bytes)
+
+
+def _import_numpy_modules() -> None:
+    """The modules that import numpy, loaded on first use of one of their names (PEP 562's
+    module ``__getattr__``): ``python -m tutorial_lib.memory`` and train_4d's refusals read
+    ``memory_model`` alone and never pay numpy's import."""
+    from .alpha_beta import (BUS_BANDWIDTH_FACTORS, OPS, AlphaBeta, Fit, Sample,
+                             algorithm_bandwidth, all_gather_bytes, all_reduce_bytes,
+                             all_to_all_bytes, broadcast_bytes, bus_bandwidth, cost_coefficients,
+                             fit_alpha_beta, nccl_tests_size, predict_time, reduce_scatter_bytes,
+                             ring_bytes_sent, ring_steps, send_bytes, tree_broadcast_time)
+    from .cp_messages import (CP_MODES, cp_attention_messages, cp_bytes_sent,
+                              cp_kv_block_bytes)
+    from .moe import (MoEAllToAll, moe_all_to_all_bytes, moe_dedup_rank_all_to_alls,
+                      moe_dedup_rows, moe_expert_tp_bytes, moe_rank_all_to_alls,
+                      moe_rank_send_splits, moe_send_counts)
+    from .tp_dp_step import (DATA_PARALLEL_BUCKET_SIZE_BYTES, StepCollective,
+                             data_parallel_bucket_bytes, distributed_optimizer_collectives,
+                             gpt_parameter_shapes, megatron_distributed_optimizer_numel,
+                             step_bytes_by_group, tp_dp_step_collectives,
+                             zero1_state_bytes_per_rank)
+    globals().update({name: value for name, value in locals().items()})
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    _import_numpy_modules()
+    try:
+        return globals()[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 __all__ = [
     "LinkSpec", "ParallelismTraffic", "bandwidth_table",
