@@ -416,9 +416,9 @@ def build_grid(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int =
 
     ``etp=None`` takes Megatron-Core's default in the megatron layout, ETP = TP
     (``initialize_model_parallel`` and ``ModelParallelConfig``, Megatron-Core 0.20.0),
-    and 1 in the single-grid layouts.  (:class:`~tutorial_lib.config.ParallelConfig`,
-    the course's training configuration, defaults to ETP = 1: its routed experts are
-    whole, rule 5.)
+    and 1 in the single-grid layouts, which have no expert-TP dimension.
+    (:class:`~tutorial_lib.config.ParallelConfig` itself, the training configuration,
+    also defaults an unset ETP to TP, as Megatron-LM's ``validate_args`` does.)
     """
     if etp is None:
         etp = tp if _resolve_layout(layout, order) == "megatron" else 1

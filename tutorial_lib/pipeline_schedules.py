@@ -1133,9 +1133,10 @@ def expected_bubble(pp: int, m: int, v: int = 1) -> float:
 
 def idle_time(timelines: dict[int, list[TimedAction]], rank: int | None = None) -> float:
     """A rank's idle time in the step: the makespan minus its compute (forwards, B's and
-    W's).  ``rank=None``: the largest over the ranks, the step's *bubble* in the sense of
-    the DualPipe table (:func:`expected_bubble_time`): the time a step takes beyond the
-    busiest rank's work."""
+    W's).  ``rank=None``: the largest over the ranks, the idle time of the rank that
+    computes least, the step's *bubble* in the sense of the DualPipe table
+    (:func:`expected_bubble_time`).  In every schedule here each rank computes as much,
+    so every rank idles that long."""
     total = makespan(timelines)
     ranks = list(timelines) if rank is None else [rank]
     return max(total - sum(t.end - t.start for t in timelines[r] if t.action.is_compute)
@@ -1170,9 +1171,12 @@ def expected_bubble_time(name: str, pp_size: int, forward_cost: float = 1.0,
     simulated bubble differs (the DualPipe figure draws ``F`` and ``B - W`` equal).
     The ZBV row is not in the DualPipe table: it is ZB-H1's expression over ``PP``
     ranks of two chunks each, checked by simulation where ZBV's paper draws it (all
-    three costs equal).  ``F&B`` below ``F + B`` models communication hidden behind
-    the other half's compute; with overlapped pairs the ranks idle unequally, and the
-    formula is the busiest (turning) rank's.
+    three costs equal: ``(PP - 1) F``, a rate of ``(PP - 1) / 6M`` of the step, where
+    sail-sg's README rounds ZBV's rate to 0).  The ZB paper's ``(p - 1)(T_F + T_B - T_W)``
+    is the ZB-H1 row with its ``T_B`` the backward's input part, ``B - W`` here.
+    ``F&B`` below ``F + B`` models communication hidden behind the other half's compute;
+    with overlapped pairs the ranks compute unequally, and the formula is the largest
+    idle time (:func:`idle_time`), the turning rank's, which runs the most pairs.
     """
     if name not in ALL_SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(ALL_SCHEDULES)}")

@@ -274,17 +274,26 @@ def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 
 def _context_parallel_attention_bytes(model, rows, tp, cp, a) -> int:
     """What attention under CP keeps besides the serial layer's tensors, per ``cp_comm_type``.
 
-    ``p2p`` (the ring) and ``a2a`` return the output head by head, so the projection keeps
-    its own reordered copy (``T h / TP``; ``a2a`` also two int64 position vectors of the
-    whole sequence); ``all_gather`` keeps the gathered keys and values of the whole
-    sequence (``2 b s h / TP``) and the causal mask of its rows (``s / CP x s``, fp32).
+    Every mode returns the output in pieces (head by head, or chunk by chunk), so the
+    projection keeps its own reordered copy (``T h / TP``).  Besides: ``p2p`` keeps the
+    last K/V block the forward ring brought (``2 T h / TP``: TransformerEngine's ring
+    saves it, its backward starts there); ``a2a`` two int64 position vectors of the
+    whole sequence; ``all_gather`` the gathered keys and values of the whole sequence in
+    position order (``2 b s h / TP``), that order (``s`` int64) and the causal mask of
+    each local chunk over its prefix (``L x (c + 1) L`` for chunk ``c`` of length
+    ``L = s / 2CP``, chunks ``r`` and ``2 CP - 1 - r``: ``(2 CP + 1) L^2``, in the
+    activations' dtype, as attention turns a boolean mask into an additive one).
     """
     s, h = model.seq_length, model.hidden_size
     tokens = s // cp * rows
-    if model.cp_comm_type == "all_gather":
-        return 2 * a * rows * s * h // tp + STATS_BYTES * (s // cp) * s
     extra = a * tokens * h // tp
-    return extra + (2 * INDEX_BYTES * s if model.cp_comm_type == "a2a" else 0)
+    if model.cp_comm_type == "p2p":
+        return extra + 2 * a * tokens * h // tp
+    if model.cp_comm_type == "all_gather":
+        length = s // (2 * cp)
+        return extra + 2 * a * rows * s * h // tp + INDEX_BYTES * s \
+            + a * (2 * cp + 1) * length * length
+    return extra + 2 * INDEX_BYTES * s  # a2a
 
 
 def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: int = 1,
