@@ -265,16 +265,13 @@ GRADIENT_DOMAIN_CASES = {
         "router.weight, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a full copy "
         "on every rank; each TP rank routes its own s/TP tokens.", frozenset({"tp", "dp"}), 4),
     "shared_expert_weight_sp": (
-        "shared_experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a "
-        "full copy on every rank, run on the rank's own s/TP tokens.", frozenset({"tp", "dp"}), 4),
+        "shared_experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): split "
+        "over TP like a dense MLP, as Megatron-Core's SharedExpertMLP, so this is a "
+        "column-parallel shard [f/TP, h], fed the whole sequence by the all-gather of the TP "
+        "ranks' tokens.", frozenset({"dp"}), 4),
     "routed_expert_weight_sp": (
         "experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): this EP "
         "rank's 2 of the 8 routed experts.", frozenset({"expert_dp"}), 4),
-    "shared_expert_megatron_sp": (
-        "Megatron-Core's shared_experts.linear_fc1.weight, TP 2 x EP 4 with sequence "
-        "parallelism (DP 4, EDP 2): Megatron splits the shared expert over TP like a dense "
-        "MLP, so this is a column-parallel shard [f/TP, h], fed the whole sequence by the "
-        "sequence-parallel all-gather.", frozenset({"dp"}), 4),
 }
 
 #: The sizes behind each case: (TP, EP, DP, EDP) of the world-8 grid.
@@ -345,12 +342,13 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
                     "with sequence parallelism each TP rank routes and runs only its own s/TP "
                     "tokens, so its gradient of this replicated weight is a partial sum: add "
                     "the TP ranks' parts (allreduce_sequence_parallel_grads), then the DP sum.")
-        if "tp" in given and case == "shared_expert_megatron_sp":
-            return ("Megatron's shared expert is tensor-parallel: the TP ranks hold different "
-                    "shards (different rows of fc1), and the all-gather in front of it gives "
-                    "each shard the whole sequence, so its gradient is already complete on "
-                    "its rank. A TP sum would add different rows. Only the course's "
-                    "replicated shared expert, run on s/TP tokens per rank, needs the TP sum.")
+        if "tp" in given and case == "shared_expert_weight_sp":
+            return ("the shared expert is tensor-parallel, as Megatron's: the TP ranks hold "
+                    "different shards (different rows of the gate and up projections), and "
+                    "the all-gather in front of it gives each shard the whole sequence, so its "
+                    "gradient is already complete on its rank. A TP sum would add different "
+                    "rows. Only the router, whole on every TP rank and run on s/TP tokens per "
+                    "rank, needs the TP sum.")
         if "tp" in given and "tp" not in want:
             return ("no TP sum without sequence parallelism: every TP rank would already hold "
                     "the same gradient.")
