@@ -395,8 +395,9 @@ def all_gather_attention(q, k, v, causal: bool = True, group: str = "cp",
     of them through the triangle of the mask.  The keys after the chunk are never
     multiplied, so the work is the causal pairs of :func:`causal_pairs`, not every
     (query, key) pair.  TransformerEngine's ``AttnFuncWithCPAndKVAllGather``
-    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``)
-    cuts the gathered K/V the same way, one attention call per local chunk.  Without
+    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``,
+    commit d0067d0d, ``get_kv_seq_info_after_all_gather``) cuts the gathered K/V the same
+    way, one attention call per local chunk.  Without
     the causal mask every chunk attends to all ``s`` keys.
     """
     from .tensor_parallel import gather_from_sequence_parallel_region

@@ -352,9 +352,8 @@ class SharedExperts(torch.nn.Module):
                                 ("weight_down", down, 1)):
             shard = full.chunk(tp_size, dim=dim)[tp_rank]  # my f/TP channels
             param = torch.nn.Parameter(shard.to(device, copy=True))
-            if tp_size > 1:
-                mark_tensor_parallel(param, partition_dim=dim)
-            setattr(self, name, param)
+            # flagged at every TP size, as the tensor-parallel linears flag theirs
+            setattr(self, name, mark_tensor_parallel(param, partition_dim=dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if parallel_state.group_size(self.tp_group) == 1:

@@ -142,7 +142,7 @@ def test_the_balanced_split_evens_the_causal_work_and_the_naive_one_does_not(siz
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("balanced", [True, False])
 def test_all_gather_attends_each_chunk_to_its_causal_prefix(size, balanced):
-    """TransformerEngine 2.x, ``transformer_engine/pytorch/attention/dot_product_attention/
+    """TransformerEngine (main), ``transformer_engine/pytorch/attention/dot_product_attention/
     context_parallel.py`` (commit d0067d0d), ``AttnFuncWithCPAndKVAllGather.forward``:
     after the all-gather, local chunk ``c`` attends to the K/V rows ``[0, (c + 1) L)``
     only (``get_kv_seq_info_after_all_gather``: ``seq_end_idx`` is the chunk's end under

@@ -138,10 +138,9 @@ def _compare_with_serial(ctx, case, tp, data, d):
     for (name, p), ps in zip(layer.shared_experts.named_parameters(), serial.shared_experts.parameters()):
         # Megatron's SharedExpertMLP: gate / up column-parallel, down row-parallel over TP
         dim = {"weight_gate": 0, "weight_up": 0, "weight_down": 1}[name]
-        _check(not getattr(p, "sequence_parallel", False)
-               and getattr(p, "tensor_model_parallel", False) == (tp > 1)
-               and (tp == 1 or p.partition_dim == dim)
-               and p.shape[dim] == ps.shape[dim] // tp, f"{what}: shared expert {name} shard")
+        _check(not getattr(p, "sequence_parallel", False) and p.tensor_model_parallel
+               and p.partition_dim == dim and p.shape[dim] == ps.shape[dim] // tp,
+               f"{what}: shared expert {name} shard")
         _close(p.grad * dp, ps.grad.chunk(tp, dim)[tp_rank], f"{what}: shared expert {name} grad")
     mine_experts = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
     for (name, p), ps in zip(layer.experts.named_parameters(), serial.experts.parameters()):
