@@ -74,9 +74,8 @@ DOMAINS_KEY = {
     "shared_expert_weight": (frozenset({"dp"}), 8),
     "routed_expert_weight": (frozenset({"expert_dp"}), 8),
     "router_weight_sp": (frozenset({"tp", "dp"}), 4),
-    "shared_expert_weight_sp": (frozenset({"tp", "dp"}), 4),
+    "shared_expert_weight_sp": (frozenset({"dp"}), 4),
     "routed_expert_weight_sp": (frozenset({"expert_dp"}), 4),
-    "shared_expert_megatron_sp": (frozenset({"dp"}), 4),
 }
 """Exercise 4.2: parameter -> (the groups its gradient is summed over, the divisor)."""
 

@@ -508,8 +508,9 @@ def tensor_sharding(tensor_model_parallel: bool, partition_dim: int | None,
 
     A routed-expert weight (domain ``expert_dp``) stacks this EP rank's experts along dim 0:
     split over ``ep``.  A tensor-parallel shard (``tensor_model_parallel``) is split over
-    ``tp`` along its ``partition_dim``.  Everything else (LayerNorms, router, shared
-    experts, position embeddings, expert biases) is whole on every rank of its stage.
+    ``tp`` along its ``partition_dim`` (the shared experts' too).  Everything else
+    (LayerNorms, router, position embeddings, expert biases) is whole on every rank of its
+    stage.
     Copies over ``dp`` / ``expert_dp`` (and over PP stages: none, each layer lives on one)
     are the same chunk written by several ranks: DCP keeps one.
     """

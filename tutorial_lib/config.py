@@ -454,6 +454,16 @@ def validate(
                 f"{_one_of_divisors(width, etp)}, or moe_ffn_hidden_size "
                 f"{_nearest_multiples(width, etp)}",
             )
+        shared = model.num_shared_experts * width
+        if shared and shared % tp:
+            raise ConfigError(
+                "rule 5",
+                f"the shared experts' width (num_shared_experts {model.num_shared_experts} x "
+                f"{width} = {shared}) must be divisible by tensor_model_parallel_size ({tp}): "
+                f"they are split over TP like a dense MLP (Megatron-Core's SharedExpertMLP), "
+                f"the same number of channels on each rank; use moe_ffn_hidden_size "
+                f"{_nearest_multiples(width, tp)}, or a TP size dividing {shared}",
+            )
         if model.moe_router_topk > model.num_experts:
             raise ConfigError(
                 "malformed",
@@ -512,7 +522,8 @@ def validate(
             "rule 6",
             f"{mine} must be divisible by tensor_model_parallel_size "
             f"({tp}) in a model with MoE layers: with TP > 1 each MoE layer splits the sequence "
-            f"over the TP ranks (Megatron requires sequence parallelism there); try seq_length "
+            f"over the TP ranks (Megatron-Core's MoE layer refuses to train under TP without "
+            f"sequence parallelism); try seq_length "
             f"{_nearest_multiples(model.seq_length, tp * cp)}",
         )
 

@@ -23,13 +23,18 @@ Transformer Engine's kernels).  Read it top to bottom, like chapter 9:
    each of the ``CP`` steps a rank sends the block it holds to the next rank and
    receives the previous rank's while it attends its queries to the block it holds,
    then merges.  Backward recomputes each block's probabilities from the saved final
-   ``lse`` (nothing per step is kept), sends the K/V blocks around again, and a second
-   ring carries each block's dK/dV accumulator one step behind its K/V until it is back
-   at the rank that owns the block.  Every send and receive goes through
+   ``lse`` (nothing per step is kept) and walks the ring the other way, as
+   TransformerEngine's ``AttnFuncWithCPAndKVP2P`` does: it starts from the last block
+   the forward brought (saved for it, so the rank's own block comes last), passes the
+   K/V blocks to the previous rank ``CP - 1`` times, and each block's dK/dV accumulator
+   follows one step behind its K/V, ``CP - 1`` messages, so that it ends at the block's
+   owner, which adds its own share last: ``3 (CP - 1)`` K/V-sized messages per rank and
+   call.  Every send and receive goes through
    :mod:`tutorial_lib.comm` (``isend`` / ``irecv``), so the trace shows the ring.
 4. **all_gather** (:func:`all_gather_attention`): every rank gathers all keys and values
-   (as Llama 3 trained), attends its queries to them under the mask of the true
-   positions; backward reduce-scatters dK/dV.
+   (as Llama 3 trained) and attends each of its query chunks to its causal prefix only
+   (the keys up to the chunk's end, as TransformerEngine does); backward reduce-scatters
+   dK/dV.
 5. **a2a** (:func:`ulysses_attention`, DeepSpeed-Ulysses): an all-to-all turns "my
    tokens, all heads" into "all tokens, my heads" (the heads must divide by CP: rule
    13), each rank runs ordinary attention on whole sequences of its heads, and a second
@@ -304,13 +309,14 @@ class RingAttention(torch.autograd.Function):
                 comm.wait_all(works)
                 kv = kv if incoming is None else incoming
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # kv is now the last block the ring brought, rank + 1's: backward starts from it
+        ctx.save_for_backward(q, kv, out, lse)
         ctx.causal, ctx.group, ctx.load_balanced = causal, group, load_balanced
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         causal, group, load_balanced = ctx.causal, ctx.group, ctx.load_balanced
         size, rank, nxt, prev = _ring(group)
         tracer = get_tracer()
@@ -322,18 +328,24 @@ class RingAttention(torch.autograd.Function):
         lse_chunks, delta_chunks = _chunks(lse, n), _chunks(delta, n)
         dq = torch.zeros_like(q)
         dq_chunks = _chunks(dq, n)  # views: adding into them adds into dq
-        kv = torch.stack([k, v]).contiguous()
-        sent = []  # the dK/dV accumulators in flight, alive until their sends finish
+        finished = None  # the last step's dK/dV accumulator, passed on at this step
         with tracer.tags(cp_comm_type="p2p", phase="backward"):
             for step in range(size):
-                source = (rank - step) % size
-                works, incoming = _pass_on(kv, step, source, size, nxt, prev, group,
-                                           TAGS["kv_backward"])
-                arriving = None
-                if step > 0:  # block `source`'s dK/dV, summed by the ranks before me
-                    arriving = torch.empty_like(kv)
+                # the reverse ring: I hold rank + 1 + step's block, pass it to rank - 1
+                source = (rank + 1 + step) % size
+                works, incoming, arriving = [], None, None
+                if step < size - 1:
+                    incoming = torch.empty_like(kv)
+                    with tracer.tags(cp_step=step, kv_block=(source + 1) % size, payload="kv"):
+                        works.append(comm.irecv(incoming, nxt, group, tag=TAGS["kv_backward"]))
+                    with tracer.tags(cp_step=step, kv_block=source, payload="kv"):
+                        works.append(comm.isend(kv, prev, group, tag=TAGS["kv_backward"]))
+                if step > 0:  # block `source`'s dK/dV summed by the ranks after me, and
+                    arriving = torch.empty_like(kv)  # the last step's block's, passed on
                     with tracer.tags(cp_step=step, kv_block=source, payload="dkv"):
-                        accumulated = comm.irecv(arriving, prev, group, tag=TAGS["dkv"])
+                        works.append(comm.irecv(arriving, nxt, group, tag=TAGS["dkv"]))
+                    with tracer.tags(cp_step=step, kv_block=(source - 1) % size, payload="dkv"):
+                        works.append(comm.isend(finished, prev, group, tag=TAGS["dkv"]))
                 dkv = torch.zeros_like(kv)  # my queries' share of its dK, dV
                 k_chunks, v_chunks = _chunks(kv[0], n), _chunks(kv[1], n)
                 dk_chunks, dv_chunks = _chunks(dkv[0], n), _chunks(dkv[1], n)
@@ -346,19 +358,12 @@ class RingAttention(torch.autograd.Function):
                         dq_chunks[a] += dq_part
                         dk_chunks[b] += dk_part
                         dv_chunks[b] += dv_part
-                if arriving is not None:
-                    accumulated.wait()
-                    dkv += arriving
-                with tracer.tags(cp_step=step, kv_block=source, payload="dkv"):
-                    sent.append((comm.isend(dkv, nxt, group, tag=TAGS["dkv"]), dkv))
                 comm.wait_all(works)
-                kv = kv if incoming is None else incoming
-            # after CP steps my own block's accumulator has seen every rank: it is home
-            mine_back = torch.empty_like(kv)
-            with tracer.tags(cp_step=size, kv_block=rank, payload="dkv"):
-                comm.irecv(mine_back, prev, group, tag=TAGS["dkv"]).wait()
-            comm.wait_all([work for work, _ in sent])
-        return dq, mine_back[0], mine_back[1], None, None, None
+                if arriving is not None:
+                    dkv += arriving
+                finished, kv = dkv, (kv if incoming is None else incoming)
+        # the last block was my own, and every other rank had added to it: it is complete
+        return dq, finished[0], finished[1], None, None, None
 
 
 def ring_attention(q, k, v, causal: bool = True, group: str = "cp",
@@ -383,8 +388,16 @@ def all_gather_attention(q, k, v, causal: bool = True, group: str = "cp",
     """``all_gather`` context-parallel attention: gather all K and V, attend locally.
 
     One all-gather of this rank's K/V over the CP group (backward: the reduce-scatter of
-    dK/dV, since every rank's queries contributed to every block); then this rank's
-    queries attend to all ``s`` keys under the causal mask of their true positions.
+    dK/dV, since every rank's queries contributed to every block); the gathered rows are
+    put in position order, and each of this rank's query chunks attends to its causal
+    prefix only: chunk ``c`` (of length ``L``) to the keys of chunks ``0..c``, the last
+    of them through the triangle of the mask.  The keys after the chunk are never
+    multiplied, so the work is the causal pairs of :func:`causal_pairs`, not every
+    (query, key) pair.  TransformerEngine's ``AttnFuncWithCPAndKVAllGather``
+    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``,
+    commit d0067d0d, ``get_kv_seq_info_after_all_gather``) cuts the gathered K/V the same
+    way, one attention call per local chunk.  Without
+    the causal mask every chunk attends to all ``s`` keys.
     """
     from .tensor_parallel import gather_from_sequence_parallel_region
     size, rank = parallel_state.get_size(group), parallel_state.get_rank_in(group)
@@ -392,13 +405,25 @@ def all_gather_attention(q, k, v, causal: bool = True, group: str = "cp",
     kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # [s_l, 2, b, h, d]
     with get_tracer().tags(cp_comm_type="all_gather", payload="kv"):
         gathered = gather_from_sequence_parallel_region(kv, group)  # [s, 2, b, h, d]
-    k_all, v_all = gathered.permute(1, 2, 3, 0, 4).unbind(0)  # [b, h, s, d], rank order
-    mask = None
-    if causal:  # True where the query may see the key
-        keys = _all_positions(s, size, load_balanced, q.device)
-        queries = torch.tensor(chunk_positions(s, size, rank, load_balanced), device=q.device)
-        mask = keys.unsqueeze(0) <= queries.unsqueeze(1)  # [s_local, s]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+    if not causal:
+        k_all, v_all = gathered.permute(1, 2, 3, 0, 4).unbind(0)  # [b, h, s, d], rank order
+        return F.scaled_dot_product_attention(q, k_all, v_all)
+    order = torch.argsort(_all_positions(s, size, load_balanced, q.device))
+    in_order = gathered.index_select(0, order)  # row p: position p
+    mine = held_chunks(rank, size, load_balanced)
+    length = s // num_chunks(size, load_balanced)
+    outs, tracer = [], get_tracer()
+    for query_chunk, q_chunk in zip(mine, _chunks(q, len(mine))):
+        end = (query_chunk + 1) * length  # the chunk's causal prefix: keys [0, end)
+        k_seen, v_seen = in_order[:end].permute(1, 2, 3, 0, 4).unbind(0)  # [b, h, end, d]
+        # query i of the chunk sits at position end - length + i: it sees keys j <= that
+        mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(end - length)
+        with tracer.span("all_gather_attention", cp_comm_type="all_gather",
+                         query_chunk=query_chunk, products=length * end,
+                         pairs=int(mask.sum())):
+            outs.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen,
+                                                       attn_mask=mask))
+    return torch.cat(outs, dim=2)
 
 
 # --- 5. a2a: DeepSpeed-Ulysses -------------------------------------------------------

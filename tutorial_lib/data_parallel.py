@@ -598,8 +598,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     (a hook moves each ``.grad`` there, as :class:`DataParallel` with
     ``grad_reduce_in_fp32`` does) and are reduce-scattered in fp32; the updated slices are
     rounded to bf16 and all-gathered in bf16.  Megatron-Core's ``DistributedOptimizer``
-    (``--use-distributed-optimizer --bf16``) keeps the same three things per rank: the
-    fp32 master and Adam's two moments of its slice.
+    (``--use-distributed-optimizer --bf16``) keeps the fp32 master and Adam's two moments
+    of its slice too, but the slice's gradient is a view of its fp32 gradient buffer
+    where this class copies it (``main_param.grad``, 4 bytes per element of the slice):
+    ``6 + 12 / DP`` bytes per parameter there, ``6 + 16 / DP`` here
+    (:mod:`tutorial_lib.costs.memory_model` counts this class's).
     """
 
     def __init__(self, params, optimizer_class=torch.optim.Adam, group: str = "dp",

@@ -10,7 +10,11 @@ A *grid* lays ranks out along named dimensions.  An *order string* such as
 group* is the set of ranks that share every coordinate except the varying ones.
 A dimension of size 1 may be left out of an order string (it changes no rank);
 leaving out a larger one is an error that names it, as in Megatron-Core's
-``RankGenerator``.
+``RankGenerator``.  One difference: Megatron-Core's ``initialize_model_parallel``
+(d98e8a64, ``megatron/core/parallel_state.py``) fails on an order without ``tp`` even
+at TP = 1: it inserts a ``gtp_remat`` axis, in whose name ``RankGenerator``'s substring
+test finds ``tp``, so ``tp`` is never appended and building the TP groups raises.  The
+course accepts such an order (``cp-dp-pp``).
 
 Three layouts are taught (see chapter 1):
 
@@ -86,7 +90,8 @@ def parse_order(order: str, sizes: dict[str, int] | None = None,
 
     A dimension left out of ``order`` is appended (slowest) when its size in ``sizes``
     is 1, where it changes no rank; one whose size is not 1 is refused, naming it (the
-    rule of Megatron-Core's ``RankGenerator``).  Without ``sizes`` every dimension must
+    rule of Megatron-Core's ``RankGenerator``; its ``initialize_model_parallel`` refuses
+    any order without ``tp``, see the module docstring).  Without ``sizes`` every dimension must
     be named.  ``where`` says which grid ``sizes`` describe, for the message.
     """
     dims = tuple(part.strip() for part in str(order).lower().split("-"))
@@ -416,9 +421,9 @@ def build_grid(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int =
 
     ``etp=None`` takes Megatron-Core's default in the megatron layout, ETP = TP
     (``initialize_model_parallel`` and ``ModelParallelConfig``, Megatron-Core 0.20.0),
-    and 1 in the single-grid layouts.  (:class:`~tutorial_lib.config.ParallelConfig`,
-    the course's training configuration, defaults to ETP = 1: its routed experts are
-    whole, rule 5.)
+    and 1 in the single-grid layouts, which have no expert-TP dimension.
+    (:class:`~tutorial_lib.config.ParallelConfig` itself, the training configuration,
+    also defaults an unset ETP to TP, as Megatron-LM's ``validate_args`` does.)
     """
     if etp is None:
         etp = tp if _resolve_layout(layout, order) == "megatron" else 1

@@ -12,7 +12,7 @@ Read it top to bottom, like the chapter:
    by the sum of their ``K/M`` best (:func:`group_scores`).
 2. **The experts** (:class:`RoutedExperts`, :class:`SharedExperts`).  Fine-grained
    routed experts are small SwiGLU MLPs; shared experts are one dense SwiGLU every
-   token goes through.  All ``N`` routed experts are drawn from one seed and each EP
+   token goes through, split over TP like a dense MLP.  All ``N`` routed experts are drawn from one seed and each EP
    rank keeps its ``N/EP`` of them, so the EP layer *is* the serial layer, cut up.
 3. **The dispatcher** (:class:`AllToAllDispatcher`, on the ``"ep"`` group).  Count tokens
    per expert, exchange the counts (an all-to-all of int64 metadata), permute the token
@@ -59,10 +59,12 @@ from .config import ConfigError
 from .data_parallel import mark_tensor_parallel, set_grad_domain
 from .devices import cpu_generator, resolve_device
 from .tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
     derive_seed,
     divide,
     gather_from_sequence_parallel_region,
     init_linear_master,
+    reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -319,28 +321,51 @@ class RoutedExperts(torch.nn.Module):
 
 
 class SharedExperts(torch.nn.Module):
-    """``num_shared_experts`` always-on experts, merged into one SwiGLU of their total width.
+    """``num_shared_experts`` always-on experts, merged into one SwiGLU of their total width,
+    split over TP like a dense MLP, as Megatron-Core's ``SharedExpertMLP`` (an ``MLP``).
 
-    Kept simple: replicated on every rank (not tensor-parallel) and run on the same tokens
-    as the router, so under sequence parallelism each TP rank computes its own tokens only
-    and its gradient is a partial sum that needs the TP all-reduce.  Megatron-Core 0.20.0
-    (``SharedExpertMLP``, an ``MLP``) splits them over TP like the dense MLP instead: each
-    TP rank holds a shard fed the whole sequence, no TP sum of its gradient.  The output
-    is the same; the memory per rank and the gradient domain differ.
+    Each TP rank keeps ``f/TP`` of the channels: rows of the gate and up projections
+    (column-parallel), columns of the down projection (row-parallel), drawn from the same
+    seeded master weights at every TP size.  With ``sequence_parallel`` (what
+    :class:`MoELayer` uses when TP > 1) the input is this rank's ``[s/TP, ...]`` tokens:
+    all-gathered over TP (backward: reduce-scatter), run through the shard, and the
+    partial sums reduce-scattered back to ``[s/TP, ...]`` (backward: all-gather), the two
+    collectives of Megatron's ``SharedExpertMLP.pre_forward_comm`` and
+    ``post_forward_comm``.  Without it the input is whole on every TP rank and the
+    output all-reduced.  Each shard sees every token of the sequence, so its gradient is
+    complete on its rank: no TP sum (the parameters are TP shards, not
+    ``sequence_parallel`` replicas).  ``tp_group=None``: the whole expert, serial.
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, seed: int = 0, device=None):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, seed: int = 0, device=None,
+                 tp_group: str | None = None, sequence_parallel: bool = False):
         super().__init__()
         device = resolve_device(device)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        tp_size, tp_rank = parallel_state.group_size(tp_group), parallel_state.group_rank(tp_group)
+        divide(ffn_hidden_size, tp_size, "moe_ffn_hidden_size * num_shared_experts",
+               by="tensor_model_parallel_size")
         gate, _ = init_linear_master(hidden_size, ffn_hidden_size, bias=False, seed=3 * seed)
         up, _ = init_linear_master(hidden_size, ffn_hidden_size, bias=False, seed=3 * seed + 1)
         down, _ = init_linear_master(ffn_hidden_size, hidden_size, bias=False, seed=3 * seed + 2)
-        self.weight_gate = torch.nn.Parameter(gate.to(device))
-        self.weight_up = torch.nn.Parameter(up.to(device))
-        self.weight_down = torch.nn.Parameter(down.to(device))
+        for name, full, dim in (("weight_gate", gate, 0), ("weight_up", up, 0),
+                                ("weight_down", down, 1)):
+            shard = full.chunk(tp_size, dim=dim)[tp_rank]  # my f/TP channels
+            param = torch.nn.Parameter(shard.to(device, copy=True))
+            # flagged at every TP size, as the tensor-parallel linears flag theirs
+            setattr(self, name, mark_tensor_parallel(param, partition_dim=dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return swiglu(tokens, self.weight_gate, self.weight_up, self.weight_down)
+        if parallel_state.group_size(self.tp_group) == 1:
+            return swiglu(tokens, self.weight_gate, self.weight_up, self.weight_down)
+        if self.sequence_parallel:  # my s/TP tokens -> every token
+            total = gather_from_sequence_parallel_region(tokens, self.tp_group)
+        else:
+            total = copy_to_tensor_model_parallel_region(tokens, self.tp_group)
+        partial = swiglu(total, self.weight_gate, self.weight_up, self.weight_down)
+        if self.sequence_parallel:  # summed over the shards, my tokens kept
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
 
 
 # --- 3. the dispatcher ---------------------------------------------------------------------
@@ -753,12 +778,18 @@ class MoELayer(torch.nn.Module):
     losses weigh each token's affinities as a distribution: softmax probabilities as they
     are, sigmoid affinities divided by their sum (:func:`moe_balance.normalize_per_token`).
 
-    With TP > 1, ``sequence_parallel=True`` is required (Megatron asserts the same):
+    With TP > 1, ``sequence_parallel=True`` is required (Megatron-Core's
+    ``MoELayer.forward``, ``megatron/core/transformer/moe/moe_layer.py`` at d98e8a64,
+    raises a ``ValueError`` while training with TP > 1 and no sequence parallelism, its
+    message speaking of performance; this layer refuses it when built):
     every TP rank holds the whole ``[s, b, h]``; the layer scatters the sequence so each
     TP rank routes ``s/TP`` of it (no routed-expert work is duplicated) and gathers the
-    result.  The router and shared experts then see different tokens on each TP rank:
-    their gradients are partial sums, so they are flagged ``sequence_parallel=True`` for
+    result.  The router then sees different tokens on each TP rank: its gradient is a
+    partial sum, so it is flagged ``sequence_parallel=True`` for
     :func:`allreduce_sequence_parallel_grads` (like the LayerNorms of a TP block).  The
+    shared experts are split over TP (:class:`SharedExperts`, Megatron's
+    ``SharedExpertMLP``): they gather the TP ranks' tokens, and reduce-scatter their
+    output back to this rank's ``s/TP`` before it joins the routed experts'.  The
     balance losses count the whole replica's tokens (summed over the TP group) and return
     the replica's value on every TP rank; each rank's gradient covers its own tokens.
 
@@ -816,7 +847,8 @@ class MoELayer(torch.nn.Module):
             raise ConfigError(
                 "rule 6", f"an MoE layer with tensor_model_parallel_size ({tp_size}) > 1 needs "
                 f"sequence_parallel=True, else every TP rank would route and compute the same "
-                f"tokens (Megatron asserts the same); pass sequence_parallel=True")
+                f"tokens (Megatron-Core's MoELayer refuses to train so too); pass "
+                f"sequence_parallel=True")
         self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
         self.ep_group, self.tp_group = ep_group, tp_group
         self.sequence_parallel = sequence_parallel
@@ -841,11 +873,10 @@ class MoELayer(torch.nn.Module):
         if num_shared_experts:
             self.shared_experts = SharedExperts(hidden_size, num_shared_experts * ffn_hidden_size,
                                                 seed=derive_seed(seed, SHARED_EXPERTS),
-                                                device=device)
-        replicated = [self.router.weight] + list(self.shared_experts.parameters() if
-                                                  self.shared_experts else [])
-        for param in replicated:
-            param.sequence_parallel = sequence_parallel  # partial grads under SP: see class doc
+                                                device=device, tp_group=tp_group,
+                                                sequence_parallel=sequence_parallel)
+        # the router sees my s/TP tokens: a partial gradient under SP (see the class doc)
+        self.router.weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor):
         """``[s, b, h]`` -> ``([s, b, h], info)``.
@@ -884,7 +915,7 @@ class MoELayer(torch.nn.Module):
             routed = weighted_sum_of_copies(copies, route.gates)
         y = routed.to(x.dtype)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+            y = y + self.shared_experts(tokens)  # TP-split: my tokens' sums come back
         y = y.view(s_local, batch, h)
         if self.sequence_parallel:
             # Downstream of the MoE every TP rank computes the same thing, so dY is already
@@ -976,7 +1007,8 @@ class MoELayer(torch.nn.Module):
 # all-to-all has already added, on the expert's owner, the gradients of every EP rank's
 # tokens (Megatron-Core 0.20.0: expert_gradient_scaling_factor = 1 / (DP * CP), the
 # dp_cp group's size).  Averaging over EDP instead scales them by DP * CP / EDP
-# = EP * ETP / TP.  Router and shared experts
-# are dense; under sequence parallelism they are also flagged sequence_parallel, so
-# tensor_parallel.allreduce_sequence_parallel_grads sums their per-TP-rank partial
+# = EP * ETP / TP.  Router and shared experts are dense (averaged over dp_cp); the shared
+# experts are TP shards, each fed every token, so their gradients are whole.  The router
+# sees my s/TP tokens under sequence parallelism and is flagged sequence_parallel, so
+# tensor_parallel.allreduce_sequence_parallel_grads sums its per-TP-rank partial
 # gradients after DataParallel.finish_grad_sync().

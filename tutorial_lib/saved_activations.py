@@ -2,7 +2,7 @@
 
 Backward needs tensors that forward made; autograd saves them on its graph until the
 backward that uses them.  Their bytes are a layer's *saved activations*, the term the
-memory model (:mod:`tutorial_lib.costs.memory`) predicts.  One mechanism measures them:
+memory model (:mod:`tutorial_lib.costs.memory_model`) predicts.  One mechanism measures them:
 :class:`SavedTensorBytes`, a ``torch.autograd.graph.saved_tensors_hooks`` pair whose pack
 hook counts the storage behind every saved tensor (each storage once: a saved view keeps
 its whole storage; the parameters left out) and hands the tensor back as it is.  Read:

@@ -507,7 +507,7 @@ _OVERFLOW = """root => {
 def test_the_memory_explorer_draws_at_the_width_of_its_box(fragment_page, width):
     """On a phone the explorer's box is about 330 px: the bars and their labels are drawn
     at that width (11 px labels), nothing cut off and nothing to scroll; a resize redraws."""
-    from tutorial_lib.viz.memory import memory_explorer
+    from tutorial_lib.viz.memory_explorer import memory_explorer
     view = fragment_page(memory_explorer().to_html(), width=width, height=900)
     root = view.page.locator(".tl-memory-explorer").first
     drawn, scroll, outside, smallest = root.evaluate(_OVERFLOW)

@@ -41,7 +41,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 S, B, HEADS, D = 16, 2, 4, 8
 ATOL = 1e-5
 CASES = [(mode, causal, True) for mode in cp.CP_COMM_TYPES for causal in (True, False)]
-CASES += [("p2p", True, False), ("p2p", False, False)]  # the naive split, for comparison
+CASES += [("p2p", True, False), ("p2p", False, False),  # the naive split, for comparison
+          ("all_gather", True, False)]
 
 
 def case_name(mode, causal, balanced):
@@ -136,6 +137,34 @@ def test_the_balanced_split_evens_the_causal_work_and_the_naive_one_does_not(siz
         work = [sum(e.tags["pairs"] for e in trace.filter(rank=r)) for r in range(size)]
         assert work == cp.causal_pairs(S, size, balanced)
         assert (len(set(work)) == 1) == balanced
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("balanced", [True, False])
+def test_all_gather_attends_each_chunk_to_its_causal_prefix(size, balanced):
+    """TransformerEngine (main), ``transformer_engine/pytorch/attention/dot_product_attention/
+    context_parallel.py`` (commit d0067d0d), ``AttnFuncWithCPAndKVAllGather.forward``:
+    after the all-gather, local chunk ``c`` attends to the K/V rows ``[0, (c + 1) L)``
+    only (``get_kv_seq_info_after_all_gather``: ``seq_end_idx`` is the chunk's end under
+    a causal mask), one attention call per local chunk.  From the trace: the products
+    each call multiplies are ``L x (c + 1) L``, the pairs its mask lets through add up to
+    the rank's causal pairs, and under the balanced split the products are
+    ``(2 CP + 1) L^2``, about half the ``s/CP x s`` of attending every query to every
+    gathered key."""
+    trace = attention_run(size).trace.filter(case=case_name("all_gather", True, balanced),
+                                             op="compute")
+    length = S // cp.num_chunks(size, balanced)
+    for rank in range(size):
+        calls = [e for e in trace.filter(rank=rank) if e.tags["name"] == "all_gather_attention"]
+        chunks = cp.held_chunks(rank, size, balanced)
+        assert [e.tags["query_chunk"] for e in calls] == list(chunks)
+        assert [e.tags["products"] for e in calls] == [length * (c + 1) * length for c in chunks]
+        assert sum(e.tags["pairs"] for e in calls) == cp.causal_pairs(S, size, balanced)[rank]
+        products = sum(e.tags["products"] for e in calls)
+        if balanced:  # chunks r and 2 CP - 1 - r: (2 CP + 1) L^2 of the 4 CP L^2
+            assert products == (2 * size + 1) * length ** 2 < (S // size) * S
+        else:  # chunk r of CP: (r + 1) L^2; only the last rank sees every key
+            assert products == (rank + 1) * length ** 2
 
 
 # --- the model -----------------------------------------------------------------------------

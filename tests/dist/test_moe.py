@@ -8,7 +8,10 @@ layout; DP is Megatron's dense data-parallel size, EP ranks included):
   (lifted since: ``train_4d`` runs it end to end in test_pipeline_training.py);
 * world 8: EP 4 x EDP 2 (DP 8); TP 4 with sequence parallelism (DP 2).
 
-Every DP replica gets its own tokens; TP ranks of one replica share them.  The serial
+Every DP replica gets its own tokens; TP ranks of one replica share them.  The shared
+experts are split over TP like Megatron-Core's ``SharedExpertMLP`` (each TP rank's shard
+and its gradient checked against the serial expert's slice, its all-gather and
+reduce-scatter in the trace).  The serial
 reference is the same ``MoELayer`` with ``ep_group=tp_group=None``, run on each replica's
 tokens: its summed loss's gradients, divided by DP, are what :class:`DataParallel` (experts divided by the dense DP size)
 must leave on every rank.  Two routings per configuration: softmax with shared experts,
@@ -132,8 +135,14 @@ def _compare_with_serial(ctx, case, tp, data, d):
         _close(value.detach(), info_s["aux_losses"][name].detach(), f"{what}: aux loss {name}")
     # gradients after the sync: those of the mean loss over the DP replicas (x DP is exact)
     _close(layer.router.weight.grad * dp, serial.router.weight.grad, f"{what}: router grad")
+    tp_rank = parallel_state.group_rank("tp")
     for (name, p), ps in zip(layer.shared_experts.named_parameters(), serial.shared_experts.parameters()):
-        _close(p.grad * dp, ps.grad, f"{what}: shared expert {name} grad")
+        # Megatron's SharedExpertMLP: gate / up column-parallel, down row-parallel over TP
+        dim = {"weight_gate": 0, "weight_up": 0, "weight_down": 1}[name]
+        _check(not getattr(p, "sequence_parallel", False) and p.tensor_model_parallel
+               and p.partition_dim == dim and p.shape[dim] == ps.shape[dim] // tp,
+               f"{what}: shared expert {name} shard")
+        _close(p.grad * dp, ps.grad.chunk(tp, dim)[tp_rank], f"{what}: shared expert {name} grad")
     mine_experts = slice(layer.experts.first_expert, layer.experts.first_expert + layer.experts.num_local_experts)
     for (name, p), ps in zip(layer.experts.named_parameters(), serial.experts.parameters()):
         _close(p.grad * dp, ps.grad[mine_experts], f"{what}: routed expert {name} grad")
@@ -272,12 +281,28 @@ def _check_powers_of_two(res, name, tp):
 
 
 def _check_sequence_parallel_trace(trace, name, world):
+    """The layer's own scatter / gather of the sequence, and the shared experts' two
+    collectives as Megatron-Core's ``SharedExpertMLP`` issues them under sequence
+    parallelism (megatron/core/transformer/moe/shared_experts.py at d98e8a64:
+    ``pre_forward_comm`` all-gathers the TP ranks' tokens with
+    ``gather_from_sequence_parallel_region``, ``post_forward_comm`` reduce-scatters the
+    shards' partial outputs with ``reduce_scatter_to_sequence_parallel_region``); the
+    backward of each is the other one, over the ``tp`` group."""
+    from collections import Counter
     for rank in range(world):
         for case in CASES:
-            gathers = [(e.tags["phase"], e.tags["op_name"]) for e in
-                       trace.filter(rank=rank, op="all_gather", config=name, case=case)]
-            assert gathers == [("forward", "gather_from_sequence_parallel_region"),
-                               ("backward", "scatter_to_sequence_parallel_region")], (name, rank)
+            events = trace.filter(rank=rank, config=name, case=case)
+            sp = Counter((e.op, e.tags["phase"], e.tags["op_name"]) for e in events
+                         if e.op in ("all_gather", "reduce_scatter"))
+            assert sp == Counter({
+                ("all_gather", "forward", "gather_from_sequence_parallel_region"): 2,
+                ("reduce_scatter", "forward", "reduce_scatter_to_sequence_parallel_region"): 1,
+                ("all_gather", "backward", "scatter_to_sequence_parallel_region"): 1,
+                ("all_gather", "backward", "reduce_scatter_to_sequence_parallel_region"): 1,
+                ("reduce_scatter", "backward", "gather_from_sequence_parallel_region"): 1,
+            }), (name, rank, sp)
+            assert all(e.group_kind == "tp" for e in events
+                       if e.op in ("all_gather", "reduce_scatter")), (name, rank)
 
 
 @pytest.fixture(scope="module")

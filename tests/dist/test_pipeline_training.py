@@ -382,8 +382,10 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
     """TP and EP together: in every run of the sweep the router, shared-expert and routed-expert
     gradients after train_4d's sync equal the serial model's on the whole batch (fp32,
     ``atol = 1e-6``, ``rtol = 1e-5``); each rank's expert gradient is its slice of the serial
-    stack (its EP rank's experts, and with ETP > 1 its ETP rank's channels).  The router and
-    shared experts see each TP rank's own tokens and are summed over TP after the DP average;
+    stack (its EP rank's experts, and with ETP > 1 its ETP rank's channels), each shared
+    expert's its TP rank's channels (Megatron-Core's ``SharedExpertMLP``, an ``MLP`` split
+    over TP).  The router sees each TP rank's own tokens and is summed over TP after the DP
+    average;
     each expert's gradient is summed over expert-DP and divided by DP x CP, Megatron-Core
     0.20.0's ``expert_gradient_scaling_factor`` (d98e8a64, megatron/core/distributed/
     distributed_data_parallel.py), whatever ETP is.  The trace shows each dispatch all-to-all
@@ -410,6 +412,10 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
                     if etp > 1:
                         width = grad.shape[dim]
                         want = want.narrow(dim, mine["etp_rank"] * width, width)
+                elif ".mlp.shared_experts." in param and tp > 1:  # my TP rank's channels
+                    width = grad.shape[dim]
+                    tp_rank = mine["groups"]["tp"].index(rank)
+                    want = want.narrow(dim, tp_rank * width, width)
                 torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-5,
                                            msg=lambda m: f"{name} rank {rank} {param}: {m}")
             groups = mine["groups"]

@@ -196,7 +196,8 @@ def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
             assert again == want, (name, rank)
             # counted by hand, per microbatch: a dense layer all-reduces its attention and MLP
             # outputs; a MoE layer its attention output and the two sums of its sequence-wise
-            # balance loss over the TP ranks' tokens, all-gathers its output, and over the
+            # balance loss over the TP ranks' tokens, all-gathers its output, all-gathers the
+            # shared experts' input and reduce-scatters their output over TP, and over the
             # expert-TP group (ETP = TP) all-gathers the dispatched counts and rows and
             # reduce-scatters the experts' partial outputs
             ops = Counter()
@@ -205,7 +206,8 @@ def test_the_trace_shows_each_recomputed_layers_collectives_a_second_time():
             dense = sum(layer < ARGS.first_k_dense_replace for layer in recomputed_layers)
             moe = len(recomputed_layers) - dense
             m = ARGS.num_microbatches
-            want_ops = {("all_reduce", "tp"): m * (2 * dense + 3 * moe), ("all_gather", "tp"): m * moe,
+            want_ops = {("all_reduce", "tp"): m * (2 * dense + 3 * moe),
+                        ("all_gather", "tp"): 2 * m * moe, ("reduce_scatter", "tp"): m * moe,
                         ("all_gather", "expert_tp"): 2 * m * moe,
                         ("reduce_scatter", "expert_tp"): m * moe}
             assert ops == Counter({k: v for k, v in want_ops.items() if v}), (name, rank, ops)

@@ -224,13 +224,13 @@ def test_the_memory_estimate_splits_activations_over_cp():
 
 @pytest.mark.parametrize("size", [2, 4, 8])
 def test_bytes_sent_per_mode(size):
-    """Per rank per attention call: p2p (3C - 2) kv, all_gather 2 (C - 1) kv, a2a
+    """Per rank per attention call: p2p 3 (C - 1) kv, all_gather 2 (C - 1) kv, a2a
     4 (C - 1) / C kv, with kv one rank's K and V (checked against the traces in
     tests/dist/test_context_parallel.py)."""
     b, h, s, d = 2, 8, 64, 16
     kv = costs.cp_kv_block_bytes(b, h, s, d, size)
     assert kv == 2 * b * h * (s // size) * d * 4
     sent = {mode: costs.cp_bytes_sent(mode, size, b, h, s, d) for mode in costs.CP_MODES}
-    assert sent == {"p2p": (3 * size - 2) * kv, "all_gather": 2 * (size - 1) * kv,
+    assert sent == {"p2p": 3 * (size - 1) * kv, "all_gather": 2 * (size - 1) * kv,
                     "a2a": 4 * (size - 1) * kv // size}
     assert costs.cp_attention_messages("p2p", 1, b, h, s, d) == []

@@ -12,7 +12,6 @@ from tutorial_lib.exercises import ch04
 from tutorial_lib.exercises.ch04 import (GRADIENT_DOMAIN_CASES, GRADIENT_DOMAIN_GRIDS, check_gradient_domains,
                                          check_send_splits, reference_send_splits, send_splits_cases)
 from tutorial_lib.data_parallel import DOMAINS, grad_domain
-from tutorial_lib.transformer import MLP
 
 from ..answer_keys import DOMAINS_KEY
 from ..notebook_cells import answers_checker_tests, assert_hint, assert_reason
@@ -136,13 +135,10 @@ def test_the_answers_follow_the_library():
         assert (config.data_parallel_size, config.expert_data_parallel_size) == (dp, edp)
         layer = moe.MoELayer(8, 8, 2, 4, num_shared_experts=1, sequence_parallel=tp > 1,
                              ep_group=None, tp_group=None)
-        # Megatron-Core 0.20.0 (d98e8a64), megatron/core/transformer/moe/shared_experts.py:
-        # SharedExpertMLP is an MLP, split over TP like the dense one (the library's
-        # tensor-parallel MLP: column-parallel fc1, no sequence_parallel flag)
-        megatron_shared = MLP(8, 4, True, 0, None).linear_fc1.weight
+        # the shared experts are TP shards, never flagged sequence_parallel (their split
+        # over TP is pinned against Megatron's SharedExpertMLP in tests/dist/test_moe.py)
         param = {"router_weight": layer.router.weight,
                  "shared_expert_weight": layer.shared_experts.weight_up,
-                 "shared_expert_megatron": megatron_shared,
                  "routed_expert_weight": layer.experts.weight_up}[name.removesuffix("_sp")]
         domain = grad_domain(param)
         expected = {DOMAINS[domain].data_parallel_group}
@@ -170,8 +166,7 @@ def test_correct_domains_pass_in_any_spelling():
     ("router_weight", ({"expert_dp"}, 8), "drift apart"),
     ("router_weight", ({"dp", "ep"}, 8), "already contains the EP ranks"),
     ("router_weight_sp", ({"dp"}, 4), "partial sum"),
-    ("shared_expert_weight_sp", ({"dp"}, 4), "partial sum"),
-    ("shared_expert_megatron_sp", ({"tp", "dp"}, 4), "different rows"),
+    ("shared_expert_weight_sp", ({"tp", "dp"}, 4), "different rows"),
     ("router_weight_sp", ({"tp", "dp"}, 8), "not replicas of each other"),
     ("shared_expert_weight", ({"dp"}, 1), "is not the gradient of the mean loss"),
     ("router_weight", ({"world"}, 8), "mixes everything"),

@@ -114,7 +114,7 @@ def test_the_ring_pass_formula_passes_and_is_the_traced_one():
     (lambda b, h, s, d, c, e: ring_bytes(b, h, s, d, c, e) / 2, ch09.HINT_RING_K_ONLY),
     (lambda b, h, s, d, c, e: (c - 1) * 2 * b * h * s * d * e, ch09.HINT_RING_WHOLE_SEQUENCE),
     (lambda b, h, s, d, c, e: 8 * ring_bytes(b, h, s, d, c, e), ch09.HINT_RING_BITS),
-    (lambda b, h, s, d, c, e: (3 * c - 2) * 2 * b * h * (s // c) * d * e, ch09.HINT_RING_BACKWARD),
+    (lambda b, h, s, d, c, e: 3 * (c - 1) * 2 * b * h * (s // c) * d * e, ch09.HINT_RING_BACKWARD),
     (lambda b, h, s, d, c, e: "a lot", ch09.HINT_RING_FORMAT),
     (lambda b, h, s, d, c, e: 12345, ch09.HINT_RING_NUDGE),
 ])

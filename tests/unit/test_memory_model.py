@@ -64,6 +64,36 @@ def test_megatron_bytes_per_parameter_in_mixed_precision():
         assert zero.optimizer == 12 * math.ceil(p / dp)
 
 
+def test_one_accounting_of_the_distributed_optimizer_against_megatrons():
+    """The course's ``DistributedOptimizer`` keeps, per element of its slice, an fp32 master
+    and two moments (optimizer state, 12 bytes) and an fp32 copy of the slice's gradient
+    (4, with the gradients): ``w + g + 16 / DP`` per parameter, in fp32 as in bf16.
+    Megatron-Core (d98e8a64, ``megatron/core/optimizer/distrib_optimizer.py``) copies
+    neither: ``_build_model_and_main_param_groups`` makes an fp32 parameter's slice
+    ``model_param.view(-1)[param_range]`` (no master) and ``_copy_model_grads_to_main_grads``
+    the slice's gradient a view of ``main_grad``: ``8 + 8 / DP`` in fp32, ``6 + 12 / DP``
+    in bf16.  Hence the course saves over plain Adam from DP 3 in fp32 (Megatron from
+    DP 2), and both from DP 2 in bf16 (chapter 10)."""
+    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16,
+                        vocab_size=128)
+
+    def state(dp, precision, distributed):
+        rank = costs.memory_per_rank(model, ParallelConfig(dp), TrainConfig(dp, 1),
+                                     precision=precision,
+                                     use_distributed_optimizer=distributed)[0]
+        return rank, rank.gradients + rank.optimizer
+
+    for dp in (1, 2, 3, 4, 8):
+        for precision, weight in (("fp32", 4), ("bf16", 2)):
+            zero, _ = state(dp, precision, True)
+            p, mine = zero.parameters, math.ceil(zero.parameters / dp)
+            assert zero.weights + zero.gradients + zero.optimizer == (weight + 4) * p + 16 * mine
+            assert zero.optimizer == 12 * mine
+    saves = {precision: [dp for dp in (2, 3, 4) if state(dp, precision, True)[1]
+                         < state(dp, precision, False)[1]] for precision in ("fp32", "bf16")}
+    assert saves == {"fp32": [3, 4], "bf16": [2, 3, 4]}
+
+
 def test_recompute_keeps_only_the_inputs_of_recomputed_layers():
     model, parallel, train = MODELS[0], ParallelConfig(1), TrainConfig(6, 2)
     none = costs.memory_per_rank(model, parallel, train)[0].parts

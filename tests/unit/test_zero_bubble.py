@@ -108,6 +108,40 @@ def test_zb_h1_bubble_is_the_tables_zb1p(f, b, w):
             assert makespan(one_f_one_b) - m * (f + b) == (pp - 1) * (f + b)
 
 
+# The ZB paper and sail-sg's README write the backward's input part as T_B (the course's
+# and DualPipe's B - W) and its weight part as T_W: sail-sg/zero-bubble-pipeline-parallelism,
+# README.md at 3a91d0c8, "Comparision of Schedules": bubble rates 1F1B (p-1)/m, ZB1P
+# (p-1)/3m, ZBV 0, "assuming T_F = T_B = T_W"; the ZB paper (Qi et al., ICLR 2024, its
+# ZB-H1 schedule) gives ZB-H1's bubble as (p-1)(T_F + T_B - T_W).
+
+
+@pytest.mark.parametrize("f,b,w", COST_CASES)
+def test_the_zb_papers_zb_h1_bubble_is_the_dualpipe_tables(f, b, w):
+    """(p-1)(T_F + T_B - T_W) with T_B = B - W is (PP-1)(F + B - 2W): one bubble, two
+    notations, and the simulation gives it."""
+    t_f, t_b, t_w = f, b - w, w
+    for pp in range(2, 6):
+        bubble = makespan(timelines("zb-h1", pp, 2 * pp, f, b, w)) - 2 * pp * (f + b)
+        assert bubble == (pp - 1) * (t_f + t_b - t_w) == (pp - 1) * (f + b - 2 * w)
+
+
+def test_zbv_bubble_rate_is_half_zb1p_not_zero():
+    """sail-sg's README rates ZBV's bubble 0 at T_F = T_B = T_W; the simulation of the same
+    order (torch's ScheduleZBVZeroBubble, checked below) idles (PP-1) chunk forwards on
+    every rank: the last rank cannot start before the first microbatch has crossed PP-1
+    chunks.  As a rate of the step's work, 2M chunks of F + B = 3F each, that is
+    (PP-1)/6M: half of ZB1P's (p-1)/3m, and 0 only as M grows."""
+    for pp in range(2, 6):
+        for m in (2 * pp, 4 * pp):
+            plan = timelines("zbv", pp, m, 1, 2, 1)  # a chunk: T_F = T_B = T_W = 1
+            work = 2 * m * 3
+            bubble = makespan(plan) - work
+            assert bubble == pp - 1 > 0
+            assert Fraction(bubble, work) == Fraction(pp - 1, 6 * m)
+            zb1p = makespan(timelines("zb-h1", pp, m, 2, 4, 2)) - m * 6  # a stage: 2 chunks
+            assert Fraction(zb1p, m * 6) == Fraction(pp - 1, 3 * m) == 2 * Fraction(bubble, work)
+
+
 def test_zb_h1_holds_1f1b_activations():
     """The table's "PP" for ZB1P: counted until each W, rank 0 of PP holds PP microbatches,
     as in 1F1B (M >= PP); the last rank holds PP too, where 1F1B's held 1."""
@@ -311,7 +345,7 @@ DUAL_COSTS = [(1, 2, 1, None), (1, 2, 1, 2), (1, 2, 1, Fraction(5, 2)),
 def test_dualpipe_bubbles_are_the_tables(f, b, w, fb):
     """deepseek-ai/DualPipe README.md (3da1bbea): DualPipe and DualPipeV, (PP/2-1)(F&B+B-3W)
     with PP the pipeline stages: DualPipeV's pp_size ranks hold 2 pp_size stages, DualPipe's
-    pp_size ranks pp_size stages (twice).  The busiest rank idles exactly that long."""
+    pp_size ranks pp_size stages (twice).  The rank that idles most idles exactly that long."""
     from tutorial_lib.pipeline_parallel.formulas import expected_bubble_time
     from tutorial_lib.pipeline_parallel.simulator import idle_time
     pair = f + b if fb is None else fb

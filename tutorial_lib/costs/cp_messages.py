@@ -9,8 +9,8 @@ sequence, ``s / C`` this rank's tokens, ``d`` the head size, ``e`` bytes per ele
 
     mode        forward                        backward
     ----------  -----------------------------  --------------------------------------
-    p2p         C-1 sends (and receives) of    C-1 sends of kv (the ring again) and
-                kv                             C sends of a dK/dV accumulator (kv)
+    p2p         C-1 sends (and receives) of    C-1 sends of kv (the ring again, the other
+                kv                             way) and C-1 of a dK/dV accumulator (kv)
     all_gather  one all-gather of kv           one reduce-scatter of dK/dV (C kv in)
     a2a         all-to-all of Q, K, V (3u),    the same two, reversed
                 and of the output back (u)
@@ -19,7 +19,9 @@ Bytes are counted as :mod:`tutorial_lib.comm` records them (all-gather: the shar
 reduce-scatter: the whole input; all-to-all: every row given, this rank's own included;
 send / recv: the tensor), so they equal the traced events; :func:`cp_bytes_sent` turns
 them into what leaves the rank (:func:`~tutorial_lib.costs.alpha_beta.ring_bytes_sent`).
-Per rank, p2p sends ``(3C - 2) kv``, all_gather ``2 (C - 1) kv`` and a2a
+Per rank, p2p sends ``3 (C - 1) kv`` (TransformerEngine's ring: the backward starts
+from the last block the forward brought, so each block's accumulator ends at its owner
+without a message home), all_gather ``2 (C - 1) kv`` and a2a
 ``8 (C - 1) / C u = 4 (C - 1) / C kv``: the first two grow with ``C``, Ulysses' shrinks.
 No torch.
 """
@@ -62,7 +64,7 @@ def cp_attention_messages(cp_comm_type: str, cp_size: int, batch: int, heads: in
     if cp_comm_type == "p2p":
         rows = [("forward", op, "kv", c - 1, kv) for op in ("send", "recv")]
         rows += [("backward", op, "kv", c - 1, kv) for op in ("send", "recv")]
-        rows += [("backward", op, "dkv", c, kv) for op in ("send", "recv")]
+        rows += [("backward", op, "dkv", c - 1, kv) for op in ("send", "recv")]
     elif cp_comm_type == "all_gather":
         rows = [("forward", "all_gather", "kv", 1, kv),
                 ("backward", "reduce_scatter", "dkv", 1, c * kv)]

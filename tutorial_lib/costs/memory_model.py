@@ -5,8 +5,8 @@ config and layout the course accepts, rank by rank.  Each rank holds
 
 * **weights**: its parameters, counted layer by layer from the model's shapes (TP splits
   attention, dense MLPs, embedding and LM head; EP splits the routed experts, ETP each
-  expert; LayerNorms, routers, shared experts and row-parallel biases are whole on every
-  rank);
+  expert; the shared experts by TP like a dense MLP; LayerNorms, routers and
+  row-parallel biases are whole on every rank);
 * **gradients**: one per parameter, in the precision's gradient bytes (the data-parallel
   bucket buffer ``main_grad`` when the model is wrapped in ``DataParallel``, else
   ``.grad``); under the distributed optimizer also the fp32 gradient of this rank's slice
@@ -43,9 +43,16 @@ first and the last rank each hold one embedding and one head.
 Precision (``precision``): ``"fp32"`` is the course's runs, every value 4 bytes;
 ``"bf16"`` is mixed precision as Megatron-LM trains at scale: bf16 weights (2 bytes), fp32
 gradients (4), an fp32 master and two fp32 moments (12), 18 bytes per parameter with plain
-DP and ``6 + 12 / DP`` with the distributed optimizer (Megatron-Core 0.20.0, d98e8a64,
-``megatron/training/theoretical_memory_usage.py``, ``compute_weight_and_optimizer_memory``),
-activations in bf16.  ``fp8=True`` keeps each matmul's saved input in FP8, one byte per
+DP, activations in bf16.  The distributed optimizer, counted as the course's
+:class:`~tutorial_lib.data_parallel.DistributedOptimizer` holds it (the memory checks
+compare to the byte): per element of the slice an fp32 master, two moments and an fp32
+copy of the slice's gradient, so ``w + g + 16 / DP`` bytes per parameter, ``6 + 16 / DP``
+in bf16 and ``8 + 16 / DP`` in fp32.  Megatron-Core keeps less: its slice's gradient is a
+view of the fp32 gradient buffer and an fp32 parameter's slice a view of the parameter
+(``megatron/core/optimizer/distrib_optimizer.py``, d98e8a64,
+``_build_model_and_main_param_groups`` and ``_copy_model_grads_to_main_grads``), so
+``6 + 12 / DP`` in bf16 (``theoretical_memory_usage.py``,
+``compute_weight_and_optimizer_memory``) and ``8 + 8 / DP`` in fp32.  ``fp8=True`` keeps each matmul's saved input in FP8, one byte per
 value plus one fp32 scale per 128 (DeepSeek-V3's 1x128 tiles, :mod:`tutorial_lib.fp8`).
 
 The activation terms are counted from this course's own layers and checked against
@@ -112,7 +119,8 @@ PRECISION_BYTES = {
 }
 """``fp32``: the course's runs.  ``bf16``: Megatron's mixed precision, ``2 + 4 + 4 + 8 = 18``
 bytes per parameter with plain DP (Megatron-Core 0.20.0, d98e8a64,
-``theoretical_memory_usage.py``)."""
+``theoretical_memory_usage.py``).  The distributed optimizer's slice is counted apart
+(the module docstring): an fp32 master whatever ``master`` says, and its gradient."""
 
 NO_RECOMPUTE = Recompute()
 
@@ -190,7 +198,7 @@ def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) 
         f = model.moe_ffn_hidden_size or h
         count += model.num_experts * h                                # the router (whole)
         count += _expert_parameters(model, ep, etp)                   # my routed experts' shards
-        count += 3 * model.num_shared_experts * f * h                 # shared experts (whole)
+        count += 3 * model.num_shared_experts * f * h // tp           # shared experts (TP)
     else:
         f = model.ffn_hidden_size or 4 * h
         count += (f * h + f) // tp + h * f // tp + h                  # fc1 (column), fc2 (row)
@@ -234,8 +242,9 @@ def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 
       group's rows, ``ETP R`` expert inputs of ``h`` and two int64 orders, each with
       ``f / ETP`` channels), the router's fp32 scores and int64
       indices (``2 N`` and ``5 K x 8 + 2 K x 4`` bytes per token), three fp32 per token and
-      ``N`` per sequence for the sequence-wise balance loss, the shared experts' ``4 f``
-      per token, the aux loss (one fp32 scalar).
+      ``N`` per sequence for the sequence-wise balance loss, the shared experts' ``4 f / TP``
+      per token of the whole sequence (split over TP; with TP > 1 also the input they
+      all-gather, ``T h``), the aux loss (one fp32 scalar).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISION_BYTES)}")
@@ -268,24 +277,35 @@ def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 
     moe += 2 * INDEX_BYTES * (etp - 1) * routed         # ETP: the gathered rows' two orders
     moe += STATS_BYTES * 2 * mine * experts + (5 * INDEX_BYTES + 2 * STATS_BYTES) * copies
     moe += STATS_BYTES * (3 * mine + rows * experts) + 4
-    moe += a * 4 * f * mine * model.num_shared_experts
+    moe += a * 4 * f * mine * model.num_shared_experts   # = 4 T (f / TP): split over TP
+    if tp > 1 and model.num_shared_experts:  # their input, all-gathered over TP
+        moe += a * tokens * h
     return {"attention": attention, "moe": moe}
 
 
 def _context_parallel_attention_bytes(model, rows, tp, cp, a) -> int:
     """What attention under CP keeps besides the serial layer's tensors, per ``cp_comm_type``.
 
-    ``p2p`` (the ring) and ``a2a`` return the output head by head, so the projection keeps
-    its own reordered copy (``T h / TP``; ``a2a`` also two int64 position vectors of the
-    whole sequence); ``all_gather`` keeps the gathered keys and values of the whole
-    sequence (``2 b s h / TP``) and the causal mask of its rows (``s / CP x s``, fp32).
+    Every mode returns the output in pieces (head by head, or chunk by chunk), so the
+    projection keeps its own reordered copy (``T h / TP``).  Besides: ``p2p`` keeps the
+    last K/V block the forward ring brought (``2 T h / TP``: TransformerEngine's ring
+    saves it, its backward starts there); ``a2a`` two int64 position vectors of the
+    whole sequence; ``all_gather`` the gathered keys and values of the whole sequence in
+    position order (``2 b s h / TP``), that order (``s`` int64) and the causal mask of
+    each local chunk over its prefix (``L x (c + 1) L`` for chunk ``c`` of length
+    ``L = s / 2CP``, chunks ``r`` and ``2 CP - 1 - r``: ``(2 CP + 1) L^2``, in the
+    activations' dtype, as attention turns a boolean mask into an additive one).
     """
     s, h = model.seq_length, model.hidden_size
     tokens = s // cp * rows
-    if model.cp_comm_type == "all_gather":
-        return 2 * a * rows * s * h // tp + STATS_BYTES * (s // cp) * s
     extra = a * tokens * h // tp
-    return extra + (2 * INDEX_BYTES * s if model.cp_comm_type == "a2a" else 0)
+    if model.cp_comm_type == "p2p":
+        return extra + 2 * a * tokens * h // tp
+    if model.cp_comm_type == "all_gather":
+        length = s // (2 * cp)
+        return extra + 2 * a * rows * s * h // tp + INDEX_BYTES * s \
+            + a * (2 * cp + 1) * length * length
+    return extra + 2 * INDEX_BYTES * s  # a2a
 
 
 def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: int = 1,

@@ -265,16 +265,13 @@ GRADIENT_DOMAIN_CASES = {
         "router.weight, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a full copy "
         "on every rank; each TP rank routes its own s/TP tokens.",
     "shared_expert_weight_sp":
-        "shared_experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): a "
-        "full copy on every rank, run on the rank's own s/TP tokens.",
+        "shared_experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): split "
+        "over TP like a dense MLP, as Megatron-Core's SharedExpertMLP, so this is a "
+        "column-parallel shard [f/TP, h], fed the whole sequence by the all-gather of the TP "
+        "ranks' tokens.",
     "routed_expert_weight_sp":
         "experts.weight_up, TP 2 x EP 4 with sequence parallelism (DP 4, EDP 2): this EP "
         "rank's 2 of the 8 routed experts.",
-    "shared_expert_megatron_sp":
-        "Megatron-Core's shared_experts.linear_fc1.weight, TP 2 x EP 4 with sequence "
-        "parallelism (DP 4, EDP 2): Megatron splits the shared expert over TP like a dense "
-        "MLP, so this is a column-parallel shard [f/TP, h], fed the whole sequence by the "
-        "sequence-parallel all-gather.",
 }
 
 #: Case -> the digest of ``"groups/divisor"`` (``kit.answer_digest``; groups as
@@ -284,9 +281,8 @@ GRADIENT_DOMAIN_DIGESTS = {
     "shared_expert_weight": "8610dc3c6bb4feb4afda657626f02dcc",
     "routed_expert_weight": "dc5f2fbba1352dc278f16360fe179407",
     "router_weight_sp": "21bfc1cad077c0ae65964438b8d9ac72",
-    "shared_expert_weight_sp": "682603eecb5ef13d5927faeb0a431b50",
+    "shared_expert_weight_sp": "d6f01686e143d056f9e8a5e73ab66a93",
     "routed_expert_weight_sp": "85df84fd0d16d997cc5f9bdc6165a11c",
-    "shared_expert_megatron_sp": "4905ab7f2d1a068eae6c9c3d02063a16",
 }
 
 #: The sizes behind each case: (TP, EP, DP, EDP) of the world-8 grid.
@@ -357,12 +353,13 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
                     "with sequence parallelism each TP rank routes and runs only its own s/TP "
                     "tokens, so its gradient of this replicated weight is a partial sum: add "
                     "the TP ranks' parts (allreduce_sequence_parallel_grads), then the DP sum.")
-        if "tp" in given and case == "shared_expert_megatron_sp":
-            return ("Megatron's shared expert is tensor-parallel: the TP ranks hold different "
-                    "shards (different rows of fc1), and the all-gather in front of it gives "
-                    "each shard the whole sequence, so its gradient is already complete on "
-                    "its rank. A TP sum would add different rows. Only the course's "
-                    "replicated shared expert, run on s/TP tokens per rank, needs the TP sum.")
+        if "tp" in given and case == "shared_expert_weight_sp":
+            return ("the shared expert is tensor-parallel, as Megatron's: the TP ranks hold "
+                    "different shards (different rows of the gate and up projections), and "
+                    "the all-gather in front of it gives each shard the whole sequence, so its "
+                    "gradient is already complete on its rank. A TP sum would add different "
+                    "rows. Only the router, whole on every TP rank and run on s/TP tokens per "
+                    "rank, needs the TP sum.")
         if "tp" in given and "tp" not in want:
             return ("no TP sum without sequence parallelism: every TP rank would already hold "
                     "the same gradient.")

@@ -253,7 +253,7 @@ HINT_RING_WHOLE_SEQUENCE = (
 HINT_RING_BITS = "you counted bits: divide by 8 (bytes_per_element is already in bytes)."
 HINT_RING_BACKWARD = (
     "that is forward and backward. The forward ring alone sends CP - 1 K/V blocks; the "
-    "backward sends the blocks around again plus CP dK/dV accumulators."
+    "backward sends the blocks around again plus CP - 1 dK/dV accumulators."
 )
 HINT_RING_NUDGE = (
     "how many times does a rank pass a block on in the forward ring, and what does one "
@@ -280,7 +280,7 @@ def _ring_mistakes(b, h, s, d, size, e) -> dict[str, float]:
     block = 2 * b * h * (s // size) * d * e
     right = (size - 1) * block
     return {"steps": size * block, "k_only": right / 2, "whole_sequence": (size - 1) * 2 * b * h * s * d * e,
-            "bits": 8 * right, "backward": (3 * size - 2) * block}  # + K/V again + C dK/dV
+            "bits": 8 * right, "backward": 3 * right}  # + K/V again + CP - 1 dK/dV
 
 
 def check_ring_pass_bytes(fn: Callable) -> CheckResult:

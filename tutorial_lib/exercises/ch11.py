@@ -134,7 +134,7 @@ def check_place_weights(fn: Callable[[int, int, int], list]) -> CheckResult:
                 failed = Case(name, False, f"each rank idles {idle}: as long as in 1F1B")
             elif idle != (pp - 1) * (F + B - 2 * W):
                 check.shows({"hoarding"} if at_end else set())
-                failed = Case(name, False, f"the busiest rank idles {idle} time units, more "
+                failed = Case(name, False, f"a rank idles {idle} time units, more "
                                            f"than ZB-H1's placement leaves")
             elif max(peaks) > pp:
                 check.shows({"hoarding"})
@@ -153,8 +153,8 @@ IDLE_CASES = [(2, 1, 2, 1), (4, 1, 2, 1), (4, 2, 3, 1), (6, 1, 2, 1), (8, 2, 4, 
 IDLE_SCHEDULES = ("1f1b", "zb-h1", "dualpipev", "dualpipe")
 
 HINT_IDLE_FORMAT = ('return a dict with a number for each of "1f1b", "zb-h1", "dualpipev" '
-                    'and "dualpipe": the idle time of the busiest rank, in the units of f, '
-                    'b and w.')
+                    'and "dualpipe": the most any rank idles (every rank computes as '
+                    'much), in the units of f, b and w.')
 HINT_V_RANKS = (
     "DualPipeV's table row counts stages, not ranks: pp ranks hold 2 pp stages, so its "
     "(PP/2 - 1) is (pp - 1) here; and each of those stages is half of one of 1F1B's, so "
@@ -189,7 +189,7 @@ IDLE_HINTS = Mistakes((HINT_IDLE_NUDGE, HINT_IDLE_GENERIC), any_case={"format"},
 
 def simulated_idle_times(pp: int, f, b, w) -> dict:
     """The reference: each schedule simulated with free messages, the same model on ``pp``
-    ranks (the V's chunks cost half a stage), the busiest rank's idle time."""
+    ranks (the V's chunks cost half a stage), the most any rank idles."""
     out = {}
     for name in IDLE_SCHEDULES:
         m = 2 * pp + 2

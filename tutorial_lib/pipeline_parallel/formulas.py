@@ -59,9 +59,13 @@ def expected_bubble_time(name: str, pp_size: int, forward_cost: float = 1.0,
     simulated bubble differs (the DualPipe figure draws ``F`` and ``B - W`` equal).
     The ZBV row is not in the DualPipe table: it is ZB-H1's expression over ``PP``
     ranks of two chunks each, checked by simulation where ZBV's paper draws it (all
-    three costs equal).  ``F&B`` below ``F + B`` models communication hidden behind
-    the other half's compute; with overlapped pairs the ranks idle unequally, and the
-    formula is the busiest (turning) rank's.
+    three costs equal: ``(PP - 1) F``, a rate of ``(PP - 1) / 6M`` of the step, where
+    sail-sg's README rounds ZBV's rate to 0).  The ZB paper's ``(p - 1)(T_F + T_B - T_W)``
+    is the ZB-H1 row with its ``T_B`` the backward's input part, ``B - W`` here.
+    ``F&B`` below ``F + B`` models communication hidden behind the other half's compute;
+    with overlapped pairs the ranks compute unequally, and the formula is the largest
+    idle time (:func:`~.simulator.idle_time`), the turning rank's, which runs the most
+    pairs.
     """
     if name not in ALL_SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; schedules are {', '.join(ALL_SCHEDULES)}")

@@ -284,9 +284,10 @@ def bubble_fraction(timelines: dict[int, list[TimedAction]], rank: int | None = 
 
 def idle_time(timelines: dict[int, list[TimedAction]], rank: int | None = None) -> float:
     """A rank's idle time in the step: the makespan minus its compute (forwards, B's and
-    W's).  ``rank=None``: the largest over the ranks, the step's *bubble* in the sense of
-    the DualPipe table (:func:`~.formulas.expected_bubble_time`): the time a step takes beyond the
-    busiest rank's work."""
+    W's).  ``rank=None``: the largest over the ranks, the idle time of the rank that
+    computes least, the step's *bubble* in the sense of the DualPipe table
+    (:func:`~.formulas.expected_bubble_time`).  In every schedule here each rank computes
+    as much, so every rank idles that long."""
     total = makespan(timelines)
     ranks = list(timelines) if rank is None else [rank]
     return max(total - sum(t.end - t.start for t in timelines[r] if t.action.is_compute)
