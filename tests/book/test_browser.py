@@ -112,6 +112,7 @@ def test_ipywidgets_render_offline(tmp_path, build_book, serve, open_book_page):
     shutil.copy(REPO / "_config.yml", book / "_config.yml")
     for folder in ("_static", "_ext", "_templates"):  # what _config.yml names
         shutil.copytree(REPO / folder, book / folder)
+    shutil.copy(REPO / "references.bib", book / "references.bib")  # bibtex_bibfiles
     (book / "_toc.yml").write_text(
         "format: jb-book\nroot: intro\nchapters:\n  - file: chapters/widgets\n")
     (book / "intro.md").write_text("# Intro\n")
