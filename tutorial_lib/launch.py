@@ -829,11 +829,13 @@ class Collector:
 
     def died(self, rank: int, exitcode: int) -> WorkerError:
         """The error of ``rank``, whose process ended with ``exitcode`` without a result: the
-        signal by name, and what it wrote last on stderr (from faulthandler's "Fatal Python
-        error" on, when it crashed: the signal and the Python stack)."""
+        signal by name, and what it wrote last on stderr: its last 8 lines, and when it
+        crashed those before faulthandler's "Fatal Python error" (a C++ library's last words)
+        and that report (the signal and the Python stack)."""
         lines = [text for stream, text in self.output[rank] if stream == "stderr"]
         crash = [i for i, text in enumerate(lines) if text.startswith("Fatal Python error")]
-        last = lines[crash[-1]:][:40] if crash else lines[-8:]
+        last = (lines[max(0, crash[-1] - 8):crash[-1]] + lines[crash[-1]:][:40] if crash
+                else lines[-8:])
         said = ("its last lines on stderr:\n" + "\n".join(f"    {t}" for t in last)
                 if last else "it wrote nothing to stderr")
         return WorkerError(rank, f"process {describe_exit(exitcode)} before returning a result",
@@ -862,7 +864,11 @@ class Collector:
         # a rank that returned while the others were in a collective comes first: their
         # errors then name its end-of-call barrier as "returned from fn"
         returned = {f.rank for f in self.failures if RETURNED_EARLY in f.summary}
-        causes.sort(key=lambda f: f.rank not in returned)
+        # but an exception a rank raised on its own (not a collective check's complaint
+        # about that barrier) is the cause, and an early return its consequence
+        mismatch = ("as its op #", "mismatch between collectives")
+        causes.sort(key=lambda f: (1 if f.rank in returned else
+                                   2 if any(t in f.summary for t in mismatch) else 0))
         first = (causes or self.failures)[0]
         others = [f for f in self.failures if f is not first]
         if others:

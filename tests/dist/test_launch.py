@@ -83,7 +83,8 @@ def test_a_deadlock_ends_after_the_timeout_with_a_report(no_leftover_workers):
         launch(_mismatched_receives, 3, timeout=2)
     assert 2 <= time.time() - t0 < 15
     report = info.value.report
-    assert report[2].startswith("finished its function; waiting for the other ranks")
+    assert report[2].startswith("finished its function (returned from fn); waits in the "
+                                "launcher's end-of-call barrier")
     assert report[0].startswith("waiting in recv from rank 1 on world group [0, 1, 2] shape (3,) float32 (for ")
     assert "_mismatched_receives" in report[0]  # the stack names the user's function
     assert report[1].startswith("waiting in recv from rank 0")
@@ -283,7 +284,7 @@ def test_a_rank_killed_by_a_signal_brings_its_last_stderr_lines():
     for _ in range(3):  # the lines must arrive every time, not now and then
         with pytest.raises(WorkerError) as info:
             launch(_abort_with_last_words, 3, timeout=60, print_output=False)
-        assert info.value.rank == 1 and "exited with code -6" in str(info.value)
+        assert info.value.rank == 1 and "killed by signal SIGABRT (exit code -6)" in str(info.value)
         assert "Received data size doesn't match expected size" in str(info.value)
 
 
