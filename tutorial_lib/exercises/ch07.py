@@ -24,7 +24,6 @@ cases with a hint.
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Callable
 
 from .. import p2p
@@ -271,11 +270,9 @@ def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> Chec
             check.shows(_peer_mistakes_in_report(got.report) or {"deadlock"})
             break
         if isinstance(got, WorkerError):
-            # the rank that talked to peer None, whether the launcher names it first or
-            # among what followed (a rank that returned early is named first)
-            rank, summary = _rank_that_met_peer_none(got)
-            if summary is not None:
-                if rank == pp - 1:
+            summary = got.summary
+            if "peer rank None" in summary:
+                if got.rank == pp - 1:
                     check.shows({"last_stage"})
                 else:
                     check.shows({"recv_from_none"} if "recv:" in summary else {"send_to_previous"})
@@ -313,18 +310,6 @@ def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> Chec
             mistakes.add("empty_buffer")
         check.shows(mistakes)
     return check.verdict()
-
-
-def _rank_that_met_peer_none(error) -> tuple[int | None, str | None]:
-    """``(rank, its error)`` of the rank whose send or receive named peer rank None, from a
-    :class:`WorkerError` (its own rank, or a rank listed after it); ``(None, None)`` if none."""
-    if "peer rank None" in error.summary:
-        return error.rank, error.summary
-    for line in str(error).splitlines():
-        found = re.match(r"\s*rank (\d+): (.*peer rank None.*)", line)
-        if found:
-            return int(found.group(1)), found.group(2)
-    return None, None
 
 
 # --- exercise 7.2: who sends first? ---------------------------------------------------------------
