@@ -18,6 +18,10 @@
 * MathJax only where a page has math of its own: Sphinx counts a page as having equations
   when any page in its toctree does, so the root page (the introduction, whose toctree
   holds every chapter) loaded all of MathJax (1.3 MB) for no formula.
+* Bibliography entries are list items: docutils writes the citation list as
+  ``role="list"`` and each entry as ``role="doc-biblioentry"``, a role DPUB-ARIA 1.1
+  deprecated, so assistive technology (and axe, which reports it as critical) sees a list
+  whose children are the entries' links; each entry gets ``role="listitem"`` instead.
 """
 from __future__ import annotations
 
@@ -168,6 +172,17 @@ def mathjax_only_with_math(app, pagename, templatename, context, doctree) -> Non
     scripts[:] = [js for js in scripts if not is_mathjax(js)]
 
 
+DEPRECATED_ENTRY_ROLE = 'role="doc-biblioentry"'
+ENTRY_ROLE = 'role="listitem"'
+
+
+def bibliography_entries_as_list_items(app, pagename, templatename, context, doctree) -> None:
+    """Give each citation entry of a page the list item role its list requires."""
+    body = context.get("body")
+    if isinstance(body, str) and DEPRECATED_ENTRY_ROLE in body:
+        context["body"] = body.replace(DEPRECATED_ENTRY_ROLE, ENTRY_ROLE)
+
+
 def setup(app):
     app.add_enumerable_node(course_figure, "course-figure", caption_label,
                             html=(visit_course_figure, depart_course_figure))
@@ -176,4 +191,5 @@ def setup(app):
     app.connect("config-inited", buttons_from_repository)
     app.connect("doctree-read", label_solutions)
     app.connect("html-page-context", mathjax_only_with_math, priority=600)
+    app.connect("html-page-context", bibliography_entries_as_list_items)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -29,14 +29,17 @@ def notebook(*sources: str) -> str:
 
 def copy_book_setup(book: Path) -> None:
     """The real _config.yml and what it names: the local extension, the template, the
-    static files (favicon, vendored scripts)."""
-    shutil.copy(REPO / "_config.yml", book / "_config.yml")
+    static files (favicon, vendored scripts), the bibliography file."""
+    for name in BOOK_SETUP_FILES:
+        shutil.copy(REPO / name, book / name)
     for folder in BOOK_SETUP:
         shutil.copytree(REPO / folder, book / folder)
 
 
 BOOK_SETUP = ("_ext", "_templates", "_static")
 """The folders _config.yml needs."""
+BOOK_SETUP_FILES = ("_config.yml", "references.bib")
+"""The files: without references.bib sphinxcontrib-bibtex warns, and -W fails the build."""
 
 
 def tiny_book(root: Path, *cell_sources: str) -> Path:

@@ -206,6 +206,16 @@ def test_two_notebooks_with_clusters_at_once_never_collide(tmp_path):
     run_two_notebooks(tmp_path, TWO_CLUSTERS, seconds=180)
 
 
+def kill_idle_rank(cluster: Cluster, pid: int) -> None:
+    """SIGKILL a rank that has just answered a call; one that had already ended is a failure
+    of its own, reported with what the cluster knew (one CI run met this once, unexplained)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pytest.fail(f"rank process {pid} ended by itself after its call returned; "
+                    f"the cluster says: {cluster.status()}")
+
+
 def test_a_rank_that_died_between_calls_is_named_on_the_next_call(fault_bench):
     """A rank killed while the cluster is idle (the machine's OOM killer, say): the next call
     names it and its signal in a WorkerError (it was a bare BrokenPipeError), the cluster is
@@ -213,7 +223,7 @@ def test_a_rank_that_died_between_calls_is_named_on_the_next_call(fault_bench):
     cluster = Cluster(2, print_output=False)
     try:
         pids = cluster.run(lambda ctx: os.getpid()).results
-        os.kill(pids[1], signal.SIGKILL)
+        kill_idle_rank(cluster, pids[1])
         assert wait_until_gone([pids[1]]) == []
         with pytest.raises(WorkerError) as info:
             cluster.run(lambda ctx: ctx.rank)
@@ -229,7 +239,7 @@ def test_a_rank_that_died_between_calls_is_named_on_the_next_call(fault_bench):
         cluster.restart()
         assert cluster.run(lambda ctx: ctx.rank).results == [0, 1]
         pid = cluster.run(lambda ctx: os.getpid()).results[0]
-        os.kill(pid, signal.SIGKILL)
+        kill_idle_rank(cluster, pid)
         assert wait_until_gone([pid]) == []
         assert cluster.running is False  # found from the processes, before any call
     finally:

@@ -136,8 +136,9 @@ def test_trace_shows_two_n_minus_one_sends_of_one_chunk_each(n):
         assert len(sends) == len(recvs) == 2 * (n - 1)
         assert {e.bytes for e in sends} <= {tensor_bytes // n}
         assert sends.total_bytes() == 2 * (n - 1) * tensor_bytes // n  # 2(N-1)/N x the tensor
-        assert every(e.peer == (rank + 1) % n for e in sends)
-        assert every(e.peer == (rank - 1) % n for e in recvs)
+        # to the next rank, from the previous one (none at all on one rank)
+        assert [e.peer for e in sends] == [(rank + 1) % n] * len(sends)
+        assert [e.peer for e in recvs] == [(rank - 1) % n] * len(recvs)
     assert ring_collectives.ring_cost(tensor_bytes, n)["bytes_sent"] == 2 * (n - 1) * tensor_bytes // n
 
 
