@@ -550,20 +550,10 @@ def check_flushed_values(fn) -> CheckResult:
                 "normal": dict(smallest=2.0 ** -6), "none": dict(smallest=0.0)}
     for scaling in SCALINGS:
         for outlier in OUTLIERS:
-            name = f"{scaling}, outlier {outlier:g}"
-            given = got.get((scaling, outlier))
-            number = as_number(given)
-            if number is None or not number.is_integer():
-                check.add(Case(name, False, "missing from the dict" if given is None else
-                               f"got {given!r}, not a whole number"))
-                check.shows({"format"})
-                continue
-            if int(number) == flushed_ordinary_values(outlier, scaling):
-                check.add(Case(name, True))
-                continue
-            check.add(Case(name, False, f"got {int(number)}: not what the quantizer did"))
-            check.shows({m for m, rule in variants.items()
-                         if _flush_variant(outlier, scaling, **rule) == int(number)})
+            check.count(f"{scaling}, outlier {outlier:g}", got.get((scaling, outlier)),
+                        flushed_ordinary_values(outlier, scaling), "not what the quantizer did",
+                        lambda n: {m for m, rule in variants.items()
+                                   if _flush_variant(outlier, scaling, **rule) == n})
     return check.verdict()
 
 

@@ -393,20 +393,10 @@ def check_ring_work(fn: Callable, measured: Callable[[], dict] = measured_ring_w
              "naive_even": dict(even=True)}
     for split in SPLITS:
         for rank in range(WORK_CP):
-            name = f"{split} split, rank {rank}"
-            given = got.get((split, rank))
-            number = as_number(given)
-            if number is None or not number.is_integer():
-                check.add(Case(name, False, "missing from the dict" if given is None else
-                               f"got {given!r}, not a whole number"))
-                check.shows({"format"})
-                continue
-            if int(number) == ran[(split, rank)]:
-                check.add(Case(name, True))
-                continue
-            check.add(Case(name, False, f"got {int(number)}: not what the ring attended"))
-            check.shows({m for m, rule in rules.items()
-                         if ring_work_variant(split, rank, **rule) == number})
+            check.count(f"{split} split, rank {rank}", got.get((split, rank)),
+                        ran[(split, rank)], "not what the ring attended",
+                        lambda n: {m for m, rule in rules.items()
+                                   if ring_work_variant(split, rank, **rule) == n})
     return check.verdict()
 
 

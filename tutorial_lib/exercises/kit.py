@@ -479,6 +479,22 @@ class Checking:
         """A failing case shows these mistakes (none: a failure no named mistake explains)."""
         self.failing.append(set(mistakes))
 
+    def count(self, name: str, given, want: int, wrong: str,
+              shown_by: Callable[[int], Iterable[str]]) -> None:
+        """Record one count of a predicted dict as the case ``name``: passed when ``given`` is
+        ``want``; a missing or fractional count shows ``"format"``, a wrong one ``"got n: " +
+        wrong`` and the mistakes ``shown_by(n)`` names (those whose rule gives ``n``)."""
+        number = as_number(given)
+        if number is None or not number.is_integer():
+            self.add(Case(name, False, "missing from the dict" if given is None else
+                          f"got {given!r}, not a whole number"))
+            self.shows({"format"})
+        elif int(number) == want:
+            self.add(Case(name, True))
+        else:
+            self.add(Case(name, False, f"got {int(number)}: {wrong}"))
+            self.shows(shown_by(int(number)))
+
     def judge(self, case: Case, got, read: Callable[[object], object],
               explain: Callable[[object], Iterable[str]], *, unreadable: str = "format",
               exceptions: bool = True) -> None:
