@@ -24,7 +24,7 @@ from ..config import ConfigError, ModelConfig
 from ..costs.memory_model import layer_activation_bytes
 from ..memory import heaviest_rank_bytes
 from ..recompute import Recompute
-from .kit import CheckResult, Checking, Mistakes, as_number, as_whole_numbers
+from .kit import CheckResult, Checking, Mistakes, as_whole_numbers
 
 # --- exercise 10.1: one dense layer's saved activations ------------------------------------
 
@@ -90,14 +90,9 @@ def check_dense_layer_bytes(fn: Callable) -> CheckResult:
     for s, b, h, heads, ffn, tp in LAYER_CASES:
         want = reference_dense_layer_bytes(s, b, h, heads, ffn, tp)
         name = f"s={s}, b={b}, h={h}, heads={heads}, ffn={ffn}, TP={tp}"
-        case, got = check.run(name, lambda: fn(s, b, h, heads, ffn, tp), want,
-                              compare=lambda g, w: as_number(g) == w)
-        if not case.passed and not isinstance(got, BaseException) and as_number(got) is not None:
-            case.detail = f"got {as_number(got):g} bytes; the layer keeps another amount"
-
-        def explain(number, args=(s, b, h, heads, ffn, tp), want=want):
-            return {m for m, v in _layer_mistakes(*args).items() if v != want and number == v}
-        check.judge(case, got, as_number, explain, exceptions=False)
+        check.formula(name, lambda: fn(s, b, h, heads, ffn, tp), want,
+                      _layer_mistakes(s, b, h, heads, ffn, tp),
+                      "bytes; the layer keeps another amount")
     return check.verdict()
 
 

@@ -479,6 +479,23 @@ class Checking:
         """A failing case shows these mistakes (none: a failure no named mistake explains)."""
         self.failing.append(set(mistakes))
 
+    def formula(self, name: str, attempt: Callable[[], object], want: float,
+                mistakes: dict[str, float], wrong: str = "", *, rel_tol: float = 0.0,
+                abs_tol: float = 0.0) -> None:
+        """Run ``attempt()``, a student's formula, as the case ``name``: passed when it returns
+        ``want`` (within the tolerances).  A wrong number shows the mistakes of ``mistakes``
+        (name -> the number that mistake gives) that it equals (to ``rel_tol``) and, with
+        ``wrong``, the case says ``"got n " + wrong``; an exception shows none (the other
+        cases choose the hint)."""
+        case, got = self.run(name, attempt, want,
+                             compare=lambda g, w: is_close(g, w, rel_tol=rel_tol, abs_tol=abs_tol))
+        number = None if isinstance(got, BaseException) else as_number(got)
+        if not case.passed and number is not None and wrong:
+            case.detail = f"got {number:g} {wrong}"
+        self.judge(case, got, as_number, lambda n: {
+            m for m, v in mistakes.items() if v != want and math.isclose(n, v, rel_tol=rel_tol)},
+            exceptions=False)
+
     def count(self, name: str, given, want: int, wrong: str,
               shown_by: Callable[[int], Iterable[str]]) -> None:
         """Record one count of a predicted dict as the case ``name``: passed when ``given`` is
