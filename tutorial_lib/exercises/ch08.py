@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 
-from .kit import Case, Checking, CheckResult, Mistakes
+from .kit import Case, Checking, CheckResult, Mistakes, check_formula
 
 # --- hints ----------------------------------------------------------------------------------
 
@@ -358,12 +358,9 @@ def _payload_mistakes(tokens, topk, hidden, precision) -> dict[str, float]:
 
 def check_payload_bytes(fn) -> CheckResult:
     """``fn(tokens, topk, hidden, precision)`` -> bytes; see the module docstring."""
-    check = Checking("Exercise 8.2: the bytes of the dispatch", PAYLOAD_HINTS)
-    for name, t, k, h, p in payload_cases():
-        want = reference_payload_bytes(t, k, h, p)
-        check.formula(name, lambda: fn(t, k, h, p), want, _payload_mistakes(t, k, h, p),
-                      rel_tol=1e-12)
-    return check.verdict()
+    return check_formula("Exercise 8.2: the bytes of the dispatch", PAYLOAD_HINTS, fn,
+                         {name: args for name, *args in payload_cases()},
+                         reference_payload_bytes, _payload_mistakes, rel_tol=1e-12)
 
 
 # --- exercise 8.3: a recipe with BF16 ends --------------------------------------------------

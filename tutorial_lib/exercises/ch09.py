@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .kit import HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_whole_numbers
+from .kit import HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_whole_numbers, check_formula
 
 # --- exercise 9.1: merge two partial attentions -------------------------------------------
 
@@ -284,14 +284,11 @@ def _ring_mistakes(b, h, s, d, size, e) -> dict[str, float]:
 
 def check_ring_pass_bytes(fn: Callable) -> CheckResult:
     """``fn(batch, heads, seq_length, head_dim, cp_size, bytes_per_element)``; see the module docstring."""
-    check = Checking("Exercise 9.3: the bytes of one ring pass", RING_HINTS)
-    for b, h, s, d, size, e in RING_CASES:
-        want = reference_ring_pass_bytes(b, h, s, d, size, e)
-        name = f"b={b}, h={h}, s={s}, d={d}, CP={size}, {e} B/element"
-        check.formula(name, lambda: fn(b, h, s, d, size, e), want,
-                      _ring_mistakes(b, h, s, d, size, e),
-                      "bytes; the forward ring sends another count", rel_tol=1e-12, abs_tol=1e-9)
-    return check.verdict()
+    cases = {f"b={b}, h={h}, s={s}, d={d}, CP={size}, {e} B/element": (b, h, s, d, size, e)
+             for b, h, s, d, size, e in RING_CASES}
+    return check_formula("Exercise 9.3: the bytes of one ring pass", RING_HINTS, fn, cases,
+                         reference_ring_pass_bytes, _ring_mistakes,
+                         "bytes; the forward ring sends another count", rel_tol=1e-12, abs_tol=1e-9)
 
 
 __all__ = ["check_merge_partials", "check_held_chunks", "check_ring_pass_bytes", "merge_cases",

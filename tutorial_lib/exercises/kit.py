@@ -563,6 +563,19 @@ def finish(result: CheckResult) -> CheckResult | None:
     return result
 
 
+def check_formula(exercise: str, mistakes: Mistakes, fn: Callable, cases: dict[str, tuple],
+                  reference: Callable[..., float], numbers: Callable[..., dict[str, float]],
+                  wrong: str = "", *, rel_tol: float = 0.0, abs_tol: float = 0.0) -> CheckResult:
+    """A formula exercise: for each case (``name -> args``), ``fn(*args)`` against
+    ``reference(*args)``, a wrong number judged by :meth:`Checking.formula` against
+    ``numbers(*args)`` (mistake name -> the number that mistake gives)."""
+    check = Checking(exercise, mistakes)
+    for name, args in cases.items():
+        check.formula(name, lambda: fn(*args), reference(*args), numbers(*args), wrong,
+                      rel_tol=rel_tol, abs_tol=abs_tol)
+    return check.verdict()
+
+
 def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
                   judge: Callable[[str, object], tuple[str, object] | None],
                   format_hint) -> CheckResult:
@@ -733,6 +746,6 @@ def as_group_kinds(answer) -> frozenset | None:
 
 __all__ = ["Case", "CheckResult", "Checking", "ExerciseNotPassed", "GRADING_ENVIRONMENT", "Mistake",
            "Mistakes", "KEY_SALT", "RETRY_TIMEOUT_FACTOR", "STUB_HINT", "WAITING_IN", "answer_digest", "as_group_kinds", "as_number", "as_rank_list",
-           "as_whole_numbers", "at_stage", "check_answers", "deadlock_kind", "deadlock_summary",
+           "as_whole_numbers", "at_stage", "check_answers", "check_formula", "deadlock_kind", "deadlock_summary",
            "failed_before", "finish", "forget_attempts", "grading", "group_sets", "group_text",
            "is_close", "recover_answer", "remember", "run_case", "stages_of"]
