@@ -640,6 +640,16 @@ def group_text(groups: Iterable[str]) -> str:
     return "+".join(sorted(groups))
 
 
+def misnamed_groups(given: frozenset, known: Iterable[str], use: str, world: str) -> str | None:
+    """Why a set of group kinds is wrong for any parameter, before what the parameter is: a
+    kind the exercise's grid does not have (``use`` names those to choose from), or the
+    ``world`` group (the text says what it mixes).  ``None`` when neither."""
+    unknown = sorted(given - set(known))
+    if unknown:
+        return f"unknown group kind(s) {unknown}: use {use}."
+    return world if "world" in given else None
+
+
 def group_sets(kinds: Iterable[str], largest: int) -> list[frozenset]:
     """Every set of at most ``largest`` of ``kinds`` (the empty set included)."""
     kinds = list(kinds)
@@ -748,4 +758,4 @@ __all__ = ["Case", "CheckResult", "Checking", "ExerciseNotPassed", "GRADING_ENVI
            "Mistakes", "KEY_SALT", "RETRY_TIMEOUT_FACTOR", "STUB_HINT", "WAITING_IN", "answer_digest", "as_group_kinds", "as_number", "as_rank_list",
            "as_whole_numbers", "at_stage", "check_answers", "check_formula", "deadlock_kind", "deadlock_summary",
            "failed_before", "finish", "forget_attempts", "grading", "group_sets", "group_text",
-           "is_close", "recover_answer", "remember", "run_case", "stages_of"]
+           "is_close", "misnamed_groups", "recover_answer", "remember", "run_case", "stages_of"]
