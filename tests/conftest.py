@@ -1,9 +1,12 @@
 """Fixtures shared by every test folder."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
+
+TRAIN_4D = Path(__file__).resolve().parents[1] / "examples" / "train_4d.py"
 
 
 @pytest.fixture(autouse=True)
@@ -13,6 +16,16 @@ def _fresh_hint_stages():
     from tutorial_lib.exercises import kit
     kit.forget_attempts()
     yield
+
+@pytest.fixture(scope="module")
+def train_4d_script():
+    """``examples/train_4d.py`` loaded as a module (``main``, ``parse_args``,
+    ``build_parser``, ...), once per test module that asks for it."""
+    spec = importlib.util.spec_from_file_location("train_4d_under_test", TRAIN_4D)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -37,12 +37,13 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .launch import descendants
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 """The chapters of a source checkout (an installed package has no notebooks: pass a folder)."""
@@ -343,26 +344,6 @@ def _chapter_of(path: Path, notebooks: Path) -> Path | None:
     return None
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid``'s descendants (children first listed last), from ``ps``."""
-    try:
-        table = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True,
-                               timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    children: dict[int, list[int]] = {}
-    for line in table.split("\n"):
-        parts = line.split()
-        if len(parts) == 2:
-            children.setdefault(int(parts[1]), []).append(int(parts[0]))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _kill(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -481,7 +462,7 @@ def _run_submission(nb, exercises, time_limit: float, module: str):
                         if ex is not None:
                             ran.append((ex, cell))
                 finally:
-                    tree = _process_tree(pid) if pid else []
+                    tree = descendants(pid) if pid else []
         except CellTimeoutError:
             verdicts[""] = (False, f"the notebook ran past the time limit of {time_limit:g} s "
                                    "(an endless loop, or a cell that waits forever)")

@@ -28,7 +28,6 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "trace": (),
     "recipes": (),
     "source": (),
-    "classroom": (),
     "chapters": (),
     "layering": (),
     "grid": ("config",),
@@ -47,6 +46,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "parallel_state": ("config", "grid"),
     "launch": ("config", "trace"),
     "cluster": ("launch", "trace"),
+    "classroom": ("launch",),
     "comm": ("parallel_state", "trace"),
     "ring_collectives": ("comm", "parallel_state", "trace"),
     # the techniques

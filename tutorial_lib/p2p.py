@@ -344,41 +344,42 @@ def communicate(name: str, mode: str, send: tuple[torch.Tensor, int] | None = No
 # --- the six helpers ------------------------------------------------------------------
 
 
+def _with_neighbour(name: str, peer: int | None, mode: str, send: torch.Tensor | None = None,
+                    recv: tuple | None = None, device=None) -> torch.Tensor | None:
+    """``communicate(name, ...)`` with the neighbouring stage ``peer``: sends ``send``,
+    receives a ``recv = (shape, dtype)`` buffer on ``device``.  Nothing at all (``None``)
+    where that neighbour does not exist (the first stage has no previous one, the last no
+    next one): the rule every helper below follows."""
+    if peer is None:
+        return None
+    return communicate(name, mode, send=None if send is None else (send, peer),
+                       recv=None if recv is None else (tuple(recv[0]), recv[1], peer),
+                       device=device)
+
+
 def send_forward(tensor: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
     """Send this stage's output activation to the next stage (no-op on the last)."""
-    peer = next_rank()
-    if peer is not None:
-        communicate("send_forward", mode, send=(tensor, peer))
-    return None
+    _with_neighbour("send_forward", next_rank(), mode, send=tensor)
 
 
 def recv_forward(shape, dtype: torch.dtype = torch.float32,
                  mode: str = DEFAULT_MODE, device=None) -> torch.Tensor | None:
     """Receive this stage's input activation from the previous stage (``None`` on
     the first), into a buffer on ``device`` (``None``: torch's default device)."""
-    peer = prev_rank()
-    if peer is None:
-        return None
-    return communicate("recv_forward", mode, recv=(tuple(shape), dtype, peer), device=device)
+    return _with_neighbour("recv_forward", prev_rank(), mode, recv=(shape, dtype), device=device)
 
 
 def send_backward(grad: torch.Tensor, mode: str = DEFAULT_MODE) -> None:
     """Send the gradient of this stage's input to the previous stage (no-op on the
     first)."""
-    peer = prev_rank()
-    if peer is not None:
-        communicate("send_backward", mode, send=(grad, peer))
-    return None
+    _with_neighbour("send_backward", prev_rank(), mode, send=grad)
 
 
 def recv_backward(shape, dtype: torch.dtype = torch.float32,
                   mode: str = DEFAULT_MODE, device=None) -> torch.Tensor | None:
     """Receive the gradient of this stage's output from the next stage (``None`` on
     the last), into a buffer on ``device`` (``None``: torch's default device)."""
-    peer = next_rank()
-    if peer is None:
-        return None
-    return communicate("recv_backward", mode, recv=(tuple(shape), dtype, peer), device=device)
+    return _with_neighbour("recv_backward", next_rank(), mode, recv=(shape, dtype), device=device)
 
 
 def send_forward_recv_backward(tensor: torch.Tensor, shape,
@@ -407,11 +408,8 @@ def send_backward_recv_forward(grad: torch.Tensor, shape,
                                mode: str = DEFAULT_MODE) -> torch.Tensor | None:
     """Send the gradient to the previous stage and receive the next activation from
     it."""
-    peer = prev_rank()
-    if peer is None:
-        return None
-    return communicate("send_backward_recv_forward", mode, send=(grad, peer),
-                        recv=(tuple(shape), dtype, peer))
+    return _with_neighbour("send_backward_recv_forward", prev_rank(), mode, send=grad,
+                           recv=(shape, dtype))
 
 
 # --- choosing a mode -----------------------------------------------------------------

@@ -180,15 +180,16 @@ def _layers(ctx, tp_size):
     rows = slice(i * S // T, (i + 1) * S // T)  # my tokens under sequence parallelism
     tags = ctx.tracer.tags
 
-    def serial_run(layer, x, dy):
-        x = x.clone().requires_grad_()
-        y = layer(x)
-        _backward(y, dy)
-        return y.detach(), x.grad
+    def serial_twin(seed):
+        """The serial layer drawn from ``seed``, its output and input gradient on the full data."""
+        ref = tp.serial_linear(IN, OUT, seed=seed)
+        x = x_full.clone().requires_grad_()
+        y = ref(x)
+        _backward(y, dy_full)
+        return ref, y.detach(), x.grad
 
     def column(name, gather_output=False, sequence_parallel=False):
-        ref = tp.serial_linear(IN, OUT, seed=7)
-        ref_y, ref_dx = serial_run(ref, x_full, dy_full)
+        ref, ref_y, ref_dx = serial_twin(7)
         layer = tp.ColumnParallelLinear(IN, OUT, gather_output=gather_output,
                                         sequence_parallel=sequence_parallel, seed=7)
         _exact(layer.weight, ref.weight.detach().chunk(T, 0)[i], f"{name}: weight shard is my rows")
@@ -208,8 +209,7 @@ def _layers(ctx, tp_size):
         _close(layer.bias.grad, ref.bias.grad.chunk(T, 0)[i], f"{name}: bias grad")
 
     def row(name, input_is_parallel=True, sequence_parallel=False):
-        ref = tp.serial_linear(IN, OUT, seed=9)
-        ref_y, ref_dx = serial_run(ref, x_full, dy_full)
+        ref, ref_y, ref_dx = serial_twin(9)
         layer = tp.RowParallelLinear(IN, OUT, input_is_parallel=input_is_parallel,
                                      sequence_parallel=sequence_parallel, seed=9)
         _exact(layer.weight, ref.weight.detach().chunk(T, 1)[i], f"{name}: weight shard is my columns")

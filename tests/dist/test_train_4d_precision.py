@@ -29,7 +29,6 @@ experts top-2, 5 steps) in every recipe on world 1, PP2 x EP2 (DP2), PP2 x TP2, 
 
 About 45 s on 2 cores.
 """
-import importlib.util
 import json
 import subprocess
 import sys
@@ -189,21 +188,15 @@ def test_fp32_leaves_the_chunks_as_built_and_a_recipe_reaches_every_chunk():
 # --- validation and the command line --------------------------------------------------------
 
 
-def _load_train_4d():
-    spec = importlib.util.spec_from_file_location("train_4d_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_unknown_or_broken_recipes_are_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+def test_unknown_or_broken_recipes_are_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys,
+                                                                      train_4d_script):
     with pytest.raises(ConfigError, match="fp32, bf16, deepseek_v3"):
         validate_args(TrainingArgs(precision_recipe="nope"))
     broken = tmp_path / "broken.json"
     broken.write_text('{"base": "deepseek_v3", "rules": [["layers.0.*", "fp4"]]}')
     with pytest.raises(ConfigError, match="fp4"):
         validate_args(TrainingArgs(precision_recipe=str(broken)))
-    train_4d = _load_train_4d()
+    train_4d = train_4d_script
 
     def no_workers(*args, **kwargs):
         raise AssertionError("a worker was started")
@@ -215,8 +208,8 @@ def test_unknown_or_broken_recipes_are_refused_before_any_worker_starts(tmp_path
         assert "precision recipe" in capsys.readouterr().err
 
 
-def test_the_config_file_can_carry_the_recipe(tmp_path):
-    train_4d = _load_train_4d()
+def test_the_config_file_can_carry_the_recipe(tmp_path, train_4d_script):
+    train_4d = train_4d_script
     for name, text in (("c.json", '{"precision-recipe": "bf16"}'), ("c.toml", 'precision_recipe = "bf16"')):
         (tmp_path / name).write_text(text)
         args, _ = train_4d.parse_args(["--config", str(tmp_path / name)])

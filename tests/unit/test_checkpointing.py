@@ -7,7 +7,6 @@ Pure: directories made in ``tmp_path``, no worker.  The saves and loads of real 
 ``load_checkpoint``'s ``ckpt_step``) and ``megatron/training/config/training_config.py``
 (``CheckpointConfig``: ``save``, ``save_interval``, ``load``, ``ckpt_step``).
 """
-import importlib.util
 import json
 import os
 import pickle
@@ -29,7 +28,6 @@ from tutorial_lib.checkpointing import (CKPT_FORMAT, TRACKER_FILENAME, check_che
 from tutorial_lib.config import ConfigError
 from tutorial_lib.train_4d import TrainingArgs, validate_args
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
 ARGS = TrainingArgs(steps=6, num_layers=4, hidden_size=16, vocab_size=32, seq_length=8,
                     global_batch_size=8, num_microbatches=2)
 
@@ -199,49 +197,41 @@ def test_validate_args_checks_the_checkpoint_before_any_worker(tmp_path):
             validate_args(replace(ARGS, **changes))
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("train_4d_ckpt_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_command_line_exits_2_on_a_bad_checkpoint_flag(script, tmp_path, monkeypatch, capsys):
+def test_the_command_line_exits_2_on_a_bad_checkpoint_flag(train_4d_script, tmp_path, monkeypatch, capsys):
     def no_workers(*args, **kwargs):
         raise AssertionError("a worker would have started")
     import tutorial_lib.train_4d
     monkeypatch.setattr(tutorial_lib.train_4d, "train", no_workers)  # main() imports it late
-    monkeypatch.setattr(script, "run_under_torchrun", no_workers)
+    monkeypatch.setattr(train_4d_script, "run_under_torchrun", no_workers)
     fake_save(tmp_path / "half", 2, commit=False)  # a first save that was killed
     for argv, said in [(["--save-interval", "0", "--save", str(tmp_path)], "save_interval must be"),
                        (["--save-interval", "2"], "add --save DIR"),
                        (["--load", str(tmp_path / "nope")], "does not exist"),
                        (["--load", str(tmp_path / "half")], "only interrupted saves (iter_0000002.tmp)")]:
-        assert script.main(argv) == 2
+        assert train_4d_script.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("train_4d.py: error: [checkpoint]") and said in err, err
 
 
-def test_the_checkpoint_flags_are_megatrons(script):
+def test_the_checkpoint_flags_are_megatrons(train_4d_script):
     """CheckpointConfig (Megatron-LM d98e8a64) names them save, save_interval, load, ckpt_step;
     the distributed optimizer is --use-distributed-optimizer (megatron/training/arguments.py)."""
-    args, _ = script.parse_args(["--save", "a", "--save-interval", "3", "--load", "b", "--ckpt-step", "2",
+    args, _ = train_4d_script.parse_args(["--save", "a", "--save-interval", "3", "--load", "b", "--ckpt-step", "2",
                                  "--use-distributed-optimizer"])
     assert (args.save, args.save_interval, args.load, args.ckpt_step) == ("a", 3, "b", 2)
     assert args.use_distributed_optimizer is True
-    text = " ".join(script.build_parser().format_help().split())
+    text = " ".join(train_4d_script.build_parser().format_help().split())
     assert "--save DIR" in text and "--load DIR" in text and "--save-interval N" in text
 
 
-def test_the_interrupted_line_names_the_step_the_checkpoint_and_the_resume_command(script, tmp_path):
+def test_the_interrupted_line_names_the_step_the_checkpoint_and_the_resume_command(train_4d_script, tmp_path):
     args = replace(ARGS, save=str(tmp_path), save_interval=2, load=str(tmp_path / "old"))
-    line = script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
+    line = train_4d_script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
                                          str(tmp_path / "old"), "--ckpt-step=1"])
     assert line == ("train_4d.py: interrupted in iteration 4/6 (3 finished); no checkpoint saved "
                     "(--save DIR --save-interval N keeps one)")
     fake_save(tmp_path, 2)
-    line = script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
+    line = train_4d_script.interrupted(args, 3, ["--steps", "6", "--save", str(tmp_path), "--load",
                                          str(tmp_path / "old"), "--ckpt-step=1"])
     assert "\n" not in line
     assert f"last checkpoint: {tmp_path / 'iter_0000002'} (iteration 2)" in line
@@ -320,7 +310,7 @@ DAMAGE = {"truncated shard": "bytes, common.json records", "flipped bytes": "doe
           "truncated, no digests": "(a truncated file)"}
 
 
-def test_a_crafted_metadata_never_runs_and_exits_2_naming_the_file(script, tmp_path, monkeypatch,
+def test_a_crafted_metadata_never_runs_and_exits_2_naming_the_file(train_4d_script, tmp_path, monkeypatch,
                                                                      capsys):
     """A ``.metadata`` holding a pickled ``os.system`` call: DCP's ``pickle.load`` would run it
     in every worker; the restricted unpickler refuses it before any worker starts, and the
@@ -338,7 +328,7 @@ def test_a_crafted_metadata_never_runs_and_exits_2_naming_the_file(script, tmp_p
     state = json.loads((tmp_path / "iter_0000002" / "common.json").read_text())
     state["files"] = checkpointing.file_digests(str(tmp_path / "iter_0000002"))  # a consistent forgery
     (tmp_path / "iter_0000002" / "common.json").write_text(json.dumps(state))
-    assert script.main(["--load", str(tmp_path), "--num-layers", "4", "--hidden-size", "16",
+    assert train_4d_script.main(["--load", str(tmp_path), "--num-layers", "4", "--hidden-size", "16",
                         "--vocab-size", "32", "--seq-length", "8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"train_4d.py: error: [checkpoint] {metadata} names posix.system"), err
@@ -353,7 +343,7 @@ def test_a_crafted_metadata_never_runs_and_exits_2_naming_the_file(script, tmp_p
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
-def test_a_damaged_checkpoint_exits_2_naming_the_file(script, tmp_path, monkeypatch, capsys, case):
+def test_a_damaged_checkpoint_exits_2_naming_the_file(train_4d_script, tmp_path, monkeypatch, capsys, case):
     import tutorial_lib.train_4d
 
     def no_workers(*args, **kwargs):
@@ -361,7 +351,7 @@ def test_a_damaged_checkpoint_exits_2_naming_the_file(script, tmp_path, monkeypa
     monkeypatch.setattr(tutorial_lib.train_4d, "train", no_workers)
     fake_save(tmp_path, 2)
     named = _damage(tmp_path, case)
-    assert script.main(["--load", str(tmp_path), "--num-layers", "4", "--hidden-size", "16",
+    assert train_4d_script.main(["--load", str(tmp_path), "--num-layers", "4", "--hidden-size", "16",
                         "--vocab-size", "32", "--seq-length", "8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("train_4d.py: error: [checkpoint]") and str(named) in err, err
@@ -397,11 +387,11 @@ def test_keep_last_removes_older_committed_checkpoints_but_never_the_trackers(tm
     assert checkpointing.remove_old_checkpoints(str(tmp_path), 3) == []
 
 
-def test_the_sigterm_line_names_the_iteration_the_checkpoint_and_the_resume_command(script,
+def test_the_sigterm_line_names_the_iteration_the_checkpoint_and_the_resume_command(train_4d_script,
                                                                                     tmp_path):
     args = replace(ARGS, save=str(tmp_path))
     fake_save(tmp_path, 3)
-    line = script.stopped(args, 3, ["--steps", "6", "--save", str(tmp_path)])
+    line = train_4d_script.stopped(args, 3, ["--steps", "6", "--save", str(tmp_path)])
     assert line.startswith(f"train_4d.py: SIGTERM: stopped after iteration 3/6; last checkpoint: "
                            f"{tmp_path / 'iter_0000003'} (iteration 3); resume: python ")
     assert line.endswith(f"--steps 6 --save {tmp_path} --load {tmp_path}") and "\n" not in line

@@ -46,19 +46,21 @@ def test_parameter_shapes_are_the_models():
     assert sum(math.prod(shape) for _, shape in costs.gpt_parameter_shapes(CONFIG, 2)) == 4048
 
 
+#: DP's gradient buckets at TP = 2 (with or without sequence parallelism): buckets of
+#: >= 4096 bytes, filled from the output layer backwards: 5440, 4576, 4512, and the
+#: remainder 1664 (= 16192 bytes, the 4048 floats of a rank's parameters).
+DP_BUCKETS = {("all_reduce", "dp", "backward", size): 1 for size in (5440, 4576, 4512, 1664)}
+
+
 def test_tensor_parallel_without_sequence_parallel():
     # Per microbatch: forward 1 embedding + 2 x 2 block all-reduces of 1024 bytes and
     # the loss's 3 of 64; backward 1 output-layer + 2 x 2 block all-reduces of 1024.
-    # x M = 2.  Buckets of >= 4096 bytes, filled from the output layer backwards:
-    # 5440, 4576, 4512, and the remainder 1664 (= 16192 in all).
+    # x M = 2.  Then DP's buckets and the logged loss.
     assert _table(_step()) == {
         ("all_reduce", "tp", "forward", 1024): 10,
         ("all_reduce", "tp", "forward", 64): 6,
         ("all_reduce", "tp", "backward", 1024): 10,
-        ("all_reduce", "dp", "backward", 5440): 1,
-        ("all_reduce", "dp", "backward", 4576): 1,
-        ("all_reduce", "dp", "backward", 4512): 1,
-        ("all_reduce", "dp", "backward", 1664): 1,
+        **DP_BUCKETS,
         ("all_reduce", "dp", "logging", 4): 1,
     }
 
@@ -81,10 +83,7 @@ def test_sequence_parallel_with_clipping():
         ("reduce_scatter", "tp", "backward", 1024): 2 * (1 + 4),
         ("all_gather", "tp", "backward", 512): 2 * (1 + 2 * 4 + 1),
         ("all_reduce", "tp", "grad_sync", 896): 1,
-        ("all_reduce", "dp", "backward", 5440): 1,
-        ("all_reduce", "dp", "backward", 4576): 1,
-        ("all_reduce", "dp", "backward", 4512): 1,
-        ("all_reduce", "dp", "backward", 1664): 1,
+        **DP_BUCKETS,
         ("all_reduce", "tp", "clip_grad", 4): 1,
         ("all_reduce", "dp", "logging", 4): 1,
     }

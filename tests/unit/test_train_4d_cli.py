@@ -5,12 +5,10 @@ tests/dist/test_pipeline_training.py, the command line's refusals as a user meet
 tests/dist/test_train_4d_validation.py).
 """
 import argparse
-import importlib.util
 import json
 import pickle
 import re
 from dataclasses import astuple, dataclass, field, fields, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +21,6 @@ from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.train_4d import CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs
 from tests.asserts import every
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
 
 #: The command line's defaults before it was built from the dataclasses: they must not move.
 DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -40,14 +37,6 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 recompute_granularity=None, recompute_method=None,  # chapter 10: no recomputation
                 recompute_num_layers=None,
                 device="auto")  # the GPUs when every rank has one
-
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("train_4d_cli_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_config_field_has_a_docstring():
@@ -95,9 +84,9 @@ def test_training_args_stays_a_flat_dataclass():
     assert pickle.loads(pickle.dumps(args)) == args  # the launcher sends it to the workers
 
 
-def test_help_prints_each_default_once(script, monkeypatch):
+def test_help_prints_each_default_once(train_4d_script, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
-    text = script.build_parser().format_help()
+    text = train_4d_script.build_parser().format_help()
     assert "default: None" not in text and "(default 1)" not in text
     # one block per option: its first line starts with "  --"
     blocks = re.split(r"\n(?=  --)", text)
@@ -111,8 +100,8 @@ def test_help_prints_each_default_once(script, monkeypatch):
     assert "Dropout probability; must be 0 with TP or EP > 1 (rule 7)." in " ".join(text.split())
 
 
-def test_fixed_sets_are_choices(script, capsys):
-    parser = script.build_parser()
+def test_fixed_sets_are_choices(train_4d_script, capsys):
+    parser = train_4d_script.build_parser()
     with pytest.raises(SystemExit) as exit_:
         parser.parse_args(["--schedule", "zigzag"])
     assert exit_.value.code == 2
@@ -121,17 +110,17 @@ def test_fixed_sets_are_choices(script, capsys):
         parser.parse_args(["--p2p-mode", "telepathy"])
     assert "{fp32,bf16,deepseek_v3,FILE}" in parser.format_help()
     # a recipe file is not one of the names: the validator, not argparse, judges it
-    args, _ = script.parse_args(["--precision-recipe", "my_recipe.toml"])
+    args, _ = train_4d_script.parse_args(["--precision-recipe", "my_recipe.toml"])
     assert args.precision_recipe == "my_recipe.toml"
 
 
-def test_no_flags_give_the_default_args(script):
-    args, as_json = script.parse_args([])
+def test_no_flags_give_the_default_args(train_4d_script):
+    args, as_json = train_4d_script.parse_args([])
     assert args == TrainingArgs() and as_json is False
 
 
-def test_flags_parse_to_their_field_types(script):
-    args, as_json = script.parse_args(["--world-size", "8", "--tensor-model-parallel-size", "2",
+def test_flags_parse_to_their_field_types(train_4d_script):
+    args, as_json = train_4d_script.parse_args(["--world-size", "8", "--tensor-model-parallel-size", "2",
                                        "--dropout", "0.1", "--lr", "1e-3", "--schedule", "gpipe",
                                        "--json"])
     assert args == TrainingArgs(world_size=8, tensor_model_parallel_size=2, dropout=0.1, lr=1e-3,
@@ -139,23 +128,23 @@ def test_flags_parse_to_their_field_types(script):
     assert as_json is True
 
 
-def test_a_config_file_is_read_and_flags_given_win(script, tmp_path):
+def test_a_config_file_is_read_and_flags_given_win(train_4d_script, tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"world-size": 4, "pipeline_model_parallel_size": 2,
                                                    "steps": 3}))
     (tmp_path / "run.toml").write_text("world_size = 4\npipeline-model-parallel-size = 2\nsteps = 3\n")
     for name in ("run.json", "run.toml"):
-        args, _ = script.parse_args(["--config", str(tmp_path / name)])
+        args, _ = train_4d_script.parse_args(["--config", str(tmp_path / name)])
         assert (args.world_size, args.pipeline_model_parallel_size, args.steps) == (4, 2, 3)
         # a flag beats the file even when it names the default value
-        args, _ = script.parse_args(["--config", str(tmp_path / name), "--steps", "5",
+        args, _ = train_4d_script.parse_args(["--config", str(tmp_path / name), "--steps", "5",
                                      "--num-layers", "8"])
         assert (args.world_size, args.steps, args.num_layers) == (4, 5, 8)
 
 
-def test_an_unknown_key_in_the_config_file_is_refused(script, tmp_path):
+def test_an_unknown_key_in_the_config_file_is_refused(train_4d_script, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"num-layer": 4}))
     with pytest.raises(ConfigError, match="unknown training options"):
-        script.parse_args(["--config", str(tmp_path / "bad.json")])
+        train_4d_script.parse_args(["--config", str(tmp_path / "bad.json")])
 
 
 def test_add_arguments_reads_types_docstrings_and_defaults():
@@ -186,7 +175,7 @@ def test_add_arguments_reads_types_docstrings_and_defaults():
 
 # --- every bad value refused before any worker starts ---------------------------------
 
-def test_the_expert_tensor_parallel_flag_defaults_to_tp_and_checks_the_expert_width(script):
+def test_the_expert_tensor_parallel_flag_defaults_to_tp_and_checks_the_expert_width(train_4d_script):
     """TP and EP together: ``--expert-tensor-parallel-size`` is Megatron-LM's flag, and left unset it
     becomes TP (Megatron-Core 0.20.0, d98e8a64, ``megatron/training/arguments.py``,
     ``validate_args``: ``if args.expert_tensor_parallel_size is None: ... =
@@ -194,14 +183,14 @@ def test_the_expert_tensor_parallel_flag_defaults_to_tp_and_checks_the_expert_wi
     width that does not split over the ETP ranks is refused (rule 5) before any worker starts."""
     layout = ["--world-size", "4", "--tensor-model-parallel-size", "2",
               "--expert-model-parallel-size", "2", "--seq-length", "8"]
-    args, _ = script.parse_args(layout)
+    args, _ = train_4d_script.parse_args(layout)
     assert TrainingArgs().expert_tensor_parallel_size is None
     assert args.configs()[0].expert_tensor_parallel_size == 2  # unset: TP
     validate_args(args)
-    args, _ = script.parse_args(layout + ["--expert-tensor-parallel-size", "1"])
+    args, _ = train_4d_script.parse_args(layout + ["--expert-tensor-parallel-size", "1"])
     assert args.configs()[0].expert_tensor_parallel_size == 1
     validate_args(args)
-    args, _ = script.parse_args(["--world-size", "8", "--tensor-model-parallel-size", "4",
+    args, _ = train_4d_script.parse_args(["--world-size", "8", "--tensor-model-parallel-size", "4",
                                  "--expert-model-parallel-size", "2", "--seq-length", "8",
                                  "--hidden-size", "30", "--num-attention-heads", "2"])
     with pytest.raises(ConfigError) as info:
@@ -287,8 +276,8 @@ def test_validate_args_takes_the_p2p_mode_pairs_megatron_runs(changes):
     validate_args(replace(TrainingArgs(**P2P_PAIR_LAYOUT), **changes))
 
 
-def test_the_p2p_mode_flag_offers_megatrons_two_modes(script, capsys):
-    parser = script.build_parser()
+def test_the_p2p_mode_flag_offers_megatrons_two_modes(train_4d_script, capsys):
+    parser = train_4d_script.build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["--p2p-mode", "sequential"])
     assert "invalid choice: 'sequential'" in capsys.readouterr().err
@@ -316,7 +305,7 @@ def test_validate_args_takes_the_limits_themselves():
     ("fast.toml", b'lr = "fast"\n', "fast.toml: lr must be a number, got 'fast' (str)"),
     ("float.json", b'{"world_size": 4.0}', "world_size must be a whole number, got 4.0 (float); write 4"),
 ])
-def test_a_config_file_that_is_not_an_object_of_options_is_named_and_refused(script, tmp_path, name,
+def test_a_config_file_that_is_not_an_object_of_options_is_named_and_refused(train_4d_script, tmp_path, name,
                                                                           content, fragment):
     """Hardening: a JSON list or string gave an AttributeError traceback; an empty, YAML or
     binary file said "Expecting value: line 1 column 1" without naming the file; ``"lr":
@@ -325,13 +314,13 @@ def test_a_config_file_that_is_not_an_object_of_options_is_named_and_refused(scr
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ConfigError) as info:
-        script.parse_args(["--config", str(path)])
+        train_4d_script.parse_args(["--config", str(path)])
     assert str(path) in str(info.value) and fragment in str(info.value), str(info.value)
-    assert script.main(["--config", str(path)]) == 2  # refused before a worker could start
+    assert train_4d_script.main(["--config", str(path)]) == 2  # refused before a worker could start
 
 
-def test_a_missing_config_file_is_named(script, tmp_path, capsys):
-    assert script.main(["--config", str(tmp_path / "nope.json")]) == 2
+def test_a_missing_config_file_is_named(train_4d_script, tmp_path, capsys):
+    assert train_4d_script.main(["--config", str(tmp_path / "nope.json")]) == 2
     assert f"cannot read the config file '{tmp_path / 'nope.json'}': No such file" in capsys.readouterr().err
 
 
@@ -402,12 +391,12 @@ def test_check_memory_refuses_with_a_per_rank_breakdown():
 # --- what a run prints -----------------------------------------------------------
 
 
-def test_help_lists_the_choices_of_every_fixed_set(script, monkeypatch):
+def test_help_lists_the_choices_of_every_fixed_set(train_4d_script, monkeypatch):
     """Found reading the book: ``--help`` listed no choices.  argparse shows them as ``{a,b,c}`` beside the
     flag and refuses any other value (Megatron-LM's ``megatron/training/arguments.py`` gives
     its fixed sets ``choices=`` the same way, Megatron-Core 0.20.0, d98e8a64)."""
     monkeypatch.setenv("COLUMNS", "100")
-    text = script.build_parser().format_help()
+    text = train_4d_script.build_parser().format_help()
     with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
     assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type",
                                               "device",  # --device
@@ -460,7 +449,7 @@ class _FakeRun:
         self.results = [records]
 
 
-def test_json_stdout_holds_json_lines_only_and_the_banner_goes_to_stderr(script, monkeypatch,
+def test_json_stdout_holds_json_lines_only_and_the_banner_goes_to_stderr(train_4d_script, monkeypatch,
                                                                          capsys):
     records = [{"iteration": i, "loss": 4.0 - i, "tokens_per_s": 1.0} for i in (1, 2)]
 
@@ -471,18 +460,18 @@ def test_json_stdout_holds_json_lines_only_and_the_banner_goes_to_stderr(script,
                 print(format_progress(record, args.steps))
         return _FakeRun(records)
     monkeypatch.setattr("tutorial_lib.train_4d.train", fake_train)
-    assert script.main(["--steps", "2", "--json"]) == 0
+    assert train_4d_script.main(["--steps", "2", "--json"]) == 0
     out, err = capsys.readouterr()
     assert [json.loads(line)["iteration"] for line in out.splitlines()] == [1, 2]
     assert err.startswith("train_4d: layout ") and "recipe      fp32" in err
     assert "MaxVio" not in err  # the keys are explained in --help
-    assert script.main(["--steps", "2"]) == 0
+    assert train_4d_script.main(["--steps", "2"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("train_4d: layout ") and "MaxVio      (load" in out
     assert out.index("P2P mode") < out.index("iteration 1/2") and err == ""
 
 
-def test_a_missing_recipe_file_says_file_not_found(script, tmp_path, capsys):
+def test_a_missing_recipe_file_says_file_not_found(train_4d_script, tmp_path, capsys):
     """Found reading the book: ``--precision-recipe my.json`` for a file that is not there said "unknown
     precision_recipe", as if it were a misspelt name."""
     missing = tmp_path / "my_recipe.json"
@@ -494,17 +483,17 @@ def test_a_missing_recipe_file_says_file_not_found(script, tmp_path, capsys):
             validate_args(TrainingArgs(precision_recipe=value))
     with pytest.raises(ConfigError, match="unknown precision_recipe 'fp16'"):
         validate_args(TrainingArgs(precision_recipe="fp16"))  # a name, not a file
-    assert script.main(["--precision-recipe", str(missing)]) == 2
+    assert train_4d_script.main(["--precision-recipe", str(missing)]) == 2
     err = capsys.readouterr().err
     assert "precision_recipe file not found" in err and "train_4d: layout" not in err
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
-def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(script, capsys):
+def test_device_cuda_without_a_gpu_per_rank_exits_2_before_any_worker_starts(train_4d_script, capsys):
     """``--device cuda`` where the ranks cannot each have a GPU is refused with
     the rule and a fix, exit status 2, and no process started (this directory's conftest
     fails any test that starts one)."""
-    assert script.main(["--world-size", "2", "--pipeline-model-parallel-size", "2",
+    assert train_4d_script.main(["--world-size", "2", "--pipeline-model-parallel-size", "2",
                         "--steps", "1", "--device", "cuda"]) == 2
     error = capsys.readouterr().err
     assert "one GPU per rank" in error and "train_4d.py: error:" in error
@@ -565,7 +554,7 @@ def _died(rank=1, exitcode=-9):
 
 
 @pytest.mark.parametrize("max_restarts", [0, 2])
-def test_a_dead_worker_restarts_the_world_at_most_max_restarts_times(script, monkeypatch, capsys,
+def test_a_dead_worker_restarts_the_world_at_most_max_restarts_times(train_4d_script, monkeypatch, capsys,
                                                                     max_restarts):
     """The command line's restart loop with a ``train`` whose worker always dies (the real
     restarts: tests/dist/test_train_4d_faults.py): ``max_restarts`` restarts, each said on
@@ -578,7 +567,7 @@ def test_a_dead_worker_restarts_the_world_at_most_max_restarts_times(script, mon
         calls.append(args)
         raise _died()
     monkeypatch.setattr("tutorial_lib.train_4d.train", dies)
-    assert script.main(["--steps", "2", "--max-restarts", str(max_restarts)]) == 1
+    assert train_4d_script.main(["--steps", "2", "--max-restarts", str(max_restarts)]) == 1
     err = capsys.readouterr().err
     assert len(calls) == 1 + max_restarts
     restarts = [line for line in err.splitlines() if "; restart " in line]
@@ -594,13 +583,13 @@ def test_a_dead_worker_restarts_the_world_at_most_max_restarts_times(script, mon
         raise WorkerError(0, "ValueError: a bug", "Traceback ...")
     calls.clear()
     monkeypatch.setattr("tutorial_lib.train_4d.train", raises)
-    assert script.main(["--steps", "2", "--max-restarts", "2"]) == 1
+    assert train_4d_script.main(["--steps", "2", "--max-restarts", "2"]) == 1
     assert len(calls) == 1
 
 
-def test_max_restarts_under_torchrun_belongs_to_torchrun(script, monkeypatch, capsys):
+def test_max_restarts_under_torchrun_belongs_to_torchrun(train_4d_script, monkeypatch, capsys):
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                         ("MASTER_ADDR", "localhost")):
         monkeypatch.setenv(name, value)
-    assert script.main(["--max-restarts", "2"]) == 2
+    assert train_4d_script.main(["--max-restarts", "2"]) == 2
     assert "under torchrun give it to torchrun: torchrun --max-restarts 2" in capsys.readouterr().err

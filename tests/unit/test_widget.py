@@ -12,12 +12,12 @@ from tutorial_lib.viz.memory_explorer import MemoryExplorer
 from tutorial_lib.viz.moe_flow import TokenFlowAnimation
 from tutorial_lib.viz.rank_map import RankMap
 from tutorial_lib.viz.timeline import Timeline
-from tutorial_lib.viz.widget import Animation, Widget
+from tutorial_lib.viz.widget import Animation, Explorer, Widget
 from tests.asserts import every
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "tutorial_lib" / "viz" / "assets"
-WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, TileExplorer, MemoryExplorer)
+WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, Explorer, TileExplorer, MemoryExplorer)
 
 
 def test_the_list_holds_every_widget_class_of_the_library():

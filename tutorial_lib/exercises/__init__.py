@@ -17,9 +17,9 @@ raises because the student's code did.
 from __future__ import annotations
 
 from .kit import (STUB_HINT, Case, Checking, CheckResult, Mistake, Mistakes, as_group_kinds,
-                  as_number, as_rank_list, as_whole_numbers, check_answers, deadlock_kind,
-                  deadlock_summary, is_close, run_case)
+                  as_number, as_rank_list, as_whole_numbers, check_answers, check_formula,
+                  deadlock_kind, deadlock_summary, is_close, run_case)
 
 __all__ = ["Case", "CheckResult", "Checking", "Mistake", "Mistakes", "STUB_HINT",
            "as_group_kinds", "as_number", "as_rank_list", "as_whole_numbers", "check_answers",
-           "deadlock_kind", "deadlock_summary", "is_close", "run_case"]
+           "check_formula", "deadlock_kind", "deadlock_summary", "is_close", "run_case"]

@@ -30,7 +30,7 @@ from typing import Callable
 
 from ..launch import LaunchTimeout, launch
 from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, check_answers,
-                  group_sets, group_text, is_close, recover_answer)
+                  group_sets, group_text, is_close, misnamed_groups, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -468,13 +468,12 @@ _TP_WHY = {
 
 def _why_groups_wrong(case: str, given: frozenset, want: frozenset):
     """Why ``given`` is wrong for ``case``: a text, or its stages (never the right set)."""
-    unknown = sorted(given - set(KNOWN_GROUPS))
-    if unknown:
-        return f"unknown group kind(s) {unknown}: use 'tp', 'dp' (or 'pp', 'world')."
-    if "world" in given:
-        return ("the world group mixes everything: it adds the TP ranks' (different) shards or "
-                "partial sums together with the other replica's gradients. Name the groups "
-                "whose ranks hold copies of this parameter, or parts of one sum.")
+    misnamed = misnamed_groups(given, KNOWN_GROUPS, "'tp', 'dp' (or 'pp', 'world')", (
+        "the world group mixes everything: it adds the TP ranks' (different) shards or "
+        "partial sums together with the other replica's gradients. Name the groups "
+        "whose ranks hold copies of this parameter, or parts of one sum."))
+    if misnamed:
+        return misnamed
     if "pp" in given:
         return ("there is no pipeline here (PP = 1), and pipeline stages hold different layers, "
                 "never copies of one parameter: no gradient is ever reduced over PP.")

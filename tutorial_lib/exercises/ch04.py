@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import Callable
 
 from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, as_whole_numbers,
-                  check_answers, group_sets, group_text, recover_answer)
+                  check_answers, group_sets, group_text, misnamed_groups, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -298,14 +298,12 @@ def _why_domain_wrong(case: str, given: frozenset, divisor, want: frozenset, wan
     then what to do), never the right groups or divisor themselves."""
     tp, ep, dp, edp = GRADIENT_DOMAIN_GRIDS[case]
     routed = case.startswith("routed")
-    unknown = sorted(given - set(KNOWN_GROUPS))
-    if unknown:
-        return f"unknown group kind(s) {unknown}: use 'tp', 'dp', 'ep', 'expert_dp' (or 'world')."
-    if "world" in given:
-        return ("the world group mixes everything: with EP > 1 it adds the gradients of "
-                "different experts, and with TP > 1 it adds TP ranks' partial sums to other "
-                "replicas'. Name the groups whose ranks hold copies of this weight, or parts of "
-                "one sum.")
+    misnamed = misnamed_groups(given, KNOWN_GROUPS, "'tp', 'dp', 'ep', 'expert_dp' (or 'world')", (
+        "the world group mixes everything: with EP > 1 it adds the gradients of different "
+        "experts, and with TP > 1 it adds TP ranks' partial sums to other replicas'. Name "
+        "the groups whose ranks hold copies of this weight, or parts of one sum."))
+    if misnamed:
+        return misnamed
     if given != want:
         if routed and "ep" in given:
             return ("the EP ranks hold different experts, so their gradients are gradients of "

@@ -28,9 +28,8 @@ Student code never makes a checker raise: exceptions and stubs become failed cas
 from __future__ import annotations
 
 import copy
-import math
 
-from .kit import Case, Checking, CheckResult, Mistakes, as_number, is_close
+from .kit import Case, Checking, CheckResult, Mistakes, check_formula
 
 # --- hints ----------------------------------------------------------------------------------
 
@@ -359,15 +358,9 @@ def _payload_mistakes(tokens, topk, hidden, precision) -> dict[str, float]:
 
 def check_payload_bytes(fn) -> CheckResult:
     """``fn(tokens, topk, hidden, precision)`` -> bytes; see the module docstring."""
-    check = Checking("Exercise 8.2: the bytes of the dispatch", PAYLOAD_HINTS)
-    for name, t, k, h, p in payload_cases():
-        want = reference_payload_bytes(t, k, h, p)
-        case, got = check.run(name, lambda: fn(t, k, h, p), want,
-                              compare=lambda a, b: is_close(a, b, rel_tol=1e-12))
-        check.judge(case, got, as_number, lambda number: {
-            m for m, v in _payload_mistakes(t, k, h, p).items() if math.isclose(number, v, rel_tol=1e-12)},
-            exceptions=False)
-    return check.verdict()
+    return check_formula("Exercise 8.2: the bytes of the dispatch", PAYLOAD_HINTS, fn,
+                         {name: args for name, *args in payload_cases()},
+                         reference_payload_bytes, _payload_mistakes, rel_tol=1e-12)
 
 
 # --- exercise 8.3: a recipe with BF16 ends --------------------------------------------------
@@ -550,20 +543,10 @@ def check_flushed_values(fn) -> CheckResult:
                 "normal": dict(smallest=2.0 ** -6), "none": dict(smallest=0.0)}
     for scaling in SCALINGS:
         for outlier in OUTLIERS:
-            name = f"{scaling}, outlier {outlier:g}"
-            given = got.get((scaling, outlier))
-            number = as_number(given)
-            if number is None or not number.is_integer():
-                check.add(Case(name, False, "missing from the dict" if given is None else
-                               f"got {given!r}, not a whole number"))
-                check.shows({"format"})
-                continue
-            if int(number) == flushed_ordinary_values(outlier, scaling):
-                check.add(Case(name, True))
-                continue
-            check.add(Case(name, False, f"got {int(number)}: not what the quantizer did"))
-            check.shows({m for m, rule in variants.items()
-                         if _flush_variant(outlier, scaling, **rule) == int(number)})
+            check.count(f"{scaling}, outlier {outlier:g}", got.get((scaling, outlier)),
+                        flushed_ordinary_values(outlier, scaling), "not what the quantizer did",
+                        lambda n: {m for m, rule in variants.items()
+                                   if _flush_variant(outlier, scaling, **rule) == n})
     return check.verdict()
 
 

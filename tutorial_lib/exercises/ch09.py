@@ -20,10 +20,9 @@ Student code never makes a checker raise: exceptions and stubs become failed cas
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
-from .kit import HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_number, as_whole_numbers, is_close
+from .kit import HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_whole_numbers, check_formula
 
 # --- exercise 9.1: merge two partial attentions -------------------------------------------
 
@@ -285,20 +284,11 @@ def _ring_mistakes(b, h, s, d, size, e) -> dict[str, float]:
 
 def check_ring_pass_bytes(fn: Callable) -> CheckResult:
     """``fn(batch, heads, seq_length, head_dim, cp_size, bytes_per_element)``; see the module docstring."""
-    check = Checking("Exercise 9.3: the bytes of one ring pass", RING_HINTS)
-    for b, h, s, d, size, e in RING_CASES:
-        want = reference_ring_pass_bytes(b, h, s, d, size, e)
-        name = f"b={b}, h={h}, s={s}, d={d}, CP={size}, {e} B/element"
-        case, got = check.run(name, lambda: fn(b, h, s, d, size, e), want,
-                              compare=lambda g, w: is_close(g, w, rel_tol=1e-12, abs_tol=1e-9))
-        if not case.passed and not isinstance(got, BaseException) and as_number(got) is not None:
-            case.detail = f"got {as_number(got):g} bytes; the forward ring sends another count"
-
-        def explain(number, args=(b, h, s, d, size, e), want=want):
-            return {m for m, v in _ring_mistakes(*args).items()
-                    if v != want and math.isclose(number, v, rel_tol=1e-12)}
-        check.judge(case, got, as_number, explain, exceptions=False)
-    return check.verdict()
+    cases = {f"b={b}, h={h}, s={s}, d={d}, CP={size}, {e} B/element": (b, h, s, d, size, e)
+             for b, h, s, d, size, e in RING_CASES}
+    return check_formula("Exercise 9.3: the bytes of one ring pass", RING_HINTS, fn, cases,
+                         reference_ring_pass_bytes, _ring_mistakes,
+                         "bytes; the forward ring sends another count", rel_tol=1e-12, abs_tol=1e-9)
 
 
 __all__ = ["check_merge_partials", "check_held_chunks", "check_ring_pass_bytes", "merge_cases",
@@ -393,20 +383,10 @@ def check_ring_work(fn: Callable, measured: Callable[[], dict] = measured_ring_w
              "naive_even": dict(even=True)}
     for split in SPLITS:
         for rank in range(WORK_CP):
-            name = f"{split} split, rank {rank}"
-            given = got.get((split, rank))
-            number = as_number(given)
-            if number is None or not number.is_integer():
-                check.add(Case(name, False, "missing from the dict" if given is None else
-                               f"got {given!r}, not a whole number"))
-                check.shows({"format"})
-                continue
-            if int(number) == ran[(split, rank)]:
-                check.add(Case(name, True))
-                continue
-            check.add(Case(name, False, f"got {int(number)}: not what the ring attended"))
-            check.shows({m for m, rule in rules.items()
-                         if ring_work_variant(split, rank, **rule) == number})
+            check.count(f"{split} split, rank {rank}", got.get((split, rank)),
+                        ran[(split, rank)], "not what the ring attended",
+                        lambda n: {m for m, rule in rules.items()
+                                   if ring_work_variant(split, rank, **rule) == n})
     return check.verdict()
 
 

@@ -24,7 +24,7 @@ from ..config import ConfigError, ModelConfig
 from ..costs.memory_model import layer_activation_bytes
 from ..memory import heaviest_rank_bytes
 from ..recompute import Recompute
-from .kit import CheckResult, Checking, Mistakes, as_number, as_whole_numbers
+from .kit import CheckResult, Checking, Mistakes, as_whole_numbers, check_formula
 
 # --- exercise 10.1: one dense layer's saved activations ------------------------------------
 
@@ -86,19 +86,11 @@ def _layer_mistakes(s, b, h, heads, ffn, tp) -> dict[str, int]:
 
 def check_dense_layer_bytes(fn: Callable) -> CheckResult:
     """``fn(seq_length, micro_batch, hidden, heads, ffn, tp)``; see the module docstring."""
-    check = Checking("Exercise 10.1: one dense layer's saved activations", LAYER_HINTS)
-    for s, b, h, heads, ffn, tp in LAYER_CASES:
-        want = reference_dense_layer_bytes(s, b, h, heads, ffn, tp)
-        name = f"s={s}, b={b}, h={h}, heads={heads}, ffn={ffn}, TP={tp}"
-        case, got = check.run(name, lambda: fn(s, b, h, heads, ffn, tp), want,
-                              compare=lambda g, w: as_number(g) == w)
-        if not case.passed and not isinstance(got, BaseException) and as_number(got) is not None:
-            case.detail = f"got {as_number(got):g} bytes; the layer keeps another amount"
-
-        def explain(number, args=(s, b, h, heads, ffn, tp), want=want):
-            return {m for m, v in _layer_mistakes(*args).items() if v != want and number == v}
-        check.judge(case, got, as_number, explain, exceptions=False)
-    return check.verdict()
+    cases = {f"s={s}, b={b}, h={h}, heads={heads}, ffn={ffn}, TP={tp}": (s, b, h, heads, ffn, tp)
+             for s, b, h, heads, ffn, tp in LAYER_CASES}
+    return check_formula("Exercise 10.1: one dense layer's saved activations", LAYER_HINTS, fn,
+                         cases, reference_dense_layer_bytes, _layer_mistakes,
+                         "bytes; the layer keeps another amount")
 
 
 # --- exercise 10.2: the smallest layout that fits ------------------------------------------

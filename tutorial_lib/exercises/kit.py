@@ -479,6 +479,39 @@ class Checking:
         """A failing case shows these mistakes (none: a failure no named mistake explains)."""
         self.failing.append(set(mistakes))
 
+    def formula(self, name: str, attempt: Callable[[], object], want: float,
+                mistakes: dict[str, float], wrong: str = "", *, rel_tol: float = 0.0,
+                abs_tol: float = 0.0) -> None:
+        """Run ``attempt()``, a student's formula, as the case ``name``: passed when it returns
+        ``want`` (within the tolerances).  A wrong number shows the mistakes of ``mistakes``
+        (name -> the number that mistake gives) that it equals (to ``rel_tol``) and, with
+        ``wrong``, the case says ``"got n " + wrong``; an exception shows none (the other
+        cases choose the hint)."""
+        case, got = self.run(name, attempt, want,
+                             compare=lambda g, w: is_close(g, w, rel_tol=rel_tol, abs_tol=abs_tol))
+        number = None if isinstance(got, BaseException) else as_number(got)
+        if not case.passed and number is not None and wrong:
+            case.detail = f"got {number:g} {wrong}"
+        self.judge(case, got, as_number, lambda n: {
+            m for m, v in mistakes.items() if v != want and math.isclose(n, v, rel_tol=rel_tol)},
+            exceptions=False)
+
+    def count(self, name: str, given, want: int, wrong: str,
+              shown_by: Callable[[int], Iterable[str]]) -> None:
+        """Record one count of a predicted dict as the case ``name``: passed when ``given`` is
+        ``want``; a missing or fractional count shows ``"format"``, a wrong one ``"got n: " +
+        wrong`` and the mistakes ``shown_by(n)`` names (those whose rule gives ``n``)."""
+        number = as_number(given)
+        if number is None or not number.is_integer():
+            self.add(Case(name, False, "missing from the dict" if given is None else
+                          f"got {given!r}, not a whole number"))
+            self.shows({"format"})
+        elif int(number) == want:
+            self.add(Case(name, True))
+        else:
+            self.add(Case(name, False, f"got {int(number)}: {wrong}"))
+            self.shows(shown_by(int(number)))
+
     def judge(self, case: Case, got, read: Callable[[object], object],
               explain: Callable[[object], Iterable[str]], *, unreadable: str = "format",
               exceptions: bool = True) -> None:
@@ -528,6 +561,19 @@ def finish(result: CheckResult) -> CheckResult | None:
         print(result)
         return None
     return result
+
+
+def check_formula(exercise: str, mistakes: Mistakes, fn: Callable, cases: dict[str, tuple],
+                  reference: Callable[..., float], numbers: Callable[..., dict[str, float]],
+                  wrong: str = "", *, rel_tol: float = 0.0, abs_tol: float = 0.0) -> CheckResult:
+    """A formula exercise: for each case (``name -> args``), ``fn(*args)`` against
+    ``reference(*args)``, a wrong number judged by :meth:`Checking.formula` against
+    ``numbers(*args)`` (mistake name -> the number that mistake gives)."""
+    check = Checking(exercise, mistakes)
+    for name, args in cases.items():
+        check.formula(name, lambda: fn(*args), reference(*args), numbers(*args), wrong,
+                      rel_tol=rel_tol, abs_tol=abs_tol)
+    return check.verdict()
 
 
 def check_answers(exercise: str, fn: Callable[[], object], names: Iterable[str],
@@ -592,6 +638,16 @@ def recover_answer(exercise: str, case: str, digest: str, candidates: Iterable[t
 def group_text(groups: Iterable[str]) -> str:
     """The canonical text of a set of group kinds: ``{"tp", "dp"}`` -> ``"dp+tp"``."""
     return "+".join(sorted(groups))
+
+
+def misnamed_groups(given: frozenset, known: Iterable[str], use: str, world: str) -> str | None:
+    """Why a set of group kinds is wrong for any parameter, before what the parameter is: a
+    kind the exercise's grid does not have (``use`` names those to choose from), or the
+    ``world`` group (the text says what it mixes).  ``None`` when neither."""
+    unknown = sorted(given - set(known))
+    if unknown:
+        return f"unknown group kind(s) {unknown}: use {use}."
+    return world if "world" in given else None
 
 
 def group_sets(kinds: Iterable[str], largest: int) -> list[frozenset]:
@@ -700,6 +756,6 @@ def as_group_kinds(answer) -> frozenset | None:
 
 __all__ = ["Case", "CheckResult", "Checking", "ExerciseNotPassed", "GRADING_ENVIRONMENT", "Mistake",
            "Mistakes", "KEY_SALT", "RETRY_TIMEOUT_FACTOR", "STUB_HINT", "WAITING_IN", "answer_digest", "as_group_kinds", "as_number", "as_rank_list",
-           "as_whole_numbers", "at_stage", "check_answers", "deadlock_kind", "deadlock_summary",
+           "as_whole_numbers", "at_stage", "check_answers", "check_formula", "deadlock_kind", "deadlock_summary",
            "failed_before", "finish", "forget_attempts", "grading", "group_sets", "group_text",
-           "is_close", "recover_answer", "remember", "run_case", "stages_of"]
+           "is_close", "misnamed_groups", "recover_answer", "remember", "run_case", "stages_of"]

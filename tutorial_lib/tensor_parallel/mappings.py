@@ -232,39 +232,37 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
             return _gather_first_dim(grad, ctx.group, split_sizes=ctx.split_sizes), None, None
 
 
-def copy_to_tensor_model_parallel_region(x, tp_group="tp"):
-    """Identity forward, all-reduce backward: enters a column-parallel matmul."""
+def _unless_alone(function: type[torch.autograd.Function], x, tp_group, *args):
+    """``function`` applied to ``x`` over ``tp_group``, or ``x`` itself when the group has
+    one rank (no collective, no autograd node): the rule every function below follows."""
     if parallel_state.group_size(tp_group) == 1:
         return x
-    return CopyToTensorModelParallelRegion.apply(x, tp_group)
+    return function.apply(x, tp_group, *args)
+
+
+def copy_to_tensor_model_parallel_region(x, tp_group="tp"):
+    """Identity forward, all-reduce backward: enters a column-parallel matmul."""
+    return _unless_alone(CopyToTensorModelParallelRegion, x, tp_group)
 
 
 def reduce_from_tensor_model_parallel_region(x, tp_group="tp"):
     """All-reduce forward, identity backward: leaves a row-parallel matmul."""
-    if parallel_state.group_size(tp_group) == 1:
-        return x
-    return ReduceFromTensorModelParallelRegion.apply(x, tp_group)
+    return _unless_alone(ReduceFromTensorModelParallelRegion, x, tp_group)
 
 
 def scatter_to_tensor_model_parallel_region(x, tp_group="tp"):
     """Split the last dim forward, all-gather it backward."""
-    if parallel_state.group_size(tp_group) == 1:
-        return x
-    return ScatterToTensorModelParallelRegion.apply(x, tp_group)
+    return _unless_alone(ScatterToTensorModelParallelRegion, x, tp_group)
 
 
 def gather_from_tensor_model_parallel_region(x, tp_group="tp"):
     """All-gather the last dim forward, split it backward."""
-    if parallel_state.group_size(tp_group) == 1:
-        return x
-    return GatherFromTensorModelParallelRegion.apply(x, tp_group)
+    return _unless_alone(GatherFromTensorModelParallelRegion, x, tp_group)
 
 
 def scatter_to_sequence_parallel_region(x, tp_group="tp"):
     """Split the sequence (dim 0) forward, all-gather it backward."""
-    if parallel_state.group_size(tp_group) == 1:
-        return x
-    return ScatterToSequenceParallelRegion.apply(x, tp_group)
+    return _unless_alone(ScatterToSequenceParallelRegion, x, tp_group)
 
 
 def gather_from_sequence_parallel_region(x, tp_group="tp", tensor_parallel_output_grad=True,
@@ -274,10 +272,8 @@ def gather_from_sequence_parallel_region(x, tp_group="tp", tensor_parallel_outpu
     ``output_split_sizes``: how many rows each rank of the group holds, when they differ
     (Megatron's argument of the same name; the MoE dispatcher gathers its tokens over the
     expert-TP group with it)."""
-    if parallel_state.group_size(tp_group) == 1:
-        return x
-    return GatherFromSequenceParallelRegion.apply(x, tp_group, tensor_parallel_output_grad,
-                                                  output_split_sizes)
+    return _unless_alone(GatherFromSequenceParallelRegion, x, tp_group,
+                         tensor_parallel_output_grad, output_split_sizes)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp",
@@ -286,6 +282,4 @@ def reduce_scatter_to_sequence_parallel_region(x, tp_group="tp",
 
     ``input_split_sizes``: the rows of each rank's slice, when they differ (Megatron's
     argument of the same name)."""
-    if parallel_state.group_size(tp_group) == 1:
-        return x
-    return ReduceScatterToSequenceParallelRegion.apply(x, tp_group, input_split_sizes)
+    return _unless_alone(ReduceScatterToSequenceParallelRegion, x, tp_group, input_split_sizes)

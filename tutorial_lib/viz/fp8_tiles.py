@@ -19,7 +19,7 @@ import html
 import torch
 
 from .. import fp8_format
-from .widget import Widget
+from .widget import Explorer
 
 __all__ = ["tile_explorer", "TileExplorer", "tile_data"]
 
@@ -77,18 +77,15 @@ def tile_data(x: torch.Tensor, token_names: list[str] | None = None) -> dict:
     return out
 
 
-class TileExplorer(Widget):
+class TileExplorer(Explorer):
     """The widget: ``data`` is :func:`tile_data`'s; ``to_html()``, ``_repr_html_()``, ``save()``."""
 
-    styles = ("fp8_tiles.css",)
+    styles = Explorer.styles + ("fp8_tiles.css",)
     scripts = ("fp8_tiles.js",)
     start = "startTileExplorer"
     id_prefix = "tl-fp8-"
     data_class = "tl-fp8-data"
-
-    def __init__(self, data: dict, title: str = ""):
-        self.data = data
-        self.title = title or "One FP8 tile: values, scale and error"
+    default_title = "One FP8 tile: values, scale and error"
 
     def parts(self, uid: str) -> tuple[str, str, object]:
         markup = (f'<div class="tl-fp8-title">{html.escape(self.title)}</div>'

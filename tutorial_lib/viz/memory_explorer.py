@@ -19,7 +19,7 @@ from ..config import ConfigError
 from ..costs.memory_model import memory_per_rank
 from ..memory import PRESETS, preset_layout
 from ..recompute import Recompute
-from .widget import Widget
+from .widget import Explorer
 
 __all__ = ["explorer_data", "MemoryExplorer", "memory_explorer", "GRID", "BUDGETS_GIB", "MIB"]
 
@@ -67,18 +67,15 @@ def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
     return out
 
 
-class MemoryExplorer(Widget):
+class MemoryExplorer(Explorer):
     """The widget: ``data`` is :func:`explorer_data`'s; ``to_html()``, ``_repr_html_()``, ``save()``."""
 
-    styles = ("memory.css",)
+    styles = Explorer.styles + ("memory.css",)
     scripts = ("memory.js",)
     start = "startMemoryExplorer"
     id_prefix = "tl-mem-"
     data_class = "tl-mem-data"
-
-    def __init__(self, data: dict, title: str = ""):
-        self.data = data
-        self.title = title or "Memory per pipeline rank: pick a layout"
+    default_title = "Memory per pipeline rank: pick a layout"
 
     def parts(self, uid: str) -> tuple[str, str, object]:
         rows = "".join(f'<div class="tl-mem-row"><span class="tl-mem-label">{label}</span>'

@@ -33,7 +33,7 @@ from functools import lru_cache
 from importlib import resources
 from string import Template
 
-__all__ = ["Widget", "Animation", "Note", "asset", "scoped_css", "ascii_html", "write_page",
+__all__ = ["Widget", "Animation", "Explorer", "Note", "asset", "scoped_css", "ascii_html", "write_page",
            "in_live_kernel", "live_or_static", "BOOK_BUILD_ENV"]
 
 BOOK_BUILD_ENV = "TUTORIAL_BOOK_BUILD"
@@ -162,6 +162,20 @@ class Widget:
     def save(self, path: str) -> str:
         """Write a standalone HTML page holding the widget; returns ``path``."""
         return write_page(path, self.title, self.to_html())
+
+
+class Explorer(Widget):
+    """Buttons over one drawing, every answer computed in Python beforehand (the memory
+    explorer, the FP8 tile explorer).  ``explorer.css`` draws the panel and its buttons
+    (``button.tl-on``: the one chosen); a subclass adds its own assets, its parts and its
+    :attr:`default_title`."""
+
+    styles = ("explorer.css",)
+    default_title = ""
+
+    def __init__(self, data: dict, title: str = ""):
+        self.data = data
+        self.title = title or self.default_title
 
 
 class Animation(Widget):
