@@ -59,6 +59,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "saved_activations": ("trace",),
     "context_parallel": ("comm", "config", "parallel_state", "trace"),
     "data_parallel": ("comm", "parallel_state", "trace"),
+    "fully_sharded_data_parallel": ("comm", "config", "data_parallel", "trace"),
     "fp8_format": ("recipes",),
     "fp8": ("comm", "fp8_format", "parallel_state", "trace"),
     "precision": ("devices", "fp8", "moe", "recipes", "tensor_parallel"),
@@ -95,8 +96,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "costs.alpha_beta": (),
     "costs.moe": (),
     "costs.cp_messages": ("costs.alpha_beta",),
-    "costs.memory_model": ("grid", "pipeline_parallel", "recompute"),
+    "costs.memory_model": ("config", "grid", "pipeline_parallel", "recompute"),
     "costs.tp_dp_step": (),
+    "costs.zero_stages": ("config", "costs.alpha_beta", "costs.memory_model", "costs.tp_dp_step"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
     "timing.runs": ("launch",),
@@ -200,7 +202,7 @@ TORCH_FREE: tuple[str, ...] = (
     "pipeline_parallel.modes",
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
-    "costs.memory_model", "costs.tp_dp_step",
+    "costs.memory_model", "costs.tp_dp_step", "costs.zero_stages",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""
