@@ -190,7 +190,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.state._pre_backward(ctx.unit)
+        ctx.state.pre_backward(ctx.unit)
         return None, None, grad
 
 
@@ -247,12 +247,12 @@ class FullyShardedDataParallel:
         for unit in self.units:
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p, unit=unit: self._on_grad_ready(unit, p)))
+                    lambda p, unit=unit: self.on_grad_ready(unit, p)))
             if self.stage == 3:
                 self._handles.append(unit.module.register_forward_pre_hook(
-                    lambda module, args, unit=unit: self._pre_forward(unit)))
+                    lambda module, args, unit=unit: self.pre_forward(unit)))
                 self._handles.append(unit.module.register_forward_hook(
-                    lambda module, args, output, unit=unit: self._post_forward(unit, output)))
+                    lambda module, args, output, unit=unit: self.post_forward(unit, output)))
 
     def _note_unsharded(self) -> None:
         held = sum(u.unsharded_bytes for u in self.units)
@@ -261,7 +261,7 @@ class FullyShardedDataParallel:
     def reset_peak(self) -> None:
         self.peak_unsharded_bytes = sum(u.unsharded_bytes for u in self.units)
 
-    def _pre_forward(self, unit: FSDPUnit) -> None:
+    def pre_forward(self, unit: FSDPUnit) -> None:
         if unit is self.forward_order[0]:
             self.post_forward_order.clear()
         unit.unshard("forward")
@@ -285,7 +285,7 @@ class FullyShardedDataParallel:
             unit.span.__exit__(None, None, None)
             unit.span = None
 
-    def _post_forward(self, unit: FSDPUnit, output):
+    def post_forward(self, unit: FSDPUnit, output):
         self._close_span(unit)
         self.post_forward_order.append(unit)
         if unit.reshard_after_forward:
@@ -294,7 +294,7 @@ class FullyShardedDataParallel:
             return _PreBackward.apply(self, unit, output)
         return output
 
-    def _pre_backward(self, unit: FSDPUnit) -> None:
+    def pre_backward(self, unit: FSDPUnit) -> None:
         unit.unshard("backward")
         if self.prefetch and unit in self.post_forward_order:
             index = self.post_forward_order.index(unit)
@@ -304,7 +304,7 @@ class FullyShardedDataParallel:
         unit.wait_for_unshard()
         self._open_span(unit, "backward")
 
-    def _on_grad_ready(self, unit: FSDPUnit, param) -> None:
+    def on_grad_ready(self, unit: FSDPUnit, param) -> None:
         unit.ready.add(id(param))
         if len(unit.ready) == len(unit.params):  # the unit's backward is done
             self._close_span(unit)

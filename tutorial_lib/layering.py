@@ -139,6 +139,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "exercises.ch09": ("context_parallel", "costs", "exercises.kit", "timing"),
     "exercises.ch10": ("config", "costs.memory_model", "exercises.kit", "memory", "recompute"),
     "exercises.ch11": ("exercises.kit", "pipeline_parallel"),
+    "exercises.ch12": ("costs.memory_model", "exercises.kit"),
 }
 
 LAZY_IMPORTS: dict[str, dict[str, str]] = {
