@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, parallel_state
 from .config import SHARDING_STRATEGIES, ZERO_STAGE
 from .data_parallel import (DataParallel, DistributedOptimizer, MixedPrecisionOptimizer,
                             ShardedBuffer, gradient_divisor)
@@ -223,6 +223,12 @@ class FullyShardedDataParallel:
         if self.stage == 2 and mp_policy != MixedPrecisionPolicy():
             raise ValueError("mp_policy casts the gathered parameters (ZeRO-3); under optim_grads "
                              "the parameters stay whole: convert the model (model.bfloat16())")
+        tp = parallel_state.group_size("tp")
+        if tp > 1:
+            raise ValueError(f"{strategy} runs here on the data-parallel ranks of a model with "
+                             f"TP = 1, but this rank's TP group has {tp} ranks: the course "
+                             f"tests no sharded gradients beside tensor-parallel ones; use "
+                             f"TP = 1, or 'optim' (ZeRO-1) with TP")
         self.model, self.strategy, self.prefetch = model, strategy, prefetch
         modules = list(units)
         names = {id(m): n for n, m in model.named_modules()}
