@@ -200,9 +200,14 @@ class _PreBackward(torch.autograd.Function):
 class FullyShardedDataParallel:
     """ZeRO-2 or ZeRO-3 on ``model``, in place: hooks on its units (see the module doc).
 
-    ``units``: the submodules that are units, in the order they run (each unit's own
-    parameters are those not in a unit inside it); the model's remaining parameters form
-    the root unit, named ``"root"``.  ``strategy``: ``optim_grads`` or
+    The hooks are named as FSDP2's ``FSDPParamGroup`` methods (torch 2.13.0,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): ``pre_forward``,
+    ``post_forward``, ``pre_backward``; the root is kept gathered after its forward by default
+    as ``FSDPState._lazy_init`` keeps FSDP2's (_fsdp_state.py).
+
+    ``units``: the submodules that are units, in the order they run, none inside another
+    (a parameter belongs to the first unit listed that holds it); the model's remaining
+    parameters form the root unit, named ``"root"``.  ``strategy``: ``optim_grads`` or
     ``optim_grads_params``.  ``reshard_after_forward``: ``None`` frees every unit but the
     root after its forward (FSDP2's default: the root is needed again as soon as
     backward starts), ``True`` every unit, ``False`` none.  ``prefetch``: issue the next

@@ -208,7 +208,11 @@ def test_course_zero3_equals_torch_fully_shard(dp, precision):
     loss at each of 3 steps on every rank, and the same parameter shards after them: FSDP2's
     local shard of each parameter (its rows ``torch.chunk(p, DP)[rank]``) equals those rows of
     the course's parameter, and the course's flat slice of each unit equals that slice of the
-    unit's vector made of FSDP2's parameters.  Within ``1e-6`` (module docstring)."""
+    unit's vector made of FSDP2's parameters.  Within ``1e-6`` (module docstring).  FSDP2's
+    layout as read in torch 2.13.0's wheel: torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+    ``FSDPParam._init_sharded_param`` (``_chunk_with_empty`` along dim 0, the first chunk's
+    size the padded one), _fsdp_collectives.py ``foreach_reduce`` (``ReduceOp.AVG`` for fp32
+    and bf16, from ``_get_gradient_divide_factors``)."""
     results = _run(dp).results
     for rank, result in enumerate(results):
         ours, theirs = result["course_" + precision], result["torch_" + precision]
@@ -283,7 +287,11 @@ def test_zero3_prefetches_the_next_unit_under_this_units_compute(dp):
     backward (FSDP2's backward prefetch: the unit whose forward ran before); every
     prefetched all-gather is issued before the previous unit's compute span starts and
     completes after it ends, so it is in flight under that compute.  Without prefetch each
-    unit's gather is issued by the unit itself."""
+    unit's gather is issued by the unit itself.  FSDP2's backward prefetch, as read in torch
+    2.13.0's wheel: torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py
+    ``FSDPParamGroup._backward_prefetch`` unshards ``post_forward_order[index - 1]`` (one
+    parameter group per module); its forward prefetch is explicit only
+    (``set_modules_to_forward_prefetch``), the course's ``prefetch`` does both."""
     trace = _run(dp).trace
     for rank in range(dp):
         for name, prefetch in (("optim_grads_params", True), ("zero3_no_prefetch", False)):
