@@ -59,6 +59,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "saved_activations": ("trace",),
     "context_parallel": ("comm", "config", "parallel_state", "trace"),
     "data_parallel": ("comm", "parallel_state", "trace"),
+    "fully_sharded_data_parallel": ("comm", "config", "data_parallel", "parallel_state",
+                                    "trace"),
     "fp8_format": ("recipes",),
     "fp8": ("comm", "fp8_format", "parallel_state", "trace"),
     "precision": ("devices", "fp8", "moe", "recipes", "tensor_parallel"),
@@ -95,8 +97,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "costs.alpha_beta": (),
     "costs.moe": (),
     "costs.cp_messages": ("costs.alpha_beta",),
-    "costs.memory_model": ("grid", "pipeline_parallel", "recompute"),
+    "costs.memory_model": ("config", "grid", "pipeline_parallel", "recompute"),
     "costs.tp_dp_step": (),
+    "costs.zero_stages": ("config", "costs.alpha_beta", "costs.memory_model", "costs.tp_dp_step"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
     "timing.runs": ("launch",),
@@ -137,6 +140,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "exercises.ch09": ("context_parallel", "costs", "exercises.kit", "timing"),
     "exercises.ch10": ("config", "costs.memory_model", "exercises.kit", "memory", "recompute"),
     "exercises.ch11": ("exercises.kit", "pipeline_parallel"),
+    "exercises.ch12": ("costs.memory_model", "exercises.kit"),
 }
 
 LAZY_IMPORTS: dict[str, dict[str, str]] = {
@@ -200,7 +204,7 @@ TORCH_FREE: tuple[str, ...] = (
     "pipeline_parallel.modes",
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
-    "costs.memory_model", "costs.tp_dp_step",
+    "costs.memory_model", "costs.tp_dp_step", "costs.zero_stages",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""
