@@ -49,7 +49,7 @@ CONFIG_FIELDS = {
     TrainConfig: ("global_batch_size", "num_microbatches"),
     ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                   "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",
-                  "dropout", "cp_comm_type"),
+                  "dropout", "cp_comm_type", "sequence_parallel"),
 }
 
 #: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE

@@ -119,7 +119,8 @@ from .trace import get_tracer
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
            "load_config_file", "check_memory", "describe_run", "LOG_KEYS", "build_chunks",
            "train_worker", "train", "format_progress", "format_saved",
-           "write_progress", "read_progress", "moe_aux_loss_scale", "StopRequest",
+           "write_progress", "read_progress", "moe_aux_loss_scale", "pipeline_tensor_shape",
+           "StopRequest",
            "DIE_AFTER_ENV"]
 
 # TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
@@ -163,6 +164,19 @@ def _microbatches(args: TrainingArgs, step: int, first_stage: bool, device) -> l
         mine = tuple(split_for_cp_rank(t, 1, cp, cp_rank) for t in mine[:2]) + mine[2:]
     return [Microbatch(ids if first_stage else None, targets if first_stage else None, sample_ids, step)
             for ids, targets, sample_ids in split_microbatches(mine, args.num_microbatches)]
+
+
+def pipeline_tensor_shape(args: TrainingArgs, rows: int) -> tuple[int, int, int]:
+    """``[s, b, h]`` of the activation that crosses a stage boundary: this CP rank's
+    ``s / CP`` tokens of ``rows`` sequences, split over TP under sequence parallelism
+    (Megatron-Core's ``get_tensor_shapes`` and ``forward_backward_pipelining_with_interleaving``,
+    ``megatron/core/pipeline_parallel/schedules.py`` at d98e8a64: ``seq_length // cp``,
+    then ``// tp`` when ``config.sequence_parallel``).  The labels the first stage sends the
+    last keep ``s / CP`` tokens a row whatever the TP size."""
+    tokens = args.seq_length // args.context_parallel_size
+    if args.sequence_parallel:
+        tokens //= args.tensor_model_parallel_size
+    return tokens, rows, args.hidden_size
 
 
 def moe_aux_loss_scale(num_microbatches: int, context_parallel_size: int = 1) -> float:
@@ -292,7 +306,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None)
         first_step = load_checkpoint(args.load, chunks, optimizer, args, args.ckpt_step)
     m, dp = args.num_microbatches, parallel_state.get_size("dp")
     rows = args.global_batch_size // dp // m
-    shape = (args.seq_length // cp, rows, args.hidden_size)
+    shape = pipeline_tensor_shape(args, rows)
     records = []
     pending = None  # an asynchronous save still being written
 
@@ -313,7 +327,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None)
                 first_stage = any(chunk.pre_process for chunk in chunks)  # DualPipe: 2 ends
                 out = forward_backward_pipelining(
                     chunks, _microbatches(args, step, first_stage, device), args.schedule,
-                    args.p2p_mode, shape, device=device)
+                    args.p2p_mode, shape, device=device, label_length=args.seq_length // cp)
             if args.schedule == "dualpipe":  # the two copies' gradients and loads, summed
                 sum_model_copy_gradients(chunks)
             grad_norm = finish_step(model, optimizer, args.clip_grad if args.clip_grad > 0 else None)

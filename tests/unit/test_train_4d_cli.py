@@ -36,6 +36,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 ckpt_step=None, use_distributed_optimizer=False,
                 keep_last=None, async_save=False, max_restarts=0,  # a cluster's faults: off
                 context_parallel_size=1, cp_comm_type="p2p",  # chapter 9: CP, off by default
+                sequence_parallel=False,  # Megatron's --sequence-parallel: off by default
                 expert_tensor_parallel_size=None,  # TP x EP: unset means TP, as Megatron
                 recompute_granularity=None, recompute_method=None,  # chapter 10: no recomputation
                 recompute_num_layers=None,
