@@ -162,7 +162,9 @@ class ModelConfig:
     """Dropout probability; must be 0 with TP or EP > 1 (rule 7)."""
 
     sequence_parallel: bool = False
-    """Split activations along the sequence between TP ranks outside the matmuls."""
+    """Split activations along the sequence between TP ranks outside the matmuls (Megatron's
+    ``--sequence-parallel``): LayerNorms, residuals and the pipeline's messages hold ``s/TP``
+    tokens (rule 6); nothing to split at TP 1."""
 
     ffn_hidden_size: int | None = None
     """Width of the dense MLPs (``None``: ``4 * hidden_size``)."""

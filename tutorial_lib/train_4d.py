@@ -15,7 +15,8 @@ it directly.  One step on every rank::
         K/V exchanges over CP in each attention (--cp-comm-type)
     gradients: dense over DP (x CP), experts over expert-DP (divided by DP x CP)
                                                                       DataParallel.finish_grad_sync
-    router / shared-expert gradients summed over TP (MoE splits the sequence over TP)
+    router (and, with --sequence-parallel, LayerNorm) gradients summed over TP: each TP rank
+        routes (normalises) its own s/TP tokens                      allreduce_sequence_parallel_grads
     TP and EP together: each TP rank's own tokens cross the expert grid's EP all-to-all,
         every routed expert whole on its EP rank (ETP = 1: config rule 5)
     clip by the global norm (reduced over TP, PP, EP)                data_parallel.clip_grad_norm_
@@ -53,6 +54,12 @@ sum by C, so their gradient is scaled by ``C / M`` instead of ``1 / M``, as Mega
 ``forward_step_calc_loss`` sets ``MoEAuxLossAutoScaler``'s scale.  Routed experts see each
 CP rank's tokens through the EP all-to-all, and the expert grid folds CP into expert-DP as
 Megatron's does (:func:`tutorial_lib.grid.megatron_grids`).
+
+**Sequence parallelism** (``sequence_parallel``, Megatron's ``--sequence-parallel``; TP > 1):
+every layer works on this TP rank's ``s / TP`` tokens (:class:`~tutorial_lib.deepseek.DeepSeekModel`),
+so the activations between stages are ``[s / (C TP), b, h]`` (:func:`pipeline_tensor_shape`)
+and the LayerNorm gradients join the router's in the sum over TP.  The losses are the
+same as without it.
 
 **Precision.**  ``precision_recipe`` (``fp32``, ``bf16``, ``deepseek_v3`` or a recipe file)
 is applied to every model chunk by :func:`tutorial_lib.precision.apply_recipe`: simulated
