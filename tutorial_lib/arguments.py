@@ -343,8 +343,9 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     world = parallel.world_size
     cp = parallel.context_parallel_size
     cp_part = f"CP{cp} ({args.cp_comm_type}) x " if cp > 1 else ""  # shown when it splits
-    layout = (f"TP{tp} x {cp_part}PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = {world} "
-              f"rank{'s' * (world > 1)}")
+    sp_part = " (sequence parallel)" if args.sequence_parallel and tp > 1 else ""
+    layout = (f"TP{tp}{sp_part} x {cp_part}PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = "
+              f"{world} rank{'s' * (world > 1)}")
     if args.num_experts:
         layout += (f" (experts: ETP{etp} x EP{ep} x EDP{parallel.expert_data_parallel_size}"
                    f")")

@@ -465,6 +465,8 @@ def test_the_banner_names_layout_schedule_p2p_mode_and_recipe():
     assert "MaxVio" in text and "seq-balance" in text  # a MoE model: the legend
     dense = describe_run(replace(args, num_experts=0))
     assert "experts" not in dense and "MaxVio" not in dense
+    assert "TP2 (sequence parallel) x PP2" in describe_run(replace(args, sequence_parallel=True))
+    assert "sequence parallel" not in text
     assert "MaxVio" not in describe_run(args, legend=False)
     interleaved = describe_run(replace(args, schedule="interleaved", world_size=4,
                                        tensor_model_parallel_size=1, save="ck",
