@@ -19,7 +19,9 @@ validator: see :func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mo
 equal the world-size-1 run's: ``atol = 1e-5`` on losses of about 4.2.  What differs
 between layouts is only the order of fp32 sums (all-reduces, microbatch accumulation),
 measured at most ~3e-7.  The same holds with dropout (layouts without TP and EP: rule 7),
-because each row's masks are drawn from its index in the global batch.
+because each row's masks are drawn from its index in the global batch.  Sequence
+parallelism through the whole model (``SP_RUNS``) runs inside the TP x EP sweep's
+launches, with PP 3, and with CP 2 and PP 2.
 """
 import itertools
 import json
@@ -298,9 +300,10 @@ def _tp_ep_args(tp, pp, ep, etp, world, schedule="1f1b", mode="batched", **chang
 
 #: Sequence parallelism through the whole model (Megatron's --sequence-parallel), run in
 #: the sweep's launches: TP 2 x EP 2 x PP 3 beside the same layout without it, and with
-#: CP 2 (TP 2 x CP 2 x EP 2 on 4 ranks).  Name suffix -> (layout, changes).
+#: CP 2 and PP 2 (TP 2 x CP 2 x PP 2 x EP 2 on 8 ranks: messages of s / (CP TP) tokens,
+#: labels of s / CP).  Name suffix -> (layout, changes).
 SP_RUNS = {"sp": ((2, 3, 2, 1, 6), dict(sequence_parallel=True)),
-           "sp-cp2": ((2, 1, 2, 1, 4), dict(sequence_parallel=True, context_parallel_size=2))}
+           "sp-cp2": ((2, 2, 2, 1, 8), dict(sequence_parallel=True, context_parallel_size=2))}
 
 
 def _wants_gradients(args: TrainingArgs) -> bool:
