@@ -286,8 +286,10 @@ TP_EP_SCHEDULES = [("gpipe", "batched"), ("interleaved", "overlapped"), ("zb-h1"
                    ("zbv", "batched"), ("dualpipev", "batched"), ("dualpipe", "batched")]
 SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev", "dualpipe")
 TP_EP_SCHEDULE_LAYOUT = (2, 2, 2, 2, 8)
-#: Which MoE parameters the gradient check compares: router, shared experts, routed experts.
-GRAD_PARTS = ("mlp.router.", "mlp.shared_experts.", "mlp.experts.")
+#: Which parameters the gradient check compares: router, shared experts, routed experts,
+#: and the LayerNorms (whole on every rank; under sequence parallelism each TP rank's
+#: gradient is a partial sum until allreduce_sequence_parallel_grads).
+GRAD_PARTS = ("mlp.router.", "mlp.shared_experts.", "mlp.experts.", "layernorm.")
 
 
 def _tp_ep_args(tp, pp, ep, etp, world, schedule="1f1b", mode="batched", **changes) -> TrainingArgs:
@@ -403,7 +405,8 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
     stack (its EP rank's experts, and with ETP > 1 its ETP rank's channels), each shared
     expert's its TP rank's channels (Megatron-Core's ``SharedExpertMLP``, an ``MLP`` split
     over TP).  The router sees each TP rank's own tokens and is summed over TP after the DP
-    average;
+    average, and so are the LayerNorms under sequence parallelism (``finalize_model_grads``'
+    ``sequence_parallel`` branch in ``megatron/core/distributed/finalize_model_grads.py``);
     each expert's gradient is summed over expert-DP and divided by DP x CP, Megatron-Core
     0.20.0's ``expert_gradient_scaling_factor`` (d98e8a64, megatron/core/distributed/
     distributed_data_parallel.py), whatever ETP is.  The trace shows each dispatch all-to-all
@@ -421,7 +424,7 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
             if not mine["first_expert"]:  # a pipeline stage of dense layers only
                 continue
             parts = {part for part in GRAD_PARTS if any(part in n for n in mine["grads"])}
-            assert "mlp.experts." in parts and "mlp.router." in parts, (name, rank)
+            assert {"mlp.experts.", "mlp.router.", "layernorm."} <= parts, (name, rank)
             for param, (grad, dim) in mine["grads"].items():
                 want = serial[param]
                 if ".mlp.experts." in param:  # my EP rank's experts (and ETP rank's channels)
