@@ -794,8 +794,8 @@ class MoELayer(torch.nn.Module):
       TP rank holds the whole ``[s, b, h]`` (after the attention's all-reduce); the layer
       scatters the sequence (a slice), routes its ``s/TP`` tokens and all-gathers the
       result, so the MoE layer costs an all-reduce plus an all-gather where Megatron's
-      costs a reduce-scatter plus an all-gather (the same bytes on the wire, twice the
-      activation memory between the layers).
+      costs a reduce-scatter plus an all-gather (the same bytes on the wire; between the
+      layers every TP rank holds all ``s`` tokens instead of ``s/TP``).
 
     The router sees different tokens on each TP rank: its gradient is a
     partial sum, so it is flagged ``sequence_parallel=True`` for
