@@ -140,13 +140,16 @@ def test_flags_parse_to_their_field_types(script):
     assert as_json is True
 
 
-def test_sequence_parallelism_is_a_flag_off_by_default_as_megatrons(script):
+def test_sequence_parallelism_is_a_flag_off_by_default_as_megatrons():
     """Megatron-LM d98e8a64: ``--sequence-parallel`` (``ModelParallelConfig.sequence_parallel``,
     ``megatron/core/model_parallel_config.py``, default False); ``validate_args``
     (``megatron/training/arguments.py``) turns it off at TP 1, and the model does the same."""
     assert TrainingArgs().sequence_parallel is False
-    args, _ = script.parse_args(["--world-size", "2", "--tensor-model-parallel-size", "2",
-                                 "--sequence-parallel"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainingArgs)  # the command line's flags, from the fields
+    parsed = parser.parse_args(["--world-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"])
+    args = TrainingArgs(**vars(parsed))
     assert args == TrainingArgs(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
     validate_args(args)
     _, model_config, _ = replace(args, world_size=1, tensor_model_parallel_size=1).configs()
