@@ -140,35 +140,6 @@ def test_flags_parse_to_their_field_types(script):
     assert as_json is True
 
 
-def test_sequence_parallelism_is_a_flag_off_by_default_as_megatrons():
-    """Megatron-LM d98e8a64: ``--sequence-parallel`` (``ModelParallelConfig.sequence_parallel``,
-    ``megatron/core/model_parallel_config.py``, default False); ``validate_args``
-    (``megatron/training/arguments.py``) turns it off at TP 1, and the model does the same."""
-    assert TrainingArgs().sequence_parallel is False
-    parser = argparse.ArgumentParser()
-    add_arguments(parser, TrainingArgs)  # the command line's flags, from the fields
-    parsed = parser.parse_args(["--world-size", "2", "--tensor-model-parallel-size", "2",
-                                "--sequence-parallel"])
-    args = TrainingArgs(**vars(parsed))
-    assert args == TrainingArgs(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
-    validate_args(args)
-    _, model_config, _ = replace(args, world_size=1, tensor_model_parallel_size=1).configs()
-    serial = DeepSeekModel(model_config, seed=3)  # TP 1: nothing to split
-    assert serial.sequence_parallel is False
-    assert not any(getattr(p, "sequence_parallel", False) for p in serial.parameters())
-
-
-def test_the_pipeline_messages_are_split_over_tp_under_sequence_parallelism():
-    """Megatron-Core d98e8a64 (``megatron/core/pipeline_parallel/schedules.py``,
-    ``get_tensor_shapes``): ``seq_length // cp``, then ``// tp`` with ``sequence_parallel``."""
-    args = TrainingArgs(world_size=8, tensor_model_parallel_size=2, context_parallel_size=2,
-                        seq_length=16, hidden_size=32)
-    assert pipeline_tensor_shape(args, 3) == (8, 3, 32)
-    assert pipeline_tensor_shape(replace(args, sequence_parallel=True), 3) == (4, 3, 32)
-    assert pipeline_tensor_shape(replace(args, context_parallel_size=1, sequence_parallel=True),
-                                 5) == (8, 5, 32)
-
-
 def test_a_config_file_is_read_and_flags_given_win(script, tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"world-size": 4, "pipeline_model_parallel_size": 2,
                                                    "steps": 3}))
@@ -636,3 +607,32 @@ def test_max_restarts_under_torchrun_belongs_to_torchrun(script, monkeypatch, ca
         monkeypatch.setenv(name, value)
     assert script.main(["--max-restarts", "2"]) == 2
     assert "under torchrun give it to torchrun: torchrun --max-restarts 2" in capsys.readouterr().err
+
+
+def test_sequence_parallelism_is_a_flag_off_by_default_as_megatrons():
+    """Megatron-LM d98e8a64: ``--sequence-parallel`` (``ModelParallelConfig.sequence_parallel``,
+    ``megatron/core/model_parallel_config.py``, default False); ``validate_args``
+    (``megatron/training/arguments.py``) turns it off at TP 1, and the model does the same."""
+    assert TrainingArgs().sequence_parallel is False
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainingArgs)  # the command line's flags, from the fields
+    parsed = parser.parse_args(["--world-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"])
+    args = TrainingArgs(**vars(parsed))
+    assert args == TrainingArgs(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    validate_args(args)
+    _, model_config, _ = replace(args, world_size=1, tensor_model_parallel_size=1).configs()
+    serial = DeepSeekModel(model_config, seed=3)  # TP 1: nothing to split
+    assert serial.sequence_parallel is False
+    assert not any(getattr(p, "sequence_parallel", False) for p in serial.parameters())
+
+
+def test_the_pipeline_messages_are_split_over_tp_under_sequence_parallelism():
+    """Megatron-Core d98e8a64 (``megatron/core/pipeline_parallel/schedules.py``,
+    ``get_tensor_shapes``): ``seq_length // cp``, then ``// tp`` with ``sequence_parallel``."""
+    args = TrainingArgs(world_size=8, tensor_model_parallel_size=2, context_parallel_size=2,
+                        seq_length=16, hidden_size=32)
+    assert pipeline_tensor_shape(args, 3) == (8, 3, 32)
+    assert pipeline_tensor_shape(replace(args, sequence_parallel=True), 3) == (4, 3, 32)
+    assert pipeline_tensor_shape(replace(args, context_parallel_size=1, sequence_parallel=True),
+                                 5) == (8, 5, 32)
