@@ -29,6 +29,9 @@ its z-loss divides the coefficient by the TP x CP size (``TopKRouter.apply_z_los
 Losses computed on each rank's s/TP tokens alone gave several times the serial router
 gradient (chapter 5 measures 2.4 at TP 2 and 8.5 at TP 4 for the expert loss) and exactly
 TP times for the z-loss; this test then failed on the input and router gradients.
+At every TP > 1 the layer is also fed the TP rank's s/TP tokens directly
+(``input_is_sequence_parallel``, a model with sequence parallelism throughout): the same
+slices, and no sequence collective but the shared experts'.
 
 Tolerances: outputs, gradients and aux losses against the serial layer in fp32 with
 ``atol = rtol = 1e-5`` (only summation order differs); routing decisions, the dispatch
