@@ -49,7 +49,7 @@ CONFIG_FIELDS = {
     TrainConfig: ("global_batch_size", "num_microbatches"),
     ModelConfig: ("seq_length", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                   "num_experts", "moe_router_topk", "first_k_dense_replace", "num_shared_experts",
-                  "dropout", "cp_comm_type"),
+                  "dropout", "cp_comm_type", "sequence_parallel"),
 }
 
 #: The 4D run's defaults where they differ from the dataclasses': one rank, a small MoE
@@ -343,8 +343,9 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     world = parallel.world_size
     cp = parallel.context_parallel_size
     cp_part = f"CP{cp} ({args.cp_comm_type}) x " if cp > 1 else ""  # shown when it splits
-    layout = (f"TP{tp} x {cp_part}PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = {world} "
-              f"rank{'s' * (world > 1)}")
+    sp_part = " (sequence parallel)" if args.sequence_parallel and tp > 1 else ""
+    layout = (f"TP{tp}{sp_part} x {cp_part}PP{pp} x EP{ep} x DP{parallel.data_parallel_size} = "
+              f"{world} rank{'s' * (world > 1)}")
     if args.num_experts:
         layout += (f" (experts: ETP{etp} x EP{ep} x EDP{parallel.expert_data_parallel_size}"
                    f")")

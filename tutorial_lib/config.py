@@ -170,7 +170,9 @@ class ModelConfig:
     """Dropout probability; must be 0 with TP or EP > 1 (rule 7)."""
 
     sequence_parallel: bool = False
-    """Split activations along the sequence between TP ranks outside the matmuls."""
+    """Split activations along the sequence between TP ranks outside the matmuls (Megatron's
+    ``--sequence-parallel``): LayerNorms, residuals and the pipeline's messages hold ``s/TP``
+    tokens (rule 6); nothing to split at TP 1."""
 
     ffn_hidden_size: int | None = None
     """Width of the dense MLPs (``None``: ``4 * hidden_size``)."""
@@ -478,14 +480,6 @@ def validate(
                 f"moe_router_topk ({model.moe_router_topk}) cannot exceed num_experts "
                 f"({model.num_experts})",
             )
-    if model.sequence_parallel and tp > 1 and model.seq_length % tp:
-        raise ConfigError(
-            "rule 6",
-            f"seq_length ({model.seq_length}) must be divisible by "
-            f"tensor_model_parallel_size ({tp}) when sequence parallelism is on, so each "
-            f"TP rank gets an equal slice of tokens; try seq_length "
-            f"{_nearest_multiples(model.seq_length, tp)}",
-        )
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError("malformed", f"dropout must be in [0, 1), got {model.dropout}")
     if model.dropout > 0 and (tp > 1 or ep > 1):
@@ -523,16 +517,18 @@ def validate(
     _check_context_parallel(parallel, model)
     moe_layers = model.num_experts > 0 and model.first_k_dense_replace < model.num_layers
     cp = parallel.context_parallel_size
-    if moe_layers and tp > 1 and (model.seq_length // cp) % tp:
+    if (moe_layers or model.sequence_parallel) and tp > 1 and (model.seq_length // cp) % tp:
         mine = (f"each CP rank's {model.seq_length} / {cp} = {model.seq_length // cp} tokens"
                 if cp > 1 else f"seq_length ({model.seq_length})")
+        why = ("when sequence parallelism is on, so each TP rank gets an equal slice of tokens"
+               if model.sequence_parallel else
+               "in a model with MoE layers: with TP > 1 each MoE layer splits the sequence "
+               "over the TP ranks (Megatron-Core's MoE layer refuses to train under TP without "
+               "sequence parallelism)")
         raise ConfigError(
             "rule 6",
-            f"{mine} must be divisible by tensor_model_parallel_size "
-            f"({tp}) in a model with MoE layers: with TP > 1 each MoE layer splits the sequence "
-            f"over the TP ranks (Megatron-Core's MoE layer refuses to train under TP without "
-            f"sequence parallelism); try seq_length "
-            f"{_nearest_multiples(model.seq_length, tp * cp)}",
+            f"{mine} must be divisible by tensor_model_parallel_size ({tp}) {why}; "
+            f"try seq_length {_nearest_multiples(model.seq_length, tp * cp)}",
         )
 
 

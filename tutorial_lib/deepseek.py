@@ -13,9 +13,26 @@ there, because every weight is drawn from a seed derived from its *global* layer
 
 What crosses a stage boundary is one activation tensor [s, b, h] forward and its
 gradient backward: :mod:`tutorial_lib.pipeline_parallel.executor` moves them with :mod:`tutorial_lib.p2p`.
+
+**Sequence parallelism** (``ModelConfig.sequence_parallel`` with TP > 1) runs through the
+whole model, as in Megatron-Core's ``GPTModel``: the embedding's output is split over the
+TP ranks (``scatter_to_sequence_parallel_region``, as chapter 3's
+:class:`~tutorial_lib.gpt.GPTEmbedding`), every block takes and returns this rank's
+``[s/T, b, h]`` (each attention and dense MLP gathers before its column-parallel layer and
+reduce-scatters after its row-parallel one; each MoE layer routes the tokens it is given,
+:class:`~tutorial_lib.moe.MoELayer` with ``input_is_sequence_parallel``), the final
+LayerNorm runs on the shard, and the LM head gathers the sequence back before its
+vocabulary-parallel matmul.  So the pipeline's messages are ``[s/T, b, h]`` (Megatron's
+``tensor_shape[0] // tp`` in ``forward_backward_pipelining_with_interleaving``), and the
+LayerNorms and routers, which see one TP rank's tokens each, are flagged
+``sequence_parallel`` for :func:`~tutorial_lib.tensor_parallel.allreduce_sequence_parallel_grads`.
+Without it (the default, as Megatron's ``--sequence-parallel`` is off by default) the
+blocks keep the whole ``[s, b, h]`` on every TP rank and each MoE layer splits the
+sequence over TP itself.  At TP = 1 the flag changes nothing (Megatron turns it off).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -130,8 +147,13 @@ class DeepSeekBlock(torch.nn.Module):
     ``layer_number``: the global index; layers below ``first_k_dense_replace`` (or all of
     them when ``num_experts == 0``) are dense.  A MoE layer uses DeepSeek-V3's routing
     (sigmoid scores, top-k normalised) and balancing (bias on the global load plus the
-    sequence-wise loss).  With TP > 1 the attention and dense MLP are tensor-parallel on
-    the whole sequence, and the MoE layer splits the sequence over TP itself (see
+    sequence-wise loss).  With TP > 1 and ``sequence_parallel`` the block's input and
+    output are this TP rank's ``[s/T, b, h]``: attention and dense MLP gather the
+    sequence before their column-parallel layers and reduce-scatter after their
+    row-parallel ones, the MoE layer routes the shard it is given, and the LayerNorms
+    (flagged ``sequence_parallel``) normalise the shard.  With TP > 1 and no
+    ``sequence_parallel`` attention and dense MLP are tensor-parallel on the whole sequence
+    (all-reduces), and the MoE layer splits the sequence over TP itself (see
     :class:`~tutorial_lib.moe.MoELayer`), so the block's input and output are the full
     ``[s, b, h]`` on every TP rank.  With context parallelism (``cp_group`` of more than
     one rank) ``s`` is this CP rank's tokens, ``positions`` their places in the sequence:
@@ -143,17 +165,22 @@ class DeepSeekBlock(torch.nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 0,
                  tp_group: str | None = "tp", ep_group: str | None = "ep",
                  cp_group: str | None = None, positions: torch.Tensor | None = None,
-                 device=None, checkpoint_core_attention: bool = False):
+                 device=None, checkpoint_core_attention: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
         h, block_seed = config.hidden_size, derive_seed(seed, FIRST_BLOCK + layer_number)
         self.layer_number, self.dropout, self.seed = layer_number, config.dropout, seed
         self.positions, self.seq_length = positions, config.seq_length
         device = resolve_device(device)
         self.input_layernorm = torch.nn.LayerNorm(h, device=device)
-        self.self_attention = SelfAttention(h, config.num_attention_heads, False, block_seed, tp_group,
+        self.self_attention = SelfAttention(h, config.num_attention_heads, sequence_parallel,
+                                            block_seed, tp_group,
                                             cp_group, config.cp_comm_type, device=device,
                                             checkpoint_core_attention=checkpoint_core_attention)
         self.pre_mlp_layernorm = torch.nn.LayerNorm(h, device=device)
+        for layernorm in (self.input_layernorm, self.pre_mlp_layernorm):
+            for param in layernorm.parameters():
+                param.sequence_parallel = sequence_parallel  # my s/T tokens: partial grads
         self.is_moe = bool(config.num_experts) and layer_number >= config.first_k_dense_replace
         if self.is_moe:
             self.mlp = MoELayer(
@@ -161,10 +188,11 @@ class DeepSeekBlock(torch.nn.Module):
                 num_shared_experts=config.num_shared_experts, score_function="sigmoid",
                 balance=BalanceConfig.deepseek_v3(),
                 sequence_parallel=parallel_state.group_size(tp_group) > 1, seed=block_seed,
-                ep_group=ep_group, tp_group=tp_group, cp_group=cp_group, device=device)
+                ep_group=ep_group, tp_group=tp_group, cp_group=cp_group, device=device,
+                input_is_sequence_parallel=sequence_parallel)
         else:
-            self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, False, block_seed, tp_group,
-                           device=device)
+            self.mlp = MLP(h, config.ffn_hidden_size or 4 * h, sequence_parallel, block_seed,
+                           tp_group, device=device)
 
     def _drop(self, x: torch.Tensor, batch: Microbatch | None, site: int) -> torch.Tensor:
         if not self.training or self.dropout == 0.0:
@@ -222,18 +250,19 @@ class DeepSeekModel(torch.nn.Module):
         super().__init__()
         self.recompute = Recompute() if recompute is None else recompute
         check_recompute(self.recompute)
-        if config.sequence_parallel:
-            raise ValueError("DeepSeekModel keeps the whole sequence between layers (its MoE layers "
-                             "split it over TP themselves); set sequence_parallel=False")
         if config.dropout and (parallel_state.group_size(tp_group) > 1):
             raise ValueError(f"dropout ({config.dropout}) with tensor parallelism breaks rule 7; "
                              f"set dropout=0.0")
         tp = parallel_state.group_size(tp_group)
         divide(config.vocab_size, tp, "vocab_size")
         divide(config.num_attention_heads, tp, "num_attention_heads")
+        cp = parallel_state.group_size(cp_group)
+        # Megatron turns sequence parallelism off at TP = 1 (validate_args): nothing to split
+        self.sequence_parallel = sp = config.sequence_parallel and tp > 1
+        if sp:
+            divide(config.seq_length // cp, tp, "seq_length / context_parallel_size")
         self.config, self.tp_group, self.ep_group = config, tp_group, ep_group
         device = resolve_device(device)
-        cp = parallel_state.group_size(cp_group)
         self.cp_group = cp_group if cp > 1 else None
         self.position_ids = None
         """This CP rank's positions in the sequence (``None`` without context parallelism)."""
@@ -246,16 +275,20 @@ class DeepSeekModel(torch.nn.Module):
         """What each aux loss's gradient is scaled by: ``1/M`` with ``M`` microbatches."""
         h = config.hidden_size
         if self.pre_process:
-            self.embedding = GPTEmbedding(config, seed, tp_group, device)
+            self.embedding = GPTEmbedding(replace(config, sequence_parallel=sp), seed, tp_group,
+                                          device)
         self.layers = torch.nn.ModuleDict(
             {str(i): DeepSeekBlock(config, i, seed, tp_group, ep_group, self.cp_group,
                                    self.position_ids, device,
-                                   checkpoint_core_attention=self.recompute.granularity == "selective")
+                                   checkpoint_core_attention=self.recompute.granularity == "selective",
+                                   sequence_parallel=sp)
              for i in layer_range(config.num_layers, num_stages, stage)})
         if self.post_process:
             self.final_layernorm = torch.nn.LayerNorm(h, device=device)
-            self.output_layer = ColumnParallelLinear(
-                h, config.vocab_size, bias=False, gather_output=False,
+            for param in self.final_layernorm.parameters():
+                param.sequence_parallel = sp  # my s/T tokens: partial grads
+            self.output_layer = ColumnParallelLinear(  # SP: gathers the sequence first
+                h, config.vocab_size, bias=False, gather_output=False, sequence_parallel=sp,
                 seed=derive_seed(seed, OUTPUT_LAYER), tp_group=tp_group, device=device)
         self.reset_step_stats()
 
@@ -279,7 +312,8 @@ class DeepSeekModel(torch.nn.Module):
 
         First stage: ``hidden`` is ignored, ``batch.input_ids`` are embedded.  Every stage:
         its layers.  Last stage: returns the mean next-token loss over the microbatch's
-        tokens (a scalar, the same on every TP rank); the others return ``[s, b, h]``.
+        tokens (a scalar, the same on every TP rank); the others return ``[s, b, h]``
+        (``[s/T, b, h]`` under sequence parallelism, as ``hidden`` is then).
         Each MoE layer's balance losses are attached to the activations (their gradient
         is ``aux_loss_scale``) and summed into ``aux_loss_sums`` for the log.  While
         training, the layers run in the groups of

@@ -104,7 +104,10 @@ class GPTEmbedding(torch.nn.Module):
                      else position_ids)
         x = self.word_embeddings(ids) + self.position_embeddings(positions).unsqueeze(1)
         if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # my [s/T, b, h]
+            # my [s/T, b, h]: a slice, cloned so that the whole [s, b, h] it views is not
+            # kept alive by the next layer's saved input (Megatron-Core's default,
+            # clone_scatter_output_in_embedding=True)
+            x = scatter_to_sequence_parallel_region(x, self.tp_group).clone()
         return x
 
 

@@ -778,13 +778,26 @@ class MoELayer(torch.nn.Module):
     losses weigh each token's affinities as a distribution: softmax probabilities as they
     are, sigmoid affinities divided by their sum (:func:`moe_balance.normalize_per_token`).
 
-    With TP > 1, ``sequence_parallel=True`` is required (Megatron-Core's
-    ``MoELayer.forward``, ``megatron/core/transformer/moe/moe_layer.py`` at d98e8a64,
+    With TP > 1, ``sequence_parallel=True`` is required, so that each TP rank routes its
+    own ``s/TP`` tokens and no routed-expert work is duplicated.  Megatron-Core's
+    ``MoELayer.forward`` (``megatron/core/transformer/moe/moe_layer.py`` at d98e8a64)
     raises a ``ValueError`` while training with TP > 1 and no sequence parallelism, its
-    message speaking of performance; this layer refuses it when built):
-    every TP rank holds the whole ``[s, b, h]``; the layer scatters the sequence so each
-    TP rank routes ``s/TP`` of it (no routed-expert work is duplicated) and gathers the
-    result.  The router then sees different tokens on each TP rank: its gradient is a
+    message speaking of performance; this layer refuses it when built.  Where the tokens
+    come from is ``input_is_sequence_parallel``:
+
+    * ``True`` (Megatron's case: the model runs sequence parallelism throughout, as
+      :class:`~tutorial_lib.deepseek.DeepSeekModel` does with ``sequence_parallel``): the
+      input is this TP rank's ``[s/TP, b, h]`` (the attention's row-parallel layer ended in
+      a reduce-scatter) and so is the output (the next column-parallel layer gathers it);
+      the layer itself issues no sequence collective.
+    * ``False`` (the default; a model that keeps the whole sequence between layers): every
+      TP rank holds the whole ``[s, b, h]`` (after the attention's all-reduce); the layer
+      scatters the sequence (a slice), routes its ``s/TP`` tokens and all-gathers the
+      result, so the MoE layer costs an all-reduce plus an all-gather where Megatron's
+      costs a reduce-scatter plus an all-gather (the same bytes on the wire; between the
+      layers every TP rank holds all ``s`` tokens instead of ``s/TP``).
+
+    The router sees different tokens on each TP rank: its gradient is a
     partial sum, so it is flagged ``sequence_parallel=True`` for
     :func:`allreduce_sequence_parallel_grads` (like the LayerNorms of a TP block).  The
     shared experts are split over TP (:class:`SharedExperts`, Megatron's
@@ -837,7 +850,8 @@ class MoELayer(torch.nn.Module):
                  combine_precision: tuple[str, str] | None = None,
                  device_limit_rule: str | None = None, deduplicate: bool = False,
                  ranks_per_node: int | None = None, cp_group: str | None = None,
-                 device=None, etp_group: str | None = "expert_tp"):
+                 device=None, etp_group: str | None = "expert_tp",
+                 input_is_sequence_parallel: bool = False):
         super().__init__()
         self.cp_group = cp_group  # context parallelism: my CP rank's tokens of each sequence
         ep_size, tp_size = parallel_state.group_size(ep_group), parallel_state.group_size(tp_group)
@@ -849,9 +863,16 @@ class MoELayer(torch.nn.Module):
                 f"sequence_parallel=True, else every TP rank would route and compute the same "
                 f"tokens (Megatron-Core's MoELayer refuses to train so too); pass "
                 f"sequence_parallel=True")
+        if input_is_sequence_parallel and not sequence_parallel:
+            raise ConfigError(
+                "malformed", "input_is_sequence_parallel=True says the input is already split "
+                "over TP, which needs sequence_parallel=True (each TP rank routes its own "
+                "tokens); pass both, or input_is_sequence_parallel=False")
         self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
         self.ep_group, self.tp_group = ep_group, tp_group
         self.sequence_parallel = sequence_parallel
+        # the model splits the sequence over TP (Megatron's): no scatter or gather here
+        self.input_is_sequence_parallel = input_is_sequence_parallel
         self.capacity_factor, self.balance = capacity_factor, balance
         # D: the groups limited routing and the device losses count (the EP size by default)
         self.num_devices = ep_size if num_devices is None else num_devices
@@ -879,7 +900,8 @@ class MoELayer(torch.nn.Module):
         self.router.weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor):
-        """``[s, b, h]`` -> ``([s, b, h], info)``.
+        """``[s, b, h]`` -> ``([s, b, h], info)`` (``input_is_sequence_parallel``: this TP
+        rank's ``[s/TP, b, h]`` -> ``[s/TP, b, h]``).
 
         ``info``: ``aux_losses`` (dict of scalars), ``tokens_per_expert`` (``[N]``, copies this
         rank routed), ``tokens_sent_per_rank`` (copies for each EP rank's experts),
@@ -890,7 +912,8 @@ class MoELayer(torch.nn.Module):
         ``topk_idx``, ``gates``.
         """
         x = hidden_states
-        if self.sequence_parallel:
+        scatter = self.sequence_parallel and not self.input_is_sequence_parallel
+        if scatter:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)  # my s/TP tokens
         s_local, batch, h = x.shape
         tokens = x.reshape(-1, h)
@@ -917,7 +940,7 @@ class MoELayer(torch.nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)  # TP-split: my tokens' sums come back
         y = y.view(s_local, batch, h)
-        if self.sequence_parallel:
+        if scatter:
             # Downstream of the MoE every TP rank computes the same thing, so dY is already
             # whole on each rank: the backward only keeps my slice (no reduce-scatter).
             y = gather_from_sequence_parallel_region(y, self.tp_group,

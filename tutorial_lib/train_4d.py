@@ -15,7 +15,8 @@ it directly.  One step on every rank::
         K/V exchanges over CP in each attention (--cp-comm-type)
     gradients: dense over DP (x CP), experts over expert-DP (divided by DP x CP)
                                                                       DataParallel.finish_grad_sync
-    router / shared-expert gradients summed over TP (MoE splits the sequence over TP)
+    router (and, with --sequence-parallel, LayerNorm) gradients summed over TP: each TP rank
+        routes (normalises) its own s/TP tokens                      allreduce_sequence_parallel_grads
     TP and EP together: each TP rank's own tokens cross the expert grid's EP all-to-all,
         every routed expert whole on its EP rank (ETP = 1: config rule 5)
     clip by the global norm (reduced over TP, PP, EP)                data_parallel.clip_grad_norm_
@@ -53,6 +54,16 @@ sum by C, so their gradient is scaled by ``C / M`` instead of ``1 / M``, as Mega
 ``forward_step_calc_loss`` sets ``MoEAuxLossAutoScaler``'s scale.  Routed experts see each
 CP rank's tokens through the EP all-to-all, and the expert grid folds CP into expert-DP as
 Megatron's does (:func:`tutorial_lib.grid.megatron_grids`).
+
+**Sequence parallelism** (``sequence_parallel``, Megatron's ``--sequence-parallel``; TP > 1):
+every layer works on this TP rank's ``s / TP`` tokens (:class:`~tutorial_lib.deepseek.DeepSeekModel`),
+so the activations between stages are ``[s / (C TP), b, h]`` (:func:`pipeline_tensor_shape`)
+and the LayerNorm gradients join the router's in the sum over TP.  In fp32 the losses are
+the same as without it.  Under a precision recipe the column-parallel layers' two backward
+matmuls run unrounded (:class:`~tutorial_lib.tensor_parallel.LinearWithSequenceParallelAllGather`
+rounds only its forward), so from the second step the losses differ from the run without
+sequence parallelism by about as much as layouts do (measured at TP 2, 2 layers, 3 steps:
+2.6e-5 with bf16, 3.1e-4 with deepseek_v3).
 
 **Precision.**  ``precision_recipe`` (``fp32``, ``bf16``, ``deepseek_v3`` or a recipe file)
 is applied to every model chunk by :func:`tutorial_lib.precision.apply_recipe`: simulated
@@ -119,7 +130,8 @@ from .trace import get_tracer
 __all__ = ["CONFIG_FIELDS", "RUN_DEFAULTS", "TrainingArgs", "validate_args", "args_from_dict",
            "load_config_file", "check_memory", "describe_run", "LOG_KEYS", "build_chunks",
            "train_worker", "train", "format_progress", "format_saved",
-           "write_progress", "read_progress", "moe_aux_loss_scale", "StopRequest",
+           "write_progress", "read_progress", "moe_aux_loss_scale", "pipeline_tensor_shape",
+           "StopRequest",
            "DIE_AFTER_ENV"]
 
 # TrainingArgs, validate_args and the config file live in tutorial_lib.arguments, without
@@ -163,6 +175,19 @@ def _microbatches(args: TrainingArgs, step: int, first_stage: bool, device) -> l
         mine = tuple(split_for_cp_rank(t, 1, cp, cp_rank) for t in mine[:2]) + mine[2:]
     return [Microbatch(ids if first_stage else None, targets if first_stage else None, sample_ids, step)
             for ids, targets, sample_ids in split_microbatches(mine, args.num_microbatches)]
+
+
+def pipeline_tensor_shape(args: TrainingArgs, rows: int) -> tuple[int, int, int]:
+    """``[s, b, h]`` of the activation that crosses a stage boundary: this CP rank's
+    ``s / CP`` tokens of ``rows`` sequences, split over TP under sequence parallelism
+    (Megatron-Core's ``get_tensor_shapes`` and ``forward_backward_pipelining_with_interleaving``,
+    ``megatron/core/pipeline_parallel/schedules.py`` at d98e8a64: ``seq_length // cp``,
+    then ``// tp`` when ``config.sequence_parallel``).  The labels the first stage sends the
+    last keep ``s / CP`` tokens a row whatever the TP size."""
+    tokens = args.seq_length // args.context_parallel_size
+    if args.sequence_parallel:
+        tokens //= args.tensor_model_parallel_size
+    return tokens, rows, args.hidden_size
 
 
 def moe_aux_loss_scale(num_microbatches: int, context_parallel_size: int = 1) -> float:
@@ -292,7 +317,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None)
         first_step = load_checkpoint(args.load, chunks, optimizer, args, args.ckpt_step)
     m, dp = args.num_microbatches, parallel_state.get_size("dp")
     rows = args.global_batch_size // dp // m
-    shape = (args.seq_length // cp, rows, args.hidden_size)
+    shape = pipeline_tensor_shape(args, rows)
     records = []
     pending = None  # an asynchronous save still being written
 
@@ -313,7 +338,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None)
                 first_stage = any(chunk.pre_process for chunk in chunks)  # DualPipe: 2 ends
                 out = forward_backward_pipelining(
                     chunks, _microbatches(args, step, first_stage, device), args.schedule,
-                    args.p2p_mode, shape, device=device)
+                    args.p2p_mode, shape, device=device, label_length=args.seq_length // cp)
             if args.schedule == "dualpipe":  # the two copies' gradients and loads, summed
                 sum_model_copy_gradients(chunks)
             grad_norm = finish_step(model, optimizer, args.clip_grad if args.clip_grad > 0 else None)

@@ -29,6 +29,9 @@ its z-loss divides the coefficient by the TP x CP size (``TopKRouter.apply_z_los
 Losses computed on each rank's s/TP tokens alone gave several times the serial router
 gradient (chapter 5 measures 2.4 at TP 2 and 8.5 at TP 4 for the expert loss) and exactly
 TP times for the z-loss; this test then failed on the input and router gradients.
+At every TP > 1 the layer is also fed the TP rank's s/TP tokens directly
+(``input_is_sequence_parallel``, a model with sequence parallelism throughout): the same
+slices, and no sequence collective but the shared experts'.
 
 Tolerances: outputs, gradients and aux losses against the serial layer in fp32 with
 ``atol = rtol = 1e-5`` (only summation order differs); routing decisions, the dispatch
@@ -160,6 +163,30 @@ def _compare_with_serial(ctx, case, tp, data, d):
             "sent": info["tokens_sent_per_rank"], "received": info["tokens_received_per_rank"]}
 
 
+def _split_input(ctx, tp, data, d):
+    """A model with sequence parallelism throughout hands the layer this TP rank's ``s/TP``
+    tokens (``input_is_sequence_parallel``; Megatron-Core d98e8a64's ``MoELayer.forward``
+    takes the sharded hidden states as they come): its output, input gradient and router
+    gradient are the slices of the layer that splits the sequence itself, fed the whole
+    sequence; the collectives it issues are checked in the test process."""
+    x_mine, dy_mine = data[d]
+    rank = parallel_state.group_rank("tp")
+    mine = slice(rank * S // tp, (rank + 1) * S // tp)
+    got = {}
+    for split in (False, True):
+        layer = moe.MoELayer(H, N, K, FFN, **CASES["softmax"], sequence_parallel=True, seed=7,
+                             input_is_sequence_parallel=split)
+        x = (x_mine[mine] if split else x_mine).clone().requires_grad_()
+        with ctx.tracer.tags(case=f"input split {split}"):
+            y, _ = layer(x)
+            (y * (dy_mine[mine] if split else dy_mine)).sum().backward()
+        got[split] = (y.detach(), x.grad, layer.router.weight.grad)
+    (y, dx, router), (y_split, dx_split, router_split) = got[False], got[True]
+    _close(y_split, y[mine], f"rank {ctx.rank}: split input's output")
+    _close(dx_split, dx[mine], f"rank {ctx.rank}: split input's gradient")
+    _close(router_split, router, f"rank {ctx.rank}: split input's router gradient")
+
+
 def _powers_of_two(ctx, tp):
     """Fill every gradient with 2**rank: the synced sums name the groups that were summed."""
     layer, _ = _layer_and_serial("softmax", tp)
@@ -226,6 +253,7 @@ def _moe_world(ctx, configs):
             res["powers_of_two"] = _powers_of_two(ctx, tp)
             res["round_trip_tokens"] = _round_trip(ctx, ep)
             if tp > 1:  # without sequence parallelism every TP rank would route the same tokens
+                _split_input(ctx, tp, data, d)
                 try:
                     moe.MoELayer(H, N, K, FFN, sequence_parallel=False)
                     res["refused_without_sp"] = ""
@@ -280,6 +308,16 @@ def _check_powers_of_two(res, name, tp):
         assert r[name]["powers_of_two"] == {"router": router, "expert": expert}, (name, rank)
 
 
+#: A layer fed the TP rank's s/TP tokens issues its shared experts' two collectives and
+#: their backwards over TP, nothing else: no scatter's all-gather, no gather of the output.
+SHARED_EXPERTS_ONLY = {
+    ("all_gather", "forward", "gather_from_sequence_parallel_region"): 1,
+    ("reduce_scatter", "forward", "reduce_scatter_to_sequence_parallel_region"): 1,
+    ("all_gather", "backward", "reduce_scatter_to_sequence_parallel_region"): 1,
+    ("reduce_scatter", "backward", "gather_from_sequence_parallel_region"): 1,
+}
+
+
 def _check_sequence_parallel_trace(trace, name, world):
     """The layer's own scatter / gather of the sequence, and the shared experts' two
     collectives as Megatron-Core's ``SharedExpertMLP`` issues them under sequence
@@ -303,6 +341,10 @@ def _check_sequence_parallel_trace(trace, name, world):
             }), (name, rank, sp)
             assert all(e.group_kind == "tp" for e in events
                        if e.op in ("all_gather", "reduce_scatter")), (name, rank)
+        split = Counter((e.op, e.tags["phase"], e.tags["op_name"])
+                        for e in trace.filter(rank=rank, config=name, case="input split True")
+                        if e.group_kind == "tp")
+        assert split == Counter(SHARED_EXPERTS_ONLY), (name, rank, split)
 
 
 @pytest.fixture(scope="module")

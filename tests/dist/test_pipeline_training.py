@@ -19,7 +19,9 @@ validator: see :func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mo
 equal the world-size-1 run's: ``atol = 1e-5`` on losses of about 4.2.  What differs
 between layouts is only the order of fp32 sums (all-reduces, microbatch accumulation),
 measured at most ~3e-7.  The same holds with dropout (layouts without TP and EP: rule 7),
-because each row's masks are drawn from its index in the global batch.
+because each row's masks are drawn from its index in the global batch.  Sequence
+parallelism through the whole model (``SP_RUNS``) runs inside the TP x EP sweep's
+launches, with PP 3, and with CP 2 and PP 2.
 """
 import itertools
 import json
@@ -86,7 +88,7 @@ def world_one_losses(args: TrainingArgs) -> list[float]:
     """The world-size-1 run of the same model and batch (cached per model and batch)."""
     key = replace(args, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   expert_model_parallel_size=1, expert_tensor_parallel_size=None,
-                  context_parallel_size=1, cp_comm_type="p2p",
+                  context_parallel_size=1, cp_comm_type="p2p", sequence_parallel=False,
                   schedule="1f1b", p2p_mode="batched")
     if astuple(key) not in _REFERENCES:
         results = train(key).results
@@ -284,16 +286,32 @@ TP_EP_SCHEDULES = [("gpipe", "batched"), ("interleaved", "overlapped"), ("zb-h1"
                    ("zbv", "batched"), ("dualpipev", "batched"), ("dualpipe", "batched")]
 SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev", "dualpipe")
 TP_EP_SCHEDULE_LAYOUT = (2, 2, 2, 2, 8)
-#: Which MoE parameters the gradient check compares: router, shared experts, routed experts.
-GRAD_PARTS = ("mlp.router.", "mlp.shared_experts.", "mlp.experts.")
+#: Which parameters the gradient check compares: router, shared experts, routed experts,
+#: and the LayerNorms (whole on every rank; under sequence parallelism each TP rank's
+#: gradient is a partial sum until allreduce_sequence_parallel_grads).
+GRAD_PARTS = ("mlp.router.", "mlp.shared_experts.", "mlp.experts.", "layernorm.")
 
 
-def _tp_ep_args(tp, pp, ep, etp, world, schedule="1f1b", mode="batched") -> TrainingArgs:
+def _tp_ep_args(tp, pp, ep, etp, world, schedule="1f1b", mode="batched", **changes) -> TrainingArgs:
     """BASE's model cut to 4 layers (6 at PP 3) to keep the sweep cheap; no clipping, so
     that one step's gradients are the serial ones as they are."""
     return layout_args(tp, pp, ep, world, expert_tensor_parallel_size=etp, schedule=schedule,
                        p2p_mode=mode, clip_grad=0.0, num_layers=6 if pp == 3 else 4,
-                       num_microbatches=4 if schedule in SPLIT_BACKWARD else 2)
+                       num_microbatches=4 if schedule in SPLIT_BACKWARD else 2, **changes)
+
+
+#: Sequence parallelism through the whole model (Megatron's --sequence-parallel), run in
+#: the sweep's launches: TP 2 x EP 2 x PP 3 beside the same layout without it, and with
+#: CP 2 and PP 2 (TP 2 x CP 2 x PP 2 x EP 2 on 8 ranks: messages of s / (CP TP) tokens,
+#: labels of s / CP).  Name suffix -> (layout, changes).
+SP_RUNS = {"sp": ((2, 3, 2, 1, 6), dict(sequence_parallel=True)),
+           "sp-cp2": ((2, 2, 2, 1, 8), dict(sequence_parallel=True, context_parallel_size=2))}
+
+
+def _wants_gradients(args: TrainingArgs) -> bool:
+    """The gradient check's helper runs train_4d's step without CP (its aux-loss scale and
+    dp group are CP-free) and with one backward per microbatch."""
+    return args.schedule not in SPLIT_BACKWARD and args.context_parallel_size == 1
 
 
 def _tp_ep_gradients(ctx, args: TrainingArgs) -> dict:
@@ -324,11 +342,11 @@ def _tp_ep_sweep(ctx, runs):
     out = {}
     for name, args in runs.items():
         ctx.tracer.enabled = False  # only the gradient step is traced: cheaper
-        losses = [r["loss"] for r in train_worker(ctx, args)]
+        records = train_worker(ctx, args)
         ctx.tracer.enabled = True
         with ctx.tracer.tags(layout=name):
-            out[name] = {"losses": losses, "grads": None if args.schedule in SPLIT_BACKWARD
-                         else _tp_ep_gradients(ctx, args)}
+            out[name] = {"losses": [r["loss"] for r in records], "records": records, "grads": _tp_ep_gradients(ctx, args)
+                         if _wants_gradients(args) else None}
     return out
 
 
@@ -345,6 +363,8 @@ def tp_ep_sweep(world: int):
     if world == TP_EP_SCHEDULE_LAYOUT[-1]:
         runs.update({_name(*TP_EP_SCHEDULE_LAYOUT, s, m): _tp_ep_args(*TP_EP_SCHEDULE_LAYOUT, s, m)
                      for s, m in TP_EP_SCHEDULES})
+    runs.update({f"{_name(*layout)}-{suffix}": _tp_ep_args(*layout, **changes)
+                 for suffix, (layout, changes) in SP_RUNS.items() if layout[-1] == world})
     return runs, launch(_tp_ep_sweep, world, args=(runs,), timeout=300, trace=True)
 
 
@@ -385,7 +405,8 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
     stack (its EP rank's experts, and with ETP > 1 its ETP rank's channels), each shared
     expert's its TP rank's channels (Megatron-Core's ``SharedExpertMLP``, an ``MLP`` split
     over TP).  The router sees each TP rank's own tokens and is summed over TP after the DP
-    average;
+    average, and so are the LayerNorms under sequence parallelism (``finalize_model_grads``'
+    ``sequence_parallel`` branch in ``megatron/core/distributed/finalize_model_grads.py``);
     each expert's gradient is summed over expert-DP and divided by DP x CP, Megatron-Core
     0.20.0's ``expert_gradient_scaling_factor`` (d98e8a64, megatron/core/distributed/
     distributed_data_parallel.py), whatever ETP is.  The trace shows each dispatch all-to-all
@@ -394,7 +415,7 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
     ``MoEAlltoAllTokenDispatcher.dispatch_postprocess``)."""
     runs, result = tp_ep_sweep(world)
     for name, args in runs.items():
-        if args.schedule in SPLIT_BACKWARD:
+        if not _wants_gradients(args):
             continue
         serial = _serial_gradients(args)
         tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
@@ -403,7 +424,7 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
             if not mine["first_expert"]:  # a pipeline stage of dense layers only
                 continue
             parts = {part for part in GRAD_PARTS if any(part in n for n in mine["grads"])}
-            assert "mlp.experts." in parts and "mlp.router." in parts, (name, rank)
+            assert {"mlp.experts.", "mlp.router.", "layernorm."} <= parts, (name, rank)
             for param, (grad, dim) in mine["grads"].items():
                 want = serial[param]
                 if ".mlp.experts." in param:  # my EP rank's experts (and ETP rank's channels)
@@ -430,6 +451,62 @@ def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(w
             assert sent == {args.seq_length // tp * rows * args.moe_router_topk}, (name, sent)
             gathers = [e for e in events if e.op == "all_gather" and e.group_kind == "expert_tp"]
             assert len(gathers) == (len(dispatch) if etp > 1 else 0), (name, len(gathers))
+
+
+def _tp_collectives(trace, rank: int, layout: str, layer: int) -> dict:
+    """Sorted ``(op, op_name)`` of one layer's forward TP collectives in the first
+    microbatch of the traced gradient step (the aux losses' sums over TP, untagged by
+    phase, left out: the same in both runs; backward events carry no layer number)."""
+    return sorted((e.op, e.tags.get("op_name"))
+                  for e in trace.filter(rank=rank, layout=layout, comm_only=True)
+                  if e.group_kind == "tp" and e.tags.get("layer_number") == layer
+                  and e.tags.get("microbatch") == 0 and e.tags.get("phase") == "forward")
+
+
+def test_sequence_parallelism_swaps_each_moe_layers_all_reduce_for_a_reduce_scatter():
+    """With sequence parallelism through the whole model (TP 2 x EP 2 x PP 3, the sweep's
+    run beside the same layout without it) each MoE layer's forward pays a reduce-scatter
+    (the attention's row-parallel output) and an all-gather (before the column-parallel
+    qkv) where the model that keeps the whole sequence pays an all-reduce (the attention's
+    output) and an all-gather (the MoE layer's own gather of its s/TP result); the shared
+    experts' all-gather and reduce-scatter are the same in both.  Megatron-Core d98e8a64:
+    ``RowParallelLinear.forward`` reduce-scatters under ``sequence_parallel``, the MoE
+    layer takes the sharded hidden states (``MoELayer.forward``, which raises while
+    training with TP > 1 and no sequence parallelism), ``ColumnParallelLinear`` gathers
+    (``megatron/core/tensor_parallel/layers.py``).  The pipeline's messages are then
+    ``[s/TP, b, h]`` (``schedules.py``, ``get_tensor_shapes``), and the labels keep ``s``."""
+    layout, _ = SP_RUNS["sp"]
+    runs, result = tp_ep_sweep(layout[-1])
+    plain, sp = _name(*layout), f"{_name(*layout)}-sp"
+    args = runs[sp]
+    row_parallel = "reduce_from_tensor_model_parallel_region"
+    gather, scatter = "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region"
+    column = "linear_with_sequence_parallel_all_gather"
+    for rank, res in enumerate(result.results):
+        for layer in res[sp]["grads"]["first_expert"]:  # this rank's MoE layers
+            before, after = (_tp_collectives(result.trace, rank, name, layer) for name in (plain, sp))
+            shared = [("all_gather", gather), ("reduce_scatter", scatter)]
+            assert before == sorted(shared + [("all_reduce", row_parallel),
+                                                         ("all_gather", gather)]), (rank, before)
+            assert after == sorted(shared + [("reduce_scatter", scatter),
+                                                        ("all_gather", column)]), (rank, after)
+        rows = args.global_batch_size // len(res[sp]["grads"]["groups"]["dp"]) // args.num_microbatches
+        for name, tokens in ((plain, args.seq_length), (sp, args.seq_length // 2)):
+            moved = {e.bytes for e in result.trace.filter(rank=rank, layout=name, comm_only=True)
+                     if e.group_kind == "pp" and e.tags.get("p2p_op") not in ("send_labels", "recv_labels")}
+            assert moved == {tokens * rows * args.hidden_size * 4}, (name, rank, moved)
+
+
+@pytest.mark.parametrize("suffix", sorted(SP_RUNS))
+def test_sequence_parallel_runs_keep_the_memory_the_model_predicts(suffix):
+    """Every rank of the sweep's sequence-parallel runs holds the weights, gradients,
+    optimizer state and saved activations ``costs.memory_model`` predicts (the LayerNorms
+    on ``s/TP`` tokens; the embedding's scattered output cloned, as Megatron-Core's
+    ``clone_scatter_output_in_embedding`` defaults to, so no whole ``[s, b, h]`` stays alive)."""
+    layout, _ = SP_RUNS[suffix]
+    runs, result = tp_ep_sweep(layout[-1])
+    name = f"{_name(*layout)}-{suffix}"
+    assert_memory_as_predicted(runs[name], [res[name]["records"] for res in result.results])
 
 
 _SERIAL_GRADIENTS: dict = {}

@@ -44,7 +44,8 @@ def pipeline_backward(args, split_backward: bool = False):
     from tutorial_lib import parallel_state
     from tutorial_lib.data_parallel import DataParallel
     from tutorial_lib.pipeline_parallel.executor import forward_backward_pipelining
-    from tutorial_lib.train_4d import _microbatches, build_chunks, moe_aux_loss_scale
+    from tutorial_lib.train_4d import (_microbatches, build_chunks, moe_aux_loss_scale,
+                                       pipeline_tensor_shape)
     parallel, _, _ = args.configs()
     if not parallel_state.is_initialized() or parallel_state.get_state().grid.config != parallel:
         parallel_state.initialize_model_parallel(parallel)
@@ -55,10 +56,11 @@ def pipeline_backward(args, split_backward: bool = False):
     for chunk in chunks:
         chunk.reset_step_stats()
         chunk.aux_loss_scale = moe_aux_loss_scale(m)
-    shape = (args.seq_length, args.global_batch_size // dp // m, args.hidden_size)
+    shape = pipeline_tensor_shape(args, args.global_batch_size // dp // m)
     first_stage = parallel_state.get_rank_in("pp") == 0
     with model.no_sync():
         out = forward_backward_pipelining(chunks, _microbatches(args, 0, first_stage, None),
                                           args.schedule, args.p2p_mode, shape,
-                                          split_backward=split_backward)
+                                          split_backward=split_backward,
+                                          label_length=args.seq_length // args.context_parallel_size)
     return chunks, modules, model, out

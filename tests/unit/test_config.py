@@ -129,6 +129,10 @@ def test_rule6_sequence_parallel_needs_divisible_sequence():
            parallel=pc(4, tp=2), model=ModelConfig(seq_length=15, sequence_parallel=True))
     # Without sequence parallelism the same sequence is fine.
     validate(pc(4, tp=2), ModelConfig(seq_length=15, sequence_parallel=False))
+    # under CP each CP rank's tokens split over TP: 12 / 2 = 6 does not divide by 4
+    expect("rule 6", "each CP rank's 12 / 2 = 6 tokens", "tensor_model_parallel_size (4)",
+           "8 or 16", parallel=ParallelConfig(8, tensor_model_parallel_size=4, context_parallel_size=2),
+           model=ModelConfig(seq_length=12, sequence_parallel=True, num_experts=0))
 
 
 def test_rule7_dropout_with_model_parallelism():

@@ -288,3 +288,17 @@ def test_a_rank_with_no_tokens_runs_forward_and_backward():
     y.sum().backward()
     assert y.shape == (0, 2, H) and info["aux_losses"] == {} and info["num_dropped"] == 0
     assert torch.equal(layer.experts.weight_gate.grad, torch.zeros_like(layer.experts.weight_gate))
+
+
+def test_an_input_split_over_tp_needs_the_layer_to_route_its_own_tokens():
+    """``input_is_sequence_parallel`` says the hidden states arrive as this TP rank's
+    ``s/TP`` tokens (a model with sequence parallelism throughout); without
+    ``sequence_parallel`` the layer would not count its tokens as split (balance losses,
+    expert load, the router's partial gradient), so the pair is refused when built."""
+    with pytest.raises(moe.ConfigError, match="input_is_sequence_parallel=True") as error:
+        moe.MoELayer(H, N, K, 4, ep_group=None, tp_group=None, input_is_sequence_parallel=True)
+    assert "sequence_parallel=True" in str(error.value)
+    layer = moe.MoELayer(H, N, K, 4, ep_group=None, tp_group=None, sequence_parallel=True,
+                         input_is_sequence_parallel=True)
+    y, _ = layer(torch.randn(3, 2, H))  # serial: no group to split over, shapes kept
+    assert y.shape == (3, 2, H)

@@ -18,7 +18,7 @@ from tutorial_lib.arguments import args_from_dict, check_memory, describe_run, v
 from tutorial_lib.config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments,
                                  field_docs)
 from tutorial_lib.deepseek import DeepSeekModel
-from tutorial_lib.train_4d import CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs
+from tutorial_lib.train_4d import CONFIG_FIELDS, RUN_DEFAULTS, TrainingArgs, pipeline_tensor_shape
 from tests.asserts import every
 
 
@@ -33,6 +33,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 ckpt_step=None, use_distributed_optimizer=False,
                 keep_last=None, async_save=False, max_restarts=0,  # a cluster's faults: off
                 context_parallel_size=1, cp_comm_type="p2p",  # chapter 9: CP, off by default
+                sequence_parallel=False,  # Megatron's --sequence-parallel: off by default
                 expert_tensor_parallel_size=None,  # TP x EP: unset means TP, as Megatron
                 recompute_granularity=None, recompute_method=None,  # chapter 10: no recomputation
                 recompute_num_layers=None,
@@ -427,6 +428,8 @@ def test_the_banner_names_layout_schedule_p2p_mode_and_recipe():
     assert "MaxVio" in text and "seq-balance" in text  # a MoE model: the legend
     dense = describe_run(replace(args, num_experts=0))
     assert "experts" not in dense and "MaxVio" not in dense
+    assert "TP2 (sequence parallel) x PP2" in describe_run(replace(args, sequence_parallel=True))
+    assert "sequence parallel" not in text
     assert "MaxVio" not in describe_run(args, legend=False)
     interleaved = describe_run(replace(args, schedule="interleaved", world_size=4,
                                        tensor_model_parallel_size=1, save="ck",
@@ -593,3 +596,32 @@ def test_max_restarts_under_torchrun_belongs_to_torchrun(train_4d_script, monkey
         monkeypatch.setenv(name, value)
     assert train_4d_script.main(["--max-restarts", "2"]) == 2
     assert "under torchrun give it to torchrun: torchrun --max-restarts 2" in capsys.readouterr().err
+
+
+def test_sequence_parallelism_is_a_flag_off_by_default_as_megatrons():
+    """Megatron-LM d98e8a64: ``--sequence-parallel`` (``ModelParallelConfig.sequence_parallel``,
+    ``megatron/core/model_parallel_config.py``, default False); ``validate_args``
+    (``megatron/training/arguments.py``) turns it off at TP 1, and the model does the same."""
+    assert TrainingArgs().sequence_parallel is False
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TrainingArgs)  # the command line's flags, from the fields
+    parsed = parser.parse_args(["--world-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"])
+    args = TrainingArgs(**vars(parsed))
+    assert args == TrainingArgs(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    validate_args(args)
+    _, model_config, _ = replace(args, world_size=1, tensor_model_parallel_size=1).configs()
+    serial = DeepSeekModel(model_config, seed=3)  # TP 1: nothing to split
+    assert serial.sequence_parallel is False
+    assert not any(getattr(p, "sequence_parallel", False) for p in serial.parameters())
+
+
+def test_the_pipeline_messages_are_split_over_tp_under_sequence_parallelism():
+    """Megatron-Core d98e8a64 (``megatron/core/pipeline_parallel/schedules.py``,
+    ``get_tensor_shapes``): ``seq_length // cp``, then ``// tp`` with ``sequence_parallel``."""
+    args = TrainingArgs(world_size=8, tensor_model_parallel_size=2, context_parallel_size=2,
+                        seq_length=16, hidden_size=32)
+    assert pipeline_tensor_shape(args, 3) == (8, 3, 32)
+    assert pipeline_tensor_shape(replace(args, sequence_parallel=True), 3) == (4, 3, 32)
+    assert pipeline_tensor_shape(replace(args, context_parallel_size=1, sequence_parallel=True),
+                                 5) == (8, 5, 32)

@@ -103,11 +103,13 @@ class PipelineExecutor:
     def __init__(self, chunks: list, microbatches: list[Microbatch], rank: int, pp: int,
                  p2p_mode: str, tensor_shape: tuple | None, dtype: torch.dtype,
                  defer_sends: bool, device=None, split_backward: bool = False,
-                 placement: str = "loop", split=()):
+                 placement: str = "loop", split=(), label_length: int | None = None):
         self.chunks, self.microbatches = chunks, microbatches
         self.device = module_device(chunks[0]) if device is None else torch.device(device)
         self.rank, self.pp = rank, pp
         self.p2p_mode, self.tensor_shape, self.dtype = p2p_mode, tensor_shape, dtype
+        self.label_length = (label_length if label_length is not None
+                             else tensor_shape[0] if tensor_shape is not None else None)
         self.pp_ranks = parallel_state.get_group_ranks("pp") if pp > 1 else [0]
         self.placement = placement
         # the model stage with the loss (of each copy, in DualPipe's two copies)
@@ -325,7 +327,7 @@ class PipelineExecutor:
                                                    group="pp", tag=TAGS["labels"]))
             else:
                 rows = self.microbatches[action.microbatch].sample_ids.shape[0]
-                buffer = torch.empty((rows, self.tensor_shape[0]), dtype=torch.int64,
+                buffer = torch.empty((rows, self.label_length), dtype=torch.int64,
                                      device=self.device)
                 self.labels[action.microbatch] = comm.recv(buffer, peer, group="pp",
                                                            tag=TAGS["labels"])
@@ -350,7 +352,8 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 schedule: str = "1f1b", p2p_mode: str = "batched",
                                 tensor_shape: tuple | None = None,
                                 dtype: torch.dtype = torch.float32, device=None,
-                                split_backward: bool = False) -> StepOutput:
+                                split_backward: bool = False,
+                                label_length: int | None = None) -> StepOutput:
     """Run one step's forwards and backwards on this pipeline rank; every rank calls it.
 
     ``chunks``: this rank's model chunks (a ``DeepSeekModel`` of one model stage each):
@@ -358,7 +361,10 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
     ``c * PP + rank``.
     ``microbatches``: the ``M`` microbatches in order (``input_ids`` and ``labels`` on
     the first model stage, ``None`` elsewhere; ``sample_ids`` and ``step`` everywhere).
-    ``tensor_shape``: the activation ``[s, b, h]`` that crosses model stage boundaries.
+    ``tensor_shape``: the activation ``[s, b, h]`` that crosses model stage boundaries
+    (``[s/T, b, h]`` under sequence parallelism).  ``label_length``: the tokens of each
+    label row the first stage sends the last (``None``: ``tensor_shape[0]``, right
+    without sequence parallelism).
     ``device``: where received activations, gradients and labels land (``None``: the first
     chunk's device).  Gradients accumulate in the parameters (each loss is divided by ``M``).
     ``split_backward``: run every ``backward`` as B then W (:func:`backward_input`,
@@ -384,7 +390,7 @@ def forward_backward_pipelining(chunks: list, microbatches: list[Microbatch],
                                 dtype, defer_sends=schedule not in ("gpipe", "1f1b"),
                                 device=device, split_backward=split_backward,
                                 placement=actions[0].placement if actions else "loop",
-                                split=split_backwards(actions))
+                                split=split_backwards(actions), label_length=label_length)
     index = 0
     while index < len(steps):
         step, index = steps[index], index + 1
