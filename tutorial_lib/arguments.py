@@ -25,8 +25,9 @@ import os
 from dataclasses import dataclass, field, fields
 
 from . import checkpointing
-from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_field_types,
-                     check_number, check_pipeline_layers, config_fields, validate)
+from .config import (SHARDING_STRATEGIES, ZERO_STAGE, ConfigError, ModelConfig, ParallelConfig,
+                     TrainConfig, check_field_types, check_number, check_pipeline_layers,
+                     config_fields, validate)
 from .costs.memory_model import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
 from .pipeline_parallel.actions import (ALL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
@@ -126,6 +127,12 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard Adam's state over the data-parallel ranks of each gradient domain (dense
     weights over ``dp``, routed experts over ``expert_dp``); the same losses as plain Adam."""
+    data_parallel_sharding_strategy: str | None = field(
+        default=None, metadata={"choices": SHARDING_STRATEGIES})
+    """What data parallelism shards, by Megatron-FSDP's names: ``no_shard`` (plain data
+    parallelism) or ``optim`` (ZeRO-1, the same as ``use_distributed_optimizer``).
+    ``optim_grads`` (ZeRO-2) and ``optim_grads_params`` (ZeRO-3 / FSDP) run in chapter 12
+    (``tutorial_lib.fully_sharded_data_parallel``), not in this run yet: refused."""
     recompute_granularity: str | None = field(default=None,
                                               metadata={"choices": RECOMPUTE_GRANULARITIES})
     """Activation recomputation (Megatron's flag): ``full`` recomputes whole layers (with
@@ -147,6 +154,12 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
         def build(cls):
             return cls(**{name: getattr(self, name) for name in CONFIG_FIELDS[cls]})
         return build(ParallelConfig), build(ModelConfig), build(TrainConfig)
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """ZeRO-1, asked for by either flag (``validate_args`` refuses the two disagreeing)."""
+        return (self.use_distributed_optimizer
+                or self.data_parallel_sharding_strategy == "optim")
 
     @property
     def recompute(self) -> Recompute:
@@ -222,9 +235,36 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
                           f"autograd passes, and every pass that reaches a checkpointed region "
                           f"recomputes it again, its collectives out of step between the ranks; "
                           f"use --schedule 1f1b, interleaved or gpipe, or no recomputation")
+    _check_sharding_strategy(args)
     resolve_precision_recipe(args.precision_recipe)
     _validate_checkpoint_args(args)
     check_memory(args, local_ranks=local_ranks)
+
+
+RUN_SHARDING_STRATEGIES = ("no_shard", "optim")
+"""The sharding strategies a 4D run takes; chapter 12 runs all four on data parallelism."""
+
+
+def _check_sharding_strategy(args: TrainingArgs) -> None:
+    """``--data-parallel-sharding-strategy``: one this run takes, agreeing with
+    ``--use-distributed-optimizer`` (the ``optim`` strategy by its older name)."""
+    strategy = args.data_parallel_sharding_strategy
+    if strategy is None:
+        return
+    if strategy not in RUN_SHARDING_STRATEGIES:
+        raise ConfigError(
+            "sharding strategy",
+            f"train_4d runs --data-parallel-sharding-strategy no_shard or optim (ZeRO-1), got "
+            f"{strategy} (ZeRO-{ZERO_STAGE[strategy]}): the pipeline executor calls each "
+            f"stage's forward itself, so the per-layer all-gathers and reduce-scatters that "
+            f"ZeRO-2 and ZeRO-3 hang on the modules' hooks would not run in step; use "
+            f"--data-parallel-sharding-strategy optim here, or run {strategy} on data "
+            f"parallelism with tutorial_lib.fully_sharded_data_parallel (chapter 12)")
+    if args.use_distributed_optimizer and strategy != "optim":
+        raise ConfigError(
+            "sharding strategy",
+            f"--use-distributed-optimizer is the optim strategy, but "
+            f"--data-parallel-sharding-strategy is {strategy}; give one of the two")
 
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:
@@ -373,7 +413,7 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
               "auto": "auto (cuda when every rank here has its own GPU, else cpu)"}[args.device]
     rows = [("layout", layout), ("schedule", schedule), ("P2P mode", args.p2p_mode),
             ("recipe", args.precision_recipe), ("device", device), ("iterations", iterations)]
-    if args.use_distributed_optimizer:
+    if args.distributed_optimizer:
         rows.append(("optimizer", "Adam, ZeRO-1 (use_distributed_optimizer)"))
     if args.recompute_granularity:
         how = ", ".join(f"{name} {value}" for name, value in
@@ -408,7 +448,7 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     # DualPipe's two copies included)
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
-                                 use_distributed_optimizer=args.use_distributed_optimizer,
+                                 use_distributed_optimizer=args.distributed_optimizer,
                                  recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None

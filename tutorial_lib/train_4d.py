@@ -304,7 +304,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None)
     modules = torch.nn.ModuleList(chunks)
     cp = parallel_state.get_size("cp")
     dense_group = "dp_cp" if cp > 1 else "dp"  # the dense weights' replicas: DP, times CP
-    zero1 = args.use_distributed_optimizer  # ZeRO-1 replaces DataParallel's all-reduce
+    zero1 = args.distributed_optimizer  # ZeRO-1 replaces DataParallel's all-reduce
     sync = not zero1 and (parallel_state.get_size(dense_group) > 1
                           or parallel_state.get_size("expert_dp") > 1)
     model = DataParallel(modules, group=dense_group) if sync else modules

@@ -31,6 +31,7 @@ DEFAULTS = dict(world_size=1, tensor_model_parallel_size=1, pipeline_model_paral
                 steps=5, seed=1234, lr=3e-3, clip_grad=1.0, schedule="1f1b", p2p_mode="batched",
                 precision_recipe="fp32", timeout=600.0, save=None, save_interval=None, load=None,
                 ckpt_step=None, use_distributed_optimizer=False,
+                data_parallel_sharding_strategy=None,  # Megatron-FSDP's flag: not set
                 keep_last=None, async_save=False, max_restarts=0,  # a cluster's faults: off
                 context_parallel_size=1, cp_comm_type="p2p",  # chapter 9: CP, off by default
                 sequence_parallel=False,  # Megatron's --sequence-parallel: off by default
@@ -219,6 +220,14 @@ BAD_RUN_VALUES = [  # (changes, rule, fragments of the message: the rule, the va
     (dict(steps=2.0), "malformed", ["steps must be a whole number, got 2.0", "write 2 instead of 2.0"]),
     (dict(world_size=2, tensor_model_parallel_size=2, seq_length=15), "rule 6", ["seq_length (15)"]),
     (dict(hidden_size=2**16, num_layers=64), "memory", ["pipeline rank 0 (1 rank, each", "Fix:"]),
+    (dict(data_parallel_sharding_strategy="optim_grads"), "sharding strategy",
+     ["got optim_grads (ZeRO-2)", "--data-parallel-sharding-strategy optim here",
+      "tutorial_lib.fully_sharded_data_parallel (chapter 12)"]),
+    (dict(data_parallel_sharding_strategy="optim_grads_params"), "sharding strategy",
+     ["got optim_grads_params (ZeRO-3)", "chapter 12"]),
+    (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True),
+     "sharding strategy", ["--data-parallel-sharding-strategy is no_shard",
+                           "give one of the two"]),
 ]
 
 
@@ -401,7 +410,8 @@ def test_help_lists_the_choices_of_every_fixed_set(train_4d_script, monkeypatch)
     with_choices = [f for f in fields(TrainingArgs) if "choices" in f.metadata]
     assert {f.name for f in with_choices} == {"schedule", "p2p_mode", "cp_comm_type",
                                               "device",  # --device
-                                              "recompute_granularity", "recompute_method"}  # 19
+                                              "recompute_granularity", "recompute_method",
+                                              "data_parallel_sharding_strategy"}
     for f in with_choices:
         flag = "--" + f.name.replace("_", "-")
         assert f"{flag} {{{','.join(f.metadata['choices'])}}}" in text, flag
@@ -625,3 +635,24 @@ def test_the_pipeline_messages_are_split_over_tp_under_sequence_parallelism():
     assert pipeline_tensor_shape(replace(args, sequence_parallel=True), 3) == (4, 3, 32)
     assert pipeline_tensor_shape(replace(args, context_parallel_size=1, sequence_parallel=True),
                                  5) == (8, 5, 32)
+
+
+def test_the_sharding_strategy_flag_takes_megatron_fsdps_names(train_4d_script, capsys):
+    """``--data-parallel-sharding-strategy``, Megatron-FSDP's flag (Megatron-LM 82a1d0eb,
+    megatron/core/distributed/fsdp/src/megatron_fsdp/distributed_data_parallel_config.py,
+    ``data_parallel_sharding_strategy``): ``optim`` is ZeRO-1, the distributed optimizer
+    ``--use-distributed-optimizer`` turns on; ``no_shard`` plain data parallelism; an unknown
+    name is refused by the parser with the four choices."""
+    for flags, zero1 in (([], False), (["--use-distributed-optimizer"], True),
+                         (["--data-parallel-sharding-strategy", "optim"], True),
+                         (["--data-parallel-sharding-strategy", "optim",
+                           "--use-distributed-optimizer"], True),
+                         (["--data-parallel-sharding-strategy", "no_shard"], False)):
+        args, _ = train_4d_script.parse_args(["--world-size", "2", *flags])
+        validate_args(args)
+        assert args.distributed_optimizer is zero1, flags
+        assert ("ZeRO-1" in describe_run(args)) is zero1, flags
+    with pytest.raises(SystemExit) as exit_:
+        train_4d_script.parse_args(["--data-parallel-sharding-strategy", "zero3"])
+    assert exit_.value.code == 2
+    assert "'no_shard', 'optim', 'optim_grads', 'optim_grads_params'" in capsys.readouterr().err
