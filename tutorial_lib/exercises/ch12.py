@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..costs.memory_model import unit_slice_numel
-from .kit import CheckResult, Checking, Mistakes, as_number
+from .kit import CheckResult, Checking, Mistakes, as_number, check_formula
 
 # --- exercise 12.1: what a rank keeps under ZeRO-2 and ZeRO-3 -----------------------------
 
@@ -81,19 +81,11 @@ def _state_mistakes(unit_numels, dp, strategy) -> dict[str, int]:
 
 def check_state_bytes(fn: Callable) -> CheckResult:
     """``fn(unit_numels, dp, strategy)``; see the module docstring."""
-    check = Checking("Exercise 12.1: what a rank keeps under ZeRO-2 and ZeRO-3", STATE_HINTS)
-    for units, dp, strategy in STATE_CASES:
-        want = reference_state_bytes(units, dp, strategy)
-        name = f"{len(units)} units, DP {dp}, {strategy}"
-        case, got = check.run(name, lambda: fn(list(units), dp, strategy), want,
-                              compare=lambda g, w: as_number(g) == w)
-        if not case.passed and not isinstance(got, BaseException) and as_number(got) is not None:
-            case.detail = f"got {as_number(got):g} bytes; the rank keeps another amount"
-
-        def explain(number, args=(units, dp, strategy)):
-            return {m for m, v in _state_mistakes(*args).items() if number == v}
-        check.judge(case, got, as_number, explain, exceptions=False)
-    return check.verdict()
+    cases = {f"{len(units)} units, DP {dp}, {strategy}": (list(units), dp, strategy)
+             for units, dp, strategy in STATE_CASES}
+    return check_formula("Exercise 12.1: what a rank keeps under ZeRO-2 and ZeRO-3",
+                         STATE_HINTS, fn, cases, reference_state_bytes, _state_mistakes,
+                         "bytes; the rank keeps another amount")
 
 
 # --- exercise 12.2: the all-gathers of a backward ------------------------------------------
