@@ -19,6 +19,8 @@ printed; :func:`assert_keeps_its_key` runs one answer through the checker and fa
 """
 from __future__ import annotations
 
+import ast
+import copy
 import dataclasses
 import html
 import itertools
@@ -143,6 +145,19 @@ class AnswerKey:
     """Fixed hints the checker gives besides its table's (3.3's DP part)."""
     marks: list = field(default_factory=list)
     """pytest marks for every run of this key (an xfail for a checker that still leaks)."""
+    deadlocking: tuple = ()
+    """Labels of answers that deadlock: checked with the launcher timeout
+    :data:`DEADLOCK_TIMEOUT`, since the verdict is a deadlock whatever the limit (the
+    checker's own limit, and its retry at four times it, would only make them slow)."""
+
+    def options(self, label: str) -> dict:
+        """The checker's keywords for the answer ``label``."""
+        return {"timeout": DEADLOCK_TIMEOUT} if label in self.deadlocking else {}
+
+
+DEADLOCK_TIMEOUT = 0.5
+"""Seconds before a deadlocking answer's launch is declared deadlocked (then once more at
+four times it): the ranks are all blocked by then, a busy machine only delays the report."""
 
 
 def fixed_hints(table: kit.Mistakes) -> set[str]:
@@ -152,9 +167,12 @@ def fixed_hints(table: kit.Mistakes) -> set[str]:
     return stages
 
 
-def assert_keeps_its_key(key: AnswerKey, label: str) -> None:
+def assert_keeps_its_key(key: AnswerKey, label: str, result=None) -> None:
+    """Run the answer ``label`` through the checker (or read ``result``, a verdict it already
+    gave) and fail if the verdict shows a failing case's answer, an ``expected <value>`` or a
+    hint that is not one of the checker's."""
     fn = key.answers[label]
-    result = key.checker(fn)
+    result = key.checker(fn, **key.options(label)) if result is None else result
     shown = output_of(result)
     assert not result.passed, f"{key.exercise} {label}: the wrong answer passed"
     assert not EXPECTED_VALUE.search(shown), f"{key.exercise} {label}: {shown}"
@@ -262,6 +280,20 @@ def _choice_forbidden(name, detail, fn):
     if name not in COLLECTIVE_KEY:
         return set()
     return _op_spellings(COLLECTIVE_KEY[name])
+
+
+def _ring_without_wrapping(ctx, chunk):
+    """A ring all-gather that forgets the ring wraps around: rank 0 receives from rank -1
+    and the last rank sends to rank N, which the traced ops refuse (a rank raises: no named
+    mistake, the generic hint)."""
+    from tutorial_lib import comm
+    i, n = ctx.rank, ctx.world_size
+    chunks, current = {i: chunk}, chunk
+    for step in range(n - 1):
+        incoming = torch.empty_like(chunk)
+        comm.wait_all([comm.isend(current, i + 1), comm.irecv(incoming, i - 1)])
+        chunks[i - step - 1] = current = incoming
+    return torch.cat([chunks[r] for r in range(n)])
 
 
 # --- chapter 3 ------------------------------------------------------------------------------
@@ -450,6 +482,18 @@ def _exchanges_but_returns_what_it_sent(tensor, shape, dtype=torch.float32):
     return tensor
 
 
+def _buffer_with_dtype_as_a_size(tensor, shape, dtype=torch.float32):
+    """Exchanges with the next stage, but passes the dtype where torch.empty takes sizes:
+    torch raises on every stage that has a next one (no named mistake: the generic hint)."""
+    from tutorial_lib import comm, p2p
+    peer = p2p.next_rank()
+    if peer is None:
+        return None
+    buffer = torch.empty(shape, dtype)
+    comm.wait_all(comm.batch_isend_irecv([("send", tensor, peer), ("recv", buffer, peer)], group="pp"))
+    return buffer
+
+
 def _off_by_one_gradient(tensor, shape, dtype=torch.float32):
     """Exchanges with the next stage, then returns what it received plus one: a gradient
     filled with another stage's number (and zeros on the last stage)."""
@@ -557,6 +601,7 @@ KEYS = [
     AnswerKey("2.1", ch02.check_ring_all_gather, {
         "empty": lambda ctx, chunk: None,
         "own_chunk_only": lambda ctx, chunk: chunk,
+        "no_wrap": _ring_without_wrapping,
     }, _all_gather_forbidden, ch02.ALL_GATHER_MISTAKES, launches=True),
     AnswerKey("2.2", ch02.check_ring_all_reduce_bytes, {
         "empty": lambda nbytes, n: None,
@@ -573,6 +618,7 @@ KEYS = [
     AnswerKey("3.1", ch03.check_row_parallel_linear, {
         "empty": lambda x, weight, bias: None,
         "no_reduce": lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias),
+        "forgot_transpose": lambda x, weight, bias: x @ weight + bias,
     }, _row_forbidden, ch03.ROW_MISTAKES, launches=True),
     AnswerKey("3.2", ch03.check_gradient_groups, {
         "empty": lambda: {},
@@ -647,11 +693,13 @@ KEYS = [
         "returns_what_it_sent": _exchanges_but_returns_what_it_sent,
         "wrong_stage_gradient": _off_by_one_gradient,
         "empty": lambda tensor, shape, dtype=torch.float32: None,
-    }, _fix_forbidden, ch07.FIX_HINTS, launches=True),
+        "dtype_as_a_size": _buffer_with_dtype_as_a_size,
+    }, _fix_forbidden, ch07.FIX_HINTS, launches=True, deadlocking=("empty",)),
     AnswerKey("7.2", ch07.check_send_first, {
         "always": lambda stage, pp, helper: True,
         "never": lambda stage, pp, helper: False,
-    }, lambda *a: set(), ch07.ORDER_HINTS, launches=True),
+        "parity_as_a_number": lambda stage, pp, helper: stage % 2,
+    }, lambda *a: set(), ch07.ORDER_HINTS, launches=True, deadlocking=("always", "never")),
     AnswerKey("7.3", ch07.check_megatron_p2p_mode, {
         "empty": lambda *a: None,
         "constant": lambda *a: "sequential",
@@ -920,3 +968,116 @@ def keys_read_off(keys: dict[str, dict], objects) -> list[tuple[str, str]]:
             if paired >= need or inverted >= need:
                 found.append((exercise, f"a dict of {len(obj)} entries: {sorted(map(str, obj))[:4]}"))
     return found
+
+
+# --- hints stop at the text: what of a worked solution no output may show ----------------------
+
+
+def worked_solutions():
+    """(exercise number, the chapter's worked solution's source) for every exercise."""
+    import nbformat
+
+    from tutorial_lib import classroom
+    for path in classroom.chapters():
+        nb = nbformat.read(path, as_version=4)
+        for ex in classroom.chapter_exercises(nb):
+            yield ex.number, nb.cells[ex.solution_cell].source
+
+
+def compact(text: str) -> str:
+    """``text`` without spaces and backticks: how a piece is looked for."""
+    return re.sub(r"[\s`]", "", text)
+
+
+_FORMULA = (ast.BinOp, ast.IfExp, ast.Call, ast.ListComp, ast.BoolOp, ast.Compare)
+
+
+def solution_pieces(source: str) -> set[str]:
+    """What of a worked solution a hint must not show: each line of its code (14 characters
+    or more once spaces are gone; not a def, import, comment or assert) and each formula it
+    computes (the right side of a return or an assignment that is an operation or a call),
+    written without spaces; a formula also with the names it assigned before replaced by
+    their formulas (``steps = 2 * (n - 1)`` then ``steps * nbytes // n`` is also
+    ``2 * (n - 1) * nbytes // n``, as a hint could write it)."""
+    pieces = set()
+    for line in source.split("\n"):
+        line = line.split("  #")[0].strip()
+        if line and not line.startswith(("#", "def ", "assert ", "import ", "from ")) \
+                and len(compact(line)) >= 14:
+            pieces.add(compact(line))
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        value = node.value if isinstance(node, (ast.Return, ast.Assign, ast.AugAssign)) else None
+        if isinstance(value, _FORMULA) and len(compact(ast.unparse(value))) >= 9:
+            pieces.add(compact(ast.unparse(value)))
+    for function in ast.walk(tree):
+        if isinstance(function, ast.FunctionDef):
+            pieces |= {compact(ast.unparse(f)) for f in _inlined_formulas(function)
+                       if len(compact(ast.unparse(f))) >= 9}
+    return pieces
+
+
+def _inlined_formulas(function: ast.FunctionDef) -> list[ast.expr]:
+    """The formulas ``function`` assigns and returns, in the order it computes them, each
+    with the local names computed before it replaced by their own (inlined) formulas."""
+    known: dict[str, ast.expr] = {}
+
+    class Inline(ast.NodeTransformer):
+        def visit_Name(self, node):
+            if isinstance(node.ctx, ast.Load) and node.id in known:
+                return copy.deepcopy(known[node.id])
+            return node
+
+    def inline(expr):
+        return Inline().visit(copy.deepcopy(expr))
+
+    statements = sorted((n for n in ast.walk(function) if isinstance(
+        n, (ast.Assign, ast.AugAssign, ast.Return)) and n.value is not None),
+        key=lambda n: (n.lineno, n.col_offset))
+    out = []
+    for node in statements:
+        value = inline(node.value)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                known[target.id] = value
+            elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
+                    and len(target.elts) == len(value.elts):
+                for name, item in zip(target.elts, value.elts):
+                    if isinstance(name, ast.Name):
+                        known[name.id] = item
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) \
+                and node.target.id in known:
+            value = ast.BinOp(known[node.target.id], node.op, value)
+            known[node.target.id] = value
+        if isinstance(value, _FORMULA):
+            out.append(value)
+    return out
+
+
+def solution_pieces_of(exercise: str) -> set[str]:
+    """:func:`solution_pieces` of the worked solution of ``exercise`` (e.g. ``"2.2"``)."""
+    return set().union(*(solution_pieces(source) for number, source in worked_solutions()
+                         if number == exercise))
+
+
+def fail_five_times(key: AnswerKey, labels, pieces: set[str],
+                    then: Callable | None = None) -> None:
+    """Run each of ``labels`` (answers of ``key``) through the checker five times in a row
+    (a deadlocking answer with a short timeout, :meth:`AnswerKey.options`): each verdict
+    must fail, and no output may hold one of ``pieces``.  ``then(label, fifth verdict)``
+    runs after the fifth, while the hints are at their latest stage.  The staged hints
+    count from a clean slate, and are forgotten afterwards."""
+    kit.forget_attempts()
+    try:
+        for label in labels:
+            for attempt in range(5):
+                result = key.checker(key.answers[label], **key.options(label))
+                text = output_of(result)
+                assert not result.passed, (key.exercise, label, attempt)
+                shown = [p for p in pieces if p in compact(text)]
+                assert not shown, (key.exercise, label, attempt, shown, text)
+            if then is not None:
+                then(label, result)
+    finally:
+        kit.forget_attempts()

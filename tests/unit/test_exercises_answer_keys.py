@@ -10,8 +10,9 @@ import re
 
 import pytest
 
-from ..answer_keys import (assert_keeps_its_key, collective_whys, domain_whys, group_whys,
-                           key_params, why_names_the_answer)
+from ..answer_keys import (KEYS, assert_keeps_its_key, collective_whys, compact, domain_whys,
+                           fail_five_times, group_whys, key_params, solution_pieces,
+                           solution_pieces_of, why_names_the_answer, worked_solutions)
 from tests.asserts import every
 
 
@@ -107,41 +108,6 @@ def test_the_digests_are_of_the_keys_and_the_checkers_pass_the_keys():
 # --- hints stop at the text ---------------------------------------------------------------------
 
 
-def _worked_solutions():
-    """(exercise number, the chapter's worked solution's source) for every exercise."""
-    import nbformat
-
-    from tutorial_lib import classroom
-    for path in classroom.chapters():
-        nb = nbformat.read(path, as_version=4)
-        for ex in classroom.chapter_exercises(nb):
-            yield ex.number, nb.cells[ex.solution_cell].source
-
-
-def _compact(text: str) -> str:
-    return re.sub(r"[\s`]", "", text)
-
-
-def solution_pieces(source: str) -> set[str]:
-    """What of a worked solution a hint must not show: each line of its code (14 characters
-    or more once spaces are gone; not a def, import, comment or assert) and each formula it
-    computes (the right side of a return or an assignment that is an operation or a call),
-    written without spaces."""
-    import ast
-    pieces = set()
-    for line in source.split("\n"):
-        line = line.split("  #")[0].strip()
-        if line and not line.startswith(("#", "def ", "assert ", "import ", "from ")) \
-                and len(_compact(line)) >= 14:
-            pieces.add(_compact(line))
-    for node in ast.walk(ast.parse(source)):
-        value = node.value if isinstance(node, (ast.Return, ast.Assign, ast.AugAssign)) else None
-        if isinstance(value, (ast.BinOp, ast.IfExp, ast.Call, ast.ListComp, ast.BoolOp,
-                              ast.Compare)) and len(_compact(ast.unparse(value))) >= 9:
-            pieces.add(_compact(ast.unparse(value)))
-    return pieces
-
-
 def _hint_texts(module) -> list[tuple[str, str]]:
     """Every hint text a chapter's checkers can give: each stage of each ``Mistakes`` table
     and of each ``HINT_*`` constant, and every text of a table of reasons (a dict of texts)."""
@@ -166,13 +132,13 @@ def test_no_hint_shows_the_worked_solutions_code_or_formula():
     chapter's worked solutions."""
     import importlib
     by_chapter: dict[str, set[str]] = {}
-    for number, source in _worked_solutions():
+    for number, source in worked_solutions():
         by_chapter.setdefault(number.split(".")[0], set()).update(solution_pieces(source))
     shown = []
     for chapter, pieces in by_chapter.items():
         module = importlib.import_module(f"tutorial_lib.exercises.ch{int(chapter):02d}")
         for name, text in _hint_texts(module):
-            shown += [(name, piece) for piece in pieces if piece in _compact(text)]
+            shown += [(name, piece) for piece in pieces if piece in compact(text)]
     assert not shown, shown[:10]
 
 
@@ -180,32 +146,64 @@ def test_the_search_for_solution_pieces_finds_a_leak():
     pieces = solution_pieces("def f_solution(n, b):\n    sent = 2 * (n - 1) * b\n"
                              "    return sent // n\n")
     assert "2*(n-1)*b" in pieces
-    assert any(p in _compact("a rank sends 2 * (n - 1) * b bytes") for p in pieces)
+    assert any(p in compact("a rank sends 2 * (n - 1) * b bytes") for p in pieces)
+    # a formula built from names assigned before is found written out in one piece
+    # (2.2's hint once printed `2 * (n - 1) * nbytes // n`, the solution's steps * nbytes // n)
+    assert "2*(n-1)*b//n" in pieces
+    assert "2*(n-1)*nbytes//n" in solution_pieces(
+        "def g(nbytes, n):\n    steps = 2 * (n - 1)\n    return steps * nbytes // n\n")
 
 
-@pytest.mark.parametrize("key", [k for k in __import__("tests.answer_keys", fromlist=["KEYS"]).KEYS
-                                 if not k.launches], ids=lambda k: k.exercise)
+def test_every_section_a_hint_sends_back_to_is_a_heading_of_its_chapter():
+    """A last stage names the section to re-read: each ``re-read 'X'`` of a chapter's hints
+    is a heading of that chapter (or of a chapter the hint names: "chapter 2")."""
+    import importlib
+
+    import nbformat
+
+    from tutorial_lib.chapters import notebook_paths
+
+    headings = {}
+    for path in notebook_paths():
+        chapter = int(path.name.split("_")[0])
+        nb = nbformat.read(path, as_version=4)
+        headings[chapter] = {line.lstrip("#").strip() for cell in nb.cells
+                             if cell.cell_type == "markdown"
+                             for line in cell.source.split("\n") if line.startswith("#")}
+    wrong = []
+    for chapter in headings:
+        module = importlib.import_module(f"tutorial_lib.exercises.ch{chapter:02d}")
+        for name, text in _hint_texts(module):
+            named = {chapter} | {int(n) for n in re.findall(r"chapter (\d+)", text)}
+            titles = set().union(*(headings.get(c, set()) for c in named))
+            for start in (m.end() for m in re.finditer(r"[Rr]e-read '", text)):
+                rest = text[start:]
+                while True:  # 'A' and 'B': every quoted title, apostrophes and all
+                    title = max((t for t in titles if rest.startswith(t + "'")), key=len,
+                                default=None)
+                    if title is None:
+                        wrong.append((chapter, name, rest[:40]))
+                        break
+                    rest = rest[len(title) + 1:]
+                    if not rest.startswith(" and '"):
+                        break
+                    rest = rest[len(" and '"):]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if not k.launches], ids=lambda k: k.exercise)
 def test_five_failures_in_a_row_never_reach_the_solution(key):
     """Each exercise's reference cases, failed five times in a row with each wrong answer:
     the hints move through their stages, and no output shows a failing case's answer, the
-    worked solution's code or formula, or (2.3, 3.2, 4.2) the key."""
-    from tutorial_lib.exercises import kit
-
+    worked solution's code or formula, or (2.3, 3.2, 4.2) the key. (The checkers that
+    launch workers: tests/dist/test_exercises_answer_keys.py.)"""
     from ..answer_keys import CHOICE_KEYS, output_of
-    pieces = set().union(*(solution_pieces(s) for n, s in _worked_solutions()
-                           if n == key.exercise))
-    kit.forget_attempts()
-    try:
-        for label in key.answers:
-            for _ in range(5):
-                result = key.checker(key.answers[label])
-                text = output_of(result)
-                assert not result.passed, (key.exercise, label)
-                assert not [p for p in pieces if p in _compact(text)], (key.exercise, label, text)
-            if key.exercise in CHOICE_KEYS:  # the last stage of every reason, too
-                for name, answer in CHOICE_KEYS[key.exercise].items():
-                    if isinstance(answer, frozenset) and len(answer) > 1:
-                        assert repr(sorted(answer)) not in text
-            assert_keeps_its_key(key, label)  # after five failures, still no case's answer
-    finally:
-        kit.forget_attempts()
+
+    def still_keeps_its_key(label, fifth):
+        if key.exercise in CHOICE_KEYS:  # the last stage of every reason, too
+            for name, answer in CHOICE_KEYS[key.exercise].items():
+                if isinstance(answer, frozenset) and len(answer) > 1:
+                    assert repr(sorted(answer)) not in output_of(fifth)
+        assert_keeps_its_key(key, label, fifth)  # after five failures, still no case's answer
+
+    fail_five_times(key, key.answers, solution_pieces_of(key.exercise), then=still_keeps_its_key)

@@ -229,3 +229,68 @@ def test_a_result_is_plain_data_for_a_grader():
     assert result.to_dict() == {"exercise": "Exercise 9.9: f", "passed": False, "hint": "a\nb",
                                 "cases": [{"name": "n=2", "passed": False, "detail": "wrong"}]}
     assert "<b>Hint:</b> a" in result._repr_html_() and "<b>Hint:</b> b" in result._repr_html_()
+
+
+# --- a verdict that depends on a timeout is retried once ------------------------------------------
+
+
+@pytest.mark.parametrize("failure", [kit.LaunchTimeout(2.0, {0: "waiting in recv from rank 1"}),
+                                     kit.StartupTimeout(2.0, {0: "not started"})],
+                         ids=["deadlock_or_busy", "ranks_not_started"])
+def test_a_launch_that_times_out_runs_once_more_with_the_longer_limit(monkeypatch, failure):
+    """Every launch of a checker (the student's code on ranks, the checker's own measuring
+    run) goes through kit.launch_retrying: a timeout is tried again at four times the
+    limit, the second timeout is raised, and any other error is raised at once.  (The
+    launcher is replaced by a recorder here: what is tested is the retry, not the ranks;
+    tests/dist runs the checkers' real deadlocks and a right answer beside a CPU hog.)"""
+    limits = []
+
+    def times_out_then(outcome):
+        def fake_launch(worker, world_size, *, args, timeout, print_output):
+            limits.append(timeout)
+            if len(limits) == 1 or outcome is None:
+                raise failure
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return fake_launch
+
+    monkeypatch.setattr(kit, "launch", times_out_then("result"))
+    assert kit.launch_retrying(print, 2, timeout=2.0) == "result"
+    assert limits == [2.0, 2.0 * kit.RETRY_TIMEOUT_FACTOR] == [2.0, 8.0]
+
+    limits.clear()
+    monkeypatch.setattr(kit, "launch", times_out_then(None))
+    with pytest.raises(type(failure)):
+        kit.launch_retrying(print, 2, timeout=2.0)
+    assert limits == [2.0, 8.0]
+
+    limits.clear()  # an error that is no timeout: the student's, not the machine's
+    monkeypatch.setattr(kit, "launch", lambda *a, timeout, **k: limits.append(timeout) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        kit.launch_retrying(print, 2, timeout=2.0)
+    assert limits == [2.0]
+
+    limits.clear()  # no retry when the factor is 0
+    monkeypatch.setattr(kit, "RETRY_TIMEOUT_FACTOR", 0)
+    monkeypatch.setattr(kit, "launch", times_out_then("result"))
+    with pytest.raises(type(failure)):
+        kit.launch_retrying(print, 2, timeout=2.0)
+    assert limits == [2.0]
+
+
+def test_every_launch_of_the_checkers_goes_through_the_retry():
+    """No checker module calls the launcher itself: each launch retries (the measuring runs of
+    2.2, 2.4, 3.3 and 4.3 would otherwise fail a student's verdict on a busy machine)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from tutorial_lib import exercises
+    names = [m.name for m in pkgutil.iter_modules(exercises.__path__) if m.name != "kit"]
+    assert "ch02" in names and "ch04" in names
+    for name in names:
+        module = importlib.import_module(f"tutorial_lib.exercises.{name}")
+        source = inspect.getsource(module)
+        assert "launch(" not in source.replace("launch_retrying(", ""), name
+        assert not hasattr(module, "launch"), name

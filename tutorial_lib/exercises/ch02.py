@@ -22,9 +22,9 @@ import re
 from functools import lru_cache
 from typing import Callable
 
-from ..launch import LaunchTimeout, launch
+from ..launch import LaunchTimeout
 from .kit import (HINT_RUN_FAILED, Case, Checking, CheckResult, Mistakes, as_number,
-                  check_answers, deadlock_kind, is_close, recover_answer)
+                  check_answers, deadlock_kind, is_close, launch_retrying, recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -41,9 +41,10 @@ HINT_ALL_SEND_FIRST = (
     "comm.irecv, then wait for both), or alternate the order between even and odd ranks."
 )
 HINT_UNMATCHED = (
-    "deadlock: some rank waits for a message that is never sent. In a ring all-gather "
-    "every rank sends exactly N-1 chunks to rank (i+1) % N and receives exactly N-1 "
-    "chunks from rank (i-1) % N; check that the peers and the number of steps match."
+    'deadlock: some rank waits for a message that is never sent. In a ring all-gather '
+    'every rank sends to its right neighbour and receives from its left one (the ring '
+    'wraps around), as many times as it has steps; check that the peers and the '
+    'number of steps match.'
 )
 HINT_DEADLOCK_GENERIC = (
     "the launch timed out: the ranks were waiting for each other. Print what each rank "
@@ -51,15 +52,15 @@ HINT_DEADLOCK_GENERIC = (
     "peer, in the same order."
 )
 HINT_ARRIVAL_ORDER = (
-    "the right chunks, in the order they arrived: rank i ends with its own chunk first, "
-    "then the chunk of rank i-1, then i-2... The result must be in rank order: slot j "
-    "holds rank j's chunk on every rank. Keep a list of N slots and put the chunk that "
-    "arrives at step s into slot (i - s - 1) % N, then concatenate the slots."
+    'the right chunks, in the order they arrived: rank i ends with its own chunk '
+    'first, then the chunk of rank i-1, then i-2... The result must be in rank order: '
+    "slot j holds rank j's chunk on every rank. Reconsider, for the chunk that "
+    'arrives at step s, which rank it started on.'
 )
 HINT_WRONG_PLACE = (
-    "every chunk arrived, but some sit in the wrong slot. Slot j of the result must hold "
-    "rank j's chunk. At step s (counting from 0) rank i receives the chunk that started "
-    "on rank (i - s - 1) % N."
+    'every chunk arrived, but some sit in the wrong slot. Slot j of the result must '
+    "hold rank j's chunk: follow one chunk around the ring and reconsider which "
+    "rank's chunk reaches rank i at step s (counting from 0)."
 )
 HINT_DUPLICATES = (
     "some chunks appear twice and others never: at each step forward the chunk you "
@@ -93,37 +94,39 @@ HINT_ALL_GATHER_NUDGE = (
     "at step s, and in which slot of the result does it belong?"
 )
 HINT_ALL_GATHER_GENERIC = (
-    "a ring all-gather takes N-1 steps. At step s rank i sends the chunk it received at "
-    "step s-1 (its own at step 0) to rank (i+1) % N and receives a chunk from rank "
-    "(i-1) % N, which belongs in slot (i - s - 1) % N."
+    "re-read 'All-gather' and 'Ring all-reduce: a reduce-scatter, then an "
+    "all-gather': reconsider how many steps the ring takes, which chunk a rank passes "
+    "on at each step, and which rank's chunk reaches rank i at step s: that rank's "
+    "number is the chunk's slot."
 )
 
 HINT_TWO_B = (
-    "2*B is the limit for many ranks, not the exact count: the ring cuts the tensor into "
-    "N chunks of B/N bytes and each rank sends one chunk per step, in 2(N-1) steps. That "
-    "is 2(N-1)/N * B, less than 2B (exactly B for N = 2)."
+    '2*B is the limit for many ranks, not the exact count: the ring cuts the tensor '
+    'into N chunks and each rank sends one chunk per step. Reconsider the size of one '
+    'chunk and how many steps the two phases take together: the count comes out below '
+    '2B.'
 )
 HINT_N_MINUS_ONE_B = (
-    "(N-1)*B would send the whole tensor at each of N-1 steps. The ring sends one chunk, "
-    "B/N bytes, per step, and it has two phases of N-1 steps (reduce-scatter, then "
-    "all-gather): 2(N-1) steps of B/N bytes."
+    '(N-1)*B would send the whole tensor at each of N-1 steps. The ring sends one '
+    'chunk per step, and it has two phases (reduce-scatter, then all-gather): '
+    'reconsider the size of one chunk and the steps of both phases.'
 )
 HINT_ONE_PHASE = (
     "(N-1)/N * B is one phase only: that is what a reduce-scatter (or an all-gather) "
     "sends. A ring all-reduce runs both, one after the other."
 )
 HINT_WHOLE_TENSOR_PER_STEP = (
-    "2(N-1) steps is right, but each step sends one chunk of B/N bytes, not the whole "
-    "tensor of B bytes."
+    'the number of steps is right, but a step does not send the whole tensor: '
+    'reconsider what one rank sends in one step.'
 )
 HINT_SENT_AND_RECEIVED = (
     "you counted what a rank receives as well: every rank receives exactly as much as it "
     "sends. Count only the sends."
 )
 HINT_INTEGER_DIVISION = (
-    "the formula is right but `//` rounds too early: 2*(n-1)//n is 1 for every n >= 2. "
-    "Multiply first, then divide: 2 * (n - 1) * nbytes // n (exact here, since B is a "
-    "multiple of N) or use `/`."
+    'the count is right but `//` rounds too early: 2*(n-1)//n is 1 for every n >= 2. '
+    'Multiply before you divide (the division is exact here, since B is a multiple of '
+    'N), or use `/`.'
 )
 HINT_NOT_A_NUMBER = "return a number: the bytes one rank sends, e.g. 1536 or 1536.0."
 HINT_BYTES_NUDGE = (
@@ -131,9 +134,9 @@ HINT_BYTES_NUDGE = (
     "are there, and how many bytes does one rank send in one step?"
 )
 HINT_BYTES_GENERIC = (
-    "count steps times bytes per step: the tensor is cut into N chunks of B/N bytes; the "
-    "reduce-scatter takes N-1 steps and the all-gather N-1 more, and in each step every "
-    "rank sends one chunk."
+    "re-read 'Ring all-reduce: a reduce-scatter, then an all-gather': reconsider how "
+    'many phases the ring runs, how many steps each phase takes, and the size of what '
+    'one rank sends in one step.'
 )
 
 #: The mistakes of exercise 2.1, in order of preference: deadlocks first (by what the
@@ -298,7 +301,7 @@ def measured_ring_bytes(n: int) -> dict[int, int]:
     library's ring sends the same bytes every time.
     """
     lengths = [n * k for k in RING_BYTES_ELEMENTS_PER_RANK]
-    out = launch(_ring_bytes_worker, n, args=(lengths,), timeout=60, print_output=False)
+    out = launch_retrying(_ring_bytes_worker, n, args=(lengths,), timeout=60)
     sends = out.trace.filter(op="send", algorithm="ring_all_reduce")
     measured = {}
     for call, length in enumerate(lengths):
@@ -557,8 +560,7 @@ def _dispatch_worker(ctx, routes):
 def measured_dispatch(routes=DISPATCH_ROUTES) -> dict[int, list[int]]:
     """Run the dispatch of chapter 2 (counts, then the uneven all-to-all) on one gloo rank
     per row of ``routes``; ``{rank: the values that arrived, in order}``."""
-    out = launch(_dispatch_worker, len(routes), args=(routes,), timeout=60,
-                 print_output=False)
+    out = launch_retrying(_dispatch_worker, len(routes), args=(routes,), timeout=60)
     return dict(enumerate(out.results))
 
 

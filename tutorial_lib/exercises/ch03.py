@@ -28,49 +28,51 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from ..launch import LaunchTimeout, launch
+from ..launch import LaunchTimeout
 from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, check_answers,
-                  group_sets, group_text, is_close, misnamed_groups, recover_answer)
+                  group_sets, group_text, is_close, launch_retrying, misnamed_groups,
+                  recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
 HINT_ROW_BIAS_BEFORE = (
-    "the output holds the bias T times: you added it before the all-reduce, so every TP "
-    "rank's partial sum brought its own copy of b. The bias is replicated, not split: "
-    "all-reduce the partial products X_i W_i^T first, then add the bias once."
+    'the output holds the bias T times: you added it before the all-reduce, so every '
+    "TP rank's partial sum brought its own copy of b. The bias is replicated, not "
+    'split: reconsider when it joins the sum of the partial products.'
 )
 HINT_ROW_NO_REDUCE = (
-    "every rank returned only its own partial product X_i W_i^T (+ b). A row-parallel "
-    "layer's output is the SUM of those partials over the TP group: all-reduce them "
-    "(comm.all_reduce(t, group='tp')) so that every TP rank holds Y = sum_i X_i W_i^T."
+    'every rank returned only its own partial product X_i W_i^T (+ b). A row-parallel '
+    "layer's output is the SUM of those partials over the TP group: reconsider which "
+    'collective gives every TP rank that sum, and over which group.'
 )
 HINT_ROW_BACKWARD_REDUCE = (
-    "the forward is right but the gradients are T times too large: your backward "
-    "all-reduces dY as well. After the forward all-reduce every TP rank already holds "
-    "the same, complete dY, so the backward of 'all-reduce the partials' is the identity. "
-    "The all-reduce in backward belongs to the column-parallel layer (copy_to), not here."
+    'the forward is right but the gradients are T times too large: your backward '
+    'all-reduces dY as well. After the forward all-reduce every TP rank already holds '
+    'the same, complete dY: reconsider what the backward of a sum does with it. The '
+    'all-reduce in backward belongs to the column-parallel layer (copy_to), not here.'
 )
 HINT_ROW_WRONG_GROUP = (
-    "your all-reduce ran over the wrong group: with DP=2 it also added the partial sums of "
-    "the other data-parallel replica, which computed them from different samples. "
-    "Reduce over the tensor-parallel group only: group='tp'."
+    'your all-reduce ran over the wrong group: with DP=2 it also added the partial '
+    'sums of the other data-parallel replica, which computed them from different '
+    'samples. Reduce over the tensor-parallel group only.'
 )
 HINT_ROW_AVERAGED = (
     "you averaged the partial products (an all-reduce followed by a division by T): the "
     "layer's output is their sum, Y = sum_i X_i W_i^T, so do not divide."
 )
 HINT_ROW_NO_GRAD = (
-    "no gradient reached x or the weight: the output is cut off from autograd (a detach, "
-    "torch.no_grad, .data, or a tensor rebuilt from values). Wrap the all-reduce in a "
-    "torch.autograd.Function whose forward all-reduces and whose backward returns the "
-    "gradient unchanged."
+    'no gradient reached x or the weight: the output is cut off from autograd (a '
+    'detach, torch.no_grad, .data, or a tensor rebuilt from values). The all-reduce '
+    "must be a step autograd can differentiate: re-read 'Row-parallel: split the "
+    "input features' and reconsider what its backward does with dY."
 )
 HINT_ROW_UNTRACKED = (
-    "the numbers are right, but only because autograd passes the gradient straight through "
-    "an in-place all-reduce it knows nothing about, and torch warns that this fallback is "
-    "deprecated and will be removed. Make the backward explicit: a torch.autograd.Function "
-    "whose forward all-reduces a copy and whose backward returns the gradient as it is "
-    "(or the library's reduce_from_tensor_model_parallel_region)."
+    'the numbers are right, but only because autograd passes the gradient straight '
+    'through an in-place all-reduce it knows nothing about, and torch warns that this '
+    'fallback is deprecated and will be removed. Make the backward explicit, a '
+    "torch.autograd.Function of your own (or the library's "
+    'reduce_from_tensor_model_parallel_region), and reconsider which tensor the '
+    'all-reduce may change in place.'
 )
 HINT_ROW_SHAPE = (
     "return Y with shape [s, b, out]: every output feature, the same full tensor on every TP "
@@ -101,13 +103,15 @@ HINT_STEP_RAISED = (
     "on each of STEP_CASES, e.g. with sequence_parallel=True, tensor_parallel=1 or data_parallel=1."
 )
 HINT_STEP_PAYLOAD = (
-    "you counted the tensors handed to the collectives, not the bytes a rank sends. With the "
-    "ring algorithm an all-reduce of B bytes over N ranks sends 2(N-1)/N * B per rank, a "
-    "reduce-scatter or an all-gather (of a B-byte result) (N-1)/N * B."
+    'you counted the tensors handed to the collectives, not the bytes a rank sends. '
+    "With the ring algorithm a rank sends less than the tensor's size: re-read 'Ring "
+    "all-reduce: a reduce-scatter, then an all-gather' (chapter 2, exercise 2.2) for "
+    'what an all-reduce, a reduce-scatter and an all-gather each send per rank.'
 )
 HINT_STEP_ONE_PHASE = (
-    "your ring factor is (N-1)/N: that is one phase. An all-reduce is a reduce-scatter followed "
-    "by an all-gather: 2(N-1)/N * B per rank."
+    'your ring factor is (N-1)/N: that is one phase. An all-reduce is a '
+    'reduce-scatter followed by an all-gather: reconsider what the two phases send '
+    'together.'
 )
 HINT_STEP_FORWARD_ONLY = (
     "you counted the forward pass only. Each block has 2 TP all-reduces in the forward "
@@ -119,16 +123,16 @@ HINT_STEP_TP_ONCE = (
     "of every block, so multiply the per-block activation traffic by num_microbatches."
 )
 HINT_STEP_SP_SMALLER = (
-    "sequence parallelism does not shrink the TP traffic: it splits each all-reduce into a "
-    "reduce-scatter and an all-gather of the same activation, (N-1)/N * B each, which add up "
-    "to the all-reduce's 2(N-1)/N * B. It saves activation memory, not bytes on the wire (its "
-    "backward even adds one all-gather per column-parallel layer)."
+    'sequence parallelism does not shrink the TP traffic: it splits each all-reduce '
+    'into a reduce-scatter and an all-gather of the same activation, which together '
+    'send what the all-reduce sent. It saves activation memory, not bytes on the wire '
+    '(its backward even adds one all-gather per column-parallel layer).'
 )
 HINT_STEP_SP_NO_REGATHER = (
-    "with sequence parallelism the backward pass sends one more all-gather per column-parallel "
-    "layer (QKV and fc1): each keeps only its [s/T, b, h] input shard for backward and gathers "
-    "the whole input again to compute its weight gradient, (N-1)/N * B more per layer. So a "
-    "block sends 5 all-reduces' worth per microbatch, not 4."
+    'with sequence parallelism the backward pass sends one more all-gather per '
+    'column-parallel layer (QKV and fc1): each keeps only its [s/T, b, h] input shard '
+    'for backward and gathers the whole input again to compute its weight gradient. '
+    "Re-read 'What the column-parallel layers keep for backward'."
 )
 HINT_STEP_SP_NO_SYNC = (
     "with sequence parallelism there is one more TP all-reduce per step: the gradients of "
@@ -156,9 +160,9 @@ HINT_STEP_DP_REPLICATED_SPLIT = (
     "6h values per block count in full on each rank's DP all-reduce."
 )
 HINT_STEP_DP_WEIGHTS_ONLY = (
-    "count every parameter, not only the weight matrices: per block 2 LayerNorms (weight and "
-    "bias, h each), the QKV bias (3h/T), the fc1 bias (ffn/T) and the two row-parallel "
-    "biases (h each, replicated)."
+    'count every parameter, not only the weight matrices: the LayerNorms (weight and '
+    'bias) and every bias too, and reconsider which of them are split over TP and '
+    'which are whole on every TP rank.'
 )
 HINT_STEP_FFN_4H = (
     "use cfg.ffn_hidden_size: it is not always 4 * hidden_size in the cases tried."
@@ -173,16 +177,16 @@ HINT_STEP_DP_NUDGE = (
     "are whole on every TP rank?), and how often per step their gradients are all-reduced."
 )
 HINT_STEP_TP_GENERIC = (
-    "TP per rank and step: num_layers * num_microbatches * 4 collectives' worth of the activation "
-    "A = s*b*h*4 bytes, each sending 2(T-1)/T * A (an all-reduce, or with sequence parallelism a "
-    "reduce-scatter plus an all-gather). With sequence parallelism, also 2 more all-gathers per "
-    "block and microbatch in backward ((T-1)/T * A each: QKV and fc1 gather their saved input "
-    "again) and one all-reduce of the 6h*num_layers LayerNorm and bias gradients."
+    "re-read 'Every byte of one step, predicted' and 'Sequence parallelism': "
+    'reconsider how many TP collectives one block runs per microbatch (forward and '
+    'backward), what each sends per rank on a ring of T ranks, and, with sequence '
+    'parallelism, what the backward gathers again and what is summed once per step.'
 )
 HINT_STEP_DP_GENERIC = (
-    "DP per rank and step: one all-reduce (in buckets: the total is what counts) of the gradients "
-    "of every parameter this rank holds, 4 bytes each, sending 2(D-1)/D of them. Per block a rank "
-    "holds 6h + (4h^2 + 3h + 2*h*ffn + ffn)/T parameters."
+    "re-read 'Every byte of one step, predicted' and 'Data parallelism: one training "
+    "step': reconsider which parameters one rank holds (the TP shards, and what is "
+    'whole on every TP rank), the bytes of their gradients, and what one all-reduce '
+    'of them sends per rank on a ring of D ranks.'
 )
 
 #: The mistakes of exercise 3.1, in order of preference.
@@ -355,9 +359,9 @@ def check_row_parallel_linear(fn: Callable, timeout: float = 30.0) -> CheckResul
             compare=lambda out, _, T=tp_size: _row_answer_ok(out.results, refs, T))
         if check.stub:
             break
-        if isinstance(got, LaunchTimeout):
-            case.detail = (f"deadlocked after {timeout:g} s: some rank waited in a collective the "
-                           f"others never joined (does every rank of the TP group call it?)")
+        if isinstance(got, LaunchTimeout):  # "deadlocked after t s, and again after 4t s"
+            case.detail = (f"{case.detail.split(' (')[0]}: some rank waited in a collective "
+                           "the others never joined (does every rank of the TP group call it?)")
             check.shows()
             break
         if isinstance(got, BaseException):  # a rank raised, or the launcher itself failed
@@ -699,7 +703,7 @@ def measured_step_bytes(configs: tuple[StepConfig, ...]) -> tuple[dict, ...]:
     if any((c.tensor_parallel, c.data_parallel) != (cfg.tensor_parallel, cfg.data_parallel) for c in configs):
         raise ValueError("measured_step_bytes: every config of one launch needs the same TP and DP")
     world = cfg.tensor_parallel * cfg.data_parallel
-    out = launch(_step_worker, world, args=(list(configs),), timeout=120, print_output=False)
+    out = launch_retrying(_step_worker, world, args=(list(configs),), timeout=120)
     measured = []
     for index in range(len(configs)):
         trace = out.trace.filter(config=index)

@@ -30,7 +30,8 @@ from functools import lru_cache
 from typing import Callable
 
 from .kit import (Case, Checking, CheckResult, Mistakes, as_group_kinds, as_number, as_whole_numbers,
-                  check_answers, group_sets, group_text, misnamed_groups, recover_answer)
+                  check_answers, group_sets, group_text, launch_retrying, misnamed_groups,
+                  recover_answer)
 
 # --- hints (tests look for these exact strings) ---------------------------------------
 
@@ -94,21 +95,21 @@ HINT_BYTES_RAISED = (
     "nothing and on a rank with no tokens of its own (zeros in the matrix)."
 )
 HINT_BYTES_DIAGONAL = (
-    "you counted data a rank sends to itself: the rows it keeps for its own experts (the "
-    "diagonal of the matrix), or its own counts in the counts exchange. All-to-all hands "
-    "those over in local memory, no byte leaves the rank: subtract counts[rank][rank] from "
-    "every token exchange, and count the counts sent to the ep - 1 OTHER ranks only."
+    'you counted data a rank sends to itself: the rows it keeps for its own experts '
+    '(the diagonal of the matrix), or its own counts in the counts exchange. '
+    'All-to-all hands those over in local memory, no byte leaves the rank: leave them '
+    'out of every exchange, the counts exchange too.'
 )
 HINT_BYTES_FORWARD_ONLY = (
-    "you counted the forward pass only. The all-to-all is an autograd function whose "
-    "backward is the reverse all-to-all: the combine's backward sends the gradients of the "
-    "dispatched rows (the same splits as the dispatch) and the dispatch's backward sends "
-    "those of the combined rows. Forward + backward: 2x the token traffic."
+    'you counted the forward pass only. The all-to-all is an autograd function whose '
+    "backward is the reverse all-to-all: the combine's backward sends the gradients "
+    "of the dispatched rows (the same splits as the dispatch) and the dispatch's "
+    'backward sends those of the combined rows.'
 )
 HINT_BYTES_NO_COUNTS = (
-    "you left out the counts exchange: before the tokens move, the ranks swap how many "
-    "copies they send to each expert (num_experts / ep_size int64 numbers, 8 bytes each, to "
-    "each other rank)."
+    'you left out the counts exchange: before the tokens move, the ranks swap how '
+    'many copies they send to each expert, as int64 numbers. Reconsider how many '
+    'numbers go to each other rank.'
 )
 HINT_BYTES_COMBINE_ROW = (
     "you made the combine send what the dispatch sent (row `rank` of the matrix). The "
@@ -129,9 +130,10 @@ HINT_BYTES_NUDGE = (
     "hands to OTHER ranks: which entries of the matrix are they?"
 )
 HINT_BYTES_GENERIC = (
-    "one forward + backward, bytes leaving rank i: the counts exchange, (ep - 1) * N/ep * 8; "
-    "the dispatch and the combine's backward, each (sum of row i - counts[i][i]) * h * d; "
-    "the combine and the dispatch's backward, each (sum of column i - counts[i][i]) * h * d."
+    "re-read 'Every byte, predicted': reconsider each all-to-all of one forward and "
+    'backward (the counts exchange, the dispatch, the combine, and the backward of '
+    'each autograd one), which entries of the matrix it hands to OTHER ranks, and the '
+    'bytes of one row and of one count.'
 )
 
 #: The mistakes of exercise 4.1, in order of preference (what each returns: ``_splits_mistakes``).
@@ -548,9 +550,8 @@ def bytes_left_rank(event) -> int:
 @lru_cache(maxsize=1)
 def measured_layer_bytes() -> tuple[tuple[int, ...], ...]:
     """Per case, the bytes each of the 4 ranks sent to other ranks (from the trace); cached."""
-    from ..launch import launch
     cases = bytes_cases()
-    out = launch(_bytes_worker, 4, args=(cases,), timeout=120, print_output=False)
+    out = launch_retrying(_bytes_worker, 4, args=(cases,), timeout=120)
     measured = []
     for index in range(len(cases)):
         per_rank = []

@@ -59,8 +59,9 @@ HINT_LAST_STAGE = (
     "library's helpers do."
 )
 HINT_RETURNED_SENT = (
-    "you returned the activation you sent, not the gradient you received: allocate a buffer "
-    "(torch.empty(shape, dtype=dtype)), receive into it, wait, and return the buffer."
+    'you returned the activation you sent, not the gradient you received: receive '
+    'into a buffer of your own (of the shape and dtype you are given), wait for the '
+    'receive, and return what arrived.'
 )
 HINT_RETURNED_NONE = (
     "a stage that has a next stage returned None: it must return the gradient received from "
@@ -250,6 +251,11 @@ def _what_stage_returned(stage: int, pp: int, grad) -> str:
     return f"{said}, which no stage sent it"
 
 
+FIX_PIPELINES = (2, 3, 4)
+"""The pipeline sizes exercise 7.1 runs, in order: PP = 3 is the first to tell the next stage
+from Megatron's wrapping previous one."""
+
+
 def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> CheckResult:
     """Launch ``fn(tensor, shape, dtype)`` as stage s's half of a steady-state round on PP = 2, 3, 4.
 
@@ -258,7 +264,7 @@ def check_send_forward_recv_backward(fn: Callable, timeout: float = 6.0) -> Chec
     After a deadlock or an unfilled stub the larger pipelines are skipped.
     """
     check = Checking("Exercise 7.1: send_forward_recv_backward", FIX_HINTS)
-    for pp in (2, 3, 4):
+    for pp in FIX_PIPELINES:
         expected = _expected_fix(pp)
         case, got = check.run_on_ranks(
             f"PP={pp}", _fix_peer_worker, pp, args=(fn,), timeout=timeout, expected=expected,

@@ -339,6 +339,28 @@ limit before it counts as a deadlock, so that a right answer on a busy machine i
 (``0``: no second run)."""
 
 
+def retry_limits(timeout: float) -> list[float]:
+    """The launcher timeouts a launch of a checker gets: ``timeout``, then (unless
+    :data:`RETRY_TIMEOUT_FACTOR` is 0) that many times longer."""
+    return [timeout] + ([timeout * RETRY_TIMEOUT_FACTOR] if RETRY_TIMEOUT_FACTOR else [])
+
+
+def launch_retrying(worker: Callable, world_size: int, *, args: tuple = (), timeout: float):
+    """``launch(worker, world_size, args=args, timeout=timeout)`` without printing, run once
+    more with the longer limit of :func:`retry_limits` when it times out or its ranks do not
+    start in time: a busy machine, or a deadlock, and the longer limit tells them apart.  The
+    second :class:`~tutorial_lib.launch.LaunchTimeout` (or ``StartupTimeout``) is raised;
+    any other error at once.  Every launch of a checker goes through here, the student's
+    code on ranks (:meth:`Checking.run_on_ranks`) and the checkers' own measuring runs."""
+    limits = retry_limits(timeout)
+    for limit in limits:
+        try:
+            return launch(worker, world_size, args=args, timeout=limit, print_output=False)
+        except (LaunchTimeout, StartupTimeout):
+            if limit == limits[-1]:
+                raise
+
+
 class Checking:
     """One run of a checker: its cases, the mistakes its failing cases show, its verdict.
 
@@ -405,21 +427,16 @@ class Checking:
         ranks do not start in time, is run once more, with :data:`RETRY_TIMEOUT_FACTOR` times
         the limit), or any other exception.
         """
-        limits = [timeout] + ([timeout * RETRY_TIMEOUT_FACTOR] if RETRY_TIMEOUT_FACTOR else [])
+        limits = retry_limits(timeout)
 
         def attempt():
-            for limit in limits:
-                try:
-                    out = launch(worker, world_size, args=args, timeout=limit, print_output=False)
-                except (LaunchTimeout, StartupTimeout):
-                    if limit == limits[-1]:
-                        raise
-                    continue  # a busy machine, or a deadlock: the longer limit tells them apart
-                except WorkerError as err:
-                    if err.summary.startswith("NotImplementedError"):
-                        raise NotImplementedError from None
-                    raise
-                return out if unpack is None else unpack(out)
+            try:
+                out = launch_retrying(worker, world_size, args=args, timeout=timeout)
+            except WorkerError as err:
+                if err.summary.startswith("NotImplementedError"):
+                    raise NotImplementedError from None
+                raise
+            return out if unpack is None else unpack(out)
 
         case, got = self.run(name, attempt, expected, compare)
         if isinstance(got, LaunchTimeout):
@@ -758,4 +775,5 @@ __all__ = ["Case", "CheckResult", "Checking", "ExerciseNotPassed", "GRADING_ENVI
            "Mistakes", "KEY_SALT", "RETRY_TIMEOUT_FACTOR", "STUB_HINT", "WAITING_IN", "answer_digest", "as_group_kinds", "as_number", "as_rank_list",
            "as_whole_numbers", "at_stage", "check_answers", "check_formula", "deadlock_kind", "deadlock_summary",
            "failed_before", "finish", "forget_attempts", "grading", "group_sets", "group_text",
-           "is_close", "misnamed_groups", "recover_answer", "remember", "run_case", "stages_of"]
+           "is_close", "launch_retrying", "misnamed_groups", "recover_answer", "remember",
+           "retry_limits", "run_case", "stages_of"]
