@@ -97,6 +97,12 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "costs.cp_messages": ("costs.alpha_beta",),
     "costs.memory_model": ("grid", "pipeline_parallel", "recompute"),
     "costs.tp_dp_step": (),
+    "costs.hardware": ("config", "costs.alpha_beta"),
+    "costs.model_flops": ("config", "costs.memory_model"),
+    "costs.step_time": ("config", "costs.alpha_beta", "costs.hardware", "costs.memory_model",
+                        "costs.model_flops", "grid", "pipeline_parallel", "recompute"),
+    "plan": ("config", "costs.hardware", "costs.memory_model", "costs.model_flops",
+             "costs.step_time"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
     "timing.runs": ("launch",),
@@ -200,7 +206,8 @@ TORCH_FREE: tuple[str, ...] = (
     "pipeline_parallel.modes",
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
-    "costs.memory_model", "costs.tp_dp_step",
+    "costs.memory_model", "costs.tp_dp_step", "costs.hardware", "costs.model_flops",
+    "costs.step_time", "plan",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""
