@@ -103,6 +103,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
                         "costs.model_flops", "grid", "pipeline_parallel", "recompute"),
     "plan": ("config", "costs.hardware", "costs.memory_model", "costs.model_flops",
              "costs.step_time"),
+    "published_runs": ("costs.hardware", "costs.model_flops", "costs.step_time", "plan"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
     "timing.runs": ("launch",),
@@ -207,7 +208,7 @@ TORCH_FREE: tuple[str, ...] = (
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
     "costs.memory_model", "costs.tp_dp_step", "costs.hardware", "costs.model_flops",
-    "costs.step_time", "plan",
+    "costs.step_time", "plan", "published_runs",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""
