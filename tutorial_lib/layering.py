@@ -101,6 +101,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "costs.model_flops": ("config", "costs.memory_model"),
     "costs.step_time": ("config", "costs.alpha_beta", "costs.hardware", "costs.memory_model",
                         "costs.model_flops", "grid", "pipeline_parallel", "recompute"),
+    "costs.rooflines": ("costs.alpha_beta", "costs.hardware", "costs.memory_model",
+                        "costs.model_flops", "costs.step_time"),
     "plan": ("config", "costs.hardware", "costs.memory_model", "costs.model_flops",
              "costs.step_time"),
     "published_runs": ("costs.hardware", "costs.model_flops", "costs.step_time", "plan"),
@@ -208,7 +210,7 @@ TORCH_FREE: tuple[str, ...] = (
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
     "costs.memory_model", "costs.tp_dp_step", "costs.hardware", "costs.model_flops",
-    "costs.step_time", "plan", "published_runs",
+    "costs.step_time", "costs.rooflines", "plan", "published_runs",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""

@@ -135,3 +135,20 @@ def test_layout_rules_name_the_rule():
         predict_step(model, c, Layout(tp=3), 8, 0.5)
     with pytest.raises(ConfigError, match="sharding"):
         predict_step(model, c, Layout(sharding="optim_grads_params"), 8, 0.5)
+
+
+def test_tp_roofline_by_hand_bound_on_the_network_not_on_nvlink():
+    from tutorial_lib.costs.rooflines import rooflines
+
+    L, h, s, V, tp = 4, 4096, 256, 1000, 8
+    model = gpt(L, h, 32, seq_length=s, vocab_size=V)
+    where, efficiency = cluster("h100-sxm"), 0.5
+    (tp_line,) = rooflines(model, where, Layout(tp=tp), 1, efficiency)
+    # per rank: three passes of L (24 h^2 + 4 s h) + 2 h V per token, over TP; sent: four
+    # all-reduces a layer of the s h activation in bf16, 2 (TP - 1) / TP of it each
+    flops = 3 * s * (L * (24 * h * h + 4 * s * h) + 2 * h * V) / tp
+    sent = L * 4 * 2 * (tp - 1) / tp * s * h * 2
+    assert tp_line.intensity == pytest.approx(flops / sent)
+    assert tp_line.ridge_nvlink == pytest.approx(989.4e12 * efficiency / 450e9)
+    assert tp_line.ridge_network == pytest.approx(989.4e12 * efficiency / 50e9)
+    assert not tp_line.bound_on_nvlink and tp_line.bound_on_network

@@ -27,7 +27,8 @@ rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all
 chapter 13's planner's parts: ``hardware`` (GPUs and clusters as data, each figure's
 source), ``model_flops`` (a real model's shapes by Megatron's names: GQA, SwiGLU, MoE with
 shared experts, MLA; its parameters and FLOPs), ``step_time`` (one step of a layout:
-compute, exposed communication on the link each group crosses, the bubble, memory).
+compute, exposed communication on the link each group crosses, the bubble, memory),
+``rooflines`` (each technique's FLOPs per byte against NVLink's and the network's ridge).
 
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory_model``
 (it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_parallel` and the
@@ -77,6 +78,7 @@ def _import_numpy_modules() -> None:
     from .model_flops import (MODEL_PRESETS, ModelSpec, active_parameter_count, gpt,
                               hardware_flops_per_step, layer_flops, model_flops_per_step,
                               parameter_count)
+    from .rooflines import Roofline, rooflines
     from .step_time import (Layout, StepTime, group_crosses_nodes, predict_step,
                             schedule_times)
     globals().update({name: value for name, value in locals().items()})
@@ -113,4 +115,5 @@ __all__ = [
     "GPU", "GPUS", "Cluster", "cluster", "MODEL_PRESETS", "ModelSpec", "active_parameter_count",
     "gpt", "hardware_flops_per_step", "layer_flops", "model_flops_per_step", "parameter_count",
     "Layout", "StepTime", "group_crosses_nodes", "predict_step", "schedule_times",
+    "Roofline", "rooflines",
 ]
