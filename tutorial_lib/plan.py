@@ -26,7 +26,8 @@ from .costs.step_time import (MODELLED_SHARDING, SCHEDULES, SHARDING_STRATEGIES,
                               USABLE_MEMORY_FRACTION, Layout, StepTime, check_layout,
                               memory_lower_bound, predict_step, with_memory)
 
-__all__ = ["MATMUL_EFFICIENCY", "Plan", "candidate_layouts", "plan", "main"]
+__all__ = ["MATMUL_EFFICIENCY", "Plan", "Decision", "candidate_layouts", "plan",
+           "decision_flow", "main"]
 
 MATMUL_EFFICIENCY = 0.567
 """The fraction of the GPU's peak one matmul reaches, for every GPU: fitted on one
@@ -174,6 +175,77 @@ def _check_fixed(model, gpus, global_batch_size, fixed) -> None:
         check_layout(model, Layout(schedule=fixed["schedule"]), global_batch_size)
 
 
+# --- the decision flow ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One question of the decision flow and what the planner answers."""
+
+    question: str
+    answer: str
+    best: StepTime | None
+    """The fastest layout that answers it (``None``: none fits)."""
+
+
+def _best(model, where, gpus, batch, efficiency, fixed) -> StepTime | None:
+    try:
+        return plan(model, where, gpus, batch, efficiency=efficiency, fixed=fixed, top=1).layouts[0]
+    except ConfigError:
+        return None
+
+
+def decision_flow(model: ModelSpec, where: Cluster, gpus: int, global_batch_size: int,
+                  efficiency: float = MATMUL_EFFICIENCY) -> list[Decision]:
+    """Does it fit, how fast, which knob first, each answered by the planner:
+
+    1. data parallelism alone (TP = CP = PP = 1), recomputation and micro-batch searched;
+    2. else the smallest TP inside one node with which it fits without PP;
+    3. else TP at the node's size and the smallest PP with which it fits;
+    4. the fastest layout of all, and what it changes against the first that fit (the knob
+       to turn first is the one it changes)."""
+    flow, first = [], None
+    best = _best(model, where, gpus, global_batch_size, efficiency, {"tp": 1, "cp": 1, "pp": 1})
+    flow.append(Decision("Does it fit with data parallelism alone?",
+                         "yes" if best else "no: the weights, gradients, optimizer state and "
+                         "activations of a whole model exceed one GPU", best))
+    first = best
+    if first is None:
+        for tp in (t for t in TP_SIZES if t <= where.gpus_per_node and t > 1):
+            best = _best(model, where, gpus, global_batch_size, efficiency,
+                         {"tp": tp, "pp": 1, "cp": 1})
+            if best:
+                break
+        flow.append(Decision("Does TP inside one node make it fit, without PP?",
+                             f"yes, from TP {best.layout.tp}" if best else
+                             "no: even TP at the node's size leaves too much on each GPU", best))
+        first = best
+    if first is None:
+        tp = max(t for t in TP_SIZES if t <= where.gpus_per_node)
+        for pp in range(2, model.num_layers + 1):
+            if model.num_layers % pp or gpus % (tp * pp):
+                continue
+            best = _best(model, where, gpus, global_batch_size, efficiency, {"tp": tp, "pp": pp})
+            if best:
+                break
+        flow.append(Decision(f"With TP {tp}, which PP makes it fit?",
+                             f"PP {best.layout.pp}" if best else "none: it fits nowhere on "
+                             f"{gpus} GPUs", best))
+        first = best
+    fastest = _best(model, where, gpus, global_batch_size, efficiency, {})
+    if fastest is None or first is None:
+        return flow
+    changed = [name for name in ("tp", "cp", "pp", "ep", "schedule", "virtual_pipeline_size",
+                                 "micro_batch_size", "recompute_granularity", "sharding")
+               if getattr(fastest.layout, name) != getattr(first.layout, name)]
+    gain = first.step_time_s / fastest.step_time_s - 1
+    flow.append(Decision("Which knob first?",
+                         (f"{', '.join(changed)}: {fastest.layout.describe()}, {gain:.0%} "
+                          f"faster than the first layout that fit") if changed else
+                         "none: the first layout that fit is the fastest", fastest))
+    return flow
+
+
 # --- the command line ------------------------------------------------------------------
 
 _MODEL_FLAGS = [f.name for f in fields(ModelSpec)
@@ -225,6 +297,8 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"Megatron-FSDP's names: {', '.join(SHARDING_STRATEGIES)} (the first "
                           f"two modelled)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
+    parser.add_argument("--decide", action="store_true",
+                        help="walk the decision flow (does it fit, how fast, which knob first)")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object; its 'layouts' list holds each layout's fields")
     return parser
@@ -277,6 +351,12 @@ def main(argv=None) -> int:
                   "micro_batch_size", "sharding")}
         if options.recompute_granularity is not None:
             fixed["recompute_granularity"] = options.recompute_granularity
+        if options.decide:
+            for step in decision_flow(model, where, options.gpus, options.global_batch_size,
+                                      options.efficiency):
+                shown = f" ({step.best.step_time_s:.3f} s a step)" if step.best else ""
+                print(f"{step.question} {step.answer}{shown}")
+            return 0
         found = plan(model, where, options.gpus, options.global_batch_size,
                      efficiency=options.efficiency, precision=options.precision, fixed=fixed,
                      top=options.top)

@@ -102,3 +102,28 @@ def test_bad_input_exits_2_naming_the_rule(argv, rule, capsys):
     assert planner.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: [") and __import__("re").search(rule, err)
+
+
+def test_decision_flow_walks_from_data_parallelism_to_pipelines():
+    where = cluster("a100-80gb")
+    small = planner.decision_flow(gpt(4, 1024, 16, seq_length=1024, vocab_size=1000), where,
+                                  8, 32)
+    assert small[0].answer == "yes" and small[0].best.layout.tp == small[0].best.layout.pp == 1
+    assert small[-1].question == "Which knob first?"
+    # 24 layers of h 12288 (~44B parameters) on 16 A100s: at TP 8 and DP 2 a GPU holds 5.5B
+    # parameters, 14 bytes each under the distributed optimizer, 77 GB: PP 2 is needed
+    big = planner.decision_flow(gpt(24, 12288, 96, seq_length=2048, vocab_size=51200), where,
+                                16, 16)
+    assert [d.best is None for d in big[:2]] == [True, True]
+    assert big[2].best.layout.tp == 8 and big[2].best.layout.pp == 2
+    assert big[-1].best.step_time_s <= big[2].best.step_time_s
+
+
+def test_command_line_decide_prints_the_flow(capsys):
+    assert planner.main(["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads",
+                         "16", "--seq-length", "1024", "--vocab-size", "1000", "--gpu",
+                         "a100-80gb", "--gpus", "8", "--global-batch-size", "32",
+                         "--decide"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Does it fit with data parallelism alone? yes (")
+    assert lines[-1].startswith("Which knob first?")
