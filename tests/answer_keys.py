@@ -33,7 +33,7 @@ import torch
 from tutorial_lib import moe_balance
 from tutorial_lib.context_parallel import held_chunks
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
-                                    ch10, ch11, kit)
+                                    ch10, ch11, ch12, kit)
 from tutorial_lib.grid import build_grid
 from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
@@ -501,6 +501,25 @@ def _ring_forbidden(name, detail, fn):
                             own(fn, b, h, s, d, size, e))
 
 
+# --- chapter 12 -----------------------------------------------------------------------------
+
+
+def _state_forbidden(name, detail, fn):
+    case = next(c for c in ch12.STATE_CASES if name == f"{len(c[0])} units, DP {c[1]}, {c[2]}")
+    units, dp, strategy = case
+    return number_forbidden(ch12.reference_state_bytes(units, dp, strategy),
+                            own(fn, list(units), dp, strategy))
+
+
+def _gathers_forbidden(name, detail, fn):
+    case = next(c for c in ch12.GATHER_CASES
+                if name == f"{c[0]} blocks, prefetch={c[1]}, reshard_root={c[2]}")
+    want = ch12.reference_backward_gathers(*case)
+    if ch12._read_gathers(own(fn, *case) or []) == want:
+        return set()
+    return {repr(want), repr(tuple(want)), ", ".join(unit for unit, _ in want)}
+
+
 # --- chapter 10 -----------------------------------------------------------------------------
 
 
@@ -698,6 +717,18 @@ KEYS = [
             "dualpipev": (pp - 1) * (f + b + b - 3 * w),
             "dualpipe": (pp - 1) * (f + b + b - 3 * w)},
     }, _idle_forbidden, ch11.IDLE_HINTS),
+    AnswerKey("12.1", ch12.check_state_bytes, {
+        "empty": lambda *a: None,
+        "constant": lambda *a: 1,
+        "no_padding": lambda u, dp, s: ch12._state_mistakes(u, dp, s)["padding"],
+        "no_master": lambda u, dp, s: ch12._state_mistakes(u, dp, s)["master"],
+    }, _state_forbidden, ch12.STATE_HINTS),
+    AnswerKey("12.2", ch12.check_backward_gathers, {
+        "empty": lambda *a: [],
+        "forward_order": lambda n, p, r: ch12._gather_mistakes(n, p, r)["forward_order"],
+        "root_last": lambda n, p, r: ch12._gather_mistakes(n, p, r)["root_last"],
+        "flags": lambda n, p, r: ch12._gather_mistakes(n, p, r)["flags"],
+    }, _gathers_forbidden, ch12.GATHER_HINTS),
 ]
 """Every exercise of chapters 1-11, in order."""
 

@@ -26,7 +26,7 @@ from tutorial_lib.chapters import chapter as registered
 from tutorial_lib.deepseek import layer_range
 from tutorial_lib.config import ConfigError
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
-                                    ch10, ch11)
+                                    ch10, ch11, ch12)
 from tutorial_lib.memory import heaviest_rank_bytes
 from tutorial_lib.recompute import Recompute
 from tutorial_lib.pipeline_parallel.actions import Action
@@ -145,6 +145,10 @@ CHAPTERS = [
         Exercise("place_weights", ch11.check_place_weights),
         Exercise("idle_times", ch11.check_idle_times),
     ), {"Action": Action, "one_f_one_b": one_f_one_b}, min_cases=5),
+    Chapter(12, (
+        Exercise("state_bytes", ch12.check_state_bytes),
+        Exercise("backward_gathers", ch12.check_backward_gathers),
+    ), min_cases=6),
 ]
 
 

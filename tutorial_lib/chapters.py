@@ -108,6 +108,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             "ch11", "_zero_bubble_table",
             device_runs=("measure_synthetic_schedules",
                          "measure_synthetic_schedules, PP2 x EP2")),
+    Chapter(12, "12_sharded_data_parallel.ipynb",
+            "Sharded data parallelism: ZeRO-2, ZeRO-3 and FSDP", "ch12", "_sharding_table",
+            device_runs=("all_stages",)),
 )
 """Every chapter, in book order."""
 

@@ -67,6 +67,14 @@ LAYOUTS = ("megatron", "course", "visualizer")
 #: (:mod:`tutorial_lib.context_parallel`; Megatron's fourth, ``a2a+p2p``, is not here).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
+#: What data parallelism shards, Megatron-FSDP's ``--data-parallel-sharding-strategy``
+#: (Megatron-LM 82a1d0eb, megatron/core/distributed/fsdp/src/megatron_fsdp/
+#: distributed_data_parallel_config.py, ``data_parallel_sharding_strategy``), with its ZeRO
+#: stage: nothing, the optimizer state, and the gradients, and the parameters
+#: (:mod:`tutorial_lib.fully_sharded_data_parallel`).
+ZERO_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+SHARDING_STRATEGIES = tuple(ZERO_STAGE)
+
 
 class ConfigError(ValueError):
     """A configuration broke a rule.  ``rule`` is a short id like ``"rule 4"``."""

@@ -59,6 +59,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "saved_activations": ("trace",),
     "context_parallel": ("comm", "config", "parallel_state", "trace"),
     "data_parallel": ("comm", "parallel_state", "trace"),
+    "fully_sharded_data_parallel": ("comm", "config", "data_parallel", "parallel_state",
+                                    "trace"),
     "fp8_format": ("recipes",),
     "fp8": ("comm", "fp8_format", "parallel_state", "trace"),
     "precision": ("devices", "fp8", "moe", "recipes", "tensor_parallel"),
@@ -95,7 +97,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "costs.alpha_beta": (),
     "costs.moe": (),
     "costs.cp_messages": ("costs.alpha_beta",),
-    "costs.memory_model": ("grid", "pipeline_parallel", "recompute"),
+    "costs.memory_model": ("config", "grid", "pipeline_parallel", "recompute"),
     "costs.tp_dp_step": (),
     "costs.hardware": ("config", "costs.alpha_beta"),
     "costs.model_flops": ("config", "costs.memory_model"),
@@ -106,6 +108,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "plan": ("config", "costs.hardware", "costs.memory_model", "costs.model_flops",
              "costs.step_time"),
     "published_runs": ("costs.hardware", "costs.model_flops", "costs.step_time", "plan"),
+    "costs.zero_stages": ("config", "costs.alpha_beta", "costs.memory_model", "costs.tp_dp_step"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
     "timing.runs": ("launch",),
@@ -146,6 +149,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "exercises.ch09": ("context_parallel", "costs", "exercises.kit", "timing"),
     "exercises.ch10": ("config", "costs.memory_model", "exercises.kit", "memory", "recompute"),
     "exercises.ch11": ("exercises.kit", "pipeline_parallel"),
+    "exercises.ch12": ("costs.memory_model", "exercises.kit"),
 }
 
 LAZY_IMPORTS: dict[str, dict[str, str]] = {
@@ -209,7 +213,8 @@ TORCH_FREE: tuple[str, ...] = (
     "pipeline_parallel.modes",
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
-    "costs.memory_model", "costs.tp_dp_step", "costs.hardware", "costs.model_flops",
+    "costs.memory_model", "costs.tp_dp_step", "costs.zero_stages", "costs.hardware",
+    "costs.model_flops",
     "costs.step_time", "costs.rooflines", "plan", "published_runs",
 )
 """Modules that promise to load no torch when imported (a command line checks its

@@ -19,8 +19,8 @@ import json
 import sys
 from dataclasses import dataclass, field, replace
 
-from .config import (ConfigError, ModelConfig, ParallelConfig, TrainConfig, check_pipeline_layers,
-                     validate)
+from .config import (SHARDING_STRATEGIES, ConfigError, ModelConfig, ParallelConfig, TrainConfig,
+                     check_pipeline_layers, validate)
 from .costs.memory_model import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
 from .pipeline_parallel.actions import (ALL_SCHEDULES, SCHEDULE_PLACEMENT,
@@ -190,6 +190,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="fp32 (the course's runs) or bf16 (mixed precision; presets' default)")
     parser.add_argument("--use-distributed-optimizer", action="store_true",
                         help="ZeRO-1: master weights and Adam's moments sharded over DP")
+    parser.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES,
+                        default=None,
+                        help="Megatron-FSDP's: no_shard (plain DP), optim (ZeRO-1, the same as "
+                             "--use-distributed-optimizer), optim_grads (ZeRO-2), "
+                             "optim_grads_params (ZeRO-3 / FSDP; dense models)")
+    parser.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                        help="HSDP: shard over DP x CP / this many ranks, replicate over the "
+                             "instances")
     parser.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None)
     parser.add_argument("--recompute-num-layers", type=int, default=None)
@@ -239,9 +247,17 @@ def main(argv=None) -> int:
         recompute = Recompute(options.recompute_granularity, options.recompute_method,
                               options.recompute_num_layers)
         check_recompute(recompute, model.num_layers, parallel.pipeline_model_parallel_size)
+        strategy = options.data_parallel_sharding_strategy
+        if options.use_distributed_optimizer and strategy not in (None, "optim"):
+            raise ConfigError("malformed", f"--use-distributed-optimizer is the 'optim' strategy, "
+                                           f"but --data-parallel-sharding-strategy is {strategy}; "
+                                           f"give one of the two")
         ranks = predict(model, parallel, train, schedule=options.schedule,
                         virtual_pipeline_size=options.virtual_pipeline_size, precision=precision,
                         use_distributed_optimizer=options.use_distributed_optimizer,
+                        data_parallel_sharding_strategy=strategy,
+                        num_distributed_optimizer_instances=(
+                            options.num_distributed_optimizer_instances),
                         recompute=recompute, fp8=options.fp8,
                         runtime=0 if options.preset else RUNTIME_BYTES_PER_RANK)
     except (ConfigError, ValueError) as err:

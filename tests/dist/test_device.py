@@ -200,6 +200,7 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
            ("05 split_over_tp", ch["05"]["split_over_tp"], (ch["05"]["tp_tokens"],), None),
            ("07 round_with_the_guides_peer", ch["07"]["round_with_the_guides_peer"],
             (False,), None),
+           ("12 all_stages", ch["12"]["all_stages"], (), None),
            ("02 measure_alpha_beta's worker", alpha_beta._measure_worker,
             (alpha_beta.ALPHA_BETA_OPS, {op: [64, 4096] for op in alpha_beta.ALPHA_BETA_OPS},
              1, 0), _no_timings)]

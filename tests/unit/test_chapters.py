@@ -67,9 +67,9 @@ def test_a_notebook_missing_from_the_manifest_is_found(tmp_path):
     """A chapter added to notebooks/ without its entry is named (and only it)."""
     for entry in CHAPTERS[:2]:
         shutil.copy(entry.path, tmp_path / entry.notebook)
-    (tmp_path / "12_sharded_data_parallel.ipynb").write_text("{}")
+    (tmp_path / "99_unregistered_chapter.ipynb").write_text("{}")
     (tmp_path / "scratch.ipynb").write_text("{}")  # not a chapter's name: not a chapter
-    assert chapters.unregistered_notebooks(tmp_path) == ["12_sharded_data_parallel.ipynb"]
+    assert chapters.unregistered_notebooks(tmp_path) == ["99_unregistered_chapter.ipynb"]
 
 
 @pytest.mark.parametrize("entry", CHAPTERS, ids=lambda c: c.key)

@@ -17,6 +17,10 @@ module             chapters  what it holds
 ``tp_dp_step``     3         every collective of one TP + DP training step; ZeRO-1's
                              optimizer state per rank
 ``moe``            4         the MoE dispatch / combine all-to-alls: bytes, send splits
+``zero_stages``    12        the ZeRO stages (Megatron-FSDP's strategies): each unit's
+                             all-gathers and reduce-scatters per step, bytes on the
+                             wire, state per parameter (the ZeRO paper), HSDP, the peak
+                             of gathered parameters
 ``memory_model``   10        every rank's memory (weights, gradients, optimizer state,
                              saved activations per layer and schedule, recomputation),
                              checked against runs; ``train_4d`` checks it before it starts
@@ -33,7 +37,7 @@ compute, exposed communication on the link each group crosses, the bubble, memor
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory_model``
 (it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_parallel` and the
 recomputation rule from :mod:`tutorial_lib.recompute`); ``alpha_beta``,
-``tp_dp_step``, ``moe`` and ``cp_messages`` import numpy (``cp_messages`` through
+``tp_dp_step``, ``moe``, ``cp_messages`` and ``zero_stages`` import numpy (``cp_messages`` through
 ``alpha_beta``) and none of them imports torch when it is loaded, so
 ``import tutorial_lib.costs`` loads no torch; and the numpy ones are imported only when one
 of their names is first used, so ``import tutorial_lib.costs`` loads no numpy either.  One function reaches torch through
@@ -52,7 +56,8 @@ from .bandwidth import (LinkSpec, ParallelismTraffic, bandwidth_table, dp_gradie
                         transfer_seconds)
 from .memory_model import (PRECISION_BYTES, RankMemory, available_memory_bytes, format_bytes,
                            layer_activation_bytes, layer_parameters, memory_of_ranks,
-                           memory_on_this_machine, memory_per_rank, stage_activation_bytes)
+                           memory_on_this_machine, memory_per_rank, peak_unsharded_numel,
+                           stage_activation_bytes, unit_slice_numel, zero_bytes_per_parameter)
 
 
 def _import_numpy_modules() -> None:
@@ -81,6 +86,7 @@ def _import_numpy_modules() -> None:
     from .rooflines import Roofline, rooflines
     from .step_time import (Layout, StepTime, group_crosses_nodes, predict_step,
                             schedule_times)
+    from .zero_stages import sharded_step_collectives, step_bytes_sent
     globals().update({name: value for name, value in locals().items()})
 
 
@@ -109,9 +115,11 @@ __all__ = [
     "distributed_optimizer_collectives", "megatron_distributed_optimizer_numel",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
     "zero1_state_bytes_per_rank",
+    "sharded_step_collectives", "step_bytes_sent",
     "PRECISION_BYTES", "RankMemory", "available_memory_bytes", "format_bytes",
     "layer_activation_bytes", "layer_parameters", "memory_of_ranks", "memory_on_this_machine",
-    "memory_per_rank", "stage_activation_bytes",
+    "memory_per_rank", "stage_activation_bytes", "peak_unsharded_numel", "unit_slice_numel",
+    "zero_bytes_per_parameter",
     "GPU", "GPUS", "Cluster", "cluster", "MODEL_PRESETS", "ModelSpec", "active_parameter_count",
     "gpt", "hardware_flops_per_step", "layer_flops", "model_flops_per_step", "parameter_count",
     "Layout", "StepTime", "group_crosses_nodes", "predict_step", "schedule_times",

@@ -66,6 +66,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..config import ZERO_STAGE
 from ..pipeline_parallel import BUILDERS
 from ..pipeline_parallel.actions import (ALL_SCHEDULES, SCHEDULE_PLACEMENT,
                                          SPLIT_BACKWARD_SCHEDULES, model_stage, num_model_stages)
@@ -78,7 +79,8 @@ __all__ = ["BYTES_PER_VALUE", "RUNTIME_BYTES_PER_RANK", "PRECISION_BYTES", "Prec
            "RankMemory", "layer_parameters", "attention_widths", "attention_output_width",
            "attention_parameters", "expert_parameters", "layer_activation_bytes", "stage_activation_bytes",
            "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
-           "available_memory_bytes", "format_bytes"]
+           "available_memory_bytes", "format_bytes", "unit_slice_numel",
+           "zero_bytes_per_parameter", "peak_unsharded_numel"]
 
 BYTES_PER_VALUE = 4
 """fp32: the course's runs keep weights, gradients, Adam's moments and activations in it."""
@@ -151,11 +153,16 @@ class RankMemory:
     parts: dict = field(default_factory=dict, compare=False)
     """Activation bytes of one microbatch by part, summed over the chunks: ``attention``,
     ``mlp``, ``moe``, ``embedding``, ``output``, ``recompute_inputs``."""
+    gathered: int = 0
+    """ZeRO-3: the most bytes of gathered (unsharded) parameters held at once, at the peak
+    of a forward and backward (:func:`peak_unsharded_numel`); between steps its
+    :attr:`weights` are 0: each parameter lives as its fp32 slice, in :attr:`optimizer`."""
 
     @property
     def total(self) -> int:
         """Bytes of one such rank."""
-        return self.weights + self.gradients + self.optimizer + self.activations + self.runtime
+        return (self.weights + self.gathered + self.gradients + self.optimizer + self.activations
+                + self.runtime)
 
     def as_dict(self) -> dict:
         """The breakdown as plain numbers (what ``python -m tutorial_lib.memory --json`` prints)."""
@@ -163,14 +170,16 @@ class RankMemory:
                 "weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "chunk_microbatches": self.chunk_microbatches,
                 "activations_per_microbatch": list(self.activations_per_microbatch),
-                "runtime": self.runtime, "total": self.total, "activation_parts": dict(self.parts)}
+                "gathered": self.gathered, "runtime": self.runtime, "total": self.total,
+                "activation_parts": dict(self.parts)}
 
     def describe(self) -> str:
         """One line: the breakdown of one rank."""
         held = f"{self.chunk_microbatches} chunk-microbatch{'es' * (self.chunk_microbatches != 1)}"
         runtime = f" + runtime {format_bytes(self.runtime)}" if self.runtime else ""
+        gathered = f" + gathered {format_bytes(self.gathered)}" if self.gathered else ""
         return (f"pipeline rank {self.pipeline_rank} ({self.ranks} rank{'s' * (self.ranks > 1)}, each "
-                f"{self.parameters:,} parameters): weights {format_bytes(self.weights)} + gradients "
+                f"{self.parameters:,} parameters): weights {format_bytes(self.weights)}{gathered} + gradients "
                 f"{format_bytes(self.gradients)} + optimizer {format_bytes(self.optimizer)} + "
                 f"activations {format_bytes(self.activations)} ({held} in flight){runtime} = "
                 f"{format_bytes(self.total)}")
@@ -422,7 +431,11 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
                     pipeline_ranks=None, *, precision: str = "fp32",
                     use_distributed_optimizer: bool = False, recompute: Recompute = NO_RECOMPUTE,
                     moe_capacity_factor: float | None = None, fp8: bool = False,
-                    runtime: int = RUNTIME_BYTES_PER_RANK) -> list[RankMemory]:
+                    runtime: int = RUNTIME_BYTES_PER_RANK,
+                    data_parallel_sharding_strategy: str | None = None,
+                    num_distributed_optimizer_instances: int = 1,
+                    reshard_after_forward: bool | None = None,
+                    prefetch: bool = True) -> list[RankMemory]:
     """The prediction for each pipeline rank of a run (see the module doc), first to last.
 
     ``model``, ``parallel``, ``train``: the run's :class:`~tutorial_lib.config.ModelConfig`,
@@ -432,6 +445,16 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     chunks per rank (the interleaved schedule's V; ZBV, DualPipeV and DualPipe fix their
     own two, 1 or 2 accepted; 1 otherwise).  ``pipeline_ranks``: only these (default:
     every pipeline rank).  ``runtime``: bytes of the process itself (0 for GPUs).
+    ``data_parallel_sharding_strategy``: Megatron-FSDP's ``no_shard``, ``optim`` (the same
+    as ``use_distributed_optimizer``), ``optim_grads`` (ZeRO-2) or ``optim_grads_params``
+    (ZeRO-3), as :mod:`tutorial_lib.fully_sharded_data_parallel` runs them: one unit per
+    decoder layer and a root unit for the rank's other parameters, each unit's slice
+    ``ceil(n / S)``; ZeRO-2 keeps the whole weights, the slices' fp32 gradients, master
+    and moments (the whole gradients are freed once reduced); ZeRO-3 keeps no whole
+    weight between steps, :attr:`RankMemory.gathered` at the peak
+    (``reshard_after_forward``, ``prefetch``: the run's).  ``S`` is the dense sharding
+    group, ``DP x CP`` divided by ``num_distributed_optimizer_instances`` (HSDP: replicas
+    of a sharded group; Megatron's flag of that name).
     Constant time per layer and rank, plus a walk over the rank's ``O(M)`` actions where
     its chunks differ or the schedule splits backwards.
     """
@@ -446,10 +469,24 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
                              f"({virtual_pipeline_size}) is for the interleaved schedule")
         virtual_pipeline_size = 2
     bytes_ = PRECISION_BYTES[precision]
+    strategy = data_parallel_sharding_strategy or (
+        "optim" if use_distributed_optimizer else "no_shard")
+    if strategy not in ZERO_STAGE:
+        raise ValueError(f"unknown data-parallel sharding strategy {strategy!r}: one of "
+                         f"{', '.join(ZERO_STAGE)}")
+    zero_stage = ZERO_STAGE[strategy]
+    if zero_stage >= 2 and model.num_experts:
+        raise ValueError(f"{strategy} shards dense models here; num_experts = {model.num_experts}: "
+                         f"routed experts are sharded over expert-DP by optim (ZeRO-1) only")
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     cp = parallel.context_parallel_size
     pp, v = parallel.pipeline_model_parallel_size, virtual_pipeline_size
     dp, edp = parallel.data_parallel_size, parallel.expert_data_parallel_size
+    instances = _whole("num_distributed_optimizer_instances", num_distributed_optimizer_instances)
+    if (dp * cp) % instances:
+        raise ValueError(f"num_distributed_optimizer_instances ({instances}) must divide DP x CP "
+                         f"({dp * cp}): each instance is a whole sharding group")
+    shard = dp * cp // instances
     m = train.num_microbatches
     rows = train.global_batch_size // dp // m
     h, vocab, s = model.hidden_size, model.vocab_size, model.seq_length
@@ -461,10 +498,11 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
         params = experts = 0
-        per_chunk, parts = [], {}
+        per_chunk, parts, layer_sizes = [], {}, []
         for stage in (model_stage(placement, rank, c, pp) for c in range(v)):
             layers = range(stage * per_stage, (stage + 1) * per_stage)
-            params += sum(layer_parameters(model, i, tp, ep, etp) for i in layers)
+            layer_sizes += [layer_parameters(model, i, tp, ep, etp) for i in layers]
+            params += sum(layer_sizes[-len(layers):])
             experts += sum(expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
             if stage == 0:
                 rope = getattr(model, "position_embedding_type", "learned_absolute") == "rope"
@@ -478,16 +516,28 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
                 parts[name] = parts.get(name, 0) + value
         dense = params - experts
         gradients = bytes_.gradient * params
-        if use_distributed_optimizer:  # each domain's flat buffer, padded to equal slices
-            mine = math.ceil(dense / (dp * cp)) + (math.ceil(experts / edp) if experts else 0)
+        weights, gathered = bytes_.weight * params, 0
+        if zero_stage == 1:  # each domain's flat buffer, padded to equal slices
+            mine = math.ceil(dense / shard) + (math.ceil(experts / edp) if experts else 0)
             optimizer = (4 + bytes_.moments) * mine       # fp32 master of the slice + moments
             gradients += 4 * mine                         # the slice's fp32 gradient
+        elif zero_stage >= 2:  # a unit per layer, the root unit first
+            rest = params - sum(layer_sizes)
+            units = ([rest] if rest else []) + layer_sizes
+            mine = sum(unit_slice_numel(n, shard) for n in units)
+            optimizer = (4 + bytes_.moments) * mine
+            gradients = 4 * mine                          # the whole gradients are freed
+            if zero_stage == 3:
+                weights = 0
+                gathered = bytes_.weight * peak_unsharded_numel(
+                    [unit_slice_numel(n, shard) * shard for n in units], reshard_after_forward,
+                    prefetch, root=bool(rest))
         else:
             optimizer = (bytes_.master + bytes_.moments) * params
         in_flight = expected_peak_activations(schedule, pp, m, rank, v)
-        out.append(RankMemory(rank, parallel.world_size // pp, params, bytes_.weight * params,
+        out.append(RankMemory(rank, parallel.world_size // pp, params, weights,
                               gradients, optimizer, _peak_bytes(schedule, pp, m, rank, v, per_chunk),
-                              in_flight, runtime, tuple(per_chunk), experts, parts))
+                              in_flight, runtime, tuple(per_chunk), experts, parts, gathered))
     return out
 
 
@@ -533,3 +583,77 @@ def available_memory_bytes() -> tuple[int, str] | None:
     if pages > 0 and size > 0:
         return pages * size, "free physical pages (os.sysconf)"
     return None
+
+
+# --- sharded data parallelism (ZeRO-2, ZeRO-3): slices, the paper's table, the gathered peak ---
+
+
+def _whole(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def unit_slice_numel(numel: int, shard_size: int) -> int:
+    """Elements of one rank's slice of a unit of ``numel`` parameters sharded over
+    ``shard_size`` ranks: ``ceil(numel / S)`` (the flat vector padded to a multiple of ``S``)."""
+    return math.ceil(_whole("numel", numel) / _whole("shard_size", shard_size))
+
+
+def zero_bytes_per_parameter(stage: int, dp: int, k: int = 12, weight: int = 2,
+                             gradient: int = 2) -> float:
+    """Model-state bytes per parameter on one rank at ZeRO stage ``stage`` over ``dp`` ranks.
+
+    Rajbhandari et al. 2020, section 3 and figure 1 (mixed-precision Adam: fp16 weights
+    and gradients, ``K = 12`` bytes of fp32 master, momentum and variance): stage 0 keeps
+    ``2 + 2 + K``; stage 1 ``2 + 2 + K / Nd``; stage 2 ``2 + (2 + K) / Nd``; stage 3
+    ``(2 + 2 + K) / Nd``.  Sharded terms divide exactly (the paper's count, no padding).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    dp = _whole("dp", dp)
+    sharded = {0: 0, 1: k, 2: k + gradient, 3: k + gradient + weight}[stage]
+    return weight + gradient + k - sharded + sharded / dp
+
+
+def peak_unsharded_numel(unit_numels, reshard_after_forward: bool | None = None,
+                         prefetch: bool = True, root: bool = True) -> int:
+    """The most gathered parameter elements ZeRO-3 holds at once in one forward and backward.
+
+    ``unit_numels``: each unit's gathered (padded) size, root first, then in the order
+    they run; the root's forward encloses the others' (its parameters are used first and
+    last); ``root=False``: the first unit is an ordinary unit (a rank with no root
+    parameters), freed as the others.  The walk :class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedDataParallel`'s
+    hooks make: before each unit's forward, gather it (and, with ``prefetch``, the next);
+    after it, free it if it reshards; the root is freed after the whole forward if it
+    reshards.  Backward runs the units in reverse (root first): gather the unit (and,
+    with ``prefetch``, the one whose forward ran before it), free it when its gradients
+    are in; the root last.
+    """
+    sizes = [_whole("numel", n) for n in unit_numels]
+    if not sizes:
+        return 0
+    enclosing = 0 if root else None  # the root's forward and backward enclose the others'
+    freed = [reshard_after_forward is True if root else reshard_after_forward is not False]
+    freed += [reshard_after_forward is not False] * (len(sizes) - 1)
+    held: set[int] = set()
+    peak = 0
+
+    def gather(unit: int, ahead: int) -> None:
+        nonlocal peak
+        held.update(u for u in (unit, ahead if prefetch else -1) if 0 <= u < len(sizes))
+        peak = max(peak, sum(sizes[u] for u in held))
+
+    for unit in range(len(sizes)):                       # forward, in order
+        gather(unit, unit + 1)
+        if unit != enclosing and freed[unit]:
+            held.discard(unit)
+    if root and freed[0]:
+        held.discard(0)
+    post_forward = list(range(1, len(sizes))) + [0] if root else list(range(len(sizes)))
+    for position in reversed(range(len(post_forward))):  # backward, in reverse
+        unit = post_forward[position]
+        gather(unit, post_forward[position - 1] if position > 0 else -1)
+        if unit != enclosing:
+            held.discard(unit)
+    return peak

@@ -215,6 +215,26 @@ def _zero_bubble_table() -> KeyTable:
                      "activations held (stages)", "parameters per rank"], rows)
 
 
+def _sharding_table() -> KeyTable:
+    from ..config import SHARDING_STRATEGIES, ZERO_STAGE
+    from ..costs.memory_model import zero_bytes_per_parameter
+    from ..costs.zero_stages import sharded_step_collectives, step_bytes_sent
+    units = [1000, 4000, 4000]
+    plain = step_bytes_sent(sharded_step_collectives(units, 8, "no_shard"), {"dp": 8})
+    rows = []
+    for strategy in SHARDING_STRATEGIES:
+        stage = ZERO_STAGE[strategy]
+        sent = step_bytes_sent(sharded_step_collectives(units, 8, strategy), {"dp": 8})
+        rows.append([strategy, str(stage),
+                     *(f"{zero_bytes_per_parameter(stage, nd):.2f}" for nd in (8, 64)),
+                     f"{sent / plain:g}x"])
+    return KeyTable("Megatron-FSDP's strategies: model-state bytes per parameter on one rank "
+                    "(the ZeRO paper's mixed-precision Adam, K = 12) and bytes on the wire "
+                    "per step against plain DP (one microbatch, every unit resharded)",
+                    ["strategy", "ZeRO", "bytes / param, DP 8", "DP 64", "sent vs plain DP"],
+                    rows)
+
+
 KEY_TABLES: dict[int, Callable[[], KeyTable]] = {
     entry.number: globals()[entry.key_table] for entry in CHAPTERS}
 """Chapter number -> its key table's builder (named by the chapter's entry in

@@ -1,0 +1,159 @@
+"""The ZeRO stages' formulas (``costs.zero_stages``, the sharded terms of ``costs.memory_model``)
+against the ZeRO paper's numbers and numbers worked out by hand.
+
+The units of chapter 3's GPT (h = 16, 2 blocks, s = 8, V = 32): the root (word table
+32 x 16, position table 8 x 16, final LayerNorm 2 x 16, output layer 32 x 16) 1184
+elements, each block 3280 (LayerNorms 4 x 16, qkv 48 x 16 + 48, proj 16 x 16 + 16,
+fc1 64 x 16 + 64, fc2 16 x 64 + 16).  ``tests/dist/test_fully_sharded_data_parallel.py``
+checks the same functions against real traces and tensors.
+"""
+import pytest
+
+from tutorial_lib import costs
+from tutorial_lib.config import SHARDING_STRATEGIES, ModelConfig, ParallelConfig, TrainConfig
+
+CONFIG = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8,
+                     vocab_size=32)
+UNITS = [1184, 3280, 3280]
+
+
+def test_the_strategy_names_are_megatron_fsdps():
+    """Megatron-LM 82a1d0eb, megatron/core/distributed/fsdp/src/megatron_fsdp/
+    distributed_data_parallel_config.py, ``DistributedDataParallelConfig.
+    data_parallel_sharding_strategy``: "Valid values are 'no_shard', 'optim', 'optim_grads',
+    'optim_grads_params'"."""
+    assert SHARDING_STRATEGIES == ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def test_bytes_per_parameter_match_the_zero_papers_example():
+    """Rajbhandari et al. 2020, figure 1: a 7.5B-parameter model on 64 GPUs with mixed-precision
+    Adam (K = 12) keeps 120 GB per GPU with plain DP, 31.4 GB with ZeRO-1 (P_os), 16.6 GB with
+    ZeRO-2 (P_os+g) and 1.9 GB with ZeRO-3 (P_os+g+p)."""
+    psi, nd = 7.5e9, 64
+    gigabytes = [round(costs.zero_bytes_per_parameter(stage, nd) * psi / 1e9, 1)
+                 for stage in range(4)]
+    assert gigabytes == [120.0, 31.4, 16.6, 1.9]
+    assert costs.zero_bytes_per_parameter(3, 1) == costs.zero_bytes_per_parameter(0, 1) == 16
+
+
+def test_each_units_collectives_by_hand():
+    """DP 4, one microbatch: ZeRO-3 gathers each unit's slice (296 or 820 floats) before its
+    forward and again before its backward and reduce-scatters its padded gradients
+    (4 x the slice); ZeRO-2 reduce-scatters the same and gathers once, after the step."""
+    zero3 = costs.sharded_step_collectives(UNITS, 4, "optim_grads_params",
+                                           unit_names=["root", "layers.0", "layers.1"])
+    table = {(r.op, r.phase, r.what.split(":")[0]): (r.count, r.bytes_each) for r in zero3}
+    assert table == {
+        ("all_gather", "forward", "root"): (1, 296 * 4),
+        ("all_gather", "backward", "root"): (1, 296 * 4),
+        ("reduce_scatter", "backward", "root"): (1, 1184 * 4),
+        ("all_gather", "forward", "layers.0"): (1, 820 * 4),
+        ("all_gather", "backward", "layers.0"): (1, 820 * 4),
+        ("reduce_scatter", "backward", "layers.0"): (1, 3280 * 4),
+        ("all_gather", "forward", "layers.1"): (1, 820 * 4),
+        ("all_gather", "backward", "layers.1"): (1, 820 * 4),
+        ("reduce_scatter", "backward", "layers.1"): (1, 3280 * 4),
+    }
+    fsdp2_default = costs.sharded_step_collectives(UNITS, 4, "optim_grads_params",
+                                                   reshard_after_forward=None)
+    assert len(fsdp2_default) == len(zero3) - 1  # the root stays gathered between the passes
+    zero2 = costs.sharded_step_collectives(UNITS, 4, "optim_grads", num_microbatches=3)
+    assert [(r.op, r.phase, r.count) for r in zero2[:2]] == [
+        ("reduce_scatter", "backward", 3), ("all_gather", "optimizer", 1)]
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8, 16])
+def test_zero3_moves_one_and_a_half_times_plain_dps_bytes(dp):
+    """Rajbhandari et al. 2020, section 7.2: plain DP and ZeRO-1/2 move ``2 Psi`` per rank and
+    step, ZeRO-3 ``3 Psi``; exactly so when every unit divides by DP (here), a little more
+    when the slices are padded."""
+    sent = {s: costs.step_bytes_sent(costs.sharded_step_collectives(UNITS, dp, s), {"dp": dp})
+            for s in SHARDING_STRATEGIES}
+    assert sent["no_shard"] == 2 * (dp - 1) / dp * sum(UNITS) * 4
+    assert sent["optim"] == sent["optim_grads"] == sent["no_shard"]
+    assert sent["optim_grads_params"] == 1.5 * sent["no_shard"]
+    padded = [n + 1 for n in UNITS]
+    ratio = (costs.step_bytes_sent(costs.sharded_step_collectives(padded, dp, "optim_grads_params"),
+                                   {"dp": dp})
+             / costs.step_bytes_sent(costs.sharded_step_collectives(padded, dp, "no_shard"),
+                                     {"dp": dp}))
+    assert ratio > 1.5
+
+
+def test_hsdp_reduce_scatters_in_the_group_and_all_reduces_over_the_replicas():
+    """HSDP, DP 8 as 2 replicas of a sharding group of 4: each unit's gradients are
+    reduce-scattered over 4 ranks, the slice all-reduced over the 2 replicas; fewer bytes
+    cross the replica group than a plain all-reduce moves over all 8."""
+    rows = costs.sharded_step_collectives(UNITS, 8, "optim_grads_params", shard_size=4)
+    replicas = [r for r in rows if r.group_kind == "dp_replicate"]
+    assert [(r.op, r.bytes_each) for r in replicas] == [("all_reduce", 296 * 4),
+                                                       ("all_reduce", 820 * 4),
+                                                       ("all_reduce", 820 * 4)]
+    sizes = {"dp": 4, "dp_replicate": 2}
+    across = costs.step_bytes_sent(replicas, sizes)
+    plain = costs.step_bytes_sent(costs.sharded_step_collectives(UNITS, 8, "no_shard"), {"dp": 8})
+    assert across < plain
+    with pytest.raises(ValueError, match="must divide the data-parallel size"):
+        costs.sharded_step_collectives(UNITS, 8, "optim_grads", shard_size=3)
+    with pytest.raises(ValueError, match="one of no_shard, optim"):
+        costs.sharded_step_collectives(UNITS, 8, "zero3")
+
+
+def test_the_peak_of_gathered_parameters_by_hand():
+    """Root 10, blocks 5, 5, 5.  With prefetch and FSDP2's default (the root kept): the root
+    and two blocks, 20; every unit resharded, no prefetch: the root and one block, 15;
+    nothing resharded: everything stays after forward, 25."""
+    assert costs.peak_unsharded_numel([10, 5, 5, 5], None, prefetch=True) == 20
+    assert costs.peak_unsharded_numel([10, 5, 5, 5], True, prefetch=False) == 15
+    assert costs.peak_unsharded_numel([10, 5, 5, 5], False, prefetch=True) == 25
+    assert costs.peak_unsharded_numel([5, 5, 5], True, prefetch=True, root=False) == 10
+
+
+def test_memory_per_rank_under_each_strategy():
+    """fp32, DP 4, a slice of each unit per rank (296 + 2 x 820 = 1936 floats): ZeRO-2 keeps
+    the whole weights and the slices' gradients, master and moments; ZeRO-3 no whole weight
+    between steps, the root and two blocks gathered at the peak (FSDP2's default, prefetch);
+    HSDP over 2 optimizer instances shards over 2 ranks instead of 4."""
+    parallel, train = ParallelConfig(4), TrainConfig(8, 1)
+    params = sum(UNITS)
+    mine = 296 + 2 * 820
+
+    def predict(strategy, **options):
+        return costs.memory_per_rank(CONFIG, parallel, train,
+                                     data_parallel_sharding_strategy=strategy, **options)[0]
+
+    plain, zero2, zero3 = predict("no_shard"), predict("optim_grads"), predict("optim_grads_params")
+    assert plain.parameters == params
+    assert (plain.weights, plain.gradients, plain.optimizer) == (4 * params, 4 * params, 8 * params)
+    assert (zero2.weights, zero2.gradients, zero2.optimizer) == (4 * params, 4 * mine, 12 * mine)
+    assert (zero3.weights, zero3.gradients, zero3.optimizer) == (0, 4 * mine, 12 * mine)
+    assert zero3.gathered == 4 * (1184 + 2 * 3280) and zero3.total > zero3.gathered
+    hsdp = predict("optim_grads_params", num_distributed_optimizer_instances=2)
+    assert hsdp.optimizer == 12 * (592 + 2 * 1640)
+    assert predict("optim") == costs.memory_per_rank(CONFIG, parallel, train,
+                                                     use_distributed_optimizer=True)[0]
+    with pytest.raises(ValueError, match="must divide DP x CP"):
+        predict("optim", num_distributed_optimizer_instances=3)
+    moe = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8,
+                      vocab_size=32, num_experts=4)
+    with pytest.raises(ValueError, match="routed experts"):
+        costs.memory_per_rank(moe, parallel, train, data_parallel_sharding_strategy="optim_grads")
+
+
+def test_the_memory_command_line_takes_the_strategy(capsys):
+    """``python -m tutorial_lib.memory --data-parallel-sharding-strategy``: ZeRO-3 on the
+    Llama-like preset keeps no whole weight and a gathered peak; with
+    ``--use-distributed-optimizer`` (which is ``optim``) another strategy exits 2 naming both."""
+    import json
+
+    from tutorial_lib import memory
+    argv = ["--preset", "llama-405b", "--json", "--data-parallel-sharding-strategy"]
+    assert memory.main(argv + ["optim_grads_params"]) == 0
+    zero3 = json.loads(capsys.readouterr().out)["pipeline_ranks"][0]
+    assert memory.main(argv + ["optim"]) == 0
+    zero1 = json.loads(capsys.readouterr().out)["pipeline_ranks"][0]
+    assert zero3["weights"] == 0 < zero3["gathered"] and zero1["gathered"] == 0
+    assert zero3["optimizer"] == zero1["optimizer"] and zero3["gradients"] < zero1["gradients"]
+    assert memory.main(["--use-distributed-optimizer", "--data-parallel-sharding-strategy",
+                        "optim_grads"]) == 2
+    assert "give one of the two" in capsys.readouterr().err
