@@ -131,7 +131,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "viz.fp8_tiles": ("fp8_format", "viz.widget"),
     "viz.fp8_legs": ("fp8_format", "viz.draw"),
     "viz.memory_explorer": ("config", "costs.memory_model", "memory", "recompute", "viz.widget"),
-    "viz.cheatsheet": ("chapters", "config", "costs", "grid", "pipeline_parallel", "recipes"),
+    "viz.cheatsheet": ("chapters", "config", "costs", "grid", "pipeline_parallel", "plan",
+                       "recipes"),
+    "viz.layout_explorer": ("config", "costs", "plan", "viz.draw", "viz.widget"),
     # the exercises: the kit, and the modules each exercise is about
     "exercises": (),
     "exercises.sealed": (),
@@ -150,6 +152,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "exercises.ch10": ("config", "costs.memory_model", "exercises.kit", "memory", "recompute"),
     "exercises.ch11": ("exercises.kit", "pipeline_parallel"),
     "exercises.ch12": ("costs.memory_model", "exercises.kit"),
+    "exercises.ch13": ("config", "costs.hardware", "costs.model_flops", "costs.step_time",
+                       "exercises.kit", "plan"),
 }
 
 LAZY_IMPORTS: dict[str, dict[str, str]] = {
