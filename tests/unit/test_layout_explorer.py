@@ -39,5 +39,5 @@ def test_the_roofline_chart_draws_each_technique_and_both_ridges():
     svg = explorer.roofline_chart(lines)._repr_html_()
     for r in lines:
         assert f">{r.technique}<" in svg and f"{r.intensity:,.0f}" in svg
-    assert f"NVLink {lines[0].ridge_nvlink:,.0f}" in svg
-    assert f"network {lines[0].ridge_network:,.0f}" in svg
+    assert f"NVLink ridge {lines[0].ridge_nvlink:,.0f}" in svg
+    assert f"network ridge {lines[0].ridge_network:,.0f}" in svg

@@ -119,35 +119,33 @@ def roofline_chart(lines, title: str = ""):
         raise ValueError("roofline_chart needs at least one Roofline (a layout using TP, CP, "
                          "EP, PP or DP > 1)")
     values = [r.intensity for r in lines] + [lines[0].ridge_nvlink, lines[0].ridge_network]
-    low = 10 ** math.floor(math.log10(min(values)))
-    high = 10 ** math.ceil(math.log10(max(values)))
-    left, right, top, row = 70, 380, 34, 30
-    width = right + 20
+    low = math.floor(math.log10(min(values)))
+    high = math.ceil(math.log10(max(values)))
+    left, right, top, row = 40, 290, 34 if title else 8, 30
+    width = right + 80  # room for the longest bar's value
 
     def x(v):
-        return left + (right - left) * math.log10(v / low) / math.log10(high / low)
+        return left + (right - left) * (math.log10(v) - low) / (high - low)
 
-    body = [draw.text(left, 16, title, size=13, anchor="start", weight="600")] if title else []
+    body = [draw.text(8, 18, title, size=13, anchor="start", weight="600")] if title else []
     bottom = top + row * len(lines)
     for i, r in enumerate(lines):
         y = top + i * row
-        color = draw.palette_color(i)
-        body += [draw.text(left - 8, y + 18, r.technique, size=12, anchor="end"),
-                 draw.rect(left, y + 6, x(r.intensity) - left, 16, color, rx=2),
-                 draw.text(min(x(r.intensity) + 4, right - 30), y + 18,
-                           f"{r.intensity:,.0f}", size=11, anchor="start")]
-    for value, name, dash in ((lines[0].ridge_nvlink, "NVLink", "4 3"),
-                              (lines[0].ridge_network, "network", "1 3")):
+        body += [draw.text(left - 6, y + 18, r.technique, size=12, anchor="end"),
+                 draw.rect(left, y + 6, x(r.intensity) - left, 16, draw.palette_color(i), rx=2),
+                 draw.text(x(r.intensity) + 4, y + 18, f"{r.intensity:,.0f}", size=11,
+                           anchor="start")]
+    for k, (value, name, dash) in enumerate(((lines[0].ridge_nvlink, "NVLink", "4 3"),
+                                             (lines[0].ridge_network, "network", "1 3"))):
         px = x(value)
-        body += [f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{top:.1f}" y2="{bottom:.1f}" '
+        body += [f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{top:.1f}" y2="{bottom + 6 + 14 * k:.1f}" '
                  f'stroke="{draw.INK}" stroke-dasharray="{dash}"/>',
-                 draw.text(px, bottom + 14, f"{name} {value:,.0f}", size=11)]
-    decade = low
-    while decade <= high:
-        body.append(draw.text(x(decade), bottom + 30, f"{decade:g}", size=10,
-                              fill=draw.MUTED))
-        decade *= 10
-    body.append(draw.text((left + right) / 2, bottom + 44, "FLOPs per byte sent (log)",
+                 draw.text(px + 3, bottom + 16 + 14 * k, f"{name} ridge {value:,.0f}", size=11,
+                           anchor="start")]
+    for k in range(low, high + 1):
+        body.append(draw.text(x(10 ** k), bottom + 50, f"1e{k}", size=10, fill=draw.MUTED))
+    body.append(draw.text((left + right) / 2, bottom + 66, "FLOPs per byte sent (log scale)",
                           size=11, fill=draw.MUTED))
     label = "each technique's FLOPs per byte against the NVLink and network ridges"
-    return _Picture(draw.svg(width, bottom + 52, body, label))
+    picture = draw.svg(width, bottom + 74, body, label)
+    return _Picture(picture.replace("<svg ", '<svg style="max-width:100%;height:auto" ', 1))
