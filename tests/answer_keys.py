@@ -35,7 +35,8 @@ import torch
 from tutorial_lib import moe_balance
 from tutorial_lib.context_parallel import held_chunks
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
-                                    ch10, ch11, ch12, kit)
+                                    ch10, ch11, ch12, ch13, kit)
+from tutorial_lib.costs.hardware import cluster
 from tutorial_lib.grid import build_grid
 from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
@@ -564,6 +565,26 @@ def _gathers_forbidden(name, detail, fn):
     return {repr(want), repr(tuple(want)), ", ".join(unit for unit, _ in want)}
 
 
+# --- chapter 13 -----------------------------------------------------------------------------
+
+
+def _pick_forbidden(name, detail, fn):
+    _, model, gpu, nodes, batch = next(c for c in ch13.PICK_CASES if c[0] == name)
+    where = cluster(gpu)
+    gpus = nodes * where.gpus_per_node
+    best = ch13.reference_pick_layout(model, where, gpus, batch)
+    mine = ch13._read_layout(own(fn, model, where, gpus, batch))
+    shown = {best.describe()} if mine != best else set()
+    return shown | numbers(ch13.best_step_time(model, where, gpus, batch))
+
+
+def _tp_forbidden(name, detail, fn):
+    _, model, gpu, per_node, gpus, batch = next(c for c in ch13.TP_CASES if c[0] == name)
+    where = cluster(gpu, gpus_per_node=per_node)
+    return number_forbidden(ch13.reference_tp_stops_paying(model, where, gpus, batch),
+                            own(fn, model, where, gpus, batch))
+
+
 # --- chapter 10 -----------------------------------------------------------------------------
 
 
@@ -777,8 +798,19 @@ KEYS = [
         "root_last": lambda n, p, r: ch12._gather_mistakes(n, p, r)["root_last"],
         "flags": lambda n, p, r: ch12._gather_mistakes(n, p, r)["flags"],
     }, _gathers_forbidden, ch12.GATHER_HINTS),
+    AnswerKey("13.1", ch13.check_pick_layout, {
+        "empty": lambda *a: None,
+        "dp_alone": lambda m, w, g, b: {"tp": 1, "pp": 1, "dp": g},
+        "one_node": lambda m, w, g, b: {"tp": 1, "pp": 1, "dp": w.gpus_per_node},
+    }, _pick_forbidden, ch13.PICK_HINTS),
+    AnswerKey("13.2", ch13.check_tp_stops_paying, {
+        "empty": lambda *a: None,
+        "constant": lambda *a: 2,
+        "fastest": lambda m, w, g, b: ch13._tp_mistakes(m, w, g, b)["fastest"],
+        "leaves": lambda m, w, g, b: ch13._tp_mistakes(m, w, g, b)["leaves"],
+    }, _tp_forbidden, ch13.TP_HINTS),
 ]
-"""Every exercise of chapters 1-11, in order."""
+"""Every exercise of chapters 1-13, in order."""
 
 
 def key_params(*, launching: bool):

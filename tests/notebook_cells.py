@@ -26,8 +26,10 @@ from tutorial_lib.chapters import chapter as registered
 from tutorial_lib.deepseek import layer_range
 from tutorial_lib.config import ConfigError
 from tutorial_lib.exercises import (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09,
-                                    ch10, ch11, ch12)
+                                    ch10, ch11, ch12, ch13)
+from tutorial_lib.costs.step_time import Layout, predict_step
 from tutorial_lib.memory import heaviest_rank_bytes
+from tutorial_lib.plan import MATMUL_EFFICIENCY, plan
 from tutorial_lib.recompute import Recompute
 from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
@@ -149,6 +151,11 @@ CHAPTERS = [
         Exercise("state_bytes", ch12.check_state_bytes),
         Exercise("backward_gathers", ch12.check_backward_gathers),
     ), min_cases=6),
+    Chapter(13, (
+        Exercise("pick_layout", ch13.check_pick_layout),
+        Exercise("tp_stops_paying", ch13.check_tp_stops_paying),
+    ), {"Layout": Layout, "plan": plan, "predict_step": predict_step, "ConfigError": ConfigError,
+        "MATMUL_EFFICIENCY": MATMUL_EFFICIENCY}),
 ]
 
 

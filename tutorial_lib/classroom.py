@@ -66,7 +66,7 @@ DIFFICULTY = {
     # core: one function from the chapter's formulas or rank arithmetic
     **dict.fromkeys(("1.1", "1.2", "2.2", "3.3", "4.1", "4.3", "5.1", "5.2", "5.3", "6.2",
                      "6.3", "8.2", "8.3", "9.2", "9.3", "10.1", "10.2", "11.2", "12.1",
-                     "12.2"), "core"),
+                     "12.2", "13.1", "13.2"), "core"),
     # stretch: code that runs on gloo ranks, or a schedule or numerics to build
     **dict.fromkeys(("2.1", "3.1", "6.1", "7.1", "8.1", "9.1", "11.1"), "stretch"),
 }

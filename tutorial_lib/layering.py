@@ -99,6 +99,15 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "costs.cp_messages": ("costs.alpha_beta",),
     "costs.memory_model": ("config", "grid", "pipeline_parallel", "recompute"),
     "costs.tp_dp_step": (),
+    "costs.hardware": ("config", "costs.alpha_beta"),
+    "costs.model_flops": ("config", "costs.memory_model"),
+    "costs.step_time": ("config", "costs.alpha_beta", "costs.hardware", "costs.memory_model",
+                        "costs.model_flops", "grid", "pipeline_parallel", "recompute"),
+    "costs.rooflines": ("costs.alpha_beta", "costs.hardware", "costs.memory_model",
+                        "costs.model_flops", "costs.step_time"),
+    "plan": ("config", "costs.hardware", "costs.memory_model", "costs.model_flops",
+             "costs.step_time"),
+    "published_runs": ("costs.hardware", "costs.model_flops", "costs.step_time", "plan"),
     "costs.zero_stages": ("config", "costs.alpha_beta", "costs.memory_model", "costs.tp_dp_step"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),
@@ -122,7 +131,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "viz.fp8_tiles": ("fp8_format", "viz.widget"),
     "viz.fp8_legs": ("fp8_format", "viz.draw"),
     "viz.memory_explorer": ("config", "costs.memory_model", "memory", "recompute", "viz.widget"),
-    "viz.cheatsheet": ("chapters", "config", "costs", "grid", "pipeline_parallel", "recipes"),
+    "viz.cheatsheet": ("chapters", "config", "costs", "grid", "pipeline_parallel", "plan",
+                       "recipes"),
+    "viz.layout_explorer": ("config", "costs", "plan", "viz.draw", "viz.widget"),
     # the exercises: the kit, and the modules each exercise is about
     "exercises": (),
     "exercises.sealed": (),
@@ -141,6 +152,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "exercises.ch10": ("config", "costs.memory_model", "exercises.kit", "memory", "recompute"),
     "exercises.ch11": ("exercises.kit", "pipeline_parallel"),
     "exercises.ch12": ("costs.memory_model", "exercises.kit"),
+    "exercises.ch13": ("config", "costs.hardware", "costs.model_flops", "costs.step_time",
+                       "exercises.kit", "plan"),
 }
 
 LAZY_IMPORTS: dict[str, dict[str, str]] = {
@@ -204,7 +217,9 @@ TORCH_FREE: tuple[str, ...] = (
     "pipeline_parallel.modes",
     "memory", "arguments", "layering",
     "costs", "costs.bandwidth", "costs.alpha_beta", "costs.moe", "costs.cp_messages",
-    "costs.memory_model", "costs.tp_dp_step", "costs.zero_stages",
+    "costs.memory_model", "costs.tp_dp_step", "costs.zero_stages", "costs.hardware",
+    "costs.model_flops",
+    "costs.step_time", "costs.rooflines", "plan", "published_runs",
 )
 """Modules that promise to load no torch when imported (a command line checks its
 arguments before torch loads; the cost model runs where torch is not installed)."""

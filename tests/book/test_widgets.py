@@ -492,6 +492,32 @@ def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page)
     view.assert_clean()
 
 
+# --- the layout explorer (chapter 13) ------------------------------------------------------
+
+
+def test_the_layout_explorer_shows_the_planners_tables_in_chromium(fragment_page):
+    """Chapter 13's explorer: each click shows the table ``plan`` made in Python for that
+    choice (cell for cell), a choice where nothing fits shows the planner's reason, the
+    second copy on the page does not move, and on a phone only the table's box scrolls."""
+    from tutorial_lib.viz.layout_explorer import LayoutExplorer, explorer_data
+    data = explorer_data(sizes=("1.3B", "70B"), gpus=("h100-sxm",), counts=(8,))
+    view = fragment_page(LayoutExplorer(data).to_html(), LayoutExplorer(data).to_html(),
+                         width=390, height=900)
+    root = view.page.locator(".tl-layout-explorer").nth(0)
+    other = view.page.locator(".tl-layout-explorer").nth(1)
+    first = "1.3B|h100-sxm|8"
+    assert root.get_attribute("data-key") == first
+    cells = root.locator(".tl-lay-result td").all_inner_texts()
+    assert cells == [value for row in data["results"][first]["rows"] for value in row]
+    root.locator(".tl-lay-size button", has_text="70B").click()
+    assert root.get_attribute("data-key") == "70B|h100-sxm|8"
+    assert data["results"]["70B|h100-sxm|8"]["refused"] in \
+        root.locator(".tl-lay-result").inner_text()
+    assert other.get_attribute("data-key") == first  # the second copy did not move
+    assert view.page.evaluate("document.documentElement.scrollWidth") <= 390
+    view.assert_clean()
+
+
 _OVERFLOW = """root => {
     const svg = root.querySelector("svg"), box = svg.getBoundingClientRect();
     const out = [...svg.querySelectorAll("text, rect")].map(e => e.getBoundingClientRect())

@@ -8,6 +8,7 @@ import pytest
 
 from tutorial_lib.viz import widget
 from tutorial_lib.viz.fp8_tiles import TileExplorer
+from tutorial_lib.viz.layout_explorer import LayoutExplorer
 from tutorial_lib.viz.memory_explorer import MemoryExplorer
 from tutorial_lib.viz.moe_flow import TokenFlowAnimation
 from tutorial_lib.viz.rank_map import RankMap
@@ -17,7 +18,8 @@ from tests.asserts import every
 
 REPO = Path(__file__).resolve().parents[2]
 ASSETS = REPO / "tutorial_lib" / "viz" / "assets"
-WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, Explorer, TileExplorer, MemoryExplorer)
+WIDGETS = (Animation, TokenFlowAnimation, Timeline, RankMap, Explorer, TileExplorer, MemoryExplorer,
+           LayoutExplorer)
 
 
 def test_the_list_holds_every_widget_class_of_the_library():

@@ -27,7 +27,12 @@ module             chapters  what it holds
 =================  ========  ============================================================
 
 And ``cp_messages`` (chapter 9): context-parallel attention's messages and bytes per
-rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all).
+rank in each ``cp_comm_type`` (the p2p ring, the all-gather, Ulysses' all-to-all); and
+chapter 13's planner's parts: ``hardware`` (GPUs and clusters as data, each figure's
+source), ``model_flops`` (a real model's shapes by Megatron's names: GQA, SwiGLU, MoE with
+shared experts, MLA; its parameters and FLOPs), ``step_time`` (one step of a layout:
+compute, exposed communication on the link each group crosses, the bubble, memory),
+``rooflines`` (each technique's FLOPs per byte against NVLink's and the network's ridge).
 
 What they import: ``bandwidth`` is pure Python (not even numpy), and so is ``memory_model``
 (it reads the schedules' formulas from :mod:`tutorial_lib.pipeline_parallel` and the
@@ -74,6 +79,13 @@ def _import_numpy_modules() -> None:
                              gpt_parameter_shapes, megatron_distributed_optimizer_numel,
                              step_bytes_by_group, tp_dp_step_collectives,
                              zero1_state_bytes_per_rank)
+    from .hardware import GPU, GPUS, Cluster, cluster
+    from .model_flops import (MODEL_PRESETS, ModelSpec, active_parameter_count, gpt,
+                              hardware_flops_per_step, layer_flops, model_flops_per_step,
+                              parameter_count)
+    from .rooflines import Roofline, rooflines
+    from .step_time import (Layout, StepTime, group_crosses_nodes, predict_step,
+                            schedule_times)
     from .zero_stages import sharded_step_collectives, step_bytes_sent
     globals().update({name: value for name, value in locals().items()})
 
@@ -108,4 +120,8 @@ __all__ = [
     "layer_activation_bytes", "layer_parameters", "memory_of_ranks", "memory_on_this_machine",
     "memory_per_rank", "stage_activation_bytes", "peak_unsharded_numel", "unit_slice_numel",
     "zero_bytes_per_parameter",
+    "GPU", "GPUS", "Cluster", "cluster", "MODEL_PRESETS", "ModelSpec", "active_parameter_count",
+    "gpt", "hardware_flops_per_step", "layer_flops", "model_flops_per_step", "parameter_count",
+    "Layout", "StepTime", "group_crosses_nodes", "predict_step", "schedule_times",
+    "Roofline", "rooflines",
 ]

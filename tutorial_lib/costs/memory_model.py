@@ -76,7 +76,8 @@ from ..recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, Reco
                          kept_per_layer)
 
 __all__ = ["BYTES_PER_VALUE", "RUNTIME_BYTES_PER_RANK", "PRECISION_BYTES", "Precision",
-           "RankMemory", "layer_parameters", "layer_activation_bytes", "stage_activation_bytes",
+           "RankMemory", "layer_parameters", "attention_widths", "attention_output_width",
+           "attention_parameters", "expert_parameters", "layer_activation_bytes", "stage_activation_bytes",
            "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
            "available_memory_bytes", "format_bytes", "unit_slice_numel",
            "zero_bytes_per_parameter", "peak_unsharded_numel"]
@@ -202,19 +203,73 @@ def layer_parameters(model, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) 
     ``tp``, EP ``ep`` and ETP ``etp`` (each routed expert split over ``etp`` ranks)."""
     h = model.hidden_size
     count = 2 * 2 * h                                   # two LayerNorms, weight and bias
-    count += (3 * h * h + 3 * h) // tp + h * h // tp + h  # qkv (column), proj (row, whole bias)
+    count += attention_parameters(model, tp)
     if _is_moe(model, layer):
         f = model.moe_ffn_hidden_size or h
         count += model.num_experts * h                                # the router (whole)
-        count += _expert_parameters(model, ep, etp)                   # my routed experts' shards
+        count += expert_parameters(model, ep, etp)                   # my routed experts' shards
         count += 3 * model.num_shared_experts * f * h // tp           # shared experts (TP)
     else:
         f = model.ffn_hidden_size or 4 * h
-        count += (f * h + f) // tp + h * f // tp + h                  # fc1 (column), fc2 (row)
+        up = 2 * f if getattr(model, "swiglu", False) else f         # SwiGLU: gate and up
+        count += (up * h + up) // tp + h * f // tp + h                # fc1 (column), fc2 (row)
     return count
 
 
-def _expert_parameters(model, ep: int, etp: int = 1) -> int:
+def attention_widths(model) -> tuple[int, int, int]:
+    """``(q, k, v)``: the widths of one token's queries, keys and values, all heads.
+
+    Plain multi-head attention: ``h`` each.  Grouped-query attention
+    (``num_query_groups`` = ``g`` < heads, Megatron's name): queries ``n d``, keys and values
+    ``g d`` each (``d`` = ``kv_channels``, default ``h / n``).  DeepSeek's multi-head latent
+    attention (``multi_latent_attention``): queries and keys ``n (qk_head_dim +
+    qk_pos_emb_head_dim)``, values ``n v_head_dim``.  A model without these attributes (the
+    course's :class:`~tutorial_lib.config.ModelConfig`) is plain multi-head attention."""
+    h, n = model.hidden_size, model.num_attention_heads
+    if getattr(model, "multi_latent_attention", False):
+        qk = n * (model.qk_head_dim + model.qk_pos_emb_head_dim)
+        return qk, qk, n * model.v_head_dim
+    d = getattr(model, "kv_channels", None) or h // n
+    g = getattr(model, "num_query_groups", None) or n
+    return n * d, g * d, g * d
+
+
+def attention_output_width(model) -> int:
+    """Width of one token's attention output, all heads, before the output projection:
+    every query head mixes a value head, ``n d`` (``n v_head_dim`` under MLA)."""
+    if getattr(model, "multi_latent_attention", False):
+        return model.num_attention_heads * model.v_head_dim
+    n = model.num_attention_heads
+    return n * (getattr(model, "kv_channels", None) or model.hidden_size // n)
+
+
+def attention_parameters(model, tp: int = 1) -> int:
+    """Parameters one TP rank holds of one layer's attention (its projections; the
+    LayerNorms are counted by :func:`layer_parameters`).
+
+    Multi-head and grouped-query: the fused qkv projection (column-parallel, with its bias)
+    and the output projection (row-parallel; its bias whole on every rank).  MLA, as
+    Megatron-Core's ``MLASelfAttention``: the down-projections of queries (``q_lora_rank``;
+    none when it is ``None``: one query projection) and of keys and values (``kv_lora_rank``
+    plus the shared rotary key ``qk_pos_emb_head_dim``) whole on every rank with their
+    LayerNorms, the up-projections column-parallel, the output row-parallel."""
+    h = model.hidden_size
+    q, k, v = attention_widths(model)
+    out = attention_output_width(model)
+    if not getattr(model, "multi_latent_attention", False):
+        return (h * (q + k + v) + q + k + v) // tp + out * h // tp + h
+    n, rope = model.num_attention_heads, model.qk_pos_emb_head_dim
+    q_lora, kv_lora = getattr(model, "q_lora_rank", None), model.kv_lora_rank
+    count = h * (kv_lora + rope) + kv_lora                               # kv down, its norm
+    count += kv_lora * n * (model.qk_head_dim + model.v_head_dim) // tp  # k and v up
+    if q_lora:
+        count += h * q_lora + q_lora + q_lora * q // tp                  # q down, norm, up
+    else:
+        count += h * q // tp
+    return count + out * h // tp + h                                     # output projection
+
+
+def expert_parameters(model, ep: int, etp: int = 1) -> int:
     """One MoE layer's routed-expert parameters on one EP x ETP rank (gate, up, down; no
     bias; each expert's hidden size split over ETP)."""
     return 3 * (model.num_experts // ep) * (model.moe_ffn_hidden_size or model.hidden_size) \
@@ -265,14 +320,20 @@ def layer_activation_bytes(model, layer: int, rows: int, tp: int = 1, cp: int = 
     if fp8:  # the LayerNorm's output is the next matmul's input
         norm += _matmul_input(norm_tokens * h, a, True) - a * norm_tokens * h
     drop = a * norm_tokens * h if model.dropout else 0
-    attention = norm + a * 3 * tokens * h // tp + _matmul_input(tokens * h // tp, a, fp8) + drop
+    q, k, v = attention_widths(model)
+    out = attention_output_width(model)
+    attention = norm + a * tokens * (q + k + v) // tp + _matmul_input(tokens * out // tp, a, fp8) \
+        + drop
+    if getattr(model, "multi_latent_attention", False):  # the latents the up-projections keep
+        attention += a * tokens * (model.kv_lora_rank + (getattr(model, "q_lora_rank", 0) or 0))
     if recompute != "selective":
         attention += STATS_BYTES * tokens * n // tp
     if cp > 1:
         attention += _context_parallel_attention_bytes(model, rows, tp, cp, a)
     if not _is_moe(model, layer):
         f = model.ffn_hidden_size or 4 * h
-        mlp = norm + a * tokens * f // tp + _matmul_input(tokens * f // tp, a, fp8) + drop
+        up = 2 * f if getattr(model, "swiglu", False) else f   # SwiGLU: gate and up outputs
+        mlp = norm + a * tokens * up // tp + _matmul_input(tokens * f // tp, a, fp8) + drop
         return {"attention": attention, "mlp": mlp}
     f, k, experts = model.moe_ffn_hidden_size or h, model.moe_router_topk, model.num_experts
     mine = tokens // tp
@@ -442,9 +503,10 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
             layers = range(stage * per_stage, (stage + 1) * per_stage)
             layer_sizes += [layer_parameters(model, i, tp, ep, etp) for i in layers]
             params += sum(layer_sizes[-len(layers):])
-            experts += sum(_expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
+            experts += sum(expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
             if stage == 0:
-                params += vocab * h // tp + s * h                    # word and position tables
+                rope = getattr(model, "position_embedding_type", "learned_absolute") == "rope"
+                params += vocab * h // tp + (0 if rope else s * h)   # word and position tables
             if stage == stages - 1:
                 params += 2 * h + vocab * h // tp                    # final LayerNorm, LM head
             chunk = stage_activation_bytes(model, stage, stages, rows, tp, cp, precision=precision,

@@ -235,6 +235,24 @@ def _sharding_table() -> KeyTable:
                     rows)
 
 
+def _layout_table() -> KeyTable:
+    from ..costs.hardware import GPUS
+    from ..plan import MATMUL_EFFICIENCY
+    rows = []
+    for gpu in GPUS.values():
+        rate = gpu.peak_flops("bf16") * MATMUL_EFFICIENCY
+        rows.append([gpu.name, f"{gpu.bf16_flops / 1e12:,.0f}", f"{gpu.memory_bytes / 1e9:.0f}",
+                     f"{gpu.nvlink_bandwidth / 1e9:,.0f}", f"{gpu.network_bandwidth / 1e9:,.0f}",
+                     f"{rate / gpu.nvlink_bandwidth:,.0f}",
+                     f"{rate / gpu.network_bandwidth:,.0f}"])
+    return KeyTable("The planner's GPUs: peak dense bf16, memory, NVLink and network bytes per "
+                    "second per GPU (one way), and each link's ridge: the FLOPs per byte sent "
+                    f"below which a technique is communication-bound there (at the fitted "
+                    f"matmul efficiency {MATMUL_EFFICIENCY})",
+                    ["GPU", "bf16 TFLOP/s", "GB", "NVLink GB/s", "network GB/s",
+                     "NVLink ridge", "network ridge"], rows)
+
+
 KEY_TABLES: dict[int, Callable[[], KeyTable]] = {
     entry.number: globals()[entry.key_table] for entry in CHAPTERS}
 """Chapter number -> its key table's builder (named by the chapter's entry in

@@ -1,0 +1,129 @@
+"""The planner: its search against brute force on small worlds, its command line."""
+import itertools
+import json
+
+import pytest
+
+from tutorial_lib import plan as planner
+from tutorial_lib.config import ConfigError
+from tutorial_lib.costs.hardware import cluster
+from tutorial_lib.costs.model_flops import gpt
+from tutorial_lib.costs.step_time import Layout, check_layout, predict_step
+
+
+def _brute_force(model, where, gpus, batch, efficiency):
+    """Every combination of every choice in ranges wider than the planner's, predicted one
+    by one with its memory; the valid ones that fit, fastest first."""
+    out = []
+    sizes = range(1, gpus + 1)
+    for tp, cp, pp, mbs, v in itertools.product(sizes, sizes, sizes, range(1, batch + 1),
+                                                range(1, model.num_layers + 1)):
+        if gpus % (tp * cp * pp):
+            continue
+        for schedule, recompute, sharding in itertools.product(
+                ("1f1b", "interleaved", "dualpipev", "gpipe"), (None, "selective", "full"),
+                ("no_shard", "optim")):
+            layout = Layout(tp, cp, pp, 1, gpus // (tp * cp * pp), v, schedule, mbs,
+                            recompute, sharding)
+            try:
+                check_layout(model, layout, batch)
+            except ConfigError:
+                continue
+            result = predict_step(model, where, layout, batch, efficiency)
+            if result.fits:
+                out.append(result)
+    return sorted(out, key=lambda r: r.step_time_s)
+
+
+def test_search_returns_exactly_the_fitting_layouts_brute_force_finds():
+    # big enough that the A100 40GB refuses some layouts, small enough to try them all
+    model = gpt(8, 4096, 32, seq_length=2048, vocab_size=32000)
+    where = cluster("a100-40gb", gpus_per_node=4)
+    found = planner.plan(model, where, 8, 16, efficiency=0.5, top=None)
+    expected = _brute_force(model, where, 8, 16, 0.5)
+    assert found.candidates > len(found.layouts) > 0    # some do not fit
+    assert {r.layout for r in found.layouts} == {r.layout for r in expected}
+    assert len(found.layouts) == len(expected)
+    times = [r.step_time_s for r in found.layouts]
+    assert times == sorted(times) and all(r.fits for r in found.layouts)
+
+
+def test_top_stops_early_with_the_same_leaders():
+    model = gpt(8, 4096, 32, seq_length=2048, vocab_size=32000)
+    where = cluster("a100-40gb", gpus_per_node=4)
+    every = planner.plan(model, where, 8, 16, efficiency=0.5, top=None)
+    three = planner.plan(model, where, 8, 16, efficiency=0.5, top=3)
+    assert [r.layout for r in three.layouts] == [r.layout for r in every.layouts[:3]]
+    assert three.memory_checked < every.memory_checked
+
+
+def test_fixed_choices_are_held():
+    model = gpt(8, 4096, 32, seq_length=2048, vocab_size=32000)
+    found = planner.plan(model, cluster("a100-80gb"), 16, 32, efficiency=0.5,
+                         fixed={"tp": 2, "pp": 2, "recompute_granularity": "none"}, top=None)
+    # CP is searched: DP x CP is what TP and PP leave of the 16 GPUs
+    assert {(r.layout.tp, r.layout.pp, r.layout.dp * r.layout.cp, r.layout.recompute_granularity)
+            for r in found.layouts} == {(2, 2, 4, None)}
+
+
+def test_sixteen_thousand_gpus_is_a_bounded_search():
+    """The work is counted, not timed: the candidates the planner times for 16,384 GPUs."""
+    model = gpt(128, 25600, 160)
+    count = sum(1 for _ in planner.candidate_layouts(model, 16384, 8192))
+    assert 0 < count < 40_000
+
+
+def test_command_line_json_lists_layouts_best_first(capsys):
+    code = planner.main(["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads",
+                         "32", "--seq-length", "2048", "--vocab-size", "32000", "--gpu",
+                         "a100-80gb", "--gpus", "16", "--global-batch-size", "32", "--top", "4",
+                         "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["layouts"]) == 4
+    for key in ("tp", "cp", "pp", "ep", "dp", "step_time_s", "tflops_per_gpu", "mfu",
+                "hardware_tflops_per_gpu", "memory_gib", "fits"):
+        assert key in out["layouts"][0]
+    times = [layout["step_time_s"] for layout in out["layouts"]]
+    assert times == sorted(times) and all(layout["fits"] for layout in out["layouts"])
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["--preset", "gpt-175b", "--gpu", "v100", "--gpus", "64", "--global-batch-size", "64"],
+     "unknown GPU 'v100'"),
+    (["--preset", "gpt-175b", "--gpu", "a100-80gb", "--gpus", "64", "--global-batch-size",
+      "64", "--tp", "3"], "do not divide|does not divide"),
+    (["--preset", "gpt-175b", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch-size", "8"],
+     "fits nowhere"),
+    (["--num-layers", "4", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch-size", "8"],
+     "no --preset"),
+])
+def test_bad_input_exits_2_naming_the_rule(argv, rule, capsys):
+    assert planner.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: [") and __import__("re").search(rule, err)
+
+
+def test_decision_flow_walks_from_data_parallelism_to_pipelines():
+    where = cluster("a100-80gb")
+    small = planner.decision_flow(gpt(4, 1024, 16, seq_length=1024, vocab_size=1000), where,
+                                  8, 32)
+    assert small[0].answer == "yes" and small[0].best.layout.tp == small[0].best.layout.pp == 1
+    assert small[-1].question == "Which knob first?"
+    # 24 layers of h 12288 (~44B parameters) on 16 A100s: at TP 8 and DP 2 a GPU holds 5.5B
+    # parameters, 14 bytes each under the distributed optimizer, 77 GB: PP 2 is needed
+    big = planner.decision_flow(gpt(24, 12288, 96, seq_length=2048, vocab_size=51200), where,
+                                16, 16)
+    assert [d.best is None for d in big[:2]] == [True, True]
+    assert big[2].best.layout.tp == 8 and big[2].best.layout.pp == 2
+    assert big[-1].best.step_time_s <= big[2].best.step_time_s
+
+
+def test_command_line_decide_prints_the_flow(capsys):
+    assert planner.main(["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads",
+                         "16", "--seq-length", "1024", "--vocab-size", "1000", "--gpu",
+                         "a100-80gb", "--gpus", "8", "--global-batch-size", "32",
+                         "--decide"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Does it fit with data parallelism alone? yes (")
+    assert lines[-1].startswith("Which knob first?")

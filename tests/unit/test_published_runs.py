@@ -1,0 +1,43 @@
+"""The published-run table: the cited rows, the fitted efficiency, the printed predictions."""
+import pytest
+
+from tutorial_lib import plan
+from tutorial_lib.published_runs import (FITTED_ON, PUBLISHED_RUNS, fit_efficiency,
+                                         format_table, predict_run, published_rank,
+                                         published_table)
+
+
+def test_every_row_is_cited_and_narayanans_columns_agree():
+    assert all(run.source for run in PUBLISHED_RUNS)
+    for run in PUBLISHED_RUNS:
+        assert run.gpus % (run.tp * run.pp) == 0
+        if run.aggregate_pflops is not None:  # per-GPU TFLOP/s x GPUs = the aggregate column
+            assert run.value * run.gpus / 1000 == pytest.approx(run.aggregate_pflops, rel=0.01)
+
+
+def test_the_planners_efficiency_is_the_fit():
+    efficiency = fit_efficiency()
+    assert round(efficiency, 3) == plan.MATMUL_EFFICIENCY
+    fitted = next(r for r in PUBLISHED_RUNS if r.name == FITTED_ON)
+    assert predict_run(fitted, efficiency)[1] == pytest.approx(fitted.value, rel=1e-4)
+
+
+def test_printed_table_is_the_computed_one():
+    rows = published_table(plan.MATMUL_EFFICIENCY)
+    text = format_table(rows).splitlines()
+    assert len(text) == 1 + len(PUBLISHED_RUNS)
+    for run, row, line in zip(PUBLISHED_RUNS, rows, text[1:]):
+        _, figure = predict_run(run, plan.MATMUL_EFFICIENCY)
+        assert row["published"] == run.value and row["predicted"] == figure
+        assert row["error"] == pytest.approx(figure / run.value - 1)
+        shown = f"{figure:.1%}" if run.metric == "mfu" else f"{figure:.0f}"
+        assert line.startswith(run.name) and f" {shown} " in line
+
+
+def test_published_rank_counts_faster_fitting_layouts():
+    run = next(r for r in PUBLISHED_RUNS if r.gpus == 8)
+    result, _ = predict_run(run, plan.MATMUL_EFFICIENCY)
+    rank = published_rank(run, plan.MATMUL_EFFICIENCY, result)
+    found = plan.plan(run.model(), plan.cluster("a100-80gb"), run.gpus, run.global_batch_size,
+                      efficiency=plan.MATMUL_EFFICIENCY, top=None)
+    assert rank == 1 + sum(r.step_time_s < result.step_time_s for r in found.layouts)

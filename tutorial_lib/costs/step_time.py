@@ -1,0 +1,514 @@
+"""One training step of a layout on a cluster, predicted: time by part, and memory (chapter 13).
+
+The planner (:mod:`tutorial_lib.plan`) ranks layouts with :func:`predict_step`.  A step
+is the pipeline schedule played with each chunk-microbatch's forward and backward costs,
+each cost the sum of
+
+* **compute**: the chunk's FLOPs (:mod:`~tutorial_lib.costs.model_flops`: dense and MoE
+  layers, attention with the sequence length; on the rank that also runs the LM head, the
+  heaviest, its chunks' average) over ``peak x efficiency``, one matmul-efficiency figure for the GPU
+  (fitted on a published run, :mod:`~tutorial_lib.costs.published_runs`), split over TP and
+  CP; a backward is two forwards, plus the recomputed forward (``full``) or core attention
+  (``selective``);
+* **exposed communication** on the critical path of every microbatch: TP's all-reduces
+  (two per layer each way, two more under full recomputation; reduce-scatter plus
+  all-gather under sequence parallelism move the same bytes), CP's K/V ring beyond what the
+  layer's core attention hides, EP's dispatch and combine all-to-alls (exposed, except
+  under DualPipeV, where the other microbatch's compute hides them), PP's send of the
+  boundary activation (and its gradient back).
+
+Each collective costs what :func:`~tutorial_lib.costs.alpha_beta.predict_time` says on the
+link its group crosses: NVLink inside a node, the network (per GPU) as soon as the group
+leaves it, read from where Megatron's grid (:func:`tutorial_lib.grid.megatron_grids`) puts
+the group.  The **bubble** is the schedule's idle time with those costs: the course's
+simulator (:func:`~tutorial_lib.pipeline_parallel.simulator.simulate`) for small schedules,
+its closed form (:func:`~tutorial_lib.pipeline_parallel.formulas.expected_bubble_time`,
+equal to the simulation for equal stages, see the tests) for large ones.  **Data-parallel**
+gradient reduction runs under the last microbatch's backward but its last bucket (and, for
+the distributed optimizer, the parameter all-gather under the next forward but its first
+bucket).  **Memory** is :func:`~tutorial_lib.costs.memory_model.memory_per_rank` at
+bf16 with the layout's schedule and recomputation: the heaviest rank, and whether it fits
+in :data:`USABLE_MEMORY_FRACTION` of the GPU.
+
+Sharding strategies by Megatron-FSDP's names: ``no_shard`` (plain data parallelism) and
+``optim`` (the distributed optimizer, ZeRO-1) are modelled; ``optim_grads`` and
+``optim_grads_params`` are not (:class:`ConfigError` names the rule).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+from ..config import ConfigError, ParallelConfig, TrainConfig
+from ..grid import megatron_grids
+from ..pipeline_parallel import build_schedules
+from ..pipeline_parallel.actions import SCHEDULE_PLACEMENT, model_stage
+from ..pipeline_parallel.formulas import expected_bubble_time, expected_peak_activations
+from ..pipeline_parallel.simulator import idle_time, makespan, simulate
+from ..recompute import Recompute
+from .alpha_beta import predict_time
+from .hardware import Cluster
+from .memory_model import (attention_widths, expert_parameters, layer_parameters,
+                           memory_per_rank, stage_activation_bytes)
+from .model_flops import (ModelSpec, hardware_flops_per_step, layer_flops,
+                          model_flops_per_step)
+
+__all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SCHEDULES",
+           "USABLE_MEMORY_FRACTION", "DDP_BUCKET_PARAMETERS", "group_crosses_nodes",
+           "chunk_costs", "schedule_times", "predict_step", "with_memory", "layout_memory",
+           "rank_parameters", "memory_lower_bound", "check_layout"]
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's ``--data-parallel-sharding-strategy`` names."""
+
+MODELLED_SHARDING = ("no_shard", "optim")
+"""What this model predicts: plain DP and the distributed optimizer (ZeRO-1)."""
+
+SCHEDULES = ("1f1b", "interleaved", "dualpipev")
+"""The schedules the planner weighs (GPipe holds more and runs no faster than 1F1B)."""
+
+USABLE_MEMORY_FRACTION = 0.9
+"""Of the GPU's memory, what the model's tensors may take: the rest is the CUDA context,
+NCCL's buffers and the allocator's fragmentation, which the memory model does not count
+(an assumption of the course, not a measured figure)."""
+
+DDP_BUCKET_PARAMETERS = 40_000_000
+"""Parameters per gradient bucket: Megatron-Core's default ``ddp_bucket_size``,
+``max(40,000,000, 1,000,000 x DP)`` (``megatron/core/distributed/distributed_data_parallel.py``)."""
+
+BYTES = 2
+"""bf16: activations and parameters on the wire."""
+
+GRADIENT_BYTES = 4
+"""fp32: gradients reduced as the memory model keeps them (``main_grad``)."""
+
+SIMULATED_ACTIONS = 2048
+"""Above this many compute actions per step (PP x M x V x 2), the bubble comes from the
+closed form rather than the simulator (the same number for equal stages)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every choice of one layout, by Megatron's flag names."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+    virtual_pipeline_size: int = 1
+    schedule: str = "1f1b"
+    micro_batch_size: int = 1
+    recompute_granularity: str | None = None
+    sharding: str = "no_shard"
+    """Megatron-FSDP's ``--data-parallel-sharding-strategy``."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def num_microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.dp * self.micro_batch_size)
+
+    def describe(self) -> str:
+        v = f" V {self.virtual_pipeline_size}" if self.schedule == "interleaved" else ""
+        return (f"TP {self.tp} CP {self.cp} PP {self.pp} EP {self.ep} DP {self.dp}, "
+                f"{self.schedule}{v}, micro-batch {self.micro_batch_size}, recompute "
+                f"{self.recompute_granularity or 'none'}, {self.sharding}")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The prediction for one layout (seconds, FLOP/s per GPU, bytes)."""
+
+    layout: Layout
+    step_time_s: float
+    compute_s: float
+    """The heaviest rank's compute, recomputation included."""
+    tp_s: float
+    cp_s: float
+    ep_s: float
+    dp_s: float
+    pp_s: float
+    """Exposed communication of each kind on the critical path."""
+    bubble_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    """The model's FLOPs (no recomputation) per second per GPU, in 10^12."""
+    mfu: float
+    hardware_tflops_per_gpu: float
+    """What the GPUs computed, recomputation included (the Megatron papers' figure)."""
+    memory_bytes: int
+    fits: bool | None
+    crosses_nodes: dict = field(default_factory=dict)
+    """Per group kind: whether its ring leaves a node."""
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / 2**30
+
+    def as_dict(self) -> dict:
+        """The fields ``python -m tutorial_lib.plan --json`` prints for one layout."""
+        l = self.layout
+        return {"tp": l.tp, "cp": l.cp, "pp": l.pp, "ep": l.ep, "dp": l.dp,
+                "virtual_pipeline_size": l.virtual_pipeline_size, "schedule": l.schedule,
+                "micro_batch_size": l.micro_batch_size,
+                "recompute_granularity": l.recompute_granularity, "sharding": l.sharding,
+                "step_time_s": self.step_time_s, "compute_s": self.compute_s,
+                "tp_comm_s": self.tp_s, "cp_comm_s": self.cp_s, "ep_comm_s": self.ep_s,
+                "dp_comm_s": self.dp_s, "pp_comm_s": self.pp_s, "bubble_s": self.bubble_s,
+                "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu,
+                "mfu": self.mfu, "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+                "memory_gib": self.memory_gib, "fits": self.fits,
+                "crosses_nodes": dict(self.crosses_nodes)}
+
+
+def check_layout(model: ModelSpec, layout: Layout, global_batch_size: int,
+                 world_size: int | None = None) -> None:
+    """Every rule a layout must keep, as :class:`ConfigError` naming it, its numbers and a fix."""
+    l = layout
+    for name in ("tp", "cp", "pp", "ep", "dp", "virtual_pipeline_size", "micro_batch_size"):
+        value = getattr(l, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("layout", f"--{name.replace('_', '-')} must be a whole number >= 1, "
+                                        f"got {value!r}")
+    if world_size is not None and l.world_size != world_size:
+        raise ConfigError("layout", f"TP {l.tp} x CP {l.cp} x PP {l.pp} x DP {l.dp} = "
+                                    f"{l.world_size}, not the {world_size} GPUs; change a size "
+                                    f"or leave one out for the planner to fill")
+    groups = getattr(model, "num_query_groups", None) or model.num_attention_heads
+    if model.num_attention_heads % l.tp or (not model.multi_latent_attention and groups % l.tp):
+        raise ConfigError("rule tp", f"TP ({l.tp}) must divide the attention heads "
+                                     f"({model.num_attention_heads}) and key/value groups "
+                                     f"({groups}); take a divisor of {groups}")
+    if model.seq_length % (2 * l.cp):
+        raise ConfigError("rule cp", f"the sequence ({model.seq_length}) must split into "
+                                     f"2 x CP = {2 * l.cp} chunks (the load-balanced split); "
+                                     f"take a CP that divides {model.seq_length // 2}")
+    if l.schedule not in SCHEDULES:
+        raise ConfigError("schedule", f"--schedule {l.schedule!r}: the planner weighs "
+                                      f"{', '.join(SCHEDULES)}")
+    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
+    if l.schedule != "interleaved" and l.virtual_pipeline_size != 1:
+        raise ConfigError("schedule", f"--virtual-pipeline-size {l.virtual_pipeline_size} needs "
+                                      f"--schedule interleaved ({l.schedule} places its own "
+                                      f"chunks)")
+    if l.schedule == "interleaved" and (l.pp < 2 or l.virtual_pipeline_size < 2):
+        raise ConfigError("schedule", f"the interleaved schedule needs PP >= 2 and "
+                                      f"--virtual-pipeline-size >= 2, got PP {l.pp}, V "
+                                      f"{l.virtual_pipeline_size}; use --schedule 1f1b")
+    if l.schedule == "dualpipev" and (l.pp < 2 or l.recompute_granularity):
+        raise ConfigError("schedule", "DualPipeV needs PP >= 2 and no recomputation (its "
+                                      "backward is split into B and W); use 1f1b or interleaved")
+    if model.num_layers % (l.pp * chunks):
+        raise ConfigError("rule 9", f"--num-layers ({model.num_layers}) must divide into PP x "
+                                    f"chunks = {l.pp} x {chunks} stages of equal layers; take a "
+                                    f"PP that divides {model.num_layers}")
+    if global_batch_size % (l.dp * l.micro_batch_size):
+        raise ConfigError("batch", f"--global-batch-size ({global_batch_size}) must divide by "
+                                   f"DP x micro-batch = {l.dp} x {l.micro_batch_size}")
+    m = l.num_microbatches(global_batch_size)
+    if l.schedule == "interleaved" and m % l.pp:
+        raise ConfigError("schedule", f"the interleaved schedule needs the microbatches ({m}) "
+                                      f"to be a multiple of PP ({l.pp}), as Megatron-Core asks")
+    if l.schedule == "dualpipev" and m < 2 * l.pp:
+        raise ConfigError("schedule", f"DualPipeV needs M >= 2 PP, got M {m}, PP {l.pp}")
+    if model.num_experts:
+        if model.num_experts % l.ep:
+            raise ConfigError("rule ep", f"EP ({l.ep}) must divide the experts "
+                                         f"({model.num_experts})")
+        if (l.dp * l.cp * l.tp) % (l.ep * l.tp):
+            raise ConfigError("rule ep", f"EP x ETP = {l.ep} x {l.tp} must divide DP x CP x TP "
+                                         f"= {l.dp * l.cp * l.tp} (Megatron's expert grid "
+                                         f"folds onto the dense one)")
+    elif l.ep != 1:
+        raise ConfigError("rule ep", f"EP ({l.ep}) needs experts (--num-experts); use --ep 1")
+    if l.sharding not in SHARDING_STRATEGIES:
+        raise ConfigError("sharding", f"--data-parallel-sharding-strategy {l.sharding!r}: one of "
+                                      f"{', '.join(SHARDING_STRATEGIES)}")
+    if l.sharding not in MODELLED_SHARDING:
+        raise ConfigError("sharding", f"{l.sharding} (ZeRO-2/3) is not in this time and memory "
+                                      f"model yet; use {' or '.join(MODELLED_SHARDING)}")
+
+
+def _parallel_config(layout: Layout) -> ParallelConfig:
+    return ParallelConfig(layout.world_size, tensor_model_parallel_size=layout.tp,
+                          pipeline_model_parallel_size=layout.pp,
+                          expert_model_parallel_size=layout.ep, context_parallel_size=layout.cp)
+
+
+def group_crosses_nodes(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
+    """For ``tp``, ``cp``, ``dp_cp``, ``pp``, ``ep`` and ``edp``: whether the group's ring
+    leaves a node, in Megatron's grid (``tp-cp-ep-dp-pp``).  Group ``g`` of a dimension
+    of stride ``t`` and size ``n`` spans aligned blocks of ``t n`` ranks; every such block
+    lies in one node iff ``t n`` divides the node's GPUs."""
+    dense, expert = megatron_grids(_parallel_config(layout))
+
+    def crosses(grid, *dims) -> bool:
+        sizes = [grid.size(d) for d in dims]
+        if all(s == 1 for s in sizes):
+            return False
+        span = max(grid.stride(d) * grid.size(d) for d in dims)
+        return span > gpus_per_node or gpus_per_node % span != 0
+
+    return {"tp": crosses(dense, "tp"), "cp": crosses(dense, "cp"),
+            "dp_cp": crosses(dense, "dp", "cp"), "pp": crosses(dense, "pp"),
+            "ep": crosses(expert, "ep"), "edp": crosses(expert, "edp")}
+
+
+def _flop_rate(cluster: Cluster, efficiency: float, precision: str) -> float:
+    if not 0 < efficiency <= 1:
+        raise ConfigError("efficiency", f"the matmul efficiency must be in (0, 1], got "
+                                        f"{efficiency!r}")
+    return cluster.gpu.peak_flops(precision) * efficiency
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """Seconds of one chunk-microbatch on the heaviest rank, by part."""
+
+    forward_compute: float
+    backward_compute: float
+    """Including the recomputed forward."""
+    tp: float
+    cp: float
+    ep: float
+    ep_hidden: float
+    """EP time the schedule hides (DualPipeV's overlapped pairs)."""
+    pp: float
+
+    @property
+    def forward(self) -> float:
+        return self.forward_compute + (self.tp + self.cp + self.ep + self.pp) / 3
+
+    @property
+    def backward(self) -> float:
+        return self.backward_compute + 2 * (self.tp + self.cp + self.ep + self.pp) / 3
+
+
+def chunk_costs(model: ModelSpec, cluster: Cluster, layout: Layout, efficiency: float,
+                precision: str = "bf16", crosses: dict | None = None) -> ChunkCosts:
+    """The costs of one chunk-microbatch on the rank with the LM head (its chunks' average:
+    the head's FLOPs spread over them), split as the module docstring says.  Communication is given for the
+    forward and backward together (a third forward, two thirds backward: the backward
+    issues each collective of the forward's twice over, for inputs and, for CP, keys and
+    values' gradients)."""
+    l = layout
+    crosses = group_crosses_nodes(l, cluster.gpus_per_node) if crosses is None else crosses
+    rate = _flop_rate(cluster, efficiency, precision)
+    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
+    per_chunk = model.num_layers // (l.pp * chunks)
+    last = _last_rank_layers(model.num_layers, l.pp, chunks, l.schedule)
+    parts = [layer_flops(model, i) for i in last]
+    tokens = l.micro_batch_size * model.seq_length   # of one microbatch, before TP and CP
+    split = l.tp * l.cp * chunks                     # the rank's work, per chunk on average
+    head = tokens * 2.0 * model.hidden_size * model.vocab_size / split
+    layers = tokens * sum(sum(p.values()) for p in parts) / split
+    forward = layers + head
+    attention = tokens * sum(p["core_attention"] for p in parts) / split
+    recomputed = {None: 0.0, "selective": attention, "full": layers}[l.recompute_granularity]
+    h = model.hidden_size
+    rank_tokens = tokens // l.cp                     # this rank's tokens of the microbatch
+    tp_time = cp_time = ep_time = ep_hidden = pp_time = 0.0
+    if l.tp > 1:
+        per_layer = 6 if l.recompute_granularity == "full" else 4
+        tp_time = per_chunk * per_layer * predict_time(
+            "all_reduce", rank_tokens * h * BYTES, l.tp, cluster.link(crosses["tp"]))
+    if l.cp > 1:  # the K/V ring, forward once, backward twice; hidden under core attention
+        _, k, v = attention_widths(model)
+        block = rank_tokens * (k + v) * BYTES / l.tp
+        ring = (l.cp - 1) * predict_time("send", block, 2, cluster.link(crosses["cp"]))
+        core = attention / per_chunk / rate
+        cp_time = per_chunk * 3 * max(0.0, ring - core)   # forward 1, backward 2 rings
+    moe_layers = sum(1 for i in last if model.num_experts and i >= model.first_k_dense_replace)
+    moe_layers /= chunks
+    if moe_layers and l.ep > 1:
+        rows = rank_tokens // l.tp * model.moe_router_topk
+        one = predict_time("all_to_all", rows * h * BYTES, l.ep, cluster.link(crosses["ep"]))
+        total = moe_layers * 4 * one
+        if l.schedule == "dualpipev":  # hidden behind the other microbatch's compute
+            ep_hidden = min(total, 3 * forward / rate)
+            total -= ep_hidden
+        ep_time = total
+    if l.pp > 1:
+        boundary = rank_tokens * h * BYTES / (l.tp if l.tp > 1 else 1)
+        pp_time = 2 * predict_time("send", boundary, 2, cluster.link(crosses["pp"]))
+    return ChunkCosts(forward / rate, (2 * forward + recomputed) / rate, tp_time, cp_time,
+                      ep_time, ep_hidden, pp_time)
+
+
+def _last_rank_layers(num_layers: int, pp: int, chunks: int, schedule: str) -> list[int]:
+    """The layers of the rank that holds the LM head: the last rank, or rank 0 in the V."""
+    per_chunk = num_layers // (pp * chunks)
+    rank = 0 if schedule == "dualpipev" else pp - 1
+    stages = [model_stage(SCHEDULE_PLACEMENT.get(schedule, "loop"), rank, c, pp)
+              for c in range(chunks)]
+    return [stage * per_chunk + i for stage in stages for i in range(per_chunk)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated(schedule: str, pp: int, m: int, v: int, forward: float, backward: float) -> tuple:
+    """``(makespan, idle)`` of the simulated schedule with these chunk costs."""
+    schedules = build_schedules(schedule, pp, m, v if schedule == "interleaved" else 1)
+    timelines = simulate(schedules, forward_cost=forward, backward_cost=backward)
+    return makespan(timelines), idle_time(timelines)
+
+
+def schedule_times(schedule: str, pp: int, m: int, v: int, forward: float,
+                   backward: float) -> tuple[float, float]:
+    """``(busy, bubble)`` seconds of one rank in the step: ``M V`` chunk-microbatches of
+    ``forward + backward`` each, and the idle time the schedule adds.  The simulator where
+    the step has at most :data:`SIMULATED_ACTIONS` computes, else the closed form it
+    agrees with for equal stages; DualPipeV by the DualPipe table's row (W half the
+    backward)."""
+    chunks = 2 if schedule == "dualpipev" else v
+    busy = m * chunks * (forward + backward)
+    if pp == 1:
+        return busy, 0.0
+    if schedule != "dualpipev" and 2 * pp * m * chunks <= SIMULATED_ACTIONS:
+        # simulated with F = 1, B = 2 and scaled: with equal stages the idle time of 1F1B
+        # and the interleaved schedule is (PP - 1)(F + B) / V whatever B / F is (chapter 6),
+        # so one simulation serves every layout with this PP, M and V
+        _, idle = _simulated(schedule, pp, m, v, 1, 2)
+        return busy, float(idle) * (forward + backward) / 3
+    return busy, expected_bubble_time(schedule, pp, forward, backward)
+
+
+@functools.lru_cache(maxsize=65536)
+def layout_memory(model: ModelSpec, layout: Layout, global_batch_size: int) -> int:
+    """Bytes of the layout's heaviest rank (bf16, no process runtime):
+    :func:`~tutorial_lib.costs.memory_model.memory_per_rank` on the first and the last
+    pipeline rank (the embedding and the head; rank 0 holds the most microbatches)."""
+    l = layout
+    spec = replace(model, sequence_parallel=l.tp > 1)
+    full = l.recompute_granularity == "full"
+    recompute = Recompute(l.recompute_granularity, "uniform" if full else None, 1 if full else None)
+    ranks = memory_per_rank(spec, _parallel_config(l),
+                            TrainConfig(global_batch_size, l.num_microbatches(global_batch_size)),
+                            l.schedule, 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size,
+                            pipeline_ranks=sorted({0, l.pp - 1}), precision="bf16",
+                            use_distributed_optimizer=l.sharding == "optim", recompute=recompute,
+                            runtime=0)
+    return max(r.total for r in ranks)
+
+
+@functools.lru_cache(maxsize=65536)
+def memory_lower_bound(model: ModelSpec, layout: Layout, global_batch_size: int) -> int:
+    """A quick floor under :func:`layout_memory`: the heaviest rank's weights, gradients and
+    optimizer state (:func:`rank_parameters`, bf16 as the memory model counts them: 2 + 4
+    bytes, and 12 per parameter or 16 per slice element under ``optim``) plus rank 0's
+    microbatches in flight times the lightest stage's activations.  The planner skips the
+    exact count where this floor already does not fit."""
+    l = layout
+    dense, experts = rank_parameters(model, l)
+    params = dense + experts
+    state = 6 * params
+    if l.sharding == "optim":
+        edp = l.world_size // (l.ep * l.tp * l.pp)
+        state += 16 * (-(-dense // (l.dp * l.cp)) + (-(-experts // edp) if experts else 0))
+    else:
+        state += 12 * params
+    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
+    stages = l.pp * chunks
+    middle = 1 if stages > 2 else 0   # a stage without the embedding (or the only one)
+    full = l.recompute_granularity == "full"
+    recompute = Recompute(l.recompute_granularity, "uniform" if full else None, 1 if full else None)
+    m = l.num_microbatches(global_batch_size)
+    per = stage_activation_bytes(replace(model, sequence_parallel=l.tp > 1), middle, stages,
+                                 l.micro_batch_size, l.tp, l.cp, precision="bf16",
+                                 recompute=recompute, ep=l.ep, etp=l.tp)
+    in_flight = expected_peak_activations(l.schedule, l.pp, m, 0, chunks) if l.pp > 1 else 1
+    return state + in_flight * sum(per.values())
+
+
+def rank_parameters(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """``(dense, routed-expert)`` parameters of the pipeline rank that holds the most,
+    each reduced over its own data-parallel group."""
+    l = layout
+    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
+    per_chunk = model.num_layers // (l.pp * chunks)
+    placement = SCHEDULE_PLACEMENT.get(l.schedule, "loop")
+    stages = l.pp * chunks if placement == "v" else l.pp * l.virtual_pipeline_size
+    best = (0, 0)
+    for rank in sorted({0, l.pp - 1}):
+        dense = experts = 0
+        for c in range(chunks):
+            stage = model_stage(placement, rank, c, l.pp)
+            for i in range(stage * per_chunk, (stage + 1) * per_chunk):
+                total = layer_parameters(model, i, l.tp, l.ep, l.tp)
+                routed = expert_parameters(model, l.ep, l.tp) if (
+                    model.num_experts and i >= model.first_k_dense_replace) else 0
+                dense, experts = dense + total - routed, experts + routed
+            if stage in (0, stages - 1):
+                dense += model.vocab_size * model.hidden_size // l.tp
+        best = max(best, (dense, experts), key=sum)
+    return best
+
+
+def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[int, int],
+                backward_window: float, forward_window: float) -> float:
+    """Exposed data-parallel time: each domain's gradient reduction (all-reduce, or the
+    distributed optimizer's reduce-scatter and parameter all-gather) beyond the window it
+    runs under, plus the bucket that cannot overlap."""
+    l = layout
+    dense, experts = params
+    domains = [(dense, l.dp * l.cp, crosses["dp_cp"]),
+               (experts, l.world_size // (l.ep * l.tp * l.pp), crosses["edp"])]
+    exposed = 0.0
+    for count, size, across in domains:
+        if not count or size == 1:
+            continue
+        link = cluster.link(across)
+        bucket = min(count, max(DDP_BUCKET_PARAMETERS, 1_000_000 * size))
+        if l.sharding == "no_shard":
+            total = predict_time("all_reduce", count * GRADIENT_BYTES, size, link)
+            last = predict_time("all_reduce", bucket * GRADIENT_BYTES, size, link)
+            exposed += last + max(0.0, total - last - backward_window)
+        else:
+            scatter = predict_time("reduce_scatter", count * GRADIENT_BYTES, size, link)
+            last = predict_time("reduce_scatter", bucket * GRADIENT_BYTES, size, link)
+            gather = predict_time("all_gather", count * BYTES / size, size, link)
+            first = predict_time("all_gather", bucket * BYTES / size, size, link)
+            exposed += last + max(0.0, scatter - last - backward_window)
+            exposed += first + max(0.0, gather - first - forward_window)
+    return exposed
+
+
+def predict_step(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch_size: int,
+                 efficiency: float, precision: str = "bf16", *, memory: bool = True,
+                 checked: bool = False) -> StepTime:
+    """The prediction for ``layout`` (checked by :func:`check_layout` first, unless
+    ``checked``).  ``memory=False`` leaves the memory out (``memory_bytes`` -1, ``fits``
+    ``None``): the planner ranks by time first and adds it with :func:`with_memory`."""
+    if not checked:
+        check_layout(model, layout, global_batch_size)
+    l = layout
+    crosses = group_crosses_nodes(l, cluster.gpus_per_node)
+    costs = chunk_costs(model, cluster, l, efficiency, precision, crosses)
+    m = l.num_microbatches(global_batch_size)
+    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
+    busy, bubble = schedule_times(l.schedule, l.pp, m, l.virtual_pipeline_size,
+                                  costs.forward, costs.backward)
+    count = m * chunks
+    dp = _dp_exposed(cluster, l, crosses, rank_parameters(model, l),
+                     chunks * costs.backward_compute, chunks * costs.forward_compute)
+    step = busy + bubble + dp
+    gpus = l.world_size
+    model_flops = model_flops_per_step(model, global_batch_size)
+    hardware = hardware_flops_per_step(model, global_batch_size, l.recompute_granularity)
+    peak = cluster.gpu.peak_flops(precision)
+    result = StepTime(l, step, count * (costs.forward_compute + costs.backward_compute),
+                    count * costs.tp, count * costs.cp, count * costs.ep, dp, count * costs.pp,
+                    bubble, global_batch_size * model.seq_length / step,
+                    model_flops / gpus / step / 1e12, model_flops / gpus / step / peak,
+                    hardware / gpus / step / 1e12, -1, None, crosses)
+    return with_memory(result, model, cluster, global_batch_size) if memory else result
+
+
+def with_memory(result: StepTime, model: ModelSpec, cluster: Cluster,
+                global_batch_size: int) -> StepTime:
+    """``result`` with its heaviest rank's bytes (:func:`layout_memory`) and whether they
+    fit in :data:`USABLE_MEMORY_FRACTION` of the GPU."""
+    used = layout_memory(model, result.layout, global_batch_size)
+    return replace(result, memory_bytes=used,
+                   fits=used <= USABLE_MEMORY_FRACTION * cluster.gpu.memory_bytes)
