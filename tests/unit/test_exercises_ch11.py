@@ -6,18 +6,11 @@ import pytest
 
 from tutorial_lib.exercises import ch11
 from tutorial_lib.exercises.ch11 import check_idle_times, check_place_weights
-from tutorial_lib.exercises.kit import forget_attempts
 from tutorial_lib.pipeline_parallel.actions import Action
 from tutorial_lib.pipeline_parallel.schedules import one_f_one_b
 from tutorial_lib.pipeline_parallel.zero_bubble import zb_h1
 from tests.asserts import every
 
-
-@pytest.fixture(autouse=True)
-def fresh_hints():
-    forget_attempts()
-    yield
-    forget_attempts()
 
 
 # --- exercise 11.1: place the W's --------------------------------------------------------------

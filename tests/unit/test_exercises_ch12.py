@@ -4,19 +4,10 @@ tests/unit/test_exercises_notebooks.py; the backward's gather order on real rank
 tests/dist/test_fully_sharded_data_parallel.py)."""
 from __future__ import annotations
 
-import pytest
-
 from tutorial_lib import costs
 from tutorial_lib.config import ModelConfig, ParallelConfig, TrainConfig
 from tutorial_lib.exercises import ch12
 from tutorial_lib.exercises.kit import forget_attempts
-
-
-@pytest.fixture(autouse=True)
-def fresh_hints():
-    forget_attempts()
-    yield
-    forget_attempts()
 
 
 def test_the_state_reference_is_the_memory_model_on_the_chapters_model():

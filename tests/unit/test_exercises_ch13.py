@@ -3,20 +3,11 @@ mistakes (pure: no processes; the notebook's exercise cells:
 tests/unit/test_exercises_notebooks.py)."""
 from __future__ import annotations
 
-import pytest
-
 from tutorial_lib.costs.hardware import cluster
 from tutorial_lib.costs.step_time import Layout
 from tutorial_lib.exercises import ch13
 from tutorial_lib.exercises.kit import forget_attempts
 from tutorial_lib.plan import plan
-
-
-@pytest.fixture(autouse=True)
-def fresh_hints():
-    forget_attempts()
-    yield
-    forget_attempts()
 
 
 def test_pick_layout_passes_the_planners_best_and_refuses_what_it_should():
