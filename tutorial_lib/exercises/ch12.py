@@ -52,8 +52,9 @@ HINT_STATE_NUDGE = (
     "Adam's two moments; then add the whole weights where the strategy keeps them."
 )
 HINT_STATE_GENERIC = (
-    "re-read 'What each stage keeps': ZeRO-2 keeps the whole weights and 16 bytes per slice "
-    "element; ZeRO-3 only the 16 bytes per slice element."
+    "re-read 'What each stage keeps': reconsider, for the strategy of the case, which of "
+    "the weights, their gradients and the optimizer's state a rank holds whole and which "
+    "only as its slice."
 )
 
 STATE_HINTS = Mistakes((HINT_STATE_NUDGE, HINT_STATE_GENERIC), any_case={"format"},
@@ -97,28 +98,28 @@ GATHER_CASES = [(2, True, True), (3, True, True), (3, False, True), (4, True, Fa
 HINT_GATHER_FORMAT = ("return a list of (unit, prefetched) pairs, units named 'root' and "
                       "'layers.0', 'layers.1', ...")
 HINT_GATHER_FORWARD_ORDER = (
-    "backward runs the blocks last to first: the last block's gradient is computed first."
+    "the blocks come in the forward's order: in which order does backward reach them?"
 )
 HINT_GATHER_ROOT_LAST = (
-    "the root holds the output layer, whose backward runs first: its gather comes before "
-    "every block's (its embedding keeps it gathered to the very end)."
+    "the root's gather is not where it belongs: which layer's backward runs first, and in "
+    "which unit does that layer live?"
 )
 HINT_GATHER_ROOT_KEPT = (
-    "a root that does not reshard after forward is still gathered when backward starts: "
-    "nothing is gathered for it."
+    "with the root not resharded after forward: is anything of it still to gather when "
+    "backward starts?"
 )
 HINT_GATHER_FLAGS = (
-    "with prefetch, each block's gather is issued by the unit that runs before it in "
-    "backward (so it is a prefetch); the root's is issued by itself. Without prefetch every "
-    "gather is issued by its own unit."
+    "the prefetched flags are off: with prefetch on, which unit issues each gather, and is "
+    "that ahead of the unit's own backward? And without prefetch?"
 )
 HINT_GATHER_NUDGE = (
     "walk the backward: which unit's backward starts first, which next, and who issues the "
     "next unit's gather when prefetch is on?"
 )
 HINT_GATHER_GENERIC = (
-    "re-read 'Prefetch on the timeline': the order is the reverse of the forward's, the "
-    "root first when it was freed, and a gather issued ahead of its unit is a prefetch."
+    "re-read 'Prefetch on the timeline': reconsider in which order backward reaches the "
+    "units, which of them are still gathered when it starts, and which unit issues each "
+    "gather."
 )
 
 GATHER_HINTS = Mistakes((HINT_GATHER_NUDGE, HINT_GATHER_GENERIC), any_case={"format"},
