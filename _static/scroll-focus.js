@@ -23,8 +23,32 @@
       }
     }
   }
+  // Boxes also start or stop scrolling after the load event: MathJax typesets its formulas,
+  // web fonts swap in, widgets draw, a folded cell opens. So the marks are redone, at most
+  // every 300 ms, whenever the page's elements change (SVG drawings left out: an animation
+  // frame changes no box) and once the fonts are ready.
   var timer = null;
-  function later() { clearTimeout(timer); timer = setTimeout(mark, 300); }
+  function later() {
+    if (timer === null) { timer = setTimeout(function () { timer = null; mark(); }, 300); }
+  }
+  function changed(records) {
+    for (var i = 0; i < records.length; i++) {
+      if (!(records[i].target instanceof SVGElement)) { later(); return; }
+    }
+  }
   window.addEventListener("load", mark);
   window.addEventListener("resize", later);
+  if (document.fonts && document.fonts.ready) { document.fonts.ready.then(later); }
+  if (window.ResizeObserver) {  // a box's size can change with no element changing
+    window.addEventListener("load", function () {
+      var article = document.querySelector("article");
+      if (article) { new ResizeObserver(later).observe(article); }
+    });
+  }
+  // for the browser tests: true while a redo of the marks is waiting to run
+  window.scrollFocusPending = function () { return timer !== null; };
+  if (window.MutationObserver) {
+    new MutationObserver(changed).observe(document.documentElement, {
+      subtree: true, childList: true, attributes: true, attributeFilter: ["open", "hidden"]});
+  }
 })();

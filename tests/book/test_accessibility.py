@@ -47,6 +47,11 @@ _RUN_AXE = """async () => {
 
 def axe_violations(view) -> list[dict]:
     page = view.page
+    # the page as a reader meets it: fonts in, and _static/scroll-focus.js's marks redone
+    # after the last change (MathJax, a widget's drawing, an unfolded cell)
+    page.evaluate("() => document.fonts.ready.then(() => null)")
+    page.wait_for_function("() => !window.scrollFocusPending || !window.scrollFocusPending()",
+                           timeout=30_000)
     if not page.evaluate("() => typeof window.axe === 'object'"):
         page.evaluate(axe_source())  # defines window.axe; fetches nothing
     return page.evaluate(_RUN_AXE)
