@@ -111,6 +111,7 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(12, "12_sharded_data_parallel.ipynb",
             "Sharded data parallelism: ZeRO-2, ZeRO-3 and FSDP", "ch12", "_sharding_table",
             device_runs=("all_stages",)),
+    # chapter 13 launches no ranks: the planner is pure arithmetic
     Chapter(13, "13_choosing_a_layout.ipynb", "Choosing a layout", "ch13", "_layout_table"),
 )
 """Every chapter, in book order."""
