@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from . import checkpointing
 from .config import (SHARDING_STRATEGIES, ZERO_STAGE, ConfigError, ModelConfig, ParallelConfig,
                      TrainConfig, check_field_types, check_number, check_pipeline_layers,
-                     config_fields, validate)
+                     check_sharding_flags, config_fields, validate)
 from .costs.memory_model import (RUNTIME_BYTES_PER_RANK, RankMemory, available_memory_bytes, format_bytes,
                            memory_on_this_machine, memory_per_rank)
 from .pipeline_parallel.actions import (ALL_SCHEDULES, SPLIT_BACKWARD_SCHEDULES,
@@ -260,11 +260,7 @@ def _check_sharding_strategy(args: TrainingArgs) -> None:
             f"ZeRO-2 and ZeRO-3 hang on the modules' hooks would not run in step; use "
             f"--data-parallel-sharding-strategy optim here, or run {strategy} on data "
             f"parallelism with tutorial_lib.fully_sharded_data_parallel (chapter 12)")
-    if args.use_distributed_optimizer and strategy != "optim":
-        raise ConfigError(
-            "sharding strategy",
-            f"--use-distributed-optimizer is the optim strategy, but "
-            f"--data-parallel-sharding-strategy is {strategy}; give one of the two")
+    check_sharding_flags(args.use_distributed_optimizer, strategy)
 
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:

@@ -576,6 +576,15 @@ _ZERO_MEANS = {"num_shared_experts": "no shared expert",
                "first_k_dense_replace": "every layer is an MoE layer"}
 
 
+def check_sharding_flags(use_distributed_optimizer: bool, strategy: str | None) -> None:
+    """``--use-distributed-optimizer`` is the ``optim`` strategy by its older name: given
+    beside ``--data-parallel-sharding-strategy``, the two must agree."""
+    if use_distributed_optimizer and strategy not in (None, "optim"):
+        raise ConfigError("sharding strategy",
+                          f"--use-distributed-optimizer is the optim strategy, but "
+                          f"--data-parallel-sharding-strategy is {strategy}; give one of the two")
+
+
 def check_pipeline_layers(num_layers: int, pipeline_model_parallel_size: int,
                           virtual_pipeline_model_parallel_size: int = 1) -> int:
     """Rule 9: ``num_layers`` splits evenly into ``PP * V`` model stages; returns layers per stage.

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .config import (SHARDING_STRATEGIES, ConfigError, ModelConfig, ParallelConfig, TrainConfig,
-                     check_pipeline_layers, validate)
+                     check_pipeline_layers, check_sharding_flags, validate)
 from .costs.memory_model import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
 from .pipeline_parallel.actions import (ALL_SCHEDULES, SCHEDULE_PLACEMENT,
@@ -248,10 +248,7 @@ def main(argv=None) -> int:
                               options.recompute_num_layers)
         check_recompute(recompute, model.num_layers, parallel.pipeline_model_parallel_size)
         strategy = options.data_parallel_sharding_strategy
-        if options.use_distributed_optimizer and strategy not in (None, "optim"):
-            raise ConfigError("malformed", f"--use-distributed-optimizer is the 'optim' strategy, "
-                                           f"but --data-parallel-sharding-strategy is {strategy}; "
-                                           f"give one of the two")
+        check_sharding_flags(options.use_distributed_optimizer, strategy)
         ranks = predict(model, parallel, train, schedule=options.schedule,
                         virtual_pipeline_size=options.virtual_pipeline_size, precision=precision,
                         use_distributed_optimizer=options.use_distributed_optimizer,
