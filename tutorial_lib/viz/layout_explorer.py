@@ -21,7 +21,7 @@ from ..costs.hardware import GPUS, cluster
 from ..costs.model_flops import ModelSpec, gpt, parameter_count
 from ..plan import plan
 from . import draw
-from .widget import Widget, ascii_html
+from .widget import Explorer, ascii_html
 
 __all__ = ["SIZES", "GPU_TYPES", "GPU_COUNTS", "GLOBAL_BATCH", "explorer_data",
            "LayoutExplorer", "layout_explorer", "roofline_chart"]
@@ -70,18 +70,16 @@ def explorer_data(sizes=tuple(SIZES), gpus=GPU_TYPES, counts=GPU_COUNTS,
     return out
 
 
-class LayoutExplorer(Widget):
-    """The widget: ``data`` is :func:`explorer_data`'s; ``to_html()``, ``_repr_html_()``, ``save()``."""
+class LayoutExplorer(Explorer):
+    """The widget: ``data`` is :func:`explorer_data`'s; ``to_html()``, ``_repr_html_()``, ``save()``
+    (its own panel styles, ``layout.css``, instead of ``explorer.css``)."""
 
     styles = ("layout.css",)
     scripts = ("layout.js",)
     start = "startLayoutExplorer"
     id_prefix = "tl-lay-"
     data_class = "tl-lay-data"
-
-    def __init__(self, data: dict, title: str = ""):
-        self.data = data
-        self.title = title or "The planner's fastest layouts: pick a model, a GPU and a count"
+    default_title = "The planner's fastest layouts: pick a model, a GPU and a count"
 
     def parts(self, uid: str) -> tuple[str, str, object]:
         d = self.data
