@@ -47,9 +47,16 @@ _RUN_AXE = """async () => {
 
 def axe_violations(view) -> list[dict]:
     page = view.page
-    # the page as a reader meets it: fonts in, and _static/scroll-focus.js's marks redone
-    # after the last change (MathJax, a widget's drawing, an unfolded cell)
-    page.evaluate("() => document.fonts.ready.then(() => null)")
+    # the page as a reader meets it: MathJax done, fonts in (its own too), and
+    # _static/scroll-focus.js's marks redone after the last change (MathJax, a widget's
+    # drawing, an unfolded cell, a font that finished loading)
+    page.evaluate("""async () => {
+        if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+            await MathJax.startup.promise;
+        }
+        await document.fonts.ready;
+        return null;
+    }""")
     page.wait_for_function("() => !window.scrollFocusPending || !window.scrollFocusPending()",
                            timeout=30_000)
     if not page.evaluate("() => typeof window.axe === 'object'"):
