@@ -44,10 +44,33 @@ def size_name(n: int) -> str:
     return f"{n // 1024} KiB" if n < 1024 ** 2 else f"{n // 1024 ** 2} MiB"
 
 
+def measure(args) -> tuple[list[costs.Sample], list[float]]:
+    """One measurement: ``args.runs`` runs, per collective and size the fastest median;
+    with the load average before each run."""
+    best: dict[tuple[str, int], costs.Sample] = {}
+    loads = []
+    for run in range(args.runs):
+        loads.append(round(os.getloadavg()[0], 2))
+        print(f"[run {run + 1}/{args.runs}] load {loads[-1]} ...", file=sys.stderr, flush=True)
+        for s in timing.measure_alpha_beta(repeats=args.repeats, warmup=args.warmup,
+                                          world_size=args.ranks, device=args.device):
+            key = (s.op, s.nbytes)
+            if key not in best or s.seconds < best[key].seconds:
+                best[key] = s
+    return [best[k] for k in sorted(best)], loads
+
+
+def as_rows(samples: list[costs.Sample]) -> list[dict]:
+    return [{"op": s.op, "nbytes": s.nbytes, "n": s.n, "seconds": s.seconds} for s in samples]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="whole measurements; keep the "
                         "fastest median of each size")
+    parser.add_argument("--measurements", type=int, default=3,
+                        help="whole measurements, one after the other; the chapter's text "
+                             "says only what all of them show, the first is plotted")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per size (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--save", action="store_true", help=f"store the reference {NAME}")
@@ -62,18 +85,11 @@ def main() -> None:
                      f"the CPU; drop --save to time other settings")
 
     warm_up()
-    best: dict[tuple[str, int], costs.Sample] = {}
-    loads = []
     started = time.perf_counter()
-    for run in range(args.runs):
-        loads.append(round(os.getloadavg()[0], 2))
-        print(f"[run {run + 1}/{args.runs}] load {loads[-1]} ...", file=sys.stderr, flush=True)
-        for s in timing.measure_alpha_beta(repeats=args.repeats, warmup=args.warmup,
-                                          world_size=args.ranks, device=args.device):
-            key = (s.op, s.nbytes)
-            if key not in best or s.seconds < best[key].seconds:
-                best[key] = s
-    samples = [best[k] for k in sorted(best)]
+    # the chapter keeps only what every one of these measurements shows (the first is the
+    # one it plots); each is ``--runs`` whole runs, the fastest median per size
+    measured = [measure(args) for _ in range(args.measurements)]
+    samples, loads = measured[0]
     fits = {op: costs.fit_alpha_beta([s for s in samples if s.op == op])
             for op in timing.ALPHA_BETA_OPS}
 
@@ -107,9 +123,12 @@ def main() -> None:
             NAME, rows, command="python bench/bench_alpha_beta.py --save",
             notes=(f"timing.measure_alpha_beta on {timing.ALPHA_BETA_RANKS} gloo ranks, "
                    f"{args.runs} runs of {args.repeats} timed repeats after {args.warmup} "
-                   f"warm-up; per collective and size the fastest run's median"),
-            samples=[{"op": s.op, "nbytes": s.nbytes, "n": s.n, "seconds": s.seconds}
-                     for s in samples],
+                   f"warm-up; per collective and size the fastest run's median; "
+                   f"{args.measurements} such measurements in a row ('measurements', the "
+                   f"first is 'samples')"),
+            samples=as_rows(samples),
+            measurements=[{"samples": as_rows(more), "load_before_runs": more_loads}
+                          for more, more_loads in measured],
             world_size=timing.ALPHA_BETA_RANKS, runs=args.runs, repeats=args.repeats,
             warmup=args.warmup, load=loads[0] if loads else None, load_before_runs=loads)
         print(f"stored {NAME}: {ref.caption()}")

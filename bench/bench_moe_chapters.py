@@ -4,9 +4,9 @@
     python bench/bench_moe_chapters.py --dry    # measure and print, store nothing
 
 Runs ``notebooks/04_moe_ep.ipynb`` and ``notebooks/05_moe_aux_losses.ipynb`` with nbclient,
-each in a fresh kernel, the way a reader's Jupyter runs them, without their last cell (the
-one that prints this reference beside the reader's own time) and with one added cell that
-reports the chapter's clock (started by its first cell) and, for chapter 5, the wall time
+each in a fresh kernel, the way a reader's Jupyter runs them, up to the cell that prints the
+chapter's clock beside the stored one (what follows it is prose), which is replaced by one
+that reports the chapter's clock (started by its first cell) and, for chapter 5, the wall time
 of its training launch.  The result is saved with :func:`tutorial_lib.reference.save` as
 ``tutorial_lib/reference/ch04_ch05_runtime.json``, with the machine, the date and the load
 average; run it on a machine that is as quiet as you can make it.  The chapters assert no
@@ -38,10 +38,16 @@ REPORT = {4: 'print("BENCH", json.dumps({"seconds": time.time() - chapter_starte
 
 def measure(chapter: int) -> dict:
     nb = nbformat.read(REPO / CHAPTERS[chapter], as_version=4)
-    if NAME not in nb.cells[-1].source:
-        raise SystemExit(f"the last cell of {CHAPTERS[chapter]} should print the reference "
-                         f"{NAME!r}; the notebook changed, update this script")
-    nb.cells[-1] = nbformat.v4.new_code_cell("import json\n" + REPORT[chapter])
+    closing = [i for i, cell in enumerate(nb.cells)
+               if cell.cell_type == "code" and "chapter_started" in cell.source][-1:]
+    if not closing or closing[0] == next(i for i, c in enumerate(nb.cells)
+                                         if "chapter_started" in c.source):
+        raise SystemExit(f"{CHAPTERS[chapter]} should start its clock (chapter_started) in "
+                         "one cell and print it in a later one; the notebook changed, "
+                         "update this script")
+    # everything up to the cell that prints the chapter's clock, which reports it instead
+    nb.cells = nb.cells[:closing[0]] + [
+        nbformat.v4.new_code_cell("import json\n" + REPORT[chapter])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     client = NotebookClient(nb, timeout=600, kernel_name="python3",

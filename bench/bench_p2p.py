@@ -110,7 +110,7 @@ def main() -> None:
             REFERENCE, stored, command=command,
             notes=(f"timing.measure_p2p_modes: median of {args.repeats} rounds after "
                    f"{args.warmup} warm-up rounds, gloo on CPU, one rank per process"),
-            repeats=args.repeats, load_before=load_before,
+            repeats=args.repeats, load=load_before, load_before=load_before,
             idle_before_percent=idle_before)
         print(f"stored the reference {REFERENCE!r}: {ref.caption()}")
 

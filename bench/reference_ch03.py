@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         "ch03_overlap", rows, command=COMMAND,
         notes=f"the median of {args.repeats} launches of the chapter's measured step "
               f"(by the buckets' total time in flight); load {load_before} before",
-        config=CONFIG, repeats=args.repeats, load_before=load_before)
+        config=CONFIG, repeats=args.repeats, load=load_before, load_before=load_before)
     print(ref.caption())
     for row in rows:
         print(row)

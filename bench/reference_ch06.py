@@ -113,10 +113,11 @@ def main(argv=None) -> int:
         return 0
     from tutorial_lib.launch import warm_up
 
+    load_before = reference.load_average()  # the load the measurement started under
     warm_up()
     launches = [one_launch(CONFIG) for _ in range(args.launches)]
     ref = reference.save(
-        NAME, rows_of(launches, CONFIG), command=COMMAND,
+        NAME, rows_of(launches, CONFIG), command=COMMAND, load=load_before,
         notes=(f"Chapter 6's measured bubble: PP = {CONFIG['pp']} SyntheticStage ranks "
                f"(forward {CONFIG['forward_s'] * 1e3:g} ms, backward "
                f"{CONFIG['backward_s'] * 1e3:g} ms per stage, 1/V per chunk), batched P2P "
