@@ -4,7 +4,8 @@ Every distributed run in this course starts from three small dataclasses:
 
 * :class:`ParallelConfig` says how the world is cut into tensor, pipeline,
   context, expert and data parallel pieces (Megatron's field names);
-* :class:`ModelConfig` says what model is trained;
+* :class:`ModelConfig` says what model is trained (the one description of a model's
+  shape, read by the cost models too);
 * :class:`TrainConfig` says how a global batch is split into microbatches.
 
 Each field is documented once, by the string literal under it; :func:`add_arguments`
@@ -66,6 +67,16 @@ LAYOUTS = ("megatron", "course", "visualizer")
 #: Megatron-Core's ``TransformerConfig.cp_comm_type`` that this course implements
 #: (:mod:`tutorial_lib.context_parallel`; Megatron's fourth, ``a2a+p2p``, is not here).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+#: Megatron's ``--position-embedding-type`` values the cost models count: a learned table
+#: (the course's layers) or rotary embeddings (no table).
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+#: The :class:`ModelConfig` fields only the cost models read (published models' shapes):
+#: a run, or ``python -m tutorial_lib.memory``, keeps their defaults (:func:`validate`).
+COST_MODEL_FIELDS = ("num_query_groups", "kv_channels", "swiglu", "multi_latent_attention",
+                     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                     "v_head_dim", "position_embedding_type")
 
 #: What data parallelism shards, Megatron-FSDP's ``--data-parallel-sharding-strategy``
 #: (Megatron-LM 82a1d0eb, megatron/core/distributed/fsdp/src/megatron_fsdp/
@@ -141,9 +152,17 @@ class ParallelConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
-    """The model being trained: a small DeepSeek-style decoder."""
+    """A decoder-only Transformer's shape, by Megatron's flag names: the one description of a
+    model in the course.
+
+    The workers train it as a small DeepSeek-style decoder (:mod:`tutorial_lib.deepseek`,
+    :mod:`tutorial_lib.gpt`); the cost models also count published models with it
+    (:data:`tutorial_lib.costs.model_flops.MODEL_PRESETS`: grouped-query and latent
+    attention, SwiGLU, rotary positions), fields the course's layers do not build
+    (:data:`COST_MODEL_FIELDS`).  Frozen: a model is a value (the FLOP counts cache per
+    model); :func:`dataclasses.replace` makes a changed copy."""
 
     num_layers: int = 4
     """Decoder blocks; pipeline stages split them into contiguous ranges of equal length (rule 9)."""
@@ -190,6 +209,54 @@ class ModelConfig:
     """How attention exchanges keys and values between CP ranks: ``p2p`` (a ring of K/V
     blocks), ``all_gather`` (every rank gathers all K/V) or ``a2a`` (Ulysses: heads
     all-to-all); Megatron's ``--cp-comm-type``.  Ignored at CP = 1."""
+
+    # The fields below describe published models for the cost models (chapter 13's
+    # planner, :mod:`tutorial_lib.costs.model_flops`); the course's layers build none of
+    # them, so :func:`validate` refuses a run whose value differs from the default.
+
+    num_query_groups: int | None = None
+    """Key/value heads under grouped-query attention (``None``: one per query head);
+    cost models only."""
+
+    kv_channels: int | None = None
+    """Width of one attention head (``None``: ``hidden_size / num_attention_heads``); cost
+    models only."""
+
+    swiglu: bool = False
+    """A gated MLP (SwiGLU): gate and up matrices ``2 * ffn_hidden_size`` wide, then the down
+    matrix; cost models only (the course's MLP is GELU)."""
+
+    multi_latent_attention: bool = False
+    """DeepSeek's multi-head latent attention (the ``*_lora_rank`` and ``*_head_dim`` fields
+    below); cost models only."""
+
+    q_lora_rank: int | None = None
+    """Under latent attention, the queries' compressed width (``None``: queries not
+    compressed)."""
+
+    kv_lora_rank: int = 512
+    """Under latent attention, the keys' and values' compressed width."""
+
+    qk_head_dim: int = 128
+    """Under latent attention, a query / key head's width without its rotary part."""
+
+    qk_pos_emb_head_dim: int = 64
+    """Under latent attention, the rotary part of a query / key head."""
+
+    v_head_dim: int = 128
+    """Under latent attention, a value head's width."""
+
+    position_embedding_type: str = field(default="learned_absolute",
+                                         metadata={"choices": POSITION_EMBEDDING_TYPES})
+    """``learned_absolute`` (a position table, the course's) or ``rope`` (rotary: no table);
+    Megatron's ``--position-embedding-type``."""
+
+    name: str = ""
+    """A label for tables (the planner's presets); not part of the shape."""
+
+    source: str = ""
+    """Where the shapes come from (a published model's paper or config); not part of the
+    shape."""
 
 
 @dataclass
@@ -424,6 +491,13 @@ def validate(
         return
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         _check_positive_int(name, getattr(model, name))
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    for name in COST_MODEL_FIELDS:
+        if getattr(model, name) != defaults[name]:
+            raise ConfigError("model", f"{name} ({getattr(model, name)!r}) is counted by the cost "
+                                       f"models only (chapter 13's planner): the course's layers "
+                                       f"do not build it; leave it at {defaults[name]!r} to train "
+                                       f"or to predict a run's memory")
     for name in ("num_shared_experts", "first_k_dense_replace"):
         value = getattr(model, name)
         if value < 0:

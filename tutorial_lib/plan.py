@@ -18,10 +18,10 @@ import json
 import sys
 from dataclasses import dataclass, fields
 
-from .config import ConfigError
+from .config import ConfigError, ModelConfig
 from .costs.hardware import GPUS, Cluster, cluster
 from .costs.memory_model import format_bytes
-from .costs.model_flops import MODEL_PRESETS, ModelSpec, check_model, parameter_count
+from .costs.model_flops import MODEL_PRESETS, check_model, parameter_count
 from .costs.step_time import (MODELLED_SHARDING, SCHEDULES, SHARDING_STRATEGIES,
                               USABLE_MEMORY_FRACTION, Layout, StepTime, check_layout,
                               memory_lower_bound, predict_step, with_memory)
@@ -60,7 +60,7 @@ def _choices(fixed, name, default):
     return (value,) if value is not None else default
 
 
-def candidate_layouts(model: ModelSpec, gpus: int, global_batch_size: int,
+def candidate_layouts(model: ModelConfig, gpus: int, global_batch_size: int,
                       fixed: dict | None = None):
     """Every layout of ``gpus`` GPUs :func:`~tutorial_lib.costs.step_time.check_layout`
     accepts, the choices in ``fixed`` (Layout field names; ``recompute_granularity``
@@ -108,7 +108,7 @@ def _schedules(model, global_batch_size, fixed, base: Layout):
                     yield layout
 
 
-def plan(model: ModelSpec, where: Cluster, gpus: int, global_batch_size: int, *,
+def plan(model: ModelConfig, where: Cluster, gpus: int, global_batch_size: int, *,
          efficiency: float = MATMUL_EFFICIENCY, precision: str = "bf16",
          fixed: dict | None = None, top: int | None = 10) -> Plan:
     """The layouts that fit, fastest first (all of them with ``top=None``).  A
@@ -195,7 +195,7 @@ def _best(model, where, gpus, batch, efficiency, fixed) -> StepTime | None:
         return None
 
 
-def decision_flow(model: ModelSpec, where: Cluster, gpus: int, global_batch_size: int,
+def decision_flow(model: ModelConfig, where: Cluster, gpus: int, global_batch_size: int,
                   efficiency: float = MATMUL_EFFICIENCY) -> list[Decision]:
     """Does it fit, how fast, which knob first, each answered by the planner:
 
@@ -248,8 +248,14 @@ def decision_flow(model: ModelSpec, where: Cluster, gpus: int, global_batch_size
 
 # --- the command line ------------------------------------------------------------------
 
-_MODEL_FLAGS = [f.name for f in fields(ModelSpec)
+_MODEL_FLAGS = [f.name for f in fields(ModelConfig)
                 if f.name not in ("sequence_parallel", "dropout", "cp_comm_type", "name", "source")]
+
+FLAG_DEFAULTS = {"num_shared_experts": 0, "first_k_dense_replace": 0}
+"""A model from the flags alone takes Megatron's defaults where the course's small model
+differs (:class:`~tutorial_lib.config.ModelConfig`: one shared expert, the first layer
+dense): no shared expert (``--moe-shared-expert-intermediate-size`` unset) and every layer
+MoE (``--moe-layer-freq 1``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -304,13 +310,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_from_args(options) -> ModelSpec:
+def model_from_args(options) -> ModelConfig:
     """The preset with any model flag given over it, or a model from the flags alone."""
     given = {name: getattr(options, name) for name in _MODEL_FLAGS
              if getattr(options, name) is not None}
     if options.preset:
         base = MODEL_PRESETS[options.preset]
-        return ModelSpec(**{**{f.name: getattr(base, f.name) for f in fields(ModelSpec)},
+        return ModelConfig(**{**{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
                             **given})
     needed = ["num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"]
     missing = [n for n in needed if n not in given]
@@ -318,7 +324,7 @@ def model_from_args(options) -> ModelSpec:
         raise ConfigError("model", f"no --preset and no {', '.join('--' + m.replace('_', '-') for m in missing)}; "
                                    f"give a --preset ({', '.join(sorted(MODEL_PRESETS))}) or "
                                    f"every shape flag")
-    return ModelSpec(**given)
+    return ModelConfig(**{**FLAG_DEFAULTS, **given})
 
 
 def _row(r: StepTime) -> str:

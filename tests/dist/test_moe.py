@@ -339,7 +339,7 @@ def _check_sequence_parallel_trace(trace, name, world):
                 ("all_gather", "backward", "reduce_scatter_to_sequence_parallel_region"): 1,
                 ("reduce_scatter", "backward", "gather_from_sequence_parallel_region"): 1,
             }), (name, rank, sp)
-            assert all(e.group_kind == "tp" for e in events
+            assert every(e.group_kind == "tp" for e in events
                        if e.op in ("all_gather", "reduce_scatter")), (name, rank)
         split = Counter((e.op, e.tags["phase"], e.tags["op_name"])
                         for e in trace.filter(rank=rank, config=name, case="input split True")

@@ -258,3 +258,23 @@ def test_divisor_hints_do_not_scan_huge_numbers():
     expect("rule 1", "a divisor of 10000000000000000000000000000", parallel=pc(10**28, tp=3))
     expect("rule 3", "make num_microbatches a divisor of 1649267441664",
            parallel=pc(2), train=TrainConfig(global_batch_size=3 * 2**40, num_microbatches=2**41))
+
+
+@pytest.mark.parametrize("name,value", [("swiglu", True), ("num_query_groups", 2),
+                                        ("multi_latent_attention", True),
+                                        ("position_embedding_type", "rope")])
+def test_shapes_only_the_cost_models_count_are_refused_in_a_run(name, value):
+    """One ``ModelConfig`` describes both the course's model and the published ones the
+    planner counts; a field the course's layers do not build is refused before a run, not
+    ignored by it."""
+    expect("model", f"{name} ({value!r}) is counted by the cost models only", "leave it at",
+           parallel=pc(1), model=ModelConfig(**{name: value}))
+
+
+def test_a_model_config_is_a_value():
+    """Frozen and hashable: the FLOP counts cache per model, so a model cannot change
+    under them."""
+    model = ModelConfig(num_layers=2)
+    assert hash(model) == hash(ModelConfig(num_layers=2)) and model != ModelConfig()
+    with pytest.raises(AttributeError):
+        model.num_layers = 4

@@ -161,7 +161,7 @@ def test_errors_name_the_rule():
         _step(num_microbatches=0)
 
 
-def test_issue19_megatrons_distributed_optimizer_buffer_is_padded_more_than_the_courses():
+def test_megatrons_distributed_optimizer_buffer_is_padded_more_than_the_courses():
     """Megatron-Core 0.20.0 (d98e8a64) lays the distributed optimizer's buffer out last
     parameter first, each at a multiple of 64 elements, and pads the bucket to a multiple of
     lcm(DP, 128) (megatron/core/optimizer/distrib_optimizer.py

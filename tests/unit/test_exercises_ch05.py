@@ -37,14 +37,6 @@ def loss_from_one_hot(probs, topk_idx, num_experts, topk):
     return (chosen.mean(dim=0) * num_experts / topk * probs.mean(dim=0)).sum()
 
 
-@pytest.mark.parametrize("answer", [moe_balance.expert_balance_loss, loss_by_loops, loss_from_one_hot],
-                         ids=lambda f: f.__name__)
-def test_correct_expert_losses_pass(answer):
-    result = check_expert_balance_loss(answer)
-    assert result.passed, str(result)
-    assert len(result.cases) == len(ch05.loss_cases())
-
-
 def test_the_cases_include_balance_collapse_and_a_device_limited_routing():
     values = {name: float(moe_balance.expert_balance_loss(p, idx, n, k)) for name, p, idx, n, k in ch05.loss_cases()}
     assert any(v == pytest.approx(1.0, abs=1e-12) for v in values.values())     # perfect balance
@@ -60,16 +52,30 @@ def test_the_cases_include_balance_collapse_and_a_device_limited_routing():
                    for name, p, idx, n, k in ch05.loss_cases()), mistake
 
 
-@pytest.mark.parametrize("mistake,hint", [
-    ("no_scale", ch05.HINT_LOSS_NO_SCALE),
-    ("assignments", ch05.HINT_LOSS_ASSIGNMENTS),
-    ("per_token", ch05.HINT_LOSS_PER_TOKEN),
-    ("gates", ch05.HINT_LOSS_GATES),
-    ("own_topk", ch05.HINT_LOSS_OWN_TOPK),
-])
-def test_each_expert_loss_mistake_gets_its_hint(mistake, hint):
-    assert_hint(check_expert_balance_loss(lambda p, idx, n, k: ch05.expert_loss_variant(p, idx, n, k, mistake)),
-                hint)
+#: Each named mistake of exercises 5.1 to 5.3, made by the library's variant of the answer
+#: (``variant(*args, mistake)``), and the hint its checker must give.
+NAMED_MISTAKES = [
+    (check_expert_balance_loss, ch05.expert_loss_variant, "no_scale", ch05.HINT_LOSS_NO_SCALE),
+    (check_expert_balance_loss, ch05.expert_loss_variant, "assignments",
+     ch05.HINT_LOSS_ASSIGNMENTS),
+    (check_expert_balance_loss, ch05.expert_loss_variant, "per_token", ch05.HINT_LOSS_PER_TOKEN),
+    (check_expert_balance_loss, ch05.expert_loss_variant, "gates", ch05.HINT_LOSS_GATES),
+    (check_expert_balance_loss, ch05.expert_loss_variant, "own_topk", ch05.HINT_LOSS_OWN_TOPK),
+    (check_biased_topk, ch05.topk_variant, "biased_gates", ch05.HINT_TOPK_BIASED_GATES),
+    (check_biased_topk, ch05.topk_variant, "ignores_bias", ch05.HINT_TOPK_IGNORES_BIAS),
+    (check_biased_topk, ch05.topk_variant, "subtracted", ch05.HINT_TOPK_SUBTRACTED),
+    (check_biased_topk, ch05.topk_variant, "normalised", ch05.HINT_TOPK_NORMALISED),
+    (check_update_bias, ch05.update_variant, "flipped", ch05.HINT_BIAS_FLIPPED),
+    (check_update_bias, ch05.update_variant, "proportional", ch05.HINT_BIAS_PROPORTIONAL),
+    (check_update_bias, ch05.update_variant, "relative", ch05.HINT_BIAS_PROPORTIONAL),
+    (check_update_bias, ch05.update_variant, "at_mean", ch05.HINT_BIAS_AT_MEAN),
+]
+
+
+@pytest.mark.parametrize("check,variant,mistake,hint", NAMED_MISTAKES,
+                         ids=[mistake for _, _, mistake, _ in NAMED_MISTAKES])
+def test_each_named_mistake_gets_its_hint(check, variant, mistake, hint):
+    assert_hint(check(lambda *args: variant(*args, mistake)), hint)
 
 
 def test_averaging_over_experts_gets_the_assignments_hint():
@@ -128,24 +134,6 @@ def topk_by_sorting(scores, topk, bias):
     return idx, torch.gather(scores, 1, idx)
 
 
-@pytest.mark.parametrize("answer", [ch05.reference_topk, topk_in_reverse_order, topk_by_sorting],
-                         ids=lambda f: f.__name__)
-def test_correct_biased_topk_passes(answer):
-    result = check_biased_topk(answer)
-    assert result.passed, str(result)
-    assert len(result.cases) == len(ch05.topk_cases())
-
-
-@pytest.mark.parametrize("mistake,hint", [
-    ("biased_gates", ch05.HINT_TOPK_BIASED_GATES),
-    ("ignores_bias", ch05.HINT_TOPK_IGNORES_BIAS),
-    ("subtracted", ch05.HINT_TOPK_SUBTRACTED),
-    ("normalised", ch05.HINT_TOPK_NORMALISED),
-])
-def test_each_biased_topk_mistake_gets_its_hint(mistake, hint):
-    assert_hint(check_biased_topk(lambda s, k, b: ch05.topk_variant(s, k, b, mistake)), hint)
-
-
 def test_ignoring_the_bias_passes_only_the_zero_bias_case():
     result = check_biased_topk(lambda s, k, b: ch05.topk_variant(s, k, b, "ignores_bias"))
     assert [c.passed for c in result.cases] == [name.startswith("zero bias")
@@ -176,12 +164,25 @@ def update_in_place_returning_none(bias, load, gamma):
     moe_balance.update_expert_bias(bias, load, gamma)
 
 
-@pytest.mark.parametrize("answer", [moe_balance.update_expert_bias, update_returning_new, update_in_place_returning_none],
-                         ids=lambda f: f.__name__)
-def test_correct_updates_pass(answer):
-    result = check_update_bias(answer)
+#: Correct answers to exercises 5.1 to 5.3, written in other ways than the library's, and
+#: how many cases their checker runs (5.3's: its cases and the in-place call).
+CORRECT_ANSWERS = [
+    *[(check_expert_balance_loss, answer, len(ch05.loss_cases()))
+      for answer in (moe_balance.expert_balance_loss, loss_by_loops, loss_from_one_hot)],
+    *[(check_biased_topk, answer, len(ch05.topk_cases()))
+      for answer in (ch05.reference_topk, topk_in_reverse_order, topk_by_sorting)],
+    *[(check_update_bias, answer, len(ch05.update_cases()) + 1)
+      for answer in (moe_balance.update_expert_bias, update_returning_new,
+                     update_in_place_returning_none)],
+]
+
+
+@pytest.mark.parametrize("check,answer,cases", CORRECT_ANSWERS,
+                         ids=[answer.__name__ for _, answer, _ in CORRECT_ANSWERS])
+def test_correct_answers_pass(check, answer, cases):
+    result = check(answer)
     assert result.passed, str(result)
-    assert len(result.cases) == len(ch05.update_cases()) + 1
+    assert len(result.cases) == cases
 
 
 def test_the_simulation_really_balances_and_a_flipped_sign_really_does_not():
@@ -190,16 +191,6 @@ def test_the_simulation_really_balances_and_a_flipped_sign_really_does_not():
     assert bias[0] < 0 < bias[-1]  # the preferred expert was pushed down, the shunned one up
     _, flipped, _ = ch05.simulate_bias_balancing(lambda b, load, g: ch05.update_variant(b, load, g, "flipped"))
     assert flipped > first
-
-
-@pytest.mark.parametrize("mistake,hint", [
-    ("flipped", ch05.HINT_BIAS_FLIPPED),
-    ("proportional", ch05.HINT_BIAS_PROPORTIONAL),
-    ("relative", ch05.HINT_BIAS_PROPORTIONAL),
-    ("at_mean", ch05.HINT_BIAS_AT_MEAN),
-])
-def test_each_bias_update_mistake_gets_its_hint(mistake, hint):
-    assert_hint(check_update_bias(lambda b, load, g: ch05.update_variant(b, load, g, mistake)), hint)
 
 
 def test_an_integer_mean_gets_the_dtype_hint():

@@ -48,8 +48,8 @@ def test_tp_stops_paying_is_the_first_rise_of_the_planners_times():
         where = cluster(gpu, gpus_per_node=per_node)
         times = ch13.tp_step_times(model, where, gpus, batch)
         answer = ch13.reference_tp_stops_paying(model, where, gpus, batch)
-        assert times[answer] > times[answer // 2]
-        assert all(times[t] <= times[t // 2] for t in times if t < answer and t // 2 in times)
+        rises = [t for t in sorted(times) if t // 2 in times and times[t] > times[t // 2]]
+        assert rises[:1] == [answer], (name, times)  # the first TP slower than its half
         assert answer <= 2 * per_node  # never past the first TP that leaves the node
 
 

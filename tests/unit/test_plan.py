@@ -127,3 +127,17 @@ def test_command_line_decide_prints_the_flow(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("Does it fit with data parallelism alone? yes (")
     assert lines[-1].startswith("Which knob first?")
+
+
+def test_a_model_from_flags_takes_megatrons_moe_defaults_not_the_course_models():
+    """``ModelConfig``'s defaults are the course's small model (one shared expert, the first
+    layer dense); a model given by flags alone has neither, as Megatron-LM's
+    ``--moe-shared-expert-intermediate-size`` (unset) and ``--moe-layer-freq`` (1)."""
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--vocab-size", "128", "--num-experts", "8",
+             "--gpus", "8", "--global-batch-size", "8"]
+    model = planner.model_from_args(planner._parser().parse_args(flags))
+    assert (model.num_experts, model.num_shared_experts, model.first_k_dense_replace) == (8, 0, 0)
+    given = planner.model_from_args(planner._parser().parse_args(
+        flags + ["--num-shared-experts", "2", "--first-k-dense-replace", "1"]))
+    assert (given.num_shared_experts, given.first_k_dense_replace) == (2, 1)

@@ -1,6 +1,7 @@
 """The published-run table: the cited rows, the fitted efficiency, the printed predictions."""
 import pytest
 
+from tests.asserts import every
 from tutorial_lib import plan
 from tutorial_lib.published_runs import (FITTED_ON, PUBLISHED_RUNS, fit_efficiency,
                                          format_table, predict_run, published_rank,
@@ -8,7 +9,7 @@ from tutorial_lib.published_runs import (FITTED_ON, PUBLISHED_RUNS, fit_efficien
 
 
 def test_every_row_is_cited_and_narayanans_columns_agree():
-    assert all(run.source for run in PUBLISHED_RUNS)
+    assert every(run.source for run in PUBLISHED_RUNS)
     for run in PUBLISHED_RUNS:
         assert run.gpus % (run.tp * run.pp) == 0
         if run.aggregate_pflops is not None:  # per-GPU TFLOP/s x GPUs = the aggregate column

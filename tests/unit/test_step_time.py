@@ -2,12 +2,13 @@
 parameters (GQA, SwiGLU, MoE, MLA), the time of one step of a layout, its groups' links."""
 import pytest
 
+from tests.asserts import every
 from tutorial_lib.config import ConfigError, ModelConfig
 from tutorial_lib.costs.alpha_beta import AlphaBeta, predict_time
 from tutorial_lib.costs.hardware import GPUS, cluster
 from tutorial_lib.costs.memory_model import (attention_parameters, layer_activation_bytes,
                                              layer_parameters)
-from tutorial_lib.costs.model_flops import (MODEL_PRESETS, ModelSpec, active_parameter_count,
+from tutorial_lib.costs.model_flops import (MODEL_PRESETS, active_parameter_count,
                                             gpt, hardware_flops_per_step,
                                             model_flops_per_step, parameter_count)
 from tutorial_lib.costs.step_time import (Layout, chunk_costs, group_crosses_nodes,
@@ -21,7 +22,7 @@ def test_gpus_dense_peaks_are_half_the_sparse_datasheet_figures():
     assert GPUS["h100-sxm"].fp8_flops == pytest.approx(3958e12 / 2, rel=1e-3)
     assert GPUS["a100-80gb"].bf16_flops == 312e12 and GPUS["a100-80gb"].fp8_flops is None
     assert GPUS["h100-sxm"].nvlink_bandwidth == 900e9 / 2          # 900 GB/s both ways
-    assert all(gpu.sources for gpu in GPUS.values())
+    assert every(gpu.sources for gpu in GPUS.values())
 
 
 def test_cluster_overrides_and_refusals():
@@ -52,7 +53,7 @@ def test_gpt_flops_are_the_megatron_papers_formulas():
 
 def test_gqa_swiglu_parameters_by_hand():
     # h 8, 4 heads of 2, 2 key/value groups: q 8, k 4, v 4 wide; output projection 8 -> 8
-    model = ModelSpec(1, 8, 4, 16, 32, ffn_hidden_size=12, num_query_groups=2, swiglu=True,
+    model = ModelConfig(1, 8, 4, 16, 32, ffn_hidden_size=12, num_query_groups=2, swiglu=True,
                       position_embedding_type="rope")
     assert attention_parameters(model) == (8 * 16 + 16) + 8 * 8 + 8
     mlp = (2 * 12 * 8 + 2 * 12) + 12 * 8 + 8          # gate and up (column), down (row)
@@ -74,8 +75,8 @@ def test_memory_model_counts_the_course_model_as_before_and_swiglu_activations()
     # plain multi-head attention, GELU MLP: qkv (column) with bias, proj, fc1, fc2, 2 norms
     assert layer_parameters(course, 0) == 4 * 16 + (3 * 256 + 48) + 256 + 16 \
         + (64 * 16 + 64) + 16 * 64 + 16
-    gelu = ModelSpec(1, 16, 4, 8, 32)
-    swiglu = ModelSpec(1, 16, 4, 8, 32, swiglu=True)
+    gelu = ModelConfig(1, 16, 4, 8, 32)
+    swiglu = ModelConfig(1, 16, 4, 8, 32, swiglu=True)
     extra = layer_activation_bytes(swiglu, 0, 1)["mlp"] - layer_activation_bytes(gelu, 0, 1)["mlp"]
     assert extra == 4 * 8 * 64                          # the up output, f wide, fp32, 8 tokens
 

@@ -80,7 +80,7 @@ def _import_numpy_modules() -> None:
                              step_bytes_by_group, tp_dp_step_collectives,
                              zero1_state_bytes_per_rank)
     from .hardware import GPU, GPUS, Cluster, cluster
-    from .model_flops import (MODEL_PRESETS, ModelSpec, active_parameter_count, gpt,
+    from .model_flops import (MODEL_PRESETS, active_parameter_count, gpt,
                               hardware_flops_per_step, layer_flops, model_flops_per_step,
                               parameter_count)
     from .rooflines import Roofline, rooflines
@@ -120,7 +120,7 @@ __all__ = [
     "layer_activation_bytes", "layer_parameters", "memory_of_ranks", "memory_on_this_machine",
     "memory_per_rank", "stage_activation_bytes", "peak_unsharded_numel", "unit_slice_numel",
     "zero_bytes_per_parameter",
-    "GPU", "GPUS", "Cluster", "cluster", "MODEL_PRESETS", "ModelSpec", "active_parameter_count",
+    "GPU", "GPUS", "Cluster", "cluster", "MODEL_PRESETS", "active_parameter_count",
     "gpt", "hardware_flops_per_step", "layer_flops", "model_flops_per_step", "parameter_count",
     "Layout", "StepTime", "group_crosses_nodes", "predict_step", "schedule_times",
     "Roofline", "rooflines",

@@ -1,8 +1,8 @@
 """A model as the planner sees it (chapter 13): shapes with Megatron's names, parameters, FLOPs.
 
-:class:`ModelSpec` describes a decoder-only Transformer well enough for real models:
-grouped-query attention (``num_query_groups``), SwiGLU (``swiglu``: three MLP matrices),
-mixture of experts with shared experts (``num_experts``, ``moe_router_topk``,
+:class:`~tutorial_lib.config.ModelConfig`, the course's one description of a model, counts
+real models too: grouped-query attention (``num_query_groups``), SwiGLU (``swiglu``: three
+MLP matrices), mixture of experts with shared experts (``num_experts``, ``moe_router_topk``,
 ``moe_ffn_hidden_size``, ``num_shared_experts``, the first ``first_k_dense_replace``
 layers dense) and DeepSeek's multi-head latent attention (``multi_latent_attention`` with
 ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``,
@@ -30,80 +30,33 @@ V/16Lh)`` exactly (checked in the tests).  Pure Python, no torch.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..config import ConfigError, ModelConfig
 from .memory_model import attention_output_width, attention_widths, layer_parameters
 
-__all__ = ["ModelSpec", "gpt", "MODEL_PRESETS", "layer_flops", "model_flops_per_step",
+__all__ = ["gpt", "MODEL_PRESETS", "layer_flops", "model_flops_per_step",
            "hardware_flops_per_step", "parameter_count", "active_parameter_count",
            "check_model"]
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only Transformer by Megatron's argument names (``--num-layers`` ...)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
-    ffn_hidden_size: int | None = None
-    """Dense MLP hidden size; ``None``: ``4 h``."""
-    num_query_groups: int | None = None
-    """Key/value heads under grouped-query attention; ``None``: one per query head."""
-    kv_channels: int | None = None
-    """Width of one head; ``None``: ``h / heads``."""
-    swiglu: bool = False
-    """Gated MLP: gate and up matrices (``2 f`` wide) and the down matrix."""
-    num_experts: int = 0
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int | None = None
-    num_shared_experts: int = 0
-    """Shared experts, each ``moe_ffn_hidden_size`` wide (Megatron counts them in one
-    ``moe_shared_expert_intermediate_size``)."""
-    first_k_dense_replace: int = 0
-    """The first layers keep a dense MLP (DeepSeek's name; Megatron's ``moe_layer_freq``)."""
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64
-    v_head_dim: int = 128
-    position_embedding_type: str = "learned_absolute"
-    """``rope`` keeps no position table."""
-    sequence_parallel: bool = False
-    """Set by the planner with TP > 1 (what the memory model reads)."""
-    dropout: float = 0.0
-    cp_comm_type: str = "p2p"
-    name: str = ""
-    source: str = ""
-    """Where the shapes come from."""
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-
 def gpt(num_layers: int, hidden_size: int, num_attention_heads: int, *, seq_length: int = 2048,
-        vocab_size: int = 51200, name: str = "", source: str = "") -> ModelSpec:
+        vocab_size: int = 51200, name: str = "", source: str = "") -> ModelConfig:
     """The Megatron papers' GPT: ``f = 4 h``, GELU, learned positions, vocabulary 51,200,
     sequence 2,048 (Narayanan et al. 2021, Korthikanti et al. 2022)."""
-    return ModelSpec(num_layers, hidden_size, num_attention_heads, seq_length, vocab_size,
-                     name=name, source=source)
+    return ModelConfig(num_layers, hidden_size, num_attention_heads, seq_length, vocab_size,
+                       name=name, source=source)
 
 
-MODEL_PRESETS: dict[str, ModelSpec] = {
+MODEL_PRESETS: dict[str, ModelConfig] = {
     "gpt-175b": gpt(96, 12288, 96, name="gpt-175b",
                     source="GPT-3 175B shapes as Korthikanti et al. 2022 (Table 3) train it"),
-    "llama-3.1-405b": ModelSpec(
+    "llama-3.1-405b": ModelConfig(
         126, 16384, 128, 8192, 128256, ffn_hidden_size=53248, num_query_groups=8, swiglu=True,
         position_embedding_type="rope", name="llama-3.1-405b",
         source="Llama 3 herd of models (arXiv 2407.21783), Table 3: 126 layers, model "
                "dimension 16,384, FFN 53,248, 128 heads, 8 key/value heads, vocabulary "
                "128,000 (128,256 in the released tokenizer), sequence 8,192"),
-    "deepseek-v3": ModelSpec(
+    "deepseek-v3": ModelConfig(
         61, 7168, 128, 4096, 129280, ffn_hidden_size=18432, swiglu=True, num_experts=256,
         moe_router_topk=8, moe_ffn_hidden_size=2048, num_shared_experts=1,
         first_k_dense_replace=3, multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
@@ -121,7 +74,7 @@ keeps PP to those divisors, where Meta and DeepSeek put fewer layers on the firs
 stages."""
 
 
-def check_model(model: ModelSpec) -> None:
+def check_model(model: ModelConfig) -> None:
     """:class:`ConfigError` for shapes that do not make a model (before any count)."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         value = getattr(model, name)
@@ -148,7 +101,7 @@ def _is_moe_layer(model, layer: int) -> bool:
     return model.num_experts > 0 and layer >= model.first_k_dense_replace
 
 
-def layer_flops(model: ModelSpec, layer: int) -> dict[str, float]:
+def layer_flops(model: ModelConfig, layer: int) -> dict[str, float]:
     """Forward FLOPs of decoder layer ``layer`` for one token, by part: ``projections``
     (attention's matmuls with weights), ``core_attention`` (scores and mix over the
     sequence), ``mlp`` (or ``moe``: router, routed and shared experts)."""
@@ -156,7 +109,7 @@ def layer_flops(model: ModelSpec, layer: int) -> dict[str, float]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layer_flops(model: ModelSpec, moe: bool) -> tuple:
+def _layer_flops(model: ModelConfig, moe: bool) -> tuple:
     h, s = model.hidden_size, model.seq_length
     q, k, v = attention_widths(model)
     out = attention_output_width(model)
@@ -180,7 +133,7 @@ def _layer_flops(model: ModelSpec, moe: bool) -> tuple:
 
 
 @functools.lru_cache(maxsize=1024)
-def _forward_per_token(model: ModelSpec) -> tuple[float, float]:
+def _forward_per_token(model: ModelConfig) -> tuple[float, float]:
     """``(every layer's forward FLOPs, of which core attention)`` per token."""
     total = attention = 0.0
     for layer in range(model.num_layers):
@@ -190,7 +143,7 @@ def _forward_per_token(model: ModelSpec) -> tuple[float, float]:
     return total, attention
 
 
-def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
+def model_flops_per_step(model: ModelConfig, global_batch_size: int) -> float:
     """The model's FLOPs in one step of ``global_batch_size`` sequences: three forwards of
     every layer and of the LM head (what MFU counts, whatever is recomputed)."""
     layers, _ = _forward_per_token(model)
@@ -198,7 +151,7 @@ def model_flops_per_step(model: ModelSpec, global_batch_size: int) -> float:
     return 3.0 * tokens * (layers + 2.0 * model.hidden_size * model.vocab_size)
 
 
-def recompute_flops_per_step(model: ModelSpec, global_batch_size: int,
+def recompute_flops_per_step(model: ModelConfig, global_batch_size: int,
                              recompute_granularity: str | None) -> float:
     """FLOPs recomputation adds to a step: ``full`` one forward of every layer,
     ``selective`` core attention's forward, ``None`` nothing."""
@@ -212,7 +165,7 @@ def recompute_flops_per_step(model: ModelSpec, global_batch_size: int,
     return tokens * (layers if recompute_granularity == "full" else attention)
 
 
-def hardware_flops_per_step(model: ModelSpec, global_batch_size: int,
+def hardware_flops_per_step(model: ModelConfig, global_batch_size: int,
                             recompute_granularity: str | None = None) -> float:
     """What the GPUs compute in one step: the model's FLOPs plus the recomputation's
     (:func:`recompute_flops_per_step`), as the Megatron papers count achieved TFLOP/s."""
@@ -220,7 +173,7 @@ def hardware_flops_per_step(model: ModelSpec, global_batch_size: int,
         + recompute_flops_per_step(model, global_batch_size, recompute_granularity)
 
 
-def parameter_count(model: ModelSpec) -> int:
+def parameter_count(model: ModelConfig) -> int:
     """Every parameter: the layers (:func:`~tutorial_lib.costs.memory_model.layer_parameters`
     at TP = EP = 1), the embedding (and a position table unless rotary), the final
     LayerNorm and an untied LM head."""
@@ -230,7 +183,7 @@ def parameter_count(model: ModelSpec) -> int:
     return count + 2 * model.vocab_size * h + positions + 2 * h
 
 
-def active_parameter_count(model: ModelSpec) -> int:
+def active_parameter_count(model: ModelConfig) -> int:
     """Parameters one token meets: :func:`parameter_count` less the routed experts it is
     not sent to."""
     if not model.num_experts:

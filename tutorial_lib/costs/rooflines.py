@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import ModelConfig
 from .alpha_beta import ring_bytes_sent
 from .hardware import Cluster
 from .memory_model import attention_widths
-from .model_flops import ModelSpec
 from .step_time import (BYTES, GRADIENT_BYTES, Layout, chunk_costs, check_layout,
                         rank_parameters)
 
@@ -51,7 +51,7 @@ class Roofline:
         return self.intensity < self.ridge_network
 
 
-def rooflines(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch_size: int,
+def rooflines(model: ModelConfig, cluster: Cluster, layout: Layout, global_batch_size: int,
               efficiency: float, precision: str = "bf16") -> list[Roofline]:
     """The roofline of each technique the layout uses (size > 1), in the order TP, CP,
     EP, PP, DP."""

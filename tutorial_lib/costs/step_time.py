@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from ..config import ConfigError, ParallelConfig, TrainConfig
+from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from ..grid import megatron_grids
 from ..pipeline_parallel import build_schedules
 from ..pipeline_parallel.actions import SCHEDULE_PLACEMENT, model_stage
@@ -50,8 +50,7 @@ from .alpha_beta import predict_time
 from .hardware import Cluster
 from .memory_model import (attention_widths, expert_parameters, layer_parameters,
                            memory_per_rank, stage_activation_bytes)
-from .model_flops import (ModelSpec, hardware_flops_per_step, layer_flops,
-                          model_flops_per_step)
+from .model_flops import hardware_flops_per_step, layer_flops, model_flops_per_step
 
 __all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SCHEDULES",
            "USABLE_MEMORY_FRACTION", "DDP_BUCKET_PARAMETERS", "group_crosses_nodes",
@@ -163,7 +162,7 @@ class StepTime:
                 "crosses_nodes": dict(self.crosses_nodes)}
 
 
-def check_layout(model: ModelSpec, layout: Layout, global_batch_size: int,
+def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int,
                  world_size: int | None = None) -> None:
     """Every rule a layout must keep, as :class:`ConfigError` naming it, its numbers and a fix."""
     l = layout
@@ -286,7 +285,7 @@ class ChunkCosts:
         return self.backward_compute + 2 * (self.tp + self.cp + self.ep + self.pp) / 3
 
 
-def chunk_costs(model: ModelSpec, cluster: Cluster, layout: Layout, efficiency: float,
+def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency: float,
                 precision: str = "bf16", crosses: dict | None = None) -> ChunkCosts:
     """The costs of one chunk-microbatch on the rank with the LM head (its chunks' average:
     the head's FLOPs spread over them), split as the module docstring says.  Communication is given for the
@@ -375,7 +374,7 @@ def schedule_times(schedule: str, pp: int, m: int, v: int, forward: float,
 
 
 @functools.lru_cache(maxsize=65536)
-def layout_memory(model: ModelSpec, layout: Layout, global_batch_size: int) -> int:
+def layout_memory(model: ModelConfig, layout: Layout, global_batch_size: int) -> int:
     """Bytes of the layout's heaviest rank (bf16, no process runtime):
     :func:`~tutorial_lib.costs.memory_model.memory_per_rank` on the first and the last
     pipeline rank (the embedding and the head; rank 0 holds the most microbatches)."""
@@ -393,7 +392,7 @@ def layout_memory(model: ModelSpec, layout: Layout, global_batch_size: int) -> i
 
 
 @functools.lru_cache(maxsize=65536)
-def memory_lower_bound(model: ModelSpec, layout: Layout, global_batch_size: int) -> int:
+def memory_lower_bound(model: ModelConfig, layout: Layout, global_batch_size: int) -> int:
     """A quick floor under :func:`layout_memory`: the heaviest rank's weights, gradients and
     optimizer state (:func:`rank_parameters`, bf16 as the memory model counts them: 2 + 4
     bytes, and 12 per parameter or 16 per slice element under ``optim``) plus rank 0's
@@ -421,7 +420,7 @@ def memory_lower_bound(model: ModelSpec, layout: Layout, global_batch_size: int)
     return state + in_flight * sum(per.values())
 
 
-def rank_parameters(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+def rank_parameters(model: ModelConfig, layout: Layout) -> tuple[int, int]:
     """``(dense, routed-expert)`` parameters of the pipeline rank that holds the most,
     each reduced over its own data-parallel group."""
     l = layout
@@ -474,7 +473,7 @@ def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[i
     return exposed
 
 
-def predict_step(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch_size: int,
+def predict_step(model: ModelConfig, cluster: Cluster, layout: Layout, global_batch_size: int,
                  efficiency: float, precision: str = "bf16", *, memory: bool = True,
                  checked: bool = False) -> StepTime:
     """The prediction for ``layout`` (checked by :func:`check_layout` first, unless
@@ -505,7 +504,7 @@ def predict_step(model: ModelSpec, cluster: Cluster, layout: Layout, global_batc
     return with_memory(result, model, cluster, global_batch_size) if memory else result
 
 
-def with_memory(result: StepTime, model: ModelSpec, cluster: Cluster,
+def with_memory(result: StepTime, model: ModelConfig, cluster: Cluster,
                 global_batch_size: int) -> StepTime:
     """``result`` with its heaviest rank's bytes (:func:`layout_memory`) and whether they
     fit in :data:`USABLE_MEMORY_FRACTION` of the GPU."""

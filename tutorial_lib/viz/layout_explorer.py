@@ -16,9 +16,9 @@ import html
 import itertools
 import math
 
-from ..config import ConfigError
+from ..config import ConfigError, ModelConfig
 from ..costs.hardware import GPUS, cluster
-from ..costs.model_flops import ModelSpec, gpt, parameter_count
+from ..costs.model_flops import gpt, parameter_count
 from ..plan import plan
 from . import draw
 from .widget import Explorer, ascii_html
@@ -26,7 +26,7 @@ from .widget import Explorer, ascii_html
 __all__ = ["SIZES", "GPU_TYPES", "GPU_COUNTS", "GLOBAL_BATCH", "explorer_data",
            "LayoutExplorer", "layout_explorer", "roofline_chart"]
 
-SIZES: dict[str, ModelSpec] = {
+SIZES: dict[str, ModelConfig] = {
     "1.3B": gpt(24, 2048, 16, name="GPT 1.3B"),
     "13B": gpt(40, 5120, 40, name="GPT 13B"),
     "70B": gpt(80, 8192, 64, name="GPT 70B"),
