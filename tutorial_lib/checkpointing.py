@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -68,7 +69,7 @@ __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "TEMPORARY_SUFFIX", "CKPT_FORM
            "common_state", "read_common_state", "Checkpoint", "find_checkpoint",
            "latest_checkpoint", "check_save_args", "file_digests", "DCP_METADATA_GLOBALS",
            "MetadataUnpickler", "read_dcp_metadata", "verify_checkpoint", "check_load_args", "check_checkpoint_args", "tensor_sharding",
-           "local_chunk"]
+           "local_chunk", "flat_range_chunks"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 """The file naming the last committed iteration (Megatron-LM's tracker)."""
@@ -549,3 +550,45 @@ def local_chunk(global_shape: tuple[int, ...], dim: int | None, index: int,
         sizes[dim] = global_shape[dim] // parts
         offsets[dim] = index * sizes[dim]
     return tuple(offsets), tuple(sizes)
+
+
+def flat_range_chunks(shape: tuple[int, ...], start: int,
+                      end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes ``(offsets, sizes)`` that elements ``[start, end)`` of ``shape``, counted in
+    row-major order, make, in that order; each box is contiguous in that order.
+
+    A ZeRO-2 / ZeRO-3 rank holds a slice of its unit's flat vector
+    (:class:`~tutorial_lib.data_parallel.ShardedBuffer`): of each parameter it holds a run of
+    elements, and DCP records a piece of a tensor as a box.  A run is at most a partial
+    first row, whole rows, and a partial last row (recursively, for more dimensions):
+    ``flat_range_chunks((3, 4), 2, 11)`` is ``[((0, 2), (1, 2)), ((1, 0), (1, 4)),
+    ((2, 0), (1, 3))]``.
+    """
+    if not 0 <= start <= end <= math.prod(shape):
+        raise ValueError(f"[{start}, {end}) is not a range of the {math.prod(shape)} "
+                         f"elements of a tensor of shape {tuple(shape)}")
+    if start == end:
+        return []
+    if len(shape) == 1:
+        return [((start,), (end - start,))]
+    row = math.prod(shape[1:])  # elements per index of the first dimension
+    rest = tuple(0 for _ in shape[1:])
+
+    def within(index: int, begin: int, stop: int) -> list:  # a run inside one row
+        return [((index, *offsets), (1, *sizes))
+                for offsets, sizes in flat_range_chunks(shape[1:], begin, stop)]
+
+    first, last = start // row, (end - 1) // row
+    if first == last:
+        return within(first, start - first * row, end - first * row)
+    chunks, whole_from, whole_to = [], first, last + 1
+    if start % row:
+        chunks += within(first, start % row, row)
+        whole_from = first + 1
+    if end % row:
+        whole_to = last
+    if whole_to > whole_from:
+        chunks.append(((whole_from, *rest), (whole_to - whole_from, *shape[1:])))
+    if end % row:
+        chunks += within(last, 0, end % row)
+    return chunks

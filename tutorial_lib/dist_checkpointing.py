@@ -42,6 +42,19 @@ them back into per-parameter tensors (``get_parameter_state``) before the save a
 its own slices after the load (``load_parameter_state``).  Both write the same keys, so a
 ZeRO-1 checkpoint loads into plain Adam and the other way round.
 
+**ZeRO-2 and ZeRO-3** (:class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedOptimizer`).
+A rank holds the truth of its units only as slices: the fp32 slice of each unit's flat
+vector (``main_param``, under ZeRO-3 the only copy of the weights between steps) and Adam's
+moments of it; nothing is gathered to save or load them.  Of each parameter a rank holds a
+run of elements, which :func:`~tutorial_lib.checkpointing.flat_range_chunks` cuts into
+at most a few boxes; they are handed to DCP as a ``ShardedTensor``
+(``torch.distributed._shard.sharded_tensor``, the form whose pieces may be any boxes, several
+per rank or none: a DTensor's ``Shard`` placement cuts only even pieces along one dim) over
+the unit's DP group, views of the slices, so a load writes straight into them.  The keys
+and global shapes are the ones above (the weights as ``model.<name>``, read from the fp32
+slices), so DCP reshards in both directions: a ZeRO-3 checkpoint on 4 ranks loads under
+ZeRO-1 on 2 ranks or into plain Adam on one, and back.
+
 **RNG** (Megatron-LM's rule, d98e8a64 / megatron-core 0.20.0, ``load_checkpoint``): saved
 per (pipeline rank, TP rank), loaded only when the checkpoint's TP and PP sizes equal the
 run's; otherwise rank 0 says it is ignored.  The
@@ -50,21 +63,31 @@ come from seeded generators), so its losses never depend on it.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard import sharded_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import checkpointing, parallel_state
 from .data_parallel import DistributedOptimizer, grad_domain, is_tensor_parallel
+from .fully_sharded_data_parallel import FullyShardedOptimizer
 
 __all__ = ["ADAM_STATE", "PAUSE_BEFORE_COMMIT_ENV", "CheckedFileSystemReader", "model_tensors",
-           "sharded_state_dict", "Save", "start_save", "save_checkpoint", "load_checkpoint"]
+           "unit_piece", "sharded_state_dict", "Save", "start_save", "save_checkpoint", "load_checkpoint"]
+
+# DCP reads the ZeRO-2 / ZeRO-3 boxes through ShardedTensor, the one form with several pieces
+# per rank; torch 2.13 warns on each of its attribute reads that DTensor replaces it, and
+# DTensor has no form for them.
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                        "ShardedTensor", category=FutureWarning)
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 """The optimizer state a checkpoint holds per parameter (the 4D run's optimizer is Adam)."""
@@ -173,7 +196,7 @@ def _rng_key() -> str:
 
 def _state_dict(tensors: dict, moments: dict, rng_state: torch.Tensor | None) -> dict:
     """The flat dict handed to DCP: each tensor as a DTensor (split) or plain (whole), by key."""
-    meshes = _meshes(next(iter(tensors.values())).device.type)
+    meshes = _meshes(next(iter(tensors.values())).device.type) if tensors else {}
     state: dict = {}
     for name, tensor in tensors.items():
         state[f"model.{name}"] = _describe(tensor.detach(), _sharding(tensor), meshes)
@@ -186,14 +209,61 @@ def _state_dict(tensors: dict, moments: dict, rng_state: torch.Tensor | None) ->
     return state
 
 
+def unit_piece(unit, index: int, values: torch.Tensor) -> sharded_tensor.ShardedTensor:
+    """This rank's elements of parameter ``index`` of ``unit``, cut from ``values`` (laid out
+    as the unit's slice: ``main_param`` or one of its Adam moments), as a ``ShardedTensor``
+    of the parameter's shape over the unit's DP group; its pieces are views of ``values``.
+    Collective over that group (the ranks exchange which boxes each holds)."""
+    param = unit.params[index]
+    start, end = unit.ranges[index]
+    mine_from = max(start, unit.shard_start)
+    mine_to = min(end, unit.shard_start + unit.shard_numel)
+    boxes = (checkpointing.flat_range_chunks(tuple(param.shape), mine_from - start, mine_to - start)
+             if mine_to > mine_from else [])
+    shards, at = [], mine_from - unit.shard_start
+    for offsets, sizes in boxes:
+        piece = values[at:at + math.prod(sizes)].view(sizes)
+        shards.append(sharded_tensor.Shard.from_tensor_and_offsets(piece, list(offsets),
+                                                                 dist.get_rank()))
+        at += math.prod(sizes)
+    return sharded_tensor.init_from_local_shards(
+        shards, *param.shape, process_group=parallel_state.get_group(unit.group))
+
+
+def _fully_sharded_state_dict(tensors: dict, optimizer: FullyShardedOptimizer,
+                              rng_state: torch.Tensor | None) -> dict:
+    """The flat dict of a ZeRO-2 / ZeRO-3 rank: the units' weights and Adam moments as this
+    rank's boxes of each parameter (:func:`unit_piece`), views of its fp32 slices, so that
+    ``dcp.save`` reads them and ``dcp.load`` writes into them; the rest as :func:`_state_dict`."""
+    names = {id(tensor): name for name, tensor in tensors.items()}
+    rest, state = dict(tensors), {}
+    for unit in optimizer.buffers:
+        adam = optimizer.optimizer.state[unit.main_param]
+        if not adam:  # before the first step, or before a load: Adam's state at step 0
+            adam.update(_empty_state(unit.main_param))
+        for index, param in enumerate(unit.params):
+            name = names[id(param)]
+            del rest[name]
+            state[f"model.{name}"] = unit_piece(unit, index, unit.main_param.detach())
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"optimizer.state.{name}.{key}"] = unit_piece(unit, index, adam[key])
+            state[f"optimizer.state.{name}.step"] = adam["step"]  # one count per unit
+    state.update(_state_dict(rest, {}, rng_state))  # buffers; parameters outside the units are frozen
+    return state
+
+
 def sharded_state_dict(chunks, optimizer) -> dict:
     """The flat dict this rank hands to ``dcp.save``: its pieces of every tensor, by global key.
 
-    ``optimizer``: ``torch.optim.Adam`` over the chunks' parameters, or a
+    ``optimizer``: ``torch.optim.Adam`` over the chunks' parameters, a
     :class:`~tutorial_lib.data_parallel.DistributedOptimizer` (then this is collective
-    over its DP groups: it gathers the state).
+    over its DP groups: it gathers the state), or a
+    :class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedOptimizer` (collective over
+    DP too: the ranks tell each other which boxes they hold; nothing is gathered).
     """
     tensors = model_tensors(chunks)
+    if isinstance(optimizer, FullyShardedOptimizer):
+        return _fully_sharded_state_dict(tensors, optimizer, torch.get_rng_state())
     params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
     return _state_dict(tensors, _optimizer_state(optimizer, params), torch.get_rng_state())
 
@@ -287,7 +357,9 @@ def load_checkpoint(checkpoints_path: str, chunks, optimizer, args, ckpt_step: i
 
     Every rank calls it once its chunks and optimizer are built.  The parameters and
     buffers are loaded in place; the optimizer state is installed afterwards (ZeRO-1 keeps
-    its slices of it); the RNG state only when TP and PP are the checkpoint's.
+    its slices of it); ZeRO-2 and ZeRO-3 load the slices of their units and their moments in
+    place (then ZeRO-2 all-gathers the weights); the RNG state only when TP and PP are the
+    checkpoint's.
     """
     found = checkpointing.find_checkpoint(checkpoints_path, ckpt_step)
     checkpointing.check_checkpoint_args(found.common, args)
@@ -296,12 +368,17 @@ def load_checkpoint(checkpoints_path: str, chunks, optimizer, args, ckpt_step: i
                  (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     tensors = model_tensors(chunks)  # loaded in place: a DTensor's local part is the tensor itself
     params = {n: t for n, t in tensors.items() if isinstance(t, torch.nn.Parameter)}
-    moments = {name: _empty_state(param) for name, param in params.items()}  # filled by the load
+    fully_sharded = isinstance(optimizer, FullyShardedOptimizer)
+    moments = {} if fully_sharded else {name: _empty_state(param)  # filled by the load
+                                        for name, param in params.items()}
     rng_state = torch.empty_like(torch.get_rng_state()) if same_tp_pp else None
-    state = _state_dict(tensors, moments, rng_state)
+    state = (_fully_sharded_state_dict(tensors, optimizer, rng_state) if fully_sharded
+             else _state_dict(tensors, moments, rng_state))
     dcp.load(state, storage_reader=CheckedFileSystemReader(found.path))
     by_param = {params[name]: value for name, value in moments.items()}
-    if isinstance(optimizer, DistributedOptimizer):
+    if fully_sharded:  # the slices and moments were loaded in place
+        optimizer.reload_model_params()
+    elif isinstance(optimizer, DistributedOptimizer):
         optimizer.load_parameter_state(by_param)
     else:
         for param, value in by_param.items():

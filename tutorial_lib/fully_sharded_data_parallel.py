@@ -45,6 +45,18 @@ Bytes per step on the ring (:func:`tutorial_lib.costs.sharded_step_collectives`)
 and ZeRO-1/2 move ``2 (DP-1)/DP`` times the gradient bytes; ZeRO-3 adds one all-gather of
 the parameters (two per step, forward and backward), ``3 (DP-1)/DP``: 1.5x.
 
+**HSDP is predicted, not run here.**  Hybrid sharding (shard inside a group of ``S``
+ranks, replicate over ``DP / S`` groups: FSDP2's 2-D mesh ``(Replicate(), Shard(0))``,
+Megatron's ``--num-distributed-optimizer-instances``) lives in the cost and memory models
+only (:func:`tutorial_lib.costs.sharded_step_collectives` with ``shard_size``,
+:func:`tutorial_lib.costs.memory_per_rank` with ``num_distributed_optimizer_instances``).
+A unit here shards over its gradient domain's group (``dp``, from
+:data:`tutorial_lib.data_parallel.DOMAINS`), and the course's grid
+(:class:`tutorial_lib.grid.ProcessGrid`) has no group kinds for the two halves of DP: running
+HSDP means adding ``dp_shard`` and ``dp_replicate`` to every layout of the grid and to
+:mod:`tutorial_lib.parallel_state`, then one all-reduce of each reduced slice over
+``dp_replicate`` after its reduce-scatter.
+
 Trace: every all-gather and reduce-scatter carries ``unit`` (the unit's name), ``phase``
 (``forward``, ``backward`` or ``optimizer``), ``zero`` (the stage) and, for an all-gather,
 ``prefetch`` (issued ahead of its unit) and ``op_name`` (the method that issued it).
@@ -360,9 +372,9 @@ class FullyShardedOptimizer(DistributedOptimizer):
     as ZeRO-1's: the main gradients are the reduce-scattered slices (here waited for: they
     were issued during backward), clipped by the norm summed over DP; the wrapped
     optimizer steps the slices; then ZeRO-2 all-gathers each unit's parameters, while
-    ZeRO-3 gathers nothing (the next forward does).  Checkpoints
-    (``get_parameter_state``) and the memory measurement read :attr:`buffers`, the units,
-    as they read ZeRO-1's.
+    ZeRO-3 gathers nothing (the next forward does).  The memory measurement reads
+    :attr:`buffers`, the units, as it reads ZeRO-1's; checkpoints save and load each unit's
+    slices where they are, without gathering them (:mod:`tutorial_lib.dist_checkpointing`).
     """
 
     def __init__(self, fsdp: FullyShardedDataParallel, optimizer_class=torch.optim.Adam,
@@ -387,6 +399,16 @@ class FullyShardedOptimizer(DistributedOptimizer):
         if self.fsdp.stage == 2:
             for unit in self.buffers:
                 unit.all_gather_params()
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """After the slices changed outside a step (a checkpoint was loaded into them): ZeRO-2
+        all-gathers the weights; ZeRO-3 frees any gathered unit, so its next use gathers the
+        new slices.  Collective over DP."""
+        self._copy_main_params_to_model_params()
+        if self.fsdp.stage == 3:
+            for unit in self.buffers:
+                unit.reshard()
 
 
 def shard_data_parallel(model: nn.Module, strategy: str, units=(), optimizer_class=torch.optim.Adam,

@@ -452,8 +452,9 @@ def test_the_fp8_legs_figure_reads_at_every_width(fragment_page, width):
 
 def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page):
     """Chapter 10's memory: every click shows what ``costs.memory_per_rank`` computed for that layout
-    (the bars' MiB are the island's numbers, the heaviest rank and the verdict follow), a
-    refused layout says why, and the second copy on the page does not move."""
+    (the bars' MiB are the island's numbers, the heaviest rank and the verdict follow; under
+    ZeRO-3 no whole weight and a gathered peak), a refused layout says why, and the second
+    copy on the page does not move."""
     from tutorial_lib.viz.memory_explorer import explorer_data, memory_explorer
     data = explorer_data()
     a, b = memory_explorer(), memory_explorer()
@@ -475,6 +476,11 @@ def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page)
     root.locator(".tl-mem-recompute button", has_text="full").click()
     assert root.get_attribute("data-key") == "deepseek-v3|1|16|64|1|full"
     assert shown("deepseek-v3|1|16|64|1|full") < heaviest  # recomputation frees activations
+    root.locator(".tl-mem-zero button", has_text="ZeRO-3").click()  # chapter 12's strategies
+    refused = data["results"]["deepseek-v3|1|16|64|3|full"]  # routed experts: ZeRO-1 only
+    assert root.get_attribute("data-fits") == "refused" and "error" in refused
+    assert data["errors"][refused["error"]] in root.locator(".tl-mem-summary").inner_text()
+    root.locator(".tl-mem-zero button", has_text="ZeRO-1").click()
     root.locator(".tl-mem-budget button", has_text="141 GiB").click()
     root.locator(".tl-mem-preset button", has_text="llama-405b").click()
     assert root.locator(".tl-mem-ep button").count() == 1  # a dense model: EP 1 only
@@ -483,6 +489,14 @@ def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page)
     assert key == "llama-405b|8|16|1|1|full"
     total = shown(key)
     assert root.get_attribute("data-fits") == ("yes" if total <= 141 * 1024 else "no")
+    root.locator(".tl-mem-zero button", has_text="ZeRO-3").click()
+    assert root.get_attribute("data-key") == "llama-405b|8|16|1|3|full"
+    assert shown("llama-405b|8|16|1|3|full") < total  # ZeRO-3 on this dense model
+    parts = root.locator("rect.tl-mem-bar").evaluate_all(
+        "rs => rs.map(r => [r.dataset.part, +r.dataset.mib])")
+    assert {mib for part, mib in parts if part == "weights"} == {0}  # no whole weight kept
+    assert min(mib for part, mib in parts if part == "gathered") > 0  # but a gathered peak
+    root.locator(".tl-mem-zero button", has_text="ZeRO-1").click()
     root.locator(".tl-mem-tp button", has_text="1").click()
     root.locator(".tl-mem-pp button", has_text="4").click()  # DP 4096: 2048 sequences do not split
     refused = data["results"][root.get_attribute("data-key")]

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tutorial_lib import costs
+from tutorial_lib.arguments import TrainingArgs
 from tutorial_lib.config import ZERO_STAGE, ModelConfig, ParallelConfig, TrainConfig
 from tutorial_lib.data import split_global_batch, synthetic_batch
 from tutorial_lib.gpt import GPTModel
@@ -159,21 +160,21 @@ def _run(dp):
 _SERIAL = {}
 
 
-def _serial():
-    """The serial model, the whole global batch a step, ``torch.optim.Adam``."""
-    if not _SERIAL:
+def _serial(steps=STEPS):
+    """The serial model, the whole global batch a step, ``torch.optim.Adam``, ``steps`` steps."""
+    if steps not in _SERIAL:
         model = GPTModel(CONFIG, seed=MODEL_SEED, tp_group=None)
         optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
         losses = []
-        for step in range(STEPS):
+        for step in range(steps):
             optimizer.zero_grad()
             loss = model(*_global_batch(step))
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        _SERIAL.update(losses=losses,
-                       params={n: p.detach().clone() for n, p in model.named_parameters()})
-    return _SERIAL
+        _SERIAL[steps] = {"losses": losses,
+                          "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _SERIAL[steps]
 
 
 def _replica_losses(results, run):
@@ -340,3 +341,108 @@ def test_memory_per_rank_equals_the_memory_model(dp):
                                   data_parallel_sharding_strategy="optim_grads_params")[0]
     assert zero3.weights + zero3.gradients + zero3.optimizer < plain.weights + plain.gradients \
         + plain.optimizer
+
+
+# --- checkpoints: saved under one strategy and DP size, resumed under another ---------------
+
+LEG_STEPS = 2
+"""Steps trained by each leg of the resumed run (three legs, the serial run trains all six)."""
+LOADERS = ("optim", "optim_grads", "optim_grads_params", "no_shard")
+"""The strategies that load the ZeRO-3 checkpoint on 2 ranks (and save again)."""
+CHECKPOINT_ARGS = TrainingArgs(
+    num_layers=CONFIG.num_layers, hidden_size=CONFIG.hidden_size,
+    num_attention_heads=CONFIG.num_attention_heads, seq_length=CONFIG.seq_length,
+    vocab_size=CONFIG.vocab_size, num_experts=0, global_batch_size=GLOBAL_BATCH,
+    num_microbatches=1, steps=3 * LEG_STEPS)
+"""What a checkpoint records of the run (the model's shapes, the steps; common.json)."""
+
+
+def _whole_state(model, optimizer):
+    """``{name: {"param", "exp_avg", "exp_avg_sq", "step"}}``, every tensor whole, on this rank
+    (gathered over DP from the slices under ZeRO-1/2/3: a collective)."""
+    params = _full_params(model, optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_param = (optimizer.get_parameter_state() if hasattr(optimizer, "get_parameter_state")
+                else optimizer.state)
+    return {names[id(p)]: {"param": params[names[id(p)]],
+                           **{key: value.detach().clone() for key, value in state.items()}}
+            for p, state in by_param.items()}
+
+
+def _resume_leg(ctx, strategy, load_dir, save_dir, first_step):
+    """Build the model under ``strategy`` (from another seed when it loads, so only the load
+    can give it the weights), load ``load_dir``, train steps ``first_step`` on, save."""
+    from tutorial_lib import parallel_state
+    from tutorial_lib.dist_checkpointing import load_checkpoint, save_checkpoint
+    from tutorial_lib.fully_sharded_data_parallel import shard_data_parallel
+    from tutorial_lib.tp_dp_step import train_step
+    dp_rank, dp = parallel_state.get_rank_in("dp"), parallel_state.get_size("dp")
+    model = GPTModel(CONFIG, seed=MODEL_SEED + 6 if load_dir else MODEL_SEED)
+    wrapped, optimizer = shard_data_parallel(model, strategy, units=list(model.layers),
+                                             lr=LR, eps=EPS)
+    out = {"losses": []}
+    if load_dir is not None:
+        out["iteration"] = load_checkpoint(load_dir, [model], optimizer, CHECKPOINT_ARGS)
+        out["loaded"] = _whole_state(model, optimizer)
+    for step in range(first_step, first_step + LEG_STEPS):
+        batch = split_global_batch(_global_batch(step), dp_rank, dp)
+        out["losses"].append(train_step(wrapped, optimizer, batch, 1, log_loss=False).loss)
+    out["final"] = _whole_state(model, optimizer)
+    if save_dir is not None:
+        save_checkpoint(save_dir, first_step + LEG_STEPS, [model], optimizer, CHECKPOINT_ARGS)
+    return out
+
+
+def _resume_worker(ctx, legs):
+    from tutorial_lib import parallel_state
+    parallel_state.initialize_model_parallel(ParallelConfig(ctx.world_size), layout="megatron")
+    return [_resume_leg(ctx, *leg) for leg in legs]
+
+
+def _mean_losses(results, leg):
+    return [sum(r[leg]["losses"][s] for r in results) / len(results) for s in range(LEG_STEPS)]
+
+
+def _assert_same_state(got, expected, where):
+    assert got.keys() == expected.keys(), where
+    for name, tensors in expected.items():
+        assert got[name].keys() == tensors.keys(), (where, name)
+        for key, value in tensors.items():
+            assert torch.equal(got[name][key], value), (where, name, key)
+
+
+def test_a_zero3_checkpoint_resumes_under_every_strategy_then_on_one_rank(tmp_path):
+    """ZeRO-3 on 4 ranks trains steps 1-2 and saves (each rank its boxes of each unit's fp32
+    slice and Adam moments, nothing gathered); on 2 ranks each strategy (ZeRO-1, ZeRO-2,
+    ZeRO-3, plain DP) loads it, trains steps 3-4 and saves; one rank loads each of those and
+    trains steps 5-6.  The chain ZeRO-3 x 4 -> ZeRO-1 x 2 -> one rank, and the three others.
+
+    Each load gives back exactly the state that was saved (every weight, Adam moment and
+    step count, whole, bit for bit: DCP copies, nothing is recomputed).  The losses of every
+    leg equal the serial model's uninterrupted six steps within ``LOSS_ATOL = 1e-5``: the
+    legs average over 4, 2 and 1 ranks, which sums the gradients in other orders (module
+    docstring)."""
+    from tutorial_lib.launch import launch
+    zero3 = str(tmp_path / "zero3")
+    first = launch(_resume_worker, 4, args=([("optim_grads_params", None, zero3, 0)],),
+                   timeout=240).results
+    second = launch(_resume_worker, 2, args=(
+        [(s, zero3, str(tmp_path / s), LEG_STEPS) for s in LOADERS],), timeout=240).results
+    third = launch(_resume_worker, 1, args=(
+        [("no_shard", str(tmp_path / s), None, 2 * LEG_STEPS) for s in LOADERS],),
+        timeout=240).results
+    serial = _serial(3 * LEG_STEPS)["losses"]
+    assert _mean_losses(first, 0) == pytest.approx(serial[:LEG_STEPS], abs=LOSS_ATOL)
+    saved = first[0][0]["final"]
+    assert set(saved) == set(_serial(3 * LEG_STEPS)["params"])
+    for index, strategy in enumerate(LOADERS):
+        for rank, result in enumerate(second):
+            assert result[index]["iteration"] == LEG_STEPS
+            _assert_same_state(result[index]["loaded"], saved, (strategy, rank))
+        assert _mean_losses(second, index) == pytest.approx(
+            serial[LEG_STEPS:2 * LEG_STEPS], abs=LOSS_ATOL), strategy
+        assert third[0][index]["iteration"] == 2 * LEG_STEPS
+        _assert_same_state(third[0][index]["loaded"], second[0][index]["final"], strategy)
+        assert _mean_losses(third, index) == pytest.approx(serial[2 * LEG_STEPS:],
+                                                           abs=LOSS_ATOL), strategy
+    assert serial[-1] != serial[0]

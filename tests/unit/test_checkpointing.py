@@ -8,6 +8,7 @@ Pure: directories made in ``tmp_path``, no worker.  The saves and loads of real 
 (``CheckpointConfig``: ``save``, ``save_interval``, ``load``, ``ckpt_step``).
 """
 import json
+import math
 import os
 import pickle
 import warnings
@@ -22,7 +23,8 @@ from tutorial_lib import checkpointing
 from tutorial_lib.checkpointing import (CKPT_FORMAT, TRACKER_FILENAME, check_checkpoint_args,
                                         check_save_args, commit_checkpoint, common_state,
                                         find_checkpoint, get_checkpoint_name, is_save_iteration,
-                                        expert_tp_sharding, latest_checkpoint, local_chunk,
+                                        expert_tp_sharding, flat_range_chunks, latest_checkpoint,
+                                        local_chunk,
                                         prepare_checkpoint_dir,
                                         tensor_sharding)
 from tutorial_lib.config import ConfigError
@@ -254,6 +256,32 @@ def test_which_group_splits_a_tensor_and_the_chunks_dcp_records():
     assert local_chunk((4, 16, 16), None, 0, 1) == ((0, 0, 0), (4, 16, 16))
     with pytest.raises(ValueError):
         local_chunk((6, 4), 0, 0, 4)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 5)])
+def test_a_flat_run_of_elements_is_cut_into_boxes_that_cover_it_in_order(shape):
+    """A ZeRO-2 / ZeRO-3 rank's run of a parameter's elements, as the boxes DCP records:
+    every run of every tensor, box by box, gives back exactly the elements of the run, in
+    row-major order (numbered here by their flat index)."""
+    numbered = torch.arange(math.prod(shape)).reshape(shape)
+    for start in range(numbered.numel() + 1):
+        for end in range(start, numbered.numel() + 1):
+            chunks = flat_range_chunks(shape, start, end)
+            pieces = [numbered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+                      for offsets, sizes in chunks]
+            assert torch.cat([torch.arange(0), *pieces]).tolist() == list(range(start, end))
+            assert len(chunks) <= 2 * len(shape) - 1  # a partial row each side, per dimension
+
+
+def test_flat_range_chunks_by_hand():
+    """Elements 2 to 10 of a 3 x 4 matrix: the end of row 0, all of row 1, the start of row 2."""
+    assert flat_range_chunks((3, 4), 2, 11) == [((0, 2), (1, 2)), ((1, 0), (1, 4)),
+                                                ((2, 0), (1, 3))]
+    assert flat_range_chunks((3, 4), 4, 12) == [((1, 0), (2, 4))]
+    assert flat_range_chunks((2, 2, 3), 4, 5) == [((0, 1, 1), (1, 1, 1))]
+    assert flat_range_chunks((5,), 3, 3) == []
+    with pytest.raises(ValueError, match="not a range"):
+        flat_range_chunks((3, 4), 5, 13)
 
 
 # --- checkpoints from elsewhere: untrusted and damaged ----------------------------------------

@@ -157,3 +157,19 @@ def test_the_memory_command_line_takes_the_strategy(capsys):
     assert memory.main(["--use-distributed-optimizer", "--data-parallel-sharding-strategy",
                         "optim_grads"]) == 2
     assert "give one of the two" in capsys.readouterr().err
+
+
+def test_sharding_beats_tp_above_the_crossover_worked_by_hand():
+    """1000 parameters, 2 blocks of h = 10, 4 ranks, TP 2 x DP 2 against ZeRO-3 on DP 4, per
+    element a: ZeRO-3 sends 3 x 3/4 x 1000 = 2250 a; TP's replicas all-reduce 500 gradients
+    over 2 ranks, 2 x 1/2 x 500 = 500 a, and each of the x / 2 tokens of a replica costs
+    4 all-reduces x 2 blocks x h 10 x ring 2 x 1/2 = 80 a: 40 x + 500 = 2250 at x = 43.75."""
+    assert costs.sharding_beats_tp_tokens(1000, 2, 10, 4, 2) == 43.75
+    # its ZeRO-3 side is the library's: one unit of 1000 elements (divisible by 4), fp32
+    rows = costs.sharded_step_collectives([1000], 4, "optim_grads_params")
+    assert costs.step_bytes_sent(rows, {"dp": 4}) == 2250 * 4
+    # TP over the whole world (DP 1): no gradient all-reduce, 3 x 7/8 Psi / (8 L h 7/8)
+    assert costs.sharding_beats_tp_tokens(8000, 1, 100, 8, 8) == pytest.approx(30.0)
+    for bad in ((1000, 2, 10, 4, 1), (1000, 2, 10, 6, 4)):
+        with pytest.raises(ValueError, match="must be 2 or more and divide world"):
+            costs.sharding_beats_tp_tokens(*bad)

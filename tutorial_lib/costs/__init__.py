@@ -86,7 +86,7 @@ def _import_numpy_modules() -> None:
     from .rooflines import Roofline, rooflines
     from .step_time import (Layout, StepTime, group_crosses_nodes, predict_step,
                             schedule_times)
-    from .zero_stages import sharded_step_collectives, step_bytes_sent
+    from .zero_stages import sharded_step_collectives, sharding_beats_tp_tokens, step_bytes_sent
     globals().update({name: value for name, value in locals().items()})
 
 
@@ -115,7 +115,7 @@ __all__ = [
     "distributed_optimizer_collectives", "megatron_distributed_optimizer_numel",
     "gpt_parameter_shapes", "step_bytes_by_group", "tp_dp_step_collectives",
     "zero1_state_bytes_per_rank",
-    "sharded_step_collectives", "step_bytes_sent",
+    "sharded_step_collectives", "sharding_beats_tp_tokens", "step_bytes_sent",
     "PRECISION_BYTES", "RankMemory", "available_memory_bytes", "format_bytes",
     "layer_activation_bytes", "layer_parameters", "memory_of_ranks", "memory_on_this_machine",
     "memory_per_rank", "stage_activation_bytes", "peak_unsharded_numel", "unit_slice_numel",

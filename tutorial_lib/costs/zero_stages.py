@@ -31,7 +31,7 @@ from .alpha_beta import ring_bytes_sent
 from .memory_model import unit_slice_numel
 from .tp_dp_step import StepCollective, _positive
 
-__all__ = ["sharded_step_collectives", "step_bytes_sent"]
+__all__ = ["sharded_step_collectives", "step_bytes_sent", "sharding_beats_tp_tokens"]
 
 
 def _stage(strategy: str) -> int:
@@ -118,3 +118,35 @@ def step_bytes_sent(rows: Iterable[StepCollective], group_sizes: dict[str, int])
     (:func:`~tutorial_lib.costs.alpha_beta.ring_bytes_sent`), ``group_sizes[kind]`` ranks per group."""
     return sum(row.count * ring_bytes_sent(row.op, row.bytes_each, group_sizes[row.group_kind])
                for row in rows)
+
+
+def sharding_beats_tp_tokens(parameters: int, num_layers: int, hidden_size: int, world: int,
+                             tp: int) -> float:
+    """Tokens per step above which ZeRO-3 on all ``world`` ranks (TP 1) sends fewer bytes per
+    rank than TP ``tp`` x DP ``world / tp`` with plain DP (chapter 12, "Sharding or tensor
+    parallelism?"), on rings, every collective in the same dtype.
+
+    With ``Psi`` parameters, ``L`` blocks of hidden size ``h``, ``N`` ranks, ``T = tp``,
+    ``D = N / T`` and ``x`` tokens in a step, ``a`` bytes per element, per rank and step:
+
+    - ZeRO-3 gathers every parameter twice and reduce-scatters its gradient once, whatever
+      the batch: ``3 (N-1)/N Psi a`` (:func:`sharded_step_collectives`);
+    - TP all-reduces an ``[s, b, h]`` activation four times per block and microbatch
+      (chapter 3, no sequence parallelism), on the ``x / D`` tokens of its replica:
+      ``4 L (x / D) h a 2 (T-1)/T``, and plain DP all-reduces the ``Psi / T`` gradients of
+      the rank's shard: ``2 (D-1)/D (Psi / T) a``.
+
+    The two are equal at ``x* = D Psi (3 (N-1)/N - 2 (D-1)/(D T)) / (8 L h (T-1)/T)``; ``a``
+    cancels.  The embedding's and the loss's small collectives are left out.
+    """
+    n, t = _positive("world", world), _positive("tp", tp)
+    if t < 2 or n % t:
+        raise ValueError(f"tp ({t}) must be 2 or more and divide world ({n}): the formula "
+                         f"compares TP {t} x DP {n}/{t} with ZeRO-3 on DP {n}")
+    d = n // t
+    psi, layers, h = (_positive(name, value) for name, value in (
+        ("parameters", parameters), ("num_layers", num_layers), ("hidden_size", hidden_size)))
+    sharded = 3 * (n - 1) / n * psi
+    tp_replicas = 2 * (d - 1) / d * psi / t
+    tp_per_token = 4 * layers * h * 2 * (t - 1) / t / d
+    return (sharded - tp_replicas) / tp_per_token

@@ -1,12 +1,13 @@
 """The memory explorer: every pipeline rank's memory for a grid of layouts, played in the page.
 
-    memory_explorer()           # the presets of tutorial_lib.memory, TP x PP x EP x ZeRO x recompute
+    memory_explorer()           # the presets of tutorial_lib.memory, TP x PP x EP x ZeRO 0-3 x recompute
 
 The reader picks a preset (a DeepSeek-V3-like and a Llama-like model at thousands of
-GPUs), the TP, PP and EP sizes (DP is what the world leaves), the distributed optimizer
-(ZeRO-1) on or off, a recomputation setting and a memory budget per GPU.  The widget draws
-one stacked bar per pipeline rank: weights, gradients, optimizer state, activations at the
-schedule's peak, and the budget as a line.  Every number was computed in Python by
+GPUs), the TP, PP and EP sizes (DP is what the world leaves), the data-parallel sharding
+strategy (plain DP, ZeRO-1, ZeRO-2 or ZeRO-3: Megatron-FSDP's four), a recomputation
+setting and a memory budget per GPU.  The widget draws one stacked bar per pipeline rank:
+weights, ZeRO-3's gathered parameters at the peak, gradients, optimizer state, activations
+at the schedule's peak, and the budget as a line.  Every number was computed in Python by
 :func:`tutorial_lib.costs.memory_per_rank` when the widget was built (:func:`explorer_data`);
 the page only picks and draws them, so it works in the static book without a kernel.
 """
@@ -15,18 +16,23 @@ from __future__ import annotations
 import html
 import itertools
 
-from ..config import ConfigError
+from ..config import SHARDING_STRATEGIES, ConfigError
 from ..costs.memory_model import memory_per_rank
 from ..memory import PRESETS, preset_layout
 from ..recompute import Recompute
 from .widget import Explorer
 
-__all__ = ["explorer_data", "MemoryExplorer", "memory_explorer", "GRID", "BUDGETS_GIB", "MIB"]
+__all__ = ["explorer_data", "MemoryExplorer", "memory_explorer", "GRID", "ZERO_LABELS",
+           "BUDGETS_GIB", "MIB"]
 
 MIB = 2**20
-GRID = {"tp": (1, 2, 4, 8), "pp": (1, 4, 8, 16), "ep": (1, 8, 64), "zero": (0, 1),
+GRID = {"tp": (1, 2, 4, 8), "pp": (1, 4, 8, 16), "ep": (1, 8, 64), "zero": (0, 1, 2, 3),
         "recompute": ("none", "selective", "full")}
-"""The settings the explorer offers (EP only where the preset has experts)."""
+"""The settings the explorer offers (EP only where the preset has experts); ``zero`` is the
+stage of the data-parallel sharding strategy: ``SHARDING_STRATEGIES[zero]``."""
+ZERO_LABELS = ("plain DP", "ZeRO-1 (optim)", "ZeRO-2 (optim_grads)",
+               "ZeRO-3 (optim_grads_params)")
+"""The buttons of the four stages (Megatron-FSDP's strategy names)."""
 BUDGETS_GIB = (40, 80, 141)
 """Memory per GPU to compare with: 40 and 80 GiB (A100 / H100 sizes), 141 (H200)."""
 RECOMPUTE = {"none": Recompute(), "selective": Recompute("selective"),
@@ -35,11 +41,12 @@ RECOMPUTE = {"none": Recompute(), "selective": Recompute("selective"),
 
 def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
     """Everything the widget draws: per preset and setting, each pipeline rank's
-    ``[weights, gradients, optimizer, activations]`` in MiB (rounded up), or why the
+    ``[weights, gathered, gradients, optimizer, activations]`` in MiB (rounded up), or why the
     layout is refused."""
     errors: list[str] = []
     out = {"presets": [], "grid": {k: list(v) for k, v in GRID.items()},
-           "budgets": list(BUDGETS_GIB), "parts": ["weights", "gradients", "optimizer", "activations"],
+           "budgets": list(BUDGETS_GIB), "zero_labels": list(ZERO_LABELS),
+           "parts": ["weights", "gathered", "gradients", "optimizer", "activations"],
            "results": {}, "errors": errors}
     for name in presets:
         preset = PRESETS[name]
@@ -52,7 +59,7 @@ def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
             try:
                 parallel, train = preset_layout(preset, tp, pp, ep)
                 ranks = memory_per_rank(preset.model, parallel, train, precision=preset.precision,
-                                        use_distributed_optimizer=bool(zero),
+                                        data_parallel_sharding_strategy=SHARDING_STRATEGIES[zero],
                                         recompute=RECOMPUTE[rc], runtime=0)
             except (ConfigError, ValueError) as err:
                 message = str(err)
@@ -61,7 +68,7 @@ def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
                 out["results"][key] = {"error": errors.index(message)}
                 continue
             out["results"][key] = {"dp": parallel.data_parallel_size, "m": train.num_microbatches,
-                                   "ranks": [[-(-v // MIB) for v in (r.weights, r.gradients,
+                                   "ranks": [[-(-v // MIB) for v in (r.weights, r.gathered, r.gradients,
                                                                       r.optimizer, r.activations)]
                                              for r in ranks]}
     return out

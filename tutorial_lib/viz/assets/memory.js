@@ -3,7 +3,7 @@
 // ASCII only.
 function startMemoryExplorer(root, D) {
   var svg = root.querySelector("svg"), summary = root.querySelector(".tl-mem-summary");
-  var COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759"];
+  var COLORS = ["#4e79a7", "#9c755f", "#f28e2b", "#59a14f", "#e15759"];
   var state = {preset: D.presets[0].name, tp: 1, pp: 16, ep: D.presets[0].ep[D.presets[0].ep.length - 1],
                zero: 1, recompute: "none", budget: D.budgets[1]};
   function el(name, attrs, text) { return svgElement(svg, name, attrs, text); }
@@ -34,7 +34,7 @@ function startMemoryExplorer(root, D) {
     buttons("tp", same(D.grid.tp), "tp", true);
     buttons("pp", same(D.grid.pp), "pp", true);
     buttons("ep", same(preset().ep), "ep", true);
-    buttons("zero", [[0, "plain DP"], [1, "distributed (ZeRO-1)"]], "zero", true);
+    buttons("zero", D.grid.zero.map(function (z, i) { return [z, D.zero_labels[i]]; }), "zero", true);
     buttons("recompute", same(D.grid.recompute), "recompute", false);
     buttons("budget", D.budgets.map(function (b) { return [b, b + " GiB"]; }), "budget", true);
   }
@@ -57,7 +57,7 @@ function startMemoryExplorer(root, D) {
       svg.setAttribute("height", 10);
       return;
     }
-    var totals = result.ranks.map(function (r) { return r[0] + r[1] + r[2] + r[3]; });
+    var totals = result.ranks.map(function (r) { return r.reduce(function (a, b) { return a + b; }, 0); });
     var heaviest = 0;
     totals.forEach(function (t, i) { if (t > totals[heaviest]) heaviest = i; });
     var fits = totals[heaviest] <= budget;
