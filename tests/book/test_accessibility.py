@@ -135,7 +135,7 @@ def test_sampling_the_code_tokens_still_finds_a_faint_colour(chromium_browser):
     """The colour-contrast sampling above keeps one token per colour and background: a
     faint colour repeated many times across two code boxes is still reported (once), and
     the sampling leaves no mark on the page afterwards."""
-    tokens = "".join('<span style="color:#ddd">x</span> <span style="color:#111">y</span> '
+    tokens = "".join('<span style="color:#ddd">faint</span> <span style="color:#111">dark</span> '
                      for _ in range(25))
     box = f'<div class="highlight" style="background:#fff"><pre>{tokens}</pre></div>'
     context = chromium_browser.new_context()
