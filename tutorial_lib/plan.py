@@ -213,17 +213,38 @@ def decision_flow(model: ModelSpec, where: Cluster, gpus: int, global_batch_size
                   efficiency: float = MATMUL_EFFICIENCY) -> list[Decision]:
     """Does it fit, how fast, which knob first, each answered by the planner:
 
-    1. data parallelism alone (TP = CP = PP = 1), recomputation and micro-batch searched;
-    2. else the smallest TP inside one node with which it fits without PP;
-    3. else TP at the node's size and the smallest PP with which it fits;
-    4. the fastest layout of all, and what it changes against the first that fit (the knob
+    1. plain data parallelism alone (TP = CP = PP = 1, nothing sharded), recomputation and
+       micro-batch searched;
+    2. else the least sharding of the model state over the data-parallel ranks that makes
+       it fit without model parallelism: ZeRO-1 (``optim``), ZeRO-2, ZeRO-3 in turn (dense
+       models: ZeRO-1 only with routed experts);
+    3. else the smallest TP inside one node with which it fits without PP;
+    4. else TP at the node's size and the smallest PP with which it fits;
+    5. the fastest layout of all, and what it changes against the first that fit (the knob
        to turn first is the one it changes)."""
     flow, first = [], None
-    best = _best(model, where, gpus, global_batch_size, efficiency, {"tp": 1, "cp": 1, "pp": 1})
+    alone = {"tp": 1, "cp": 1, "pp": 1}
+    best = _best(model, where, gpus, global_batch_size, efficiency,
+                 {**alone, "sharding": "no_shard"})
     flow.append(Decision("Does it fit with data parallelism alone?",
                          "yes" if best else "no: the weights, gradients, optimizer state and "
                          "activations of a whole model exceed one GPU", best))
     first = best
+    if first is None:
+        for sharding, name in (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"),
+                               ("optim_grads_params", "ZeRO-3")):
+            if model.num_experts and sharding != "optim":
+                continue
+            best = _best(model, where, gpus, global_batch_size, efficiency,
+                         {**alone, "sharding": sharding})
+            if best:
+                break
+        flow.append(Decision("Does sharding the model state over the data-parallel ranks make "
+                             "it fit, without model parallelism?",
+                             f"yes, from {best.layout.sharding} ({name})" if best else
+                             "no: even ZeRO-3 leaves the activations of a whole model on each "
+                             "GPU", best))
+        first = best
     if first is None:
         for tp in (t for t in TP_SIZES if t <= where.gpus_per_node and t > 1):
             best = _best(model, where, gpus, global_batch_size, efficiency,
@@ -315,8 +336,8 @@ def _parser() -> argparse.ArgumentParser:
                      dest="num_layers_in_last_pipeline_stage", type=int, default=None,
                      help="layers on the last pipeline rank")
     lay.add_argument("--data-parallel-sharding-strategy", dest="sharding", default=None,
-                     help=f"Megatron-FSDP's names: {', '.join(SHARDING_STRATEGIES)} (the first "
-                          f"two modelled)")
+                     help=f"Megatron-FSDP's names: {', '.join(SHARDING_STRATEGIES)} (ZeRO 0 "
+                          f"to 3; 2 and 3 for dense models)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
     parser.add_argument("--decide", action="store_true",
                         help="walk the decision flow (does it fit, how fast, which knob first)")

@@ -30,16 +30,25 @@ bucket).  **Memory** is :func:`~tutorial_lib.costs.memory_model.memory_per_rank`
 bf16 with the layout's schedule and recomputation: the heaviest rank, and whether it fits
 in :data:`USABLE_MEMORY_FRACTION` of the GPU.
 
-Sharding strategies by Megatron-FSDP's names: ``no_shard`` (plain data parallelism) and
-``optim`` (the distributed optimizer, ZeRO-1) are modelled; ``optim_grads`` and
-``optim_grads_params`` are not (:class:`ConfigError` names the rule).
+Sharding strategies by Megatron-FSDP's names (chapter 12, :mod:`~tutorial_lib.costs.zero_stages`):
+``no_shard`` (plain data parallelism) and ``optim`` (the distributed optimizer, ZeRO-1) as
+above; ``optim_grads`` (ZeRO-2) reduce-scatters each layer's gradients after every
+microbatch's backward, under that backward but the last layer's, and all-gathers the
+updated parameters under the next forward as ZeRO-1 does; ``optim_grads_params``
+(ZeRO-3) also all-gathers each layer's parameters before its forward and again before its
+backward, every microbatch, prefetched under the compute before them but the first
+unit's of each pass (:func:`sharded_exposure`; one unit per decoder layer and a root unit
+for the rest, as :mod:`tutorial_lib.fully_sharded_data_parallel` wraps them).  Their memory
+is the memory model's (ZeRO-3: the gathered units at their peak).  Both shard dense models
+only, as the memory model does: with routed experts :class:`ConfigError` names the rule.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
 
-from ..config import ConfigError, ParallelConfig, TrainConfig, layers_per_pipeline_stage
+from ..config import (ZERO_STAGE, ConfigError, ParallelConfig, TrainConfig,
+                      layers_per_pipeline_stage)
 from ..grid import megatron_grids
 from ..pipeline_parallel import build_schedules
 from ..pipeline_parallel.actions import SCHEDULE_PLACEMENT, model_stage
@@ -55,7 +64,7 @@ from .model_flops import (ModelSpec, hardware_flops_per_step, layer_flops,
 
 __all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SCHEDULES",
            "uneven_split", "stage_layers", "rank_layers", "rank_parameter_counts",
-           "state_bytes_floor",
+           "state_bytes_floor", "rank_chunk_layers", "sharded_exposure",
            "USABLE_MEMORY_FRACTION", "DDP_BUCKET_PARAMETERS", "group_crosses_nodes",
            "chunk_costs", "schedule_times", "predict_step", "with_memory", "layout_memory",
            "rank_parameters", "memory_lower_bound", "check_layout"]
@@ -63,8 +72,8 @@ __all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SC
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's ``--data-parallel-sharding-strategy`` names."""
 
-MODELLED_SHARDING = ("no_shard", "optim")
-"""What this model predicts: plain DP and the distributed optimizer (ZeRO-1)."""
+MODELLED_SHARDING = SHARDING_STRATEGIES
+"""What this model predicts: every strategy (ZeRO-2 and ZeRO-3 for dense models)."""
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 """The schedules the planner weighs (GPipe holds more and runs no faster than 1F1B)."""
@@ -260,9 +269,10 @@ def check_layout(model: ModelSpec, layout: Layout, global_batch_size: int,
     if l.sharding not in SHARDING_STRATEGIES:
         raise ConfigError("sharding", f"--data-parallel-sharding-strategy {l.sharding!r}: one of "
                                       f"{', '.join(SHARDING_STRATEGIES)}")
-    if l.sharding not in MODELLED_SHARDING:
-        raise ConfigError("sharding", f"{l.sharding} (ZeRO-2/3) is not in this time and memory "
-                                      f"model yet; use {' or '.join(MODELLED_SHARDING)}")
+    if ZERO_STAGE[l.sharding] >= 2 and model.num_experts:
+        raise ConfigError("sharding", f"{l.sharding} shards dense models here; this model has "
+                                      f"{model.num_experts} routed experts: use optim (ZeRO-1), "
+                                      f"which shards them over expert-DP, or no_shard")
 
 
 def uneven_split(num_layers: int, pp: int,
@@ -336,14 +346,20 @@ class ChunkCosts:
     """The rank's decoder layers per chunk (its chunks' average)."""
     moe_layers: float = 0.0
     """Of those, MoE layers."""
+    dp_forward: float = 0.0
+    dp_backward: float = 0.0
+    """Sharded data parallelism's exposed time in the chunk's forward and backward (ZeRO-3's
+    gathers, ZeRO-2 and ZeRO-3's reduce-scatters: :func:`sharded_exposure`)."""
 
     @property
     def forward(self) -> float:
-        return self.forward_compute + (self.tp + self.cp + self.ep + self.pp) / 3
+        return (self.forward_compute + (self.tp + self.cp + self.ep + self.pp) / 3
+                + self.dp_forward)
 
     @property
     def backward(self) -> float:
-        return self.backward_compute + 2 * (self.tp + self.cp + self.ep + self.pp) / 3
+        return (self.backward_compute + 2 * (self.tp + self.cp + self.ep + self.pp) / 3
+                + self.dp_backward)
 
 
 def stage_layers(model: ModelSpec, layout: Layout) -> list[int]:
@@ -358,17 +374,23 @@ def stage_layers(model: ModelSpec, layout: Layout) -> list[int]:
                                      l.num_layers_in_last_pipeline_stage)
 
 
-def rank_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[list[int], bool]:
-    """``(layers, holds the head)``: the decoder layers pipeline rank ``rank`` runs, over
-    its chunks in order, and whether one of its stages is the last (the LM head)."""
+def rank_chunk_layers(model: ModelSpec, layout: Layout, rank: int) -> list[list[int]]:
+    """The decoder layers of each chunk of pipeline rank ``rank``, chunk by chunk."""
     l = layout
     counts = stage_layers(model, l)
-    starts = [sum(counts[:s]) for s in range(len(counts))]
     chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
     placement = SCHEDULE_PLACEMENT.get(l.schedule, "loop")
     stages = [model_stage(placement, rank, c, l.pp) for c in range(chunks)]
-    layers = [i for s in stages for i in range(starts[s], starts[s] + counts[s])]
-    return layers, len(counts) - 1 in stages
+    return [list(range(sum(counts[:s]), sum(counts[:s + 1]))) for s in stages]
+
+
+def rank_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[list[int], bool]:
+    """``(layers, holds the head)``: the decoder layers pipeline rank ``rank`` runs, over
+    its chunks in order, and whether one of its stages is the last (the LM head)."""
+    chunks = rank_chunk_layers(model, layout, rank)
+    last = model.num_layers - 1
+    holds_last_stage = any(c and c[-1] == last for c in chunks)
+    return [i for c in chunks for i in c], holds_last_stage
 
 
 def _ranks_to_weigh(pp: int) -> list[int]:
@@ -396,10 +418,10 @@ def chunk_costs(model: ModelSpec, cluster: Cluster, layout: Layout, efficiency: 
         parts = [layer_flops(model, i) for i in layers]
         flops = tokens * sum(sum(p.values()) for p in parts) / split
         head_flops = tokens * 2.0 * model.hidden_size * model.vocab_size / split if head else 0.0
-        return flops + head_flops, flops, layers, parts
+        return flops + head_flops, flops, layers, parts, rank
 
-    forward, layer_part, last, parts = max((work(r) for r in _ranks_to_weigh(l.pp)),
-                                           key=lambda w: w[0])
+    forward, layer_part, last, parts, rank = max((work(r) for r in _ranks_to_weigh(l.pp)),
+                                                 key=lambda w: w[0])
     per_chunk = len(last) / chunks                   # the rank's layers per chunk, on average
     attention = tokens * sum(p["core_attention"] for p in parts) / split
     recomputed = {None: 0.0, "selective": attention, "full": layer_part}[l.recompute_granularity]
@@ -429,8 +451,18 @@ def chunk_costs(model: ModelSpec, cluster: Cluster, layout: Layout, efficiency: 
     if l.pp > 1:
         boundary = rank_tokens * h * BYTES / (l.tp if l.tp > 1 else 1)
         pp_time = 2 * predict_time("send", boundary, 2, cluster.link(crosses["pp"]))
+    dp_forward = dp_backward = 0.0
+    if ZERO_STAGE[l.sharding] >= 2 and l.dp * l.cp > 1:  # the root goes with the first chunk
+        link = cluster.link(crosses["dp_cp"])
+        chunk_layers = rank_chunk_layers(model, l, rank)
+        sizes = [[layer_parameters(model, i, l.tp, l.ep, l.tp) for i in c] for c in chunk_layers]
+        root = rank_parameter_counts(model, l, rank)[0] - sum(map(sum, sizes))
+        for c, units in enumerate(sizes):
+            f, b = sharded_exposure(l.sharding, units, root if c == 0 else 0, l.dp * l.cp, link,
+                                    forward / rate, (2 * forward + recomputed) / rate)
+            dp_forward, dp_backward = dp_forward + f / chunks, dp_backward + b / chunks
     return ChunkCosts(forward / rate, (2 * forward + recomputed) / rate, tp_time, cp_time,
-                      ep_time, ep_hidden, pp_time, per_chunk, moe_layers)
+                      ep_time, ep_hidden, pp_time, per_chunk, moe_layers, dp_forward, dp_backward)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -475,7 +507,7 @@ def layout_memory(model: ModelSpec, layout: Layout, global_batch_size: int) -> i
                             TrainConfig(global_batch_size, l.num_microbatches(global_batch_size)),
                             l.schedule, 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size,
                             pipeline_ranks=_ranks_to_weigh(l.pp), precision="bf16",
-                            use_distributed_optimizer=l.sharding == "optim", recompute=recompute,
+                            data_parallel_sharding_strategy=l.sharding, recompute=recompute,
                             runtime=0, stage_layers=stage_layers(model, l))
     return max(r.total for r in ranks)
 
@@ -511,11 +543,15 @@ def state_bytes_floor(layout: Layout, dense: int, experts: int) -> int:
     """Bytes of weights, gradients and optimizer state for ``dense`` and ``experts``
     parameters on one rank, bf16, at most what the memory model counts: plain DP 18 per
     parameter; ``optim`` 6 plus 16 per slice element (dense over DP x CP, routed experts
-    over expert-DP)."""
+    over expert-DP); ``optim_grads`` the 2-byte weights plus 16 per slice element (fp32
+    gradient, master and moments); ``optim_grads_params`` only the 16 (the gathered
+    weights, counted at their peak, are left out of the floor)."""
     l = layout
     params = dense + experts
     if l.sharding == "no_shard":
         return 18 * params
+    if ZERO_STAGE[l.sharding] >= 2:  # dense models only (check_layout)
+        return (2 * params if l.sharding == "optim_grads" else 0) + 16 * (params // (l.dp * l.cp))
     edp = l.world_size // (l.ep * l.tp * l.pp)
     return 6 * params + 16 * (-(-dense // (l.dp * l.cp)) + (-(-experts // edp) if experts else 0))
 
@@ -545,9 +581,12 @@ def rank_parameters(model: ModelSpec, layout: Layout) -> tuple[int, int]:
 
 def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[int, int],
                 backward_window: float, forward_window: float) -> float:
-    """Exposed data-parallel time: each domain's gradient reduction (all-reduce, or the
-    distributed optimizer's reduce-scatter and parameter all-gather) beyond the window it
-    runs under, plus the bucket that cannot overlap."""
+    """Exposed data-parallel time after the last microbatch: each domain's gradient
+    reduction (all-reduce, or the distributed optimizer's reduce-scatter) beyond the window
+    it runs under plus the bucket that cannot overlap, and the updated parameters'
+    all-gather (``optim``, ``optim_grads``) under the next forward but its first bucket.
+    ZeRO-2's reduce-scatters and ZeRO-3's traffic run every microbatch: in the chunk
+    costs (:func:`sharded_exposure`)."""
     l = layout
     dense, experts = params
     domains = [(dense, l.dp * l.cp, crosses["dp_cp"]),
@@ -562,14 +601,56 @@ def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[i
             total = predict_time("all_reduce", count * GRADIENT_BYTES, size, link)
             last = predict_time("all_reduce", bucket * GRADIENT_BYTES, size, link)
             exposed += last + max(0.0, total - last - backward_window)
-        else:
+        if l.sharding == "optim":
             scatter = predict_time("reduce_scatter", count * GRADIENT_BYTES, size, link)
             last = predict_time("reduce_scatter", bucket * GRADIENT_BYTES, size, link)
+            exposed += last + max(0.0, scatter - last - backward_window)
+        if l.sharding in ("optim", "optim_grads"):
             gather = predict_time("all_gather", count * BYTES / size, size, link)
             first = predict_time("all_gather", bucket * BYTES / size, size, link)
-            exposed += last + max(0.0, scatter - last - backward_window)
             exposed += first + max(0.0, gather - first - forward_window)
     return exposed
+
+
+def sharded_exposure(strategy: str, units: list[int], root: int, shard: int, link,
+                     forward_s: float, backward_s: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of sharded data parallelism that one chunk-microbatch
+    cannot hide, for ZeRO-2 (``optim_grads``) and ZeRO-3 (``optim_grads_params``), as
+    :func:`~tutorial_lib.costs.zero_stages.sharded_step_collectives` lists the collectives
+    (per microbatch; bf16 gathers, fp32 reduce-scatters, each unit padded to ``shard``
+    slices).
+
+    ``units``: the chunk's decoder layers' parameters in forward order; ``root``: the rest
+    of the rank's parameters (embedding, head; 0 for none), gathered first and kept
+    gathered through the backward (FSDP2's default).  ZeRO-3's forward gathers each unit
+    before it runs, the next one prefetched under the current one's compute: the first
+    gather is exposed, the others only beyond ``forward_s``.  Its backward gathers the
+    layers again in reverse (the first exposed) and reduce-scatters every unit's gradients
+    as they are ready, the last one (the root's, or the first layer's) after the compute:
+    exposed; the rest beyond ``backward_s``.  ZeRO-2 only reduce-scatters."""
+    stage = ZERO_STAGE[strategy]
+    if stage < 2 or shard == 1:
+        return 0.0, 0.0
+    order = ([root] if root else []) + list(units)   # forward order, the root first
+
+    def gather(n):
+        return predict_time("all_gather", -(-n // shard) * BYTES, shard, link)
+
+    def scatter(n):
+        return predict_time("reduce_scatter", -(-n // shard) * shard * GRADIENT_BYTES, shard,
+                            link)
+
+    scatters = [scatter(n) for n in order]          # the last issued: order[0]'s
+    forward = backward = 0.0
+    if stage == 3 and order:
+        gathers = [gather(n) for n in order]
+        forward = gathers[0] + max(0.0, sum(gathers[1:]) - forward_s)
+        again = [gather(n) for n in reversed(units)]  # the root stays gathered
+        hidden = sum(again[1:]) + sum(scatters[1:])
+        backward = (again[0] if again else 0.0) + scatters[0] + max(0.0, hidden - backward_s)
+    elif order:
+        backward = scatters[0] + max(0.0, sum(scatters[1:]) - backward_s)
+    return forward, backward
 
 
 def predict_step(model: ModelSpec, cluster: Cluster, layout: Layout, global_batch_size: int,
@@ -596,7 +677,8 @@ def predict_step(model: ModelSpec, cluster: Cluster, layout: Layout, global_batc
     hardware = hardware_flops_per_step(model, global_batch_size, l.recompute_granularity)
     peak = cluster.gpu.peak_flops(precision)
     result = StepTime(l, step, count * (costs.forward_compute + costs.backward_compute),
-                    count * costs.tp, count * costs.cp, count * costs.ep, dp, count * costs.pp,
+                    count * costs.tp, count * costs.cp, count * costs.ep,
+                    dp + count * (costs.dp_forward + costs.dp_backward), count * costs.pp,
                     bubble, global_batch_size * model.seq_length / step,
                     model_flops / gpus / step / 1e12, model_flops / gpus / step / peak,
                     hardware / gpus / step / 1e12, -1, None, crosses)
