@@ -683,6 +683,62 @@ def check_pipeline_layers(num_layers: int, pipeline_model_parallel_size: int,
     return num_layers // stages
 
 
+def layers_per_pipeline_stage(num_layers: int, pipeline_model_parallel_size: int,
+                              virtual_pipeline_model_parallel_size: int = 1,
+                              num_layers_in_first_pipeline_stage: int | None = None,
+                              num_layers_in_last_pipeline_stage: int | None = None) -> list[int]:
+    """Layers of each model stage, in model order (stage ``v PP + r`` is chunk ``v`` of
+    pipeline rank ``r``), under rule 9 or Megatron's uneven first and last stages.
+
+    Without the two counts it is rule 9 (:func:`check_pipeline_layers`): every stage the
+    same.  With them, as Megatron-Core splits a decoder (``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``; ``TransformerConfig.__post_init__`` and
+    ``transformer_block.get_num_layers_to_build``): the first (last) pipeline rank holds
+    that many layers, each count at least 1 and divisible by ``V``; the layers left divide
+    equally over the middle ranks, each rank's share divisible by ``V``; with two ranks and
+    both counts given they must add up to the layers.  A rank's layers are cut into its
+    ``V`` chunks equally.  :class:`ConfigError` names the rule, the numbers and a fix."""
+    pp, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
+    first, last = num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        return [check_pipeline_layers(num_layers, pp, v)] * (pp * v)
+    _check_positive_int("num_layers", num_layers)
+    _check_positive_int("pipeline_model_parallel_size", pp)
+    _check_positive_int("virtual_pipeline_model_parallel_size", v)
+    fix = ("choose the first and last counts so the layers left divide equally over the "
+           "middle ranks, or leave both out for equal stages")
+    if pp < 2:
+        raise ConfigError("uneven pipeline", f"--decoder-first/last-pipeline-num-layers need "
+                                             f"PP >= 2, got PP {pp}; leave them out")
+    middle_layers, middle_ranks = num_layers, pp
+    for flag, count in (("--decoder-first-pipeline-num-layers", first),
+                        ("--decoder-last-pipeline-num-layers", last)):
+        if count is None:
+            continue
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError("uneven pipeline", f"{flag} must be a whole number >= 1, got "
+                                                 f"{count!r}")
+        if count % v:
+            raise ConfigError("uneven pipeline", f"{flag} ({count}) must divide by the virtual "
+                                                 f"pipeline size ({v}): each of the rank's "
+                                                 f"{v} chunks holds an equal share; {fix}")
+        middle_layers, middle_ranks = middle_layers - count, middle_ranks - 1
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_ranks):
+        raise ConfigError("uneven pipeline", f"{middle_layers} layers are left for {middle_ranks} "
+                                             f"middle pipeline ranks (--num-layers {num_layers}, "
+                                             f"first {first}, last {last}); {fix}")
+    if middle_ranks and middle_layers % (middle_ranks * v):
+        raise ConfigError("uneven pipeline", f"the {middle_layers} layers left must divide "
+                                             f"equally over {middle_ranks} middle ranks x {v} "
+                                             f"chunks; {fix}")
+    per_rank = [middle_layers // middle_ranks if middle_ranks else 0] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    return [per_rank[r] // v for _ in range(v) for r in range(pp)]
+
+
 # --- the command line, built from the dataclasses ---------------------------
 
 

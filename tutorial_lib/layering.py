@@ -108,7 +108,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
                         "costs.step_time"),
     "plan": ("config", "costs.hardware", "costs.memory_model", "costs.model_flops",
              "costs.step_time"),
-    "published_runs": ("costs.hardware", "costs.model_flops", "costs.step_time", "plan"),
+    "published_runs": ("costs.hardware", "costs.model_flops", "costs.step_time", "plan",
+                       "reference"),
     "costs.zero_stages": ("config", "costs.alpha_beta", "costs.memory_model", "costs.tp_dp_step"),
     # timing runs on this machine: the only modules below the chapters that launch ranks
     "timing": (),

@@ -24,7 +24,7 @@ from .costs.memory_model import format_bytes
 from .costs.model_flops import MODEL_PRESETS, check_model, parameter_count
 from .costs.step_time import (MODELLED_SHARDING, SCHEDULES, SHARDING_STRATEGIES,
                               USABLE_MEMORY_FRACTION, Layout, StepTime, check_layout,
-                              memory_lower_bound, predict_step, with_memory)
+                              memory_lower_bound, predict_step, uneven_split, with_memory)
 
 __all__ = ["MATMUL_EFFICIENCY", "Plan", "Decision", "candidate_layouts", "plan",
            "decision_flow", "main"]
@@ -65,7 +65,8 @@ def candidate_layouts(model: ModelConfig, gpus: int, global_batch_size: int,
     """Every layout of ``gpus`` GPUs :func:`~tutorial_lib.costs.step_time.check_layout`
     accepts, the choices in ``fixed`` (Layout field names; ``recompute_granularity``
     ``"none"`` holds no recomputation) held.  TP and CP powers of two,
-    PP every divisor of the layers, DP what the world leaves, EP every divisor of the
+    PP every size up to the layers (Megatron's uneven first and last stages where it does
+    not divide them, :func:`_split`), DP what the world leaves, EP every divisor of the
     experts that the grid allows, the schedules of
     :data:`~tutorial_lib.costs.step_time.SCHEDULES` (interleaved with V in
     :data:`VIRTUAL_SIZES`), micro-batches in :data:`MICRO_BATCH_SIZES`, no, selective or full
@@ -99,13 +100,26 @@ def _schedules(model, global_batch_size, fixed, base: Layout):
             recomputes = [None if r == "none" else r for r in recomputes]
             for recompute in recomputes:
                 for sharding in _choices(fixed, "sharding", MODELLED_SHARDING):
+                    first, last = _split(model, base.pp, schedule, v, fixed)
                     layout = Layout(base.tp, base.cp, base.pp, base.ep, base.dp, v, schedule, mbs,
-                                    recompute, sharding)
+                                    recompute, sharding, first, last)
                     try:
                         check_layout(model, layout, global_batch_size)
                     except ConfigError:
                         continue
                     yield layout
+
+
+def _split(model, pp, schedule, v, fixed) -> tuple:
+    """The first and last ranks' layers: as fixed, else equal stages where PP x V divides
+    the layers, else the most even uneven split Megatron accepts
+    (:func:`~tutorial_lib.costs.step_time.uneven_split`); DualPipeV only equal stages."""
+    first = fixed.get("num_layers_in_first_pipeline_stage")
+    last = fixed.get("num_layers_in_last_pipeline_stage")
+    if first is not None or last is not None or schedule == "dualpipev" \
+            or model.num_layers % (pp * v) == 0:
+        return first, last
+    return uneven_split(model.num_layers, pp, v) or (None, None)
 
 
 def plan(model: ModelConfig, where: Cluster, gpus: int, global_batch_size: int, *,
@@ -199,17 +213,38 @@ def decision_flow(model: ModelConfig, where: Cluster, gpus: int, global_batch_si
                   efficiency: float = MATMUL_EFFICIENCY) -> list[Decision]:
     """Does it fit, how fast, which knob first, each answered by the planner:
 
-    1. data parallelism alone (TP = CP = PP = 1), recomputation and micro-batch searched;
-    2. else the smallest TP inside one node with which it fits without PP;
-    3. else TP at the node's size and the smallest PP with which it fits;
-    4. the fastest layout of all, and what it changes against the first that fit (the knob
+    1. plain data parallelism alone (TP = CP = PP = 1, nothing sharded), recomputation and
+       micro-batch searched;
+    2. else the least sharding of the model state over the data-parallel ranks that makes
+       it fit without model parallelism: ZeRO-1 (``optim``), ZeRO-2, ZeRO-3 in turn (dense
+       models: ZeRO-1 only with routed experts);
+    3. else the smallest TP inside one node with which it fits without PP;
+    4. else TP at the node's size and the smallest PP with which it fits;
+    5. the fastest layout of all, and what it changes against the first that fit (the knob
        to turn first is the one it changes)."""
     flow, first = [], None
-    best = _best(model, where, gpus, global_batch_size, efficiency, {"tp": 1, "cp": 1, "pp": 1})
+    alone = {"tp": 1, "cp": 1, "pp": 1}
+    best = _best(model, where, gpus, global_batch_size, efficiency,
+                 {**alone, "sharding": "no_shard"})
     flow.append(Decision("Does it fit with data parallelism alone?",
                          "yes" if best else "no: the weights, gradients, optimizer state and "
                          "activations of a whole model exceed one GPU", best))
     first = best
+    if first is None:
+        for sharding, name in (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"),
+                               ("optim_grads_params", "ZeRO-3")):
+            if model.num_experts and sharding != "optim":
+                continue
+            best = _best(model, where, gpus, global_batch_size, efficiency,
+                         {**alone, "sharding": sharding})
+            if best:
+                break
+        flow.append(Decision("Does sharding the model state over the data-parallel ranks make "
+                             "it fit, without model parallelism?",
+                             f"yes, from {best.layout.sharding} ({name})" if best else
+                             "no: even ZeRO-3 leaves the activations of a whole model on each "
+                             "GPU", best))
+        first = best
     if first is None:
         for tp in (t for t in TP_SIZES if t <= where.gpus_per_node and t > 1):
             best = _best(model, where, gpus, global_batch_size, efficiency,
@@ -223,7 +258,8 @@ def decision_flow(model: ModelConfig, where: Cluster, gpus: int, global_batch_si
     if first is None:
         tp = max(t for t in TP_SIZES if t <= where.gpus_per_node)
         for pp in range(2, model.num_layers + 1):
-            if model.num_layers % pp or gpus % (tp * pp):
+            unsplittable = model.num_layers % pp and not uneven_split(model.num_layers, pp)
+            if gpus % (tp * pp) or unsplittable:
                 continue
             best = _best(model, where, gpus, global_batch_size, efficiency, {"tp": tp, "pp": pp})
             if best:
@@ -299,9 +335,15 @@ def _parser() -> argparse.ArgumentParser:
     lay.add_argument("--micro-batch-size", type=int, default=None)
     lay.add_argument("--recompute-granularity", choices=["full", "selective", "none"],
                      default=None)
+    lay.add_argument("--decoder-first-pipeline-num-layers",
+                     dest="num_layers_in_first_pipeline_stage", type=int, default=None,
+                     help="layers on the first pipeline rank (Megatron's uneven split)")
+    lay.add_argument("--decoder-last-pipeline-num-layers",
+                     dest="num_layers_in_last_pipeline_stage", type=int, default=None,
+                     help="layers on the last pipeline rank")
     lay.add_argument("--data-parallel-sharding-strategy", dest="sharding", default=None,
-                     help=f"Megatron-FSDP's names: {', '.join(SHARDING_STRATEGIES)} (the first "
-                          f"two modelled)")
+                     help=f"Megatron-FSDP's names: {', '.join(SHARDING_STRATEGIES)} (ZeRO 0 "
+                          f"to 3; 2 and 3 for dense models)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
     parser.add_argument("--decide", action="store_true",
                         help="walk the decision flow (does it fit, how fast, which knob first)")
@@ -354,7 +396,8 @@ def main(argv=None) -> int:
             raise ConfigError("top", f"--top must be >= 1, got {options.top}")
         fixed = {name: getattr(options, name) for name in
                  ("tp", "cp", "pp", "ep", "dp", "virtual_pipeline_size", "schedule",
-                  "micro_batch_size", "sharding")}
+                  "micro_batch_size", "sharding", "num_layers_in_first_pipeline_stage",
+                  "num_layers_in_last_pipeline_stage")}
         if options.recompute_granularity is not None:
             fixed["recompute_granularity"] = options.recompute_granularity
         if options.decide:

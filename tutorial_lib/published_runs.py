@@ -32,7 +32,8 @@ from .costs.step_time import predict_step
 from .plan import candidate_layouts
 
 __all__ = ["PublishedRun", "PUBLISHED_RUNS", "FITTED_ON", "fit_efficiency", "predict_run",
-           "published_rank", "published_table", "format_table"]
+           "published_rank", "published_table", "format_table", "MACHINE_REFERENCE",
+           "machine_table"]
 
 NARAYANAN = "Narayanan et al. 2021, arXiv 2104.04473, Table 1"
 KORTHIKANTI = ("Korthikanti et al. 2022, arXiv 2205.05198: MFU from the Megatron-LM README's "
@@ -205,3 +206,28 @@ def format_table(rows: list[dict]) -> str:
                      f"{unit:>9} {fmt(r['published']):>9} {fmt(r['predicted']):>9} "
                      f"{r['error']:>+7.1%}{mark}")
     return "\n".join(lines)
+
+
+# --- checked on this machine ---------------------------------------------------------
+
+MACHINE_REFERENCE = "ch13_planner_cpu"
+"""The stored reference of ``bench/bench_planner_cpu.py``: a few ``train_4d`` layouts'
+step times on this machine's gloo ranks, and the planner's prediction for each."""
+
+
+def machine_table(ref=None) -> list[dict]:
+    """Each layout's predicted and measured step time over the first layout's, side by side,
+    and how far the predicted ratio is from the measured one, computed from the stored
+    reference (``ref``, default :data:`MACHINE_REFERENCE` loaded; ``FileNotFoundError``
+    where it has not been measured yet)."""
+    if ref is None:
+        from . import reference
+        ref = reference.load(MACHINE_REFERENCE)
+    first = ref.rows[0]
+    rows = []
+    for row in ref.rows:
+        predicted = row["predicted_s"] / first["predicted_s"]
+        measured = row["measured_s"] / first["measured_s"]
+        rows.append({"layout": row["layout"], "predicted_ratio": predicted,
+                     "measured_ratio": measured, "error": predicted / measured - 1})
+    return rows

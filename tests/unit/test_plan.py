@@ -22,7 +22,7 @@ def _brute_force(model, where, gpus, batch, efficiency):
             continue
         for schedule, recompute, sharding in itertools.product(
                 ("1f1b", "interleaved", "dualpipev", "gpipe"), (None, "selective", "full"),
-                ("no_shard", "optim")):
+                ("no_shard", "optim", "optim_grads", "optim_grads_params")):
             layout = Layout(tp, cp, pp, 1, gpus // (tp * cp * pp), v, schedule, mbs,
                             recompute, sharding)
             try:
@@ -110,13 +110,20 @@ def test_decision_flow_walks_from_data_parallelism_to_pipelines():
                                   8, 32)
     assert small[0].answer == "yes" and small[0].best.layout.tp == small[0].best.layout.pp == 1
     assert small[-1].question == "Which knob first?"
-    # 24 layers of h 12288 (~44B parameters) on 16 A100s: at TP 8 and DP 2 a GPU holds 5.5B
-    # parameters, 14 bytes each under the distributed optimizer, 77 GB: PP 2 is needed
+    # 24 layers of h 12288 (~44B parameters) on 16 A100s: plain DP and ZeRO-1 or 2 keep 2 to
+    # 18 bytes of every parameter on each GPU (88 GB and more); ZeRO-3 keeps 16 bytes of a
+    # sixteenth, 44 GB, and fits without model parallelism
     big = planner.decision_flow(gpt(24, 12288, 96, seq_length=2048, vocab_size=51200), where,
                                 16, 16)
-    assert [d.best is None for d in big[:2]] == [True, True]
-    assert big[2].best.layout.tp == 8 and big[2].best.layout.pp == 2
-    assert big[-1].best.step_time_s <= big[2].best.step_time_s
+    assert big[0].best is None and big[1].question.startswith("Does sharding")
+    assert big[1].best.layout.sharding == "optim_grads_params"
+    assert (big[1].best.layout.tp, big[1].best.layout.pp) == (1, 1)
+    assert big[-1].best.step_time_s <= big[1].best.step_time_s
+    # on 8 of them ZeRO-3's sixteenth is an eighth, 88 GB: the flow walks on to TP and PP
+    tight = planner.decision_flow(gpt(24, 12288, 96, seq_length=2048, vocab_size=51200),
+                                  where, 8, 8)
+    assert [d.best for d in tight] == [None] * 4
+    assert tight[2].question.startswith("Does TP") and tight[3].answer.startswith("none")
 
 
 def test_command_line_decide_prints_the_flow(capsys):

@@ -3,7 +3,8 @@ import pytest
 
 from tests.asserts import every
 from tutorial_lib import plan
-from tutorial_lib.published_runs import (FITTED_ON, PUBLISHED_RUNS, fit_efficiency,
+from tutorial_lib.published_runs import (FITTED_ON, MACHINE_REFERENCE, PUBLISHED_RUNS,
+                                         fit_efficiency, machine_table,
                                          format_table, predict_run, published_rank,
                                          published_table)
 
@@ -42,3 +43,31 @@ def test_published_rank_counts_faster_fitting_layouts():
     found = plan.plan(run.model(), plan.cluster("a100-80gb"), run.gpus, run.global_batch_size,
                       efficiency=plan.MATMUL_EFFICIENCY, top=None)
     assert rank == 1 + sum(r.step_time_s < result.step_time_s for r in found.layouts)
+
+
+def test_machine_table_by_hand():
+    from tutorial_lib.reference import Reference
+    ref = Reference("ch13_planner_cpu", rows=[
+        {"layout": "TP 1 PP 1 DP 4", "predicted_s": 2.0, "measured_s": 4.0},
+        {"layout": "TP 2 PP 1 DP 2", "predicted_s": 3.0, "measured_s": 5.0}])
+    rows = machine_table(ref)
+    assert rows[0] == {"layout": "TP 1 PP 1 DP 4", "predicted_ratio": 1.0,
+                       "measured_ratio": 1.0, "error": 0.0}
+    assert rows[1]["predicted_ratio"] == 1.5 and rows[1]["measured_ratio"] == 1.25
+    assert rows[1]["error"] == pytest.approx(1.5 / 1.25 - 1)
+
+
+def test_machine_table_is_computed_from_the_stored_reference():
+    import json
+
+    from tutorial_lib.reference import REFERENCE_DIR
+    path = REFERENCE_DIR / f"{MACHINE_REFERENCE}.json"
+    if not path.exists():
+        pytest.skip(f"{MACHINE_REFERENCE} is not stored yet: `python bench/bench_planner_cpu.py "
+                    f"--save` measures it on an idle machine (scripts/measure_references.py)")
+    stored = json.loads(path.read_text())["rows"]
+    rows = machine_table()
+    assert [r["layout"] for r in rows] == [s["layout"] for s in stored]
+    for row, s in zip(rows, stored):
+        assert row["predicted_ratio"] == s["predicted_s"] / stored[0]["predicted_s"]
+        assert row["measured_ratio"] == s["measured_s"] / stored[0]["measured_s"]

@@ -30,3 +30,20 @@ def test_the_load_taken_before_measuring_is_the_one_stored(tmp_path, monkeypatch
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
     assert reference.save("before", [], load=0.3).load == 0.3
     assert reference.load("before").load == 0.3
+
+
+def test_measure_references_runs_the_references_not_stored_yet():
+    """``scripts/measure_references.py`` reads each stored reference's command; one whose
+    measuring script exists but which no idle machine has stored yet is run too."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "measure_references.py"
+    spec = importlib.util.spec_from_file_location("measure_references", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.NOT_YET_MEASURED == {
+        "ch13_planner_cpu": "python bench/bench_planner_cpu.py --save"}
+    plan = script.commands(["ch02_alpha_beta", "ch13_planner_cpu"])
+    assert plan["python bench/bench_alpha_beta.py --save"] == ["ch02_alpha_beta"]
+    assert plan["python bench/bench_planner_cpu.py --save"] == ["ch13_planner_cpu"]

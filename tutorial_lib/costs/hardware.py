@@ -2,16 +2,21 @@
 
 Each :class:`GPU` holds the vendor's peak dense matmul rates (bf16 and fp8, without the
 2:4 sparsity that datasheets print first and that training does not use), its memory,
-its NVLink bandwidth and the network bandwidth a GPU of the vendor's reference node gets
-(its own network card, one direction), with the source of each figure.  Where a figure
-could not be read from a vendor document the ``notes`` say so, and what stands in its
-place.  A :class:`Cluster` is a GPU type, how many sit in one NVLink domain (a node), and
-the bandwidth and latency of the two links a collective can cross; the command line
+its NVLink bandwidth, the network bandwidth a GPU of the vendor's reference node gets
+(its own network card, one direction) and the GPUs of that node.  Every figure has a
+:class:`Citation` (the document, its address and the figure's line as the document
+prints it) or, where no vendor document gives it, an entry in :attr:`GPU.unsourced`
+saying so and what stands in its place (:func:`figure_sources` lists both, the chapter
+shows them).  The vendor documents were read as they are quoted in public copies (the
+course's search tools reach no vendor site); :attr:`Citation.read_via` names the copy.
+
+A :class:`Cluster` is a GPU type, how many sit in one NVLink domain (a node), and the
+bandwidth and latency of the two links a collective can cross; the command line
 overrides them (``--gpus-per-node``, ``--intra-node-bandwidth``, ``--inter-node-bandwidth``).
 
 Units: FLOP/s, bytes, bytes per second one way (a datasheet's NVLink "900 GB/s" is both
-directions together: 450 GB/s each way).  ``GB`` is 10^9 bytes, as datasheets count.
-Pure Python: no numpy, no torch.
+directions together: 450 GB/s each way; a network card's "400 Gb/s" is bits, one way:
+50 GB/s).  ``GB`` is 10^9 bytes, as datasheets count.  Pure Python: no numpy, no torch.
 """
 from __future__ import annotations
 
@@ -20,10 +25,13 @@ from dataclasses import dataclass, field, replace
 from ..config import ConfigError
 from .alpha_beta import AlphaBeta
 
-__all__ = ["GPU", "GPUS", "Cluster", "cluster", "INTRA_NODE_ALPHA", "INTER_NODE_ALPHA"]
+__all__ = ["GPU", "GPUS", "Citation", "FIGURES", "figure_sources", "Cluster", "cluster",
+           "INTRA_NODE_ALPHA", "INTER_NODE_ALPHA"]
 
 TFLOPS = 1e12
 GB = 1e9
+GBIT = 1e9 / 8
+"""Bytes per second of one Gb/s."""
 
 INTRA_NODE_ALPHA = 5e-6
 """Seconds per ring step inside a node: an assumption of the course (no datasheet gives
@@ -31,6 +39,24 @@ a collective's latency), the order NCCL's small all-reduces show on NVSwitch nod
 
 INTER_NODE_ALPHA = 10e-6
 """Seconds per ring step across nodes: an assumption, as :data:`INTRA_NODE_ALPHA`."""
+
+FIGURES = ("bf16_flops", "fp8_flops", "memory_bytes", "nvlink_bandwidth", "network_bandwidth",
+           "gpus_per_node")
+"""The figures of a :class:`GPU` that need a source."""
+
+
+@dataclass(frozen=True)
+class Citation:
+    """Where one figure of a GPU comes from."""
+
+    figure: str
+    """The :class:`GPU` field it gives (one of :data:`FIGURES`)."""
+    document: str
+    url: str
+    line: str
+    """The figure's line as the document prints it (what the value is read from)."""
+    read_via: str = ""
+    """Where this line was read, when not in the vendor's document itself."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +77,9 @@ class GPU:
     reference node (DGX / HGX: one card per GPU)."""
     gpus_per_node: int
     """GPUs in one NVLink domain of the reference node."""
-    sources: tuple[str, ...] = ()
-    """Where each figure comes from."""
-    notes: str = ""
-    """What could not be read from a vendor document, and what stands in for it."""
+    citations: tuple[Citation, ...] = ()
+    unsourced: tuple[tuple[str, str], ...] = ()
+    """``(figure, why)`` for each figure no vendor document gives: what stands in for it."""
 
     def peak_flops(self, precision: str = "bf16") -> float:
         """Peak dense FLOP/s of the matmuls in ``precision`` (``bf16`` or ``fp8``)."""
@@ -67,51 +92,141 @@ class GPU:
             return self.fp8_flops
         raise ConfigError("precision", f"precision {precision!r}: bf16 or fp8")
 
+    def source(self, figure: str) -> Citation | str:
+        """The :class:`Citation` of ``figure``, or the text saying it has none."""
+        for citation in self.citations:
+            if citation.figure == figure:
+                return citation
+        return dict(self.unsourced)[figure]
 
-_A100 = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): "
-         "BF16 312 TFLOPS dense (624 with sparsity), 40 GB HBM2 / 80 GB HBM2e, NVLink 600 GB/s; "
-         "read as quoted by glennklockwood.com/garden/processors/A100, which cites it",)
-_A100_NETWORK = ("NVIDIA DGX A100: eight single-port 200 Gb/s HDR InfiniBand cards, one per GPU "
-                 "(the DGX A100 datasheet; not read through the search tool in this session, "
-                 "see notes)",)
-_HOPPER_NODE = ("NVIDIA DGX BasePOD reference architecture, Core Components "
-                "(docs.nvidia.com/dgx-basepod/...): DGX H100 and H200: eight Hopper GPUs, "
-                "640 GB / 1,128 GB in all, eight single-port ConnectX-7 up to 400 Gb/s",)
-_H100 = ("NVIDIA H100 datasheet, H100 SXM: BF16 1,979 TFLOPS and FP8 3,958 TFLOPS with "
-         "sparsity (half of each dense), 80 GB, NVLink 900 GB/s; dense figures 989.4 / 1978.9 "
-         "as glennklockwood.com/garden/processors/h100 tabulates them",)
+
+# --- the documents -------------------------------------------------------------------
+
+_A100_SHEET = ("NVIDIA A100 Tensor Core GPU datasheet and product page, specifications",
+               "https://www.nvidia.com/en-us/data-center/a100/")
+_TE_MATRIX = ("NVIDIA TransformerEngine, datatype and hardware support matrix",
+              "https://nvidia.github.io/TransformerEngine/support_matrix.html")
+_MLPERF_H200 = ("NVIDIA's MLPerf Inference v4.1 submission, system H200-SXM-141GBx8 "
+                "(closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json)",
+                "https://github.com/mlcommons/inference_results_v4.1")
+_DGX_A100 = ("NVIDIA DGX A100 datasheet, system specifications",
+             "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+             "nvidia-dgx-a100-datasheet.pdf")
+_H100_PAGE = ("NVIDIA H100 Tensor Core GPU, specifications (H100 SXM column; * with sparsity)",
+              "https://www.nvidia.com/en-us/data-center/h100/")
+_H200_PAGE = ("NVIDIA H200 Tensor Core GPU, specifications (H200 SXM column; * with sparsity)",
+              "https://www.nvidia.com/en-us/data-center/h200/")
+_DGX_H100 = ("NVIDIA DGX H100 datasheet, specifications (DGX H200 the same networking, "
+             "DGX BasePOD reference architecture, core components)",
+             "https://www.nvidia.com/en-us/data-center/dgx-h100/")
+_HGX = ("NVIDIA HGX platform, specifications (HGX B200, 8 GPUs; tensor-core figures "
+        "sparse, dense one half)", "https://www.nvidia.com/en-us/data-center/hgx/")
+_DGX_B200 = ("NVIDIA DGX B200, specifications",
+             "https://www.nvidia.com/en-us/data-center/dgx-b200/")
+_DEEPSEEK_V3 = ("DeepSeek-V3 technical report (arXiv 2412.19437), sections 3.1 and 3.2.2",
+                "https://arxiv.org/abs/2412.19437")
+
+_COPY = "quoted in public repositories' notes on GPU specifications (the course's find_string)"
+
+
+def _cite(figure: str, document: tuple[str, str], line: str, read_via: str = _COPY) -> Citation:
+    return Citation(figure, document[0], document[1], line, read_via)
+
+
+_A100_COMMON = (
+    _cite("bf16_flops", _A100_SHEET, "BFLOAT16 Tensor Core 312 TFLOPS | 624 TFLOPS* "
+          "(* with sparsity)"),
+    _cite("nvlink_bandwidth", _DGX_A100, "NVIDIA NVSwitch GPU-to-GPU Bandwidth 600 GB/s",
+          "a copy of the DGX A100 specification table in a public repository's docs"),
+    _cite("network_bandwidth", _DGX_A100, "Networking: 8x Single-Port Mellanox ConnectX-6 VPI "
+          "200Gb/s HDR InfiniBand", "copies of the DGX A100 specification table in public "
+          "repositories (three, the same line)"),
+    _cite("gpus_per_node", _DGX_A100, "GPUs: 8x NVIDIA A100 Tensor Core GPUs",
+          "the same copies"),
+)
+_A100_NO_FP8 = _cite("fp8_flops", _TE_MATRIX, "8.0, 8.6 (Ampere): BF16 Yes, FP8 (per tensor) No",
+                     "the search tool's copy of the page")
+
+_HOPPER_NODE = (
+    _cite("network_bandwidth", _DGX_H100, "GPUDirect RDMA networking: 4x OSFP ports serving 8x "
+          "single-port NVIDIA ConnectX-7 VPI 400 Gb/s InfiniBand/Ethernet"),
+    _cite("gpus_per_node", _DGX_H100, "GPU: 8x NVIDIA H100 Tensor Core GPUs"),
+)
 
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU("A100 SXM 40GB", 312 * TFLOPS, None, 40 * GB, 300 * GB, 25 * GB, 8,
-                     _A100 + _A100_NETWORK,
-                     notes="network: 200 Gb/s per GPU from the DGX A100 configuration, to be "
-                           "checked against its datasheet"),
-    "a100-80gb": GPU("A100 SXM 80GB", 312 * TFLOPS, None, 80 * GB, 300 * GB, 25 * GB, 8,
-                     _A100 + _A100_NETWORK,
-                     notes="network: 200 Gb/s per GPU from the DGX A100 configuration, to be "
-                           "checked against its datasheet"),
-    "h100-sxm": GPU("H100 SXM", 989.4 * TFLOPS, 1978.9 * TFLOPS, 80 * GB, 450 * GB, 50 * GB, 8,
-                    _H100 + _HOPPER_NODE),
-    "h800": GPU("H800 SXM", 989.4 * TFLOPS, 1978.9 * TFLOPS, 80 * GB, 200 * GB, 50 * GB, 8,
-                ("NVLink 400 GB/s bidirectional: philisun.com, 'NVIDIA H800 vs H100' (a "
-                 "vendor of optics, not NVIDIA)",
-                 "DeepSeek-V3 technical report (arXiv 2412.19437): H800 nodes of 8 GPUs on "
-                 "NVLink / NVSwitch, InfiniBand across nodes"),
-                notes="no NVIDIA datasheet for the H800 was found: its tensor-core peaks are "
-                      "taken equal to the H100 SXM's (the same die, as the pages cited say), "
-                      "its network 400 Gb/s per GPU as the H100's reference node"),
-    "h200": GPU("H200 SXM", 989.4 * TFLOPS, 1978.9 * TFLOPS, 141 * GB, 450 * GB, 50 * GB, 8,
-                ("NVIDIA H200 (SXM): 141 GB HBM3e, NVLink 900 GB/s, the same tensor cores as "
-                 "the H100 SXM (FP8 3,958 TFLOPS with sparsity)",) + _HOPPER_NODE),
-    "b200": GPU("B200 (HGX, 1000 W)", 2250 * TFLOPS, 4500 * TFLOPS, 180 * GB, 900 * GB, 50 * GB,
-                8,
-                ("NVIDIA HGX B200 at 1,000 W: BF16 2,250 and FP8 4,500 TFLOPS dense, as "
-                 "glennklockwood.com/garden/processors/B200 quotes NVIDIA",
-                 "NVIDIA DGX B200: 1,440 GB of HBM3e over eight GPUs (180 GB each), "
-                 "fifth-generation NVLink 1.8 TB/s per GPU, eight single-port ConnectX-7 up "
-                 "to 400 Gb/s (DGX BasePOD reference architecture, Core Components)")),
+    "a100-40gb": GPU(
+        "A100 SXM 40GB", 312 * TFLOPS, None, 40 * GB, 300 * GB, 200 * GBIT, 8,
+        _A100_COMMON + (_cite("memory_bytes", _DGX_A100, "GPUs: 8x NVIDIA A100 40GB Tensor Core "
+                              "GPUs, 320 GB total memory"), _A100_NO_FP8)),
+    "a100-80gb": GPU(
+        "A100 SXM 80GB", 312 * TFLOPS, None, 80 * GB, 300 * GB, 200 * GBIT, 8,
+        _A100_COMMON + (_cite("memory_bytes", _A100_SHEET, "A100 80GB SXM: GPU Memory 80GB "
+                              "HBM2e"), _A100_NO_FP8)),
+    "h100-sxm": GPU(
+        "H100 SXM", 1979 / 2 * TFLOPS, 3958 / 2 * TFLOPS, 80 * GB, 450 * GB, 400 * GBIT, 8,
+        (_cite("bf16_flops", _H100_PAGE, "BFLOAT16 Tensor Core 1,979 teraFLOPS*"),
+         _cite("fp8_flops", _H100_PAGE, "FP8 Tensor Core 3,958 teraFLOPS*"),
+         _cite("memory_bytes", _H100_PAGE, "GPU Memory 80GB"),
+         _cite("nvlink_bandwidth", _H100_PAGE, "Interconnect: NVIDIA NVLink 900GB/s"))
+        + _HOPPER_NODE),
+    "h800": GPU(
+        "H800 SXM", 1979 / 2 * TFLOPS, 3958 / 2 * TFLOPS, 80 * GB, 160 * GB, 50 * GB, 8,
+        (_cite("nvlink_bandwidth", _DEEPSEEK_V3, "NVLink offers a bandwidth of 160 GB/s, "
+               "roughly 3.2 times that of IB (50 GB/s)", "copies of the report in public "
+               "repositories; the operator's figure, not NVIDIA's"),
+         _cite("network_bandwidth", _DEEPSEEK_V3, "NVLink offers a bandwidth of 160 GB/s, "
+               "roughly 3.2 times that of IB (50 GB/s)", "the same copies"),
+         _cite("gpus_per_node", _DEEPSEEK_V3, "Each node in the H800 cluster contains 8 GPUs "
+               "connected by NVLink and NVSwitch within nodes", "the same copies")),
+        unsourced=(
+            ("bf16_flops", "no NVIDIA datasheet for the H800 SXM was found: taken equal to the "
+                           "H100 SXM's (the same Hopper die, whose export variant cut NVLink "
+                           "and FP64, as third-party pages say)"),
+            ("fp8_flops", "no NVIDIA datasheet found: taken equal to the H100 SXM's, as bf16"),
+            ("memory_bytes", "no NVIDIA datasheet found: 80 GB, as the H100 SXM and as "
+                             "third-party pages give it"))),
+    "h200": GPU(
+        "H200 SXM", 1979 / 2 * TFLOPS, 3958 / 2 * TFLOPS, 141 * GB, 450 * GB, 400 * GBIT, 8,
+        (_cite("memory_bytes", _H200_PAGE, "GPU Memory 141GB"),
+         _cite("nvlink_bandwidth", _MLPERF_H200, "accelerator_interconnect: 18x 4th Gen NVLink, "
+               "900GB/s", "the search tool's copy of the file"))
+        + _HOPPER_NODE,
+        unsourced=(
+            ("bf16_flops", "the H200 page's tensor-core lines were not read in this session: "
+                           "taken equal to the H100 SXM's (the same Hopper GPU with more and "
+                           "faster memory)"),
+            ("fp8_flops", "as bf16: the H100 SXM's, not read from the H200 page"))),
+    "b200": GPU(
+        "B200 (HGX)", 36e3 / 8 / 2 * TFLOPS, 72e3 / 8 / 2 * TFLOPS, 180 * GB, 900 * GB,
+        400 * GBIT, 8,
+        (_cite("bf16_flops", _HGX, "HGX B200: FP16/BF16 36 PFLOPS (8 GPUs, sparse)"),
+         _cite("fp8_flops", _HGX, "HGX B200: FP8/FP6 Tensor Core 72 PFLOPS (8 GPUs, sparse)"),
+         _cite("memory_bytes", _DGX_B200, "GPU memory: 1,440 GB total (8 GPUs)"),
+         _cite("nvlink_bandwidth", _HGX, "HGX B200: NVLink fifth generation, 1.8 TB/s per GPU "
+               "(NVSwitch GPU-to-GPU bandwidth)"),
+         _cite("network_bandwidth", _DGX_B200, "Networking: 4x OSFP ports serving 8x "
+               "single-port NVIDIA ConnectX-7 VPI, up to 400 Gb/s InfiniBand/Ethernet"),
+         _cite("gpus_per_node", _DGX_B200, "GPU: 8x NVIDIA Blackwell GPUs"))),
 }
 """The GPUs the planner knows, by the name ``--gpu`` takes."""
+
+
+def figure_sources(gpus: dict[str, GPU] | None = None) -> list[dict]:
+    """One row per GPU and figure: ``gpu``, ``figure``, ``value`` and either the citation's
+    ``document``, ``url``, ``line`` and ``read_via`` or ``unsourced`` (why, and what
+    stands in).  The table chapter 13 prints."""
+    rows = []
+    for key, gpu in (GPUS if gpus is None else gpus).items():
+        for figure in FIGURES:
+            where = gpu.source(figure)
+            row = {"gpu": key, "figure": figure, "value": getattr(gpu, figure)}
+            if isinstance(where, Citation):
+                row.update(document=where.document, url=where.url, line=where.line,
+                           read_via=where.read_via)
+            else:
+                row["unsourced"] = where
+            rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ from ..recompute import (KEEP_ALL, KEEP_ALL_BUT_CORE_ATTENTION, KEEP_INPUT, Reco
 __all__ = ["BYTES_PER_VALUE", "RUNTIME_BYTES_PER_RANK", "PRECISION_BYTES", "Precision",
            "RankMemory", "layer_parameters", "attention_widths", "attention_output_width",
            "attention_parameters", "expert_parameters", "layer_activation_bytes", "stage_activation_bytes",
-           "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
+           "stage_layer_range", "memory_per_rank", "memory_of_ranks", "memory_on_this_machine",
            "available_memory_bytes", "format_bytes", "unit_slice_numel",
            "zero_bytes_per_parameter", "peak_unsharded_numel"]
 
@@ -378,18 +378,34 @@ def _context_parallel_attention_bytes(model, rows, tp, cp, a) -> int:
     return extra + 2 * INDEX_BYTES * s  # a2a
 
 
+def stage_layer_range(num_layers: int, stage: int, num_stages: int,
+                      stage_layers=None) -> range:
+    """The decoder layers of model stage ``stage``: ``num_layers / num_stages`` each, or
+    ``stage_layers[s]`` each where given (one count per stage, in model order)."""
+    if stage_layers is None:
+        per = num_layers // num_stages
+        return range(stage * per, (stage + 1) * per)
+    if len(stage_layers) != num_stages or sum(stage_layers) != num_layers:
+        raise ValueError(f"stage_layers {list(stage_layers)} must give {num_stages} stages "
+                         f"adding up to the {num_layers} layers")
+    start = sum(stage_layers[:stage])
+    return range(start, start + stage_layers[stage])
+
+
 def stage_activation_bytes(model, stage: int, num_stages: int, rows: int, tp: int = 1,
                            cp: int = 1, *, precision: str = "fp32",
-                           recompute: Recompute = NO_RECOMPUTE, **layer_options) -> dict[str, int]:
+                           recompute: Recompute = NO_RECOMPUTE, stage_layers=None,
+                           **layer_options) -> dict[str, int]:
     """Bytes model stage ``stage`` of ``num_stages`` keeps for backward for one microbatch,
     by part (:func:`layer_activation_bytes` per layer; ``embedding``: the ids, a mask and
     the positions; ``output``: the final LayerNorm, the head's input and the loss's fp32
     softmax over ``V / TP``, the labels; ``recompute_inputs``: each checkpointed group's
     input under full recomputation).  Which layers keep what under ``recompute`` is
-    :func:`tutorial_lib.recompute.kept_per_layer`'s rule (Megatron's flags)."""
+    :func:`tutorial_lib.recompute.kept_per_layer`'s rule (Megatron's flags).  ``stage_layers``:
+    the layers of each stage where they differ (Megatron's uneven first and last stages,
+    :func:`tutorial_lib.config.layers_per_pipeline_stage`); ``None``: equal stages."""
     a = PRECISION_BYTES[precision].activation
-    per = model.num_layers // num_stages
-    layers = range(stage * per, (stage + 1) * per)
+    layers = stage_layer_range(model.num_layers, stage, num_stages, stage_layers)
     s, h = model.seq_length // cp, model.hidden_size
     tokens = s * rows
     norm_tokens = tokens // tp if model.sequence_parallel else tokens
@@ -435,7 +451,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
                     data_parallel_sharding_strategy: str | None = None,
                     num_distributed_optimizer_instances: int = 1,
                     reshard_after_forward: bool | None = None,
-                    prefetch: bool = True) -> list[RankMemory]:
+                    prefetch: bool = True, stage_layers=None) -> list[RankMemory]:
     """The prediction for each pipeline rank of a run (see the module doc), first to last.
 
     ``model``, ``parallel``, ``train``: the run's :class:`~tutorial_lib.config.ModelConfig`,
@@ -455,6 +471,8 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     (``reshard_after_forward``, ``prefetch``: the run's).  ``S`` is the dense sharding
     group, ``DP x CP`` divided by ``num_distributed_optimizer_instances`` (HSDP: replicas
     of a sharded group; Megatron's flag of that name).
+    ``stage_layers``: the layers of each model stage where they differ (Megatron's uneven
+    first and last stages, :func:`tutorial_lib.config.layers_per_pipeline_stage`).
     Constant time per layer and rank, plus a walk over the rank's ``O(M)`` actions where
     its chunks differ or the schedule splits backwards.
     """
@@ -491,7 +509,6 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     rows = train.global_batch_size // dp // m
     h, vocab, s = model.hidden_size, model.vocab_size, model.seq_length
     stages = num_model_stages(placement, pp, v)  # of one model copy
-    per_stage = model.num_layers // stages
     etp = parallel.expert_tensor_parallel_size
     layer_options = {"moe_capacity_factor": moe_capacity_factor, "ep": ep, "fp8": fp8,
                      "etp": etp}
@@ -500,7 +517,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
         params = experts = 0
         per_chunk, parts, layer_sizes = [], {}, []
         for stage in (model_stage(placement, rank, c, pp) for c in range(v)):
-            layers = range(stage * per_stage, (stage + 1) * per_stage)
+            layers = stage_layer_range(model.num_layers, stage, stages, stage_layers)
             layer_sizes += [layer_parameters(model, i, tp, ep, etp) for i in layers]
             params += sum(layer_sizes[-len(layers):])
             experts += sum(expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
@@ -510,7 +527,8 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
             if stage == stages - 1:
                 params += 2 * h + vocab * h // tp                    # final LayerNorm, LM head
             chunk = stage_activation_bytes(model, stage, stages, rows, tp, cp, precision=precision,
-                                           recompute=recompute, **layer_options)
+                                           recompute=recompute, stage_layers=stage_layers,
+                                           **layer_options)
             per_chunk.append(sum(chunk.values()))
             for name, value in chunk.items():
                 parts[name] = parts.get(name, 0) + value

@@ -69,9 +69,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                "18,432 from its released config.json"),
 }
 """Published models, exact shapes (``--preset``).  Their layer counts (126, 61) divide by
-few pipeline sizes: the course's rule that every stage holds as many layers (rule 9)
-keeps PP to those divisors, where Meta and DeepSeek put fewer layers on the first and last
-stages."""
+few pipeline sizes; for the others the planner puts fewer layers on the first and last
+pipeline ranks, as Megatron's ``--decoder-first-pipeline-num-layers`` and
+``--decoder-last-pipeline-num-layers`` do (:func:`~tutorial_lib.costs.step_time.uneven_split`:
+Llama 3 405B's 126 layers on 16 ranks: 7, 14 x 8, 7, one layer fewer on the first and the
+last stage, Meta's balance in the Llama 3 report, section 3.3.2)."""
 
 
 def check_model(model: ModelConfig) -> None:

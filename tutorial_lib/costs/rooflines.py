@@ -61,7 +61,7 @@ def rooflines(model: ModelConfig, cluster: Cluster, layout: Layout, global_batch
     rate = cluster.gpu.peak_flops(precision) * efficiency
     ridges = (rate / cluster.intra_node.bandwidth, rate / cluster.inter_node.bandwidth)
     chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
-    per_chunk = model.num_layers // (l.pp * chunks)
+    per_chunk = costs.layers          # the heaviest rank's layers per chunk
     chunk_flops = (costs.forward_compute + costs.backward_compute) * rate
     tokens = l.micro_batch_size * model.seq_length // l.cp
     h = model.hidden_size
@@ -75,7 +75,7 @@ def rooflines(model: ModelConfig, cluster: Cluster, layout: Layout, global_batch
         sent = per_chunk * 3 * (l.cp - 1) * tokens * (k + v) * BYTES / l.tp
         out.append(Roofline("CP", chunk_flops, sent, *ridges))
     if model.num_experts and l.ep > 1:
-        moe_layers = (model.num_layers - model.first_k_dense_replace) / (l.pp * chunks)
+        moe_layers = costs.moe_layers
         rows = tokens // l.tp * model.moe_router_topk
         sent = moe_layers * 4 * ring_bytes_sent("all_to_all", rows * h * BYTES, l.ep)
         out.append(Roofline("EP", chunk_flops, sent, *ridges))

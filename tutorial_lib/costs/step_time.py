@@ -30,16 +30,25 @@ bucket).  **Memory** is :func:`~tutorial_lib.costs.memory_model.memory_per_rank`
 bf16 with the layout's schedule and recomputation: the heaviest rank, and whether it fits
 in :data:`USABLE_MEMORY_FRACTION` of the GPU.
 
-Sharding strategies by Megatron-FSDP's names: ``no_shard`` (plain data parallelism) and
-``optim`` (the distributed optimizer, ZeRO-1) are modelled; ``optim_grads`` and
-``optim_grads_params`` are not (:class:`ConfigError` names the rule).
+Sharding strategies by Megatron-FSDP's names (chapter 12, :mod:`~tutorial_lib.costs.zero_stages`):
+``no_shard`` (plain data parallelism) and ``optim`` (the distributed optimizer, ZeRO-1) as
+above; ``optim_grads`` (ZeRO-2) reduce-scatters each layer's gradients after every
+microbatch's backward, under that backward but the last layer's, and all-gathers the
+updated parameters under the next forward as ZeRO-1 does; ``optim_grads_params``
+(ZeRO-3) also all-gathers each layer's parameters before its forward and again before its
+backward, every microbatch, prefetched under the compute before them but the first
+unit's of each pass (:func:`sharded_exposure`; one unit per decoder layer and a root unit
+for the rest, as :mod:`tutorial_lib.fully_sharded_data_parallel` wraps them).  Their memory
+is the memory model's (ZeRO-3: the gathered units at their peak).  Both shard dense models
+only, as the memory model does: with routed experts :class:`ConfigError` names the rule.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
 
-from ..config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from ..config import (ZERO_STAGE, ConfigError, ModelConfig, ParallelConfig,
+                      TrainConfig, layers_per_pipeline_stage)
 from ..grid import megatron_grids
 from ..pipeline_parallel import build_schedules
 from ..pipeline_parallel.actions import SCHEDULE_PLACEMENT, model_stage
@@ -53,6 +62,8 @@ from .memory_model import (attention_widths, expert_parameters, layer_parameters
 from .model_flops import hardware_flops_per_step, layer_flops, model_flops_per_step
 
 __all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SCHEDULES",
+           "uneven_split", "stage_layers", "rank_layers", "rank_parameter_counts",
+           "state_bytes_floor", "rank_chunk_layers", "sharded_exposure",
            "USABLE_MEMORY_FRACTION", "DDP_BUCKET_PARAMETERS", "group_crosses_nodes",
            "chunk_costs", "schedule_times", "predict_step", "with_memory", "layout_memory",
            "rank_parameters", "memory_lower_bound", "check_layout"]
@@ -60,8 +71,8 @@ __all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SC
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's ``--data-parallel-sharding-strategy`` names."""
 
-MODELLED_SHARDING = ("no_shard", "optim")
-"""What this model predicts: plain DP and the distributed optimizer (ZeRO-1)."""
+MODELLED_SHARDING = SHARDING_STRATEGIES
+"""What this model predicts: every strategy (ZeRO-2 and ZeRO-3 for dense models)."""
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 """The schedules the planner weighs (GPipe holds more and runs no faster than 1F1B)."""
@@ -101,6 +112,10 @@ class Layout:
     recompute_granularity: str | None = None
     sharding: str = "no_shard"
     """Megatron-FSDP's ``--data-parallel-sharding-strategy``."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Megatron's uneven first and last pipeline ranks (``--decoder-first-pipeline-num-layers``,
+    ``--decoder-last-pipeline-num-layers``); ``None``: equal stages."""
 
     @property
     def world_size(self) -> int:
@@ -113,7 +128,14 @@ class Layout:
         v = f" V {self.virtual_pipeline_size}" if self.schedule == "interleaved" else ""
         return (f"TP {self.tp} CP {self.cp} PP {self.pp} EP {self.ep} DP {self.dp}, "
                 f"{self.schedule}{v}, micro-batch {self.micro_batch_size}, recompute "
-                f"{self.recompute_granularity or 'none'}, {self.sharding}")
+                f"{self.recompute_granularity or 'none'}, {self.sharding}{self._uneven()}")
+
+    def _uneven(self) -> str:
+        first = self.num_layers_in_first_pipeline_stage
+        last = self.num_layers_in_last_pipeline_stage
+        if first is None and last is None:
+            return ""
+        return f", layers on the first / last rank {first or '-'} / {last or '-'}"
 
 
 @dataclass(frozen=True)
@@ -153,6 +175,8 @@ class StepTime:
                 "virtual_pipeline_size": l.virtual_pipeline_size, "schedule": l.schedule,
                 "micro_batch_size": l.micro_batch_size,
                 "recompute_granularity": l.recompute_granularity, "sharding": l.sharding,
+                "num_layers_in_first_pipeline_stage": l.num_layers_in_first_pipeline_stage,
+                "num_layers_in_last_pipeline_stage": l.num_layers_in_last_pipeline_stage,
                 "step_time_s": self.step_time_s, "compute_s": self.compute_s,
                 "tp_comm_s": self.tp_s, "cp_comm_s": self.cp_s, "ep_comm_s": self.ep_s,
                 "dp_comm_s": self.dp_s, "pp_comm_s": self.pp_s, "bubble_s": self.bubble_s,
@@ -199,10 +223,29 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int,
     if l.schedule == "dualpipev" and (l.pp < 2 or l.recompute_granularity):
         raise ConfigError("schedule", "DualPipeV needs PP >= 2 and no recomputation (its "
                                       "backward is split into B and W); use 1f1b or interleaved")
-    if model.num_layers % (l.pp * chunks):
+    uneven = (l.num_layers_in_first_pipeline_stage is not None
+              or l.num_layers_in_last_pipeline_stage is not None)
+    if l.schedule == "dualpipev" and uneven:
+        raise ConfigError("uneven pipeline", "DualPipeV folds 2 PP equal stages in a V; "
+                                             "--decoder-first/last-pipeline-num-layers are for "
+                                             "1f1b and interleaved; leave them out")
+    if l.schedule == "dualpipev" and model.num_layers % (2 * l.pp):
+        raise ConfigError("rule 9", f"--num-layers ({model.num_layers}) must divide into 2 x PP "
+                                    f"= {2 * l.pp} equal stages for DualPipeV; take a PP "
+                                    f"with 2 x PP dividing {model.num_layers}, or 1f1b with "
+                                    f"uneven first and last stages")
+    if l.schedule != "dualpipev" and not uneven and model.num_layers % (l.pp * chunks):
+        split = uneven_split(model.num_layers, l.pp, chunks)
+        hint = (f", or Megatron's uneven first and last stages: "
+                f"--decoder-first-pipeline-num-layers {split[0]} "
+                f"--decoder-last-pipeline-num-layers {split[1]}") if split else ""
         raise ConfigError("rule 9", f"--num-layers ({model.num_layers}) must divide into PP x "
                                     f"chunks = {l.pp} x {chunks} stages of equal layers; take a "
-                                    f"PP that divides {model.num_layers}")
+                                    f"PP that divides {model.num_layers}{hint}")
+    if l.schedule != "dualpipev":
+        layers_per_pipeline_stage(model.num_layers, l.pp, chunks,
+                                  l.num_layers_in_first_pipeline_stage,
+                                  l.num_layers_in_last_pipeline_stage)
     if global_batch_size % (l.dp * l.micro_batch_size):
         raise ConfigError("batch", f"--global-batch-size ({global_batch_size}) must divide by "
                                    f"DP x micro-batch = {l.dp} x {l.micro_batch_size}")
@@ -225,9 +268,32 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int,
     if l.sharding not in SHARDING_STRATEGIES:
         raise ConfigError("sharding", f"--data-parallel-sharding-strategy {l.sharding!r}: one of "
                                       f"{', '.join(SHARDING_STRATEGIES)}")
-    if l.sharding not in MODELLED_SHARDING:
-        raise ConfigError("sharding", f"{l.sharding} (ZeRO-2/3) is not in this time and memory "
-                                      f"model yet; use {' or '.join(MODELLED_SHARDING)}")
+    if ZERO_STAGE[l.sharding] >= 2 and model.num_experts:
+        raise ConfigError("sharding", f"{l.sharding} shards dense models here; this model has "
+                                      f"{model.num_experts} routed experts: use optim (ZeRO-1), "
+                                      f"which shards them over expert-DP, or no_shard")
+
+
+def uneven_split(num_layers: int, pp: int,
+                 virtual_pipeline_size: int = 1) -> tuple[int, int] | None:
+    """``(first, last)``: the most even uneven split Megatron accepts
+    (:func:`tutorial_lib.config.layers_per_pipeline_stage`), for a PP that does not divide
+    the layers: every middle rank holds ``ceil(L / PP)`` layers (rounded up to a multiple
+    of ``V``), the first and last rank share the rest, the first the smaller half (Llama 3
+    405B's 126 layers on 16 ranks: 7, then 14 x 8, then 7; Meta took one layer off the first
+    and the last stage, Llama 3 report section 3.3.2).  ``None`` where no
+    such split exists."""
+    v = virtual_pipeline_size
+    if pp < 2:
+        return None
+    middle = 0 if pp == 2 else -(-num_layers // pp)
+    middle = -(-middle // v) * v
+    rest = num_layers - middle * (pp - 2)
+    first = rest // 2 // v * v
+    last = rest - first
+    if first < v or last % v or (pp > 2 and last > middle):
+        return None
+    return first, last
 
 
 def _parallel_config(layout: Layout) -> ParallelConfig:
@@ -275,20 +341,67 @@ class ChunkCosts:
     ep_hidden: float
     """EP time the schedule hides (DualPipeV's overlapped pairs)."""
     pp: float
+    layers: float = 0.0
+    """The rank's decoder layers per chunk (its chunks' average)."""
+    moe_layers: float = 0.0
+    """Of those, MoE layers."""
+    dp_forward: float = 0.0
+    dp_backward: float = 0.0
+    """Sharded data parallelism's exposed time in the chunk's forward and backward (ZeRO-3's
+    gathers, ZeRO-2 and ZeRO-3's reduce-scatters: :func:`sharded_exposure`)."""
 
     @property
     def forward(self) -> float:
-        return self.forward_compute + (self.tp + self.cp + self.ep + self.pp) / 3
+        return (self.forward_compute + (self.tp + self.cp + self.ep + self.pp) / 3
+                + self.dp_forward)
 
     @property
     def backward(self) -> float:
-        return self.backward_compute + 2 * (self.tp + self.cp + self.ep + self.pp) / 3
+        return (self.backward_compute + 2 * (self.tp + self.cp + self.ep + self.pp) / 3
+                + self.dp_backward)
+
+
+def stage_layers(model: ModelConfig, layout: Layout) -> list[int]:
+    """Layers of each model stage, in model order: equal stages (rule 9), or Megatron's
+    uneven first and last pipeline ranks (:func:`tutorial_lib.config.layers_per_pipeline_stage`);
+    DualPipeV's ``2 PP`` stages equal."""
+    l = layout
+    if l.schedule == "dualpipev":
+        return [model.num_layers // (2 * l.pp)] * (2 * l.pp)
+    return layers_per_pipeline_stage(model.num_layers, l.pp, l.virtual_pipeline_size,
+                                     l.num_layers_in_first_pipeline_stage,
+                                     l.num_layers_in_last_pipeline_stage)
+
+
+def rank_chunk_layers(model: ModelConfig, layout: Layout, rank: int) -> list[list[int]]:
+    """The decoder layers of each chunk of pipeline rank ``rank``, chunk by chunk."""
+    l = layout
+    counts = stage_layers(model, l)
+    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
+    placement = SCHEDULE_PLACEMENT.get(l.schedule, "loop")
+    stages = [model_stage(placement, rank, c, l.pp) for c in range(chunks)]
+    return [list(range(sum(counts[:s]), sum(counts[:s + 1]))) for s in stages]
+
+
+def rank_layers(model: ModelConfig, layout: Layout, rank: int) -> tuple[list[int], bool]:
+    """``(layers, holds the head)``: the decoder layers pipeline rank ``rank`` runs, over
+    its chunks in order, and whether one of its stages is the last (the LM head)."""
+    chunks = rank_chunk_layers(model, layout, rank)
+    last = model.num_layers - 1
+    holds_last_stage = any(c and c[-1] == last for c in chunks)
+    return [i for c in chunks for i in c], holds_last_stage
+
+
+def _ranks_to_weigh(pp: int) -> list[int]:
+    """The first, a middle and the last pipeline rank: every middle rank holds the same."""
+    return sorted({0, min(1, pp - 1), pp - 1})
 
 
 def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency: float,
                 precision: str = "bf16", crosses: dict | None = None) -> ChunkCosts:
-    """The costs of one chunk-microbatch on the rank with the LM head (its chunks' average:
-    the head's FLOPs spread over them), split as the module docstring says.  Communication is given for the
+    """The costs of one chunk-microbatch on the pipeline rank with the most FLOPs (the
+    first, a middle or the last; its chunks' average, the head's FLOPs spread over them),
+    split as the module docstring says.  Communication is given for the
     forward and backward together (a third forward, two thirds backward: the backward
     issues each collective of the forward's twice over, for inputs and, for CP, keys and
     values' gradients)."""
@@ -296,16 +409,21 @@ def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency
     crosses = group_crosses_nodes(l, cluster.gpus_per_node) if crosses is None else crosses
     rate = _flop_rate(cluster, efficiency, precision)
     chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
-    per_chunk = model.num_layers // (l.pp * chunks)
-    last = _last_rank_layers(model.num_layers, l.pp, chunks, l.schedule)
-    parts = [layer_flops(model, i) for i in last]
     tokens = l.micro_batch_size * model.seq_length   # of one microbatch, before TP and CP
     split = l.tp * l.cp * chunks                     # the rank's work, per chunk on average
-    head = tokens * 2.0 * model.hidden_size * model.vocab_size / split
-    layers = tokens * sum(sum(p.values()) for p in parts) / split
-    forward = layers + head
+
+    def work(rank):
+        layers, head = rank_layers(model, l, rank)
+        parts = [layer_flops(model, i) for i in layers]
+        flops = tokens * sum(sum(p.values()) for p in parts) / split
+        head_flops = tokens * 2.0 * model.hidden_size * model.vocab_size / split if head else 0.0
+        return flops + head_flops, flops, layers, parts, rank
+
+    forward, layer_part, last, parts, rank = max((work(r) for r in _ranks_to_weigh(l.pp)),
+                                                 key=lambda w: w[0])
+    per_chunk = len(last) / chunks                   # the rank's layers per chunk, on average
     attention = tokens * sum(p["core_attention"] for p in parts) / split
-    recomputed = {None: 0.0, "selective": attention, "full": layers}[l.recompute_granularity]
+    recomputed = {None: 0.0, "selective": attention, "full": layer_part}[l.recompute_granularity]
     h = model.hidden_size
     rank_tokens = tokens // l.cp                     # this rank's tokens of the microbatch
     tp_time = cp_time = ep_time = ep_hidden = pp_time = 0.0
@@ -313,7 +431,7 @@ def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency
         per_layer = 6 if l.recompute_granularity == "full" else 4
         tp_time = per_chunk * per_layer * predict_time(
             "all_reduce", rank_tokens * h * BYTES, l.tp, cluster.link(crosses["tp"]))
-    if l.cp > 1:  # the K/V ring, forward once, backward twice; hidden under core attention
+    if l.cp > 1 and per_chunk:  # the K/V ring: forward once, backward twice; under core attention
         _, k, v = attention_widths(model)
         block = rank_tokens * (k + v) * BYTES / l.tp
         ring = (l.cp - 1) * predict_time("send", block, 2, cluster.link(crosses["cp"]))
@@ -332,17 +450,18 @@ def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency
     if l.pp > 1:
         boundary = rank_tokens * h * BYTES / (l.tp if l.tp > 1 else 1)
         pp_time = 2 * predict_time("send", boundary, 2, cluster.link(crosses["pp"]))
+    dp_forward = dp_backward = 0.0
+    if ZERO_STAGE[l.sharding] >= 2 and l.dp * l.cp > 1:  # the root goes with the first chunk
+        link = cluster.link(crosses["dp_cp"])
+        chunk_layers = rank_chunk_layers(model, l, rank)
+        sizes = [[layer_parameters(model, i, l.tp, l.ep, l.tp) for i in c] for c in chunk_layers]
+        root = rank_parameter_counts(model, l, rank)[0] - sum(map(sum, sizes))
+        for c, units in enumerate(sizes):
+            f, b = sharded_exposure(l.sharding, units, root if c == 0 else 0, l.dp * l.cp, link,
+                                    forward / rate, (2 * forward + recomputed) / rate)
+            dp_forward, dp_backward = dp_forward + f / chunks, dp_backward + b / chunks
     return ChunkCosts(forward / rate, (2 * forward + recomputed) / rate, tp_time, cp_time,
-                      ep_time, ep_hidden, pp_time)
-
-
-def _last_rank_layers(num_layers: int, pp: int, chunks: int, schedule: str) -> list[int]:
-    """The layers of the rank that holds the LM head: the last rank, or rank 0 in the V."""
-    per_chunk = num_layers // (pp * chunks)
-    rank = 0 if schedule == "dualpipev" else pp - 1
-    stages = [model_stage(SCHEDULE_PLACEMENT.get(schedule, "loop"), rank, c, pp)
-              for c in range(chunks)]
-    return [stage * per_chunk + i for stage in stages for i in range(per_chunk)]
+                      ep_time, ep_hidden, pp_time, per_chunk, moe_layers, dp_forward, dp_backward)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -376,8 +495,9 @@ def schedule_times(schedule: str, pp: int, m: int, v: int, forward: float,
 @functools.lru_cache(maxsize=65536)
 def layout_memory(model: ModelConfig, layout: Layout, global_batch_size: int) -> int:
     """Bytes of the layout's heaviest rank (bf16, no process runtime):
-    :func:`~tutorial_lib.costs.memory_model.memory_per_rank` on the first and the last
-    pipeline rank (the embedding and the head; rank 0 holds the most microbatches)."""
+    :func:`~tutorial_lib.costs.memory_model.memory_per_rank` on the first, a middle and the
+    last pipeline rank (the embedding, the most layers under an uneven split, the head;
+    rank 0 holds the most microbatches)."""
     l = layout
     spec = replace(model, sequence_parallel=l.tp > 1)
     full = l.recompute_granularity == "full"
@@ -385,70 +505,87 @@ def layout_memory(model: ModelConfig, layout: Layout, global_batch_size: int) ->
     ranks = memory_per_rank(spec, _parallel_config(l),
                             TrainConfig(global_batch_size, l.num_microbatches(global_batch_size)),
                             l.schedule, 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size,
-                            pipeline_ranks=sorted({0, l.pp - 1}), precision="bf16",
-                            use_distributed_optimizer=l.sharding == "optim", recompute=recompute,
-                            runtime=0)
+                            pipeline_ranks=_ranks_to_weigh(l.pp), precision="bf16",
+                            data_parallel_sharding_strategy=l.sharding, recompute=recompute,
+                            runtime=0, stage_layers=stage_layers(model, l))
     return max(r.total for r in ranks)
 
 
 @functools.lru_cache(maxsize=65536)
 def memory_lower_bound(model: ModelConfig, layout: Layout, global_batch_size: int) -> int:
-    """A quick floor under :func:`layout_memory`: the heaviest rank's weights, gradients and
-    optimizer state (:func:`rank_parameters`, bf16 as the memory model counts them: 2 + 4
-    bytes, and 12 per parameter or 16 per slice element under ``optim``) plus rank 0's
-    microbatches in flight times the lightest stage's activations.  The planner skips the
-    exact count where this floor already does not fit."""
+    """A quick floor under :func:`layout_memory`: over the first, a middle and the last
+    pipeline rank, the rank's weights, gradients and optimizer state (bf16 as the memory
+    model counts them, :func:`state_bytes_floor`) plus its microbatches in flight times
+    the lightest stage's activations.  The planner skips the exact count where this floor
+    already does not fit."""
     l = layout
-    dense, experts = rank_parameters(model, l)
-    params = dense + experts
-    state = 6 * params
-    if l.sharding == "optim":
-        edp = l.world_size // (l.ep * l.tp * l.pp)
-        state += 16 * (-(-dense // (l.dp * l.cp)) + (-(-experts // edp) if experts else 0))
-    else:
-        state += 12 * params
     chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
-    stages = l.pp * chunks
-    middle = 1 if stages > 2 else 0   # a stage without the embedding (or the only one)
+    counts = stage_layers(model, l)
     full = l.recompute_granularity == "full"
     recompute = Recompute(l.recompute_granularity, "uniform" if full else None, 1 if full else None)
     m = l.num_microbatches(global_batch_size)
-    per = stage_activation_bytes(replace(model, sequence_parallel=l.tp > 1), middle, stages,
-                                 l.micro_batch_size, l.tp, l.cp, precision="bf16",
-                                 recompute=recompute, ep=l.ep, etp=l.tp)
-    in_flight = expected_peak_activations(l.schedule, l.pp, m, 0, chunks) if l.pp > 1 else 1
-    return state + in_flight * sum(per.values())
+    spec = replace(model, sequence_parallel=l.tp > 1)
+    lightest = min(sum(stage_activation_bytes(spec, s, len(counts), l.micro_batch_size, l.tp,
+                                              l.cp, precision="bf16", recompute=recompute,
+                                              ep=l.ep, etp=l.tp, stage_layers=counts).values())
+                   for s in sorted({0, min(1, len(counts) - 1), len(counts) - 1}))
+    floor = 0
+    for rank in _ranks_to_weigh(l.pp):
+        in_flight = expected_peak_activations(l.schedule, l.pp, m, rank, chunks) if l.pp > 1 \
+            else 1
+        state = state_bytes_floor(l, *rank_parameter_counts(model, l, rank))
+        floor = max(floor, state + in_flight * lightest)
+    return floor
+
+
+def state_bytes_floor(layout: Layout, dense: int, experts: int) -> int:
+    """Bytes of weights, gradients and optimizer state for ``dense`` and ``experts``
+    parameters on one rank, bf16, at most what the memory model counts: plain DP 18 per
+    parameter; ``optim`` 6 plus 16 per slice element (dense over DP x CP, routed experts
+    over expert-DP); ``optim_grads`` the 2-byte weights plus 16 per slice element (fp32
+    gradient, master and moments); ``optim_grads_params`` only the 16 (the gathered
+    weights, counted at their peak, are left out of the floor)."""
+    l = layout
+    params = dense + experts
+    if l.sharding == "no_shard":
+        return 18 * params
+    if ZERO_STAGE[l.sharding] >= 2:  # dense models only (check_layout)
+        return (2 * params if l.sharding == "optim_grads" else 0) + 16 * (params // (l.dp * l.cp))
+    edp = l.world_size // (l.ep * l.tp * l.pp)
+    return 6 * params + 16 * (-(-dense // (l.dp * l.cp)) + (-(-experts // edp) if experts else 0))
+
+
+def rank_parameter_counts(model: ModelConfig, layout: Layout, rank: int) -> tuple[int, int]:
+    """``(dense, routed-expert)`` parameters pipeline rank ``rank`` holds (the embedding on
+    rank 0, the head with the last stage)."""
+    l = layout
+    layers, head = rank_layers(model, l, rank)
+    dense = experts = 0
+    for i in layers:
+        total = layer_parameters(model, i, l.tp, l.ep, l.tp)
+        routed = expert_parameters(model, l.ep, l.tp) if (
+            model.num_experts and i >= model.first_k_dense_replace) else 0
+        dense, experts = dense + total - routed, experts + routed
+    dense += model.vocab_size * model.hidden_size // l.tp * ((rank == 0) + head)
+    return dense, experts
 
 
 def rank_parameters(model: ModelConfig, layout: Layout) -> tuple[int, int]:
-    """``(dense, routed-expert)`` parameters of the pipeline rank that holds the most,
-    each reduced over its own data-parallel group."""
-    l = layout
-    chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
-    per_chunk = model.num_layers // (l.pp * chunks)
-    placement = SCHEDULE_PLACEMENT.get(l.schedule, "loop")
-    stages = l.pp * chunks if placement == "v" else l.pp * l.virtual_pipeline_size
-    best = (0, 0)
-    for rank in sorted({0, l.pp - 1}):
-        dense = experts = 0
-        for c in range(chunks):
-            stage = model_stage(placement, rank, c, l.pp)
-            for i in range(stage * per_chunk, (stage + 1) * per_chunk):
-                total = layer_parameters(model, i, l.tp, l.ep, l.tp)
-                routed = expert_parameters(model, l.ep, l.tp) if (
-                    model.num_experts and i >= model.first_k_dense_replace) else 0
-                dense, experts = dense + total - routed, experts + routed
-            if stage in (0, stages - 1):
-                dense += model.vocab_size * model.hidden_size // l.tp
-        best = max(best, (dense, experts), key=sum)
-    return best
+    """``(dense, routed-expert)`` parameters of the pipeline rank that holds the most
+    (:func:`rank_parameter_counts` of the first, a middle and the last rank), each reduced
+    over its own data-parallel group."""
+    return max((rank_parameter_counts(model, layout, r) for r in _ranks_to_weigh(layout.pp)),
+               key=sum)
 
 
 def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[int, int],
                 backward_window: float, forward_window: float) -> float:
-    """Exposed data-parallel time: each domain's gradient reduction (all-reduce, or the
-    distributed optimizer's reduce-scatter and parameter all-gather) beyond the window it
-    runs under, plus the bucket that cannot overlap."""
+    """Exposed data-parallel time after the last microbatch: each domain's gradient
+    reduction (all-reduce, or the distributed optimizer's reduce-scatter) beyond the window
+    it runs under plus the bucket that cannot overlap, and the updated parameters'
+    all-gather (``optim``, ``optim_grads``) under the next forward but its first bucket.
+    ZeRO-2's reduce-scatters and ZeRO-3's traffic run every microbatch: in the chunk
+    costs (:func:`sharded_exposure`)."""
     l = layout
     dense, experts = params
     domains = [(dense, l.dp * l.cp, crosses["dp_cp"]),
@@ -463,14 +600,56 @@ def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[i
             total = predict_time("all_reduce", count * GRADIENT_BYTES, size, link)
             last = predict_time("all_reduce", bucket * GRADIENT_BYTES, size, link)
             exposed += last + max(0.0, total - last - backward_window)
-        else:
+        if l.sharding == "optim":
             scatter = predict_time("reduce_scatter", count * GRADIENT_BYTES, size, link)
             last = predict_time("reduce_scatter", bucket * GRADIENT_BYTES, size, link)
+            exposed += last + max(0.0, scatter - last - backward_window)
+        if l.sharding in ("optim", "optim_grads"):
             gather = predict_time("all_gather", count * BYTES / size, size, link)
             first = predict_time("all_gather", bucket * BYTES / size, size, link)
-            exposed += last + max(0.0, scatter - last - backward_window)
             exposed += first + max(0.0, gather - first - forward_window)
     return exposed
+
+
+def sharded_exposure(strategy: str, units: list[int], root: int, shard: int, link,
+                     forward_s: float, backward_s: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of sharded data parallelism that one chunk-microbatch
+    cannot hide, for ZeRO-2 (``optim_grads``) and ZeRO-3 (``optim_grads_params``), as
+    :func:`~tutorial_lib.costs.zero_stages.sharded_step_collectives` lists the collectives
+    (per microbatch; bf16 gathers, fp32 reduce-scatters, each unit padded to ``shard``
+    slices).
+
+    ``units``: the chunk's decoder layers' parameters in forward order; ``root``: the rest
+    of the rank's parameters (embedding, head; 0 for none), gathered first and kept
+    gathered through the backward (FSDP2's default).  ZeRO-3's forward gathers each unit
+    before it runs, the next one prefetched under the current one's compute: the first
+    gather is exposed, the others only beyond ``forward_s``.  Its backward gathers the
+    layers again in reverse (the first exposed) and reduce-scatters every unit's gradients
+    as they are ready, the last one (the root's, or the first layer's) after the compute:
+    exposed; the rest beyond ``backward_s``.  ZeRO-2 only reduce-scatters."""
+    stage = ZERO_STAGE[strategy]
+    if stage < 2 or shard == 1:
+        return 0.0, 0.0
+    order = ([root] if root else []) + list(units)   # forward order, the root first
+
+    def gather(n):
+        return predict_time("all_gather", -(-n // shard) * BYTES, shard, link)
+
+    def scatter(n):
+        return predict_time("reduce_scatter", -(-n // shard) * shard * GRADIENT_BYTES, shard,
+                            link)
+
+    scatters = [scatter(n) for n in order]          # the last issued: order[0]'s
+    forward = backward = 0.0
+    if stage == 3 and order:
+        gathers = [gather(n) for n in order]
+        forward = gathers[0] + max(0.0, sum(gathers[1:]) - forward_s)
+        again = [gather(n) for n in reversed(units)]  # the root stays gathered
+        hidden = sum(again[1:]) + sum(scatters[1:])
+        backward = (again[0] if again else 0.0) + scatters[0] + max(0.0, hidden - backward_s)
+    elif order:
+        backward = scatters[0] + max(0.0, sum(scatters[1:]) - backward_s)
+    return forward, backward
 
 
 def predict_step(model: ModelConfig, cluster: Cluster, layout: Layout, global_batch_size: int,
@@ -497,7 +676,8 @@ def predict_step(model: ModelConfig, cluster: Cluster, layout: Layout, global_ba
     hardware = hardware_flops_per_step(model, global_batch_size, l.recompute_granularity)
     peak = cluster.gpu.peak_flops(precision)
     result = StepTime(l, step, count * (costs.forward_compute + costs.backward_compute),
-                    count * costs.tp, count * costs.cp, count * costs.ep, dp, count * costs.pp,
+                    count * costs.tp, count * costs.cp, count * costs.ep,
+                    dp + count * (costs.dp_forward + costs.dp_backward), count * costs.pp,
                     bubble, global_batch_size * model.seq_length / step,
                     model_flops / gpus / step / 1e12, model_flops / gpus / step / peak,
                     hardware / gpus / step / 1e12, -1, None, crosses)
