@@ -19,7 +19,10 @@ validator: see :func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mo
 equal the world-size-1 run's: ``atol = 1e-5`` on losses of about 4.2.  What differs
 between layouts is only the order of fp32 sums (all-reduces, microbatch accumulation),
 measured at most ~3e-7.  The same holds with dropout (layouts without TP and EP: rule 7),
-because each row's masks are drawn from its index in the global batch.  Sequence
+because each row's masks are drawn from its index in the global batch.  The runs of one
+world size, the world-size-1 references included, train one after the other in one launch
+(:func:`trained`: a launch per world size, not per test); ``train`` itself launches one of
+them alone and gives the same losses.  Sequence
 parallelism through the whole model (``SP_RUNS``) runs inside the TP x EP sweep's
 launches, with PP 3, and with CP 2 and PP 2.
 """
@@ -81,27 +84,53 @@ def plain_serial_losses(args: TrainingArgs) -> list[float]:
     return losses
 
 
-_REFERENCES: dict = {}
+def world_one_args(args: TrainingArgs) -> TrainingArgs:
+    """The world-size-1 run of ``args``'s model and batch."""
+    return replace(args, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                   expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                   context_parallel_size=1, cp_comm_type="p2p", sequence_parallel=False,
+                   schedule="1f1b", p2p_mode="batched")
+
+
+def _train_each(ctx, runs: list[TrainingArgs]) -> list[list[dict]]:
+    """train_4d's worker on each run of ``runs``, one after the other on these ranks: the
+    records each returns (what ``train(args).results[rank]`` holds)."""
+    from tutorial_lib.train_4d import train_worker
+    return [train_worker(ctx, args) for args in runs]
+
+
+@launch_once
+def trained(world: int) -> dict:
+    """Every run of this world size that the tests below compare (:func:`every_run`), trained
+    in one launch rather than one launch each: ``{astuple(args): every rank's records}``.
+    Each run is checked as ``train`` checks it before it launches, and the launch's timeout is
+    the sum of the runs' own.  ``test_the_record_holds_...`` launches one run by ``train``
+    itself and finds the same losses here."""
+    from tutorial_lib.launch import launch
+    runs = list({astuple(args): args for args in every_run() if args.world_size == world}.values())
+    for args in runs:
+        validate_args(args)
+    result = launch(_train_each, world, args=(runs,), timeout=sum(a.timeout for a in runs),
+                    trace=False, print_output=False)
+    return {astuple(args): [ranks[i] for ranks in result.results] for i, args in enumerate(runs)}
+
+
+def records_of(args: TrainingArgs) -> list[list[dict]]:
+    """Every rank's records of the run; on the way, every rank's memory against the
+    prediction (chapter 10)."""
+    results = trained(args.world_size)[astuple(args)]
+    assert_memory_as_predicted(args, results)
+    return results
 
 
 def world_one_losses(args: TrainingArgs) -> list[float]:
-    """The world-size-1 run of the same model and batch (cached per model and batch)."""
-    key = replace(args, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                  expert_model_parallel_size=1, expert_tensor_parallel_size=None,
-                  context_parallel_size=1, cp_comm_type="p2p", sequence_parallel=False,
-                  schedule="1f1b", p2p_mode="batched")
-    if astuple(key) not in _REFERENCES:
-        results = train(key).results
-        assert_memory_as_predicted(key, results)
-        _REFERENCES[astuple(key)] = [r["loss"] for r in results[0]]
-    return _REFERENCES[astuple(key)]
+    """The world-size-1 run of the same model and batch."""
+    return [r["loss"] for r in records_of(world_one_args(args))[0]]
 
 
 def losses_of(args: TrainingArgs) -> list[float]:
-    """The run's losses; on the way, every rank's memory against the prediction (chapter 10)."""
-    results = train(args).results
-    assert_memory_as_predicted(args, results)
-    return [r["loss"] for r in results[0]]
+    """The run's losses (rank 0's records)."""
+    return [r["loss"] for r in records_of(args)[0]]
 
 
 def assert_same_losses(args: TrainingArgs) -> None:
@@ -158,20 +187,31 @@ def test_every_layout_trains_like_world_size_one(tp, pp, ep, world):
 
 
 SCHEDULE_MODES = [(s, m) for s in ("gpipe", "1f1b", "interleaved") for m in ("overlapped", "batched")]
+SCHEDULE_LAYOUTS = [(1, 3, 2, 6), (1, 4, 1, 8)]
+
+
+def schedule_args(schedule, mode, tp, pp, ep, world) -> TrainingArgs:
+    # interleaving needs num_layers divisible by PP * V and M by PP: 24 layers, M = PP
+    return layout_args(tp, pp, ep, world, schedule=schedule, p2p_mode=mode, num_layers=24,
+                       num_microbatches=pp, global_batch_size=2 * pp * 2)
 
 
 @pytest.mark.parametrize("schedule,mode", SCHEDULE_MODES, ids=[f"{s}-{m}" for s, m in SCHEDULE_MODES])
-@pytest.mark.parametrize("tp,pp,ep,world", [(1, 3, 2, 6), (1, 4, 1, 8)], ids=["pp3-ep2-dp2", "pp4-dp2"])
+@pytest.mark.parametrize("tp,pp,ep,world", SCHEDULE_LAYOUTS, ids=["pp3-ep2-dp2", "pp4-dp2"])
 def test_every_schedule_and_p2p_mode_trains_like_world_size_one(schedule, mode, tp, pp, ep, world):
-    # interleaving needs num_layers divisible by PP * V and M by PP: 24 layers, M = PP
-    args = layout_args(tp, pp, ep, world, schedule=schedule, p2p_mode=mode, num_layers=24,
-                       num_microbatches=pp, global_batch_size=2 * pp * 2)
-    assert_same_losses(args)
+    assert_same_losses(schedule_args(schedule, mode, tp, pp, ep, world))
 
 
-@pytest.mark.parametrize("pp,world", [(2, 4), (3, 3)])
+DROPOUT_LAYOUTS = [(2, 4), (3, 3)]
+
+
+def dropout_args(pp, world) -> TrainingArgs:
+    return layout_args(1, pp, 1, world, dropout=0.2)
+
+
+@pytest.mark.parametrize("pp,world", DROPOUT_LAYOUTS)
 def test_dropout_is_the_same_on_every_layout(pp, world):
-    args = layout_args(1, pp, 1, world, dropout=0.2)
+    args = dropout_args(pp, world)
     expected = plain_serial_losses(args)
     got = losses_of(args)
     assert max(abs(a - b) for a, b in zip(got, expected)) < ATOL, (got, expected)
@@ -187,6 +227,10 @@ CP_LAYOUTS = [(1, 1, 1, 2, 2, "p2p"), (1, 1, 1, 2, 2, "all_gather"), (1, 1, 1, 2
               (1, 1, 2, 2, 2, "p2p"), (1, 1, 2, 2, 4, "a2a"), (1, 1, 1, 4, 4, "p2p")]
 
 
+def cp_args(tp, pp, ep, cp, world, mode) -> TrainingArgs:
+    return layout_args(tp, pp, ep, world, context_parallel_size=cp, cp_comm_type=mode)
+
+
 @pytest.mark.parametrize("tp,pp,ep,cp,world,mode", CP_LAYOUTS,
                          ids=[f"tp{t}-pp{p}-ep{e}-cp{c}-w{w}-{m}" for t, p, e, c, w, m in CP_LAYOUTS])
 def test_context_parallel_trains_like_world_size_one(tp, pp, ep, cp, world, mode):
@@ -195,27 +239,47 @@ def test_context_parallel_trains_like_world_size_one(tp, pp, ep, cp, world, mode
     0.20.0, d98e8a64, ``megatron/core/utils.py`` ``get_batch_on_this_cp_rank``), its loss is
     the mean over its tokens and the dense gradients are averaged over ``dp_cp``
     (``distributed_data_parallel.py``: ``gradient_scaling_factor = 1 / dp_cp size``)."""
-    args = layout_args(tp, pp, ep, world, context_parallel_size=cp, cp_comm_type=mode)
+    args = cp_args(tp, pp, ep, cp, world, mode)
     validate_args(args)
     assert args.configs()[0].data_parallel_size == world // (tp * pp * cp)
     assert_same_losses(args)
+
+
+CP_ZERO1 = layout_args(1, 1, 2, 4, context_parallel_size=2, use_distributed_optimizer=True)
 
 
 def test_context_parallel_with_the_distributed_optimizer_trains_like_world_size_one():
     """ZeRO-1 under CP shards the dense gradients over ``dp_cp`` (DP 2 x CP 2 here), as
     Megatron-Core's distributed optimizer uses the data-parallel group with context
     parallelism (0.20.0, d98e8a64, ``distributed_data_parallel.py``: ``dp_cp_group``)."""
-    assert_same_losses(layout_args(1, 1, 2, 4, context_parallel_size=2,
-                                   use_distributed_optimizer=True))
+    assert_same_losses(CP_ZERO1)
+
+
+DENSE = layout_args(2, 2, 1, 8, num_experts=0)
 
 
 def test_a_dense_model_trains_like_world_size_one_too():
-    args = layout_args(2, 2, 1, 8, num_experts=0)
-    assert_same_losses(args)
+    assert_same_losses(DENSE)
+
+
+def every_run() -> list[TrainingArgs]:
+    """Every run the equivalence tests above compare (those of a world size train in one
+    launch: :func:`trained`), and the world-size-1 run of each, the TP x EP sweep's included."""
+    runs = [layout_args(*layout) for layout in LAYOUTS]
+    runs += [schedule_args(s, m, *layout) for s, m in SCHEDULE_MODES for layout in SCHEDULE_LAYOUTS]
+    runs += [cp_args(*layout) for layout in CP_LAYOUTS] + [CP_ZERO1, DENSE]
+    sweep = [args for world in TP_EP_WORLDS for args in tp_ep_runs(world).values()]
+    dropout = [dropout_args(*layout) for layout in DROPOUT_LAYOUTS]  # against the plain loop
+    return runs + dropout + [world_one_args(args) for args in runs + sweep]
 
 
 def test_the_record_holds_the_lm_loss_and_the_balance_terms_under_their_own_keys():
-    records = train(layout_args(1, 2, 2, 4)).results[0]
+    """``train`` itself (its checks, its own launch): the records, and the losses the shared
+    launch of the same run (:func:`trained`) gave, so the runs trained together train as
+    one run alone does."""
+    args = layout_args(1, 2, 2, 4)
+    records = train(args).results[0]
+    assert [r["loss"] for r in records] == losses_of(args)
     for step, record in enumerate(records):
         assert record["iteration"] == step + 1  # Megatron's count, from 1
         assert {"loss", "sequence_balance_loss", "max_violation", "grad_norm", "tokens_per_s"} <= set(record)
@@ -277,6 +341,7 @@ def tp_ep_layouts(max_world: int = 8):
 
 
 TP_EP_LAYOUTS = list(tp_ep_layouts())
+TP_EP_WORLDS = sorted({layout[-1] for layout in TP_EP_LAYOUTS})
 #: Every schedule, at one TP x EP x PP layout (TP 2 x EP 2 x ETP 2 x PP 2 on 8 ranks; 1F1B is
 #: the sweep's own): interleaving at PP 2 needs Megatron's overlapped P2P (see
 #: test_invalid_grids...); chapter 11's split-backward schedules run M = 4 microbatches
@@ -354,17 +419,22 @@ def _name(tp, pp, ep, etp, world, schedule="1f1b", mode="batched"):
     return f"tp{tp}-pp{pp}-ep{ep}-etp{etp}-w{world}-{schedule}-{mode}"
 
 
-@launch_once
-def tp_ep_sweep(world: int):
-    """One launch per world size running every TP x EP layout of that size (and, on 8 ranks,
-    the schedule runs)."""
-    from tutorial_lib.launch import launch
+def tp_ep_runs(world: int) -> dict[str, TrainingArgs]:
+    """Every TP x EP layout of this world size (and, on 8 ranks, the schedule runs), by name."""
     runs = {_name(*layout): _tp_ep_args(*layout) for layout in TP_EP_LAYOUTS if layout[-1] == world}
     if world == TP_EP_SCHEDULE_LAYOUT[-1]:
         runs.update({_name(*TP_EP_SCHEDULE_LAYOUT, s, m): _tp_ep_args(*TP_EP_SCHEDULE_LAYOUT, s, m)
                      for s, m in TP_EP_SCHEDULES})
     runs.update({f"{_name(*layout)}-{suffix}": _tp_ep_args(*layout, **changes)
                  for suffix, (layout, changes) in SP_RUNS.items() if layout[-1] == world})
+    return runs
+
+
+@launch_once
+def tp_ep_sweep(world: int):
+    """One launch per world size running every run of :func:`tp_ep_runs`."""
+    from tutorial_lib.launch import launch
+    runs = tp_ep_runs(world)
     return runs, launch(_tp_ep_sweep, world, args=(runs,), timeout=300, trace=True)
 
 
@@ -379,7 +449,7 @@ def test_the_tp_ep_sweep_holds_the_layouts_issue_17_names():
     assert TP_EP_SCHEDULE_LAYOUT in names
 
 
-@pytest.mark.parametrize("world", sorted({layout[-1] for layout in TP_EP_LAYOUTS}))
+@pytest.mark.parametrize("world", TP_EP_WORLDS)
 def test_tp_and_ep_together_train_like_world_size_one(world):
     """TP and EP together: every TP x EP layout of this world size (ETP 1 and ETP = TP, with and without
     PP; on 8 ranks also every other schedule at TP 2 x EP 2 x ETP 2 x PP 2) gives the
@@ -397,7 +467,7 @@ def test_tp_and_ep_together_train_like_world_size_one(world):
         assert len(got) == 3 and worst < ATOL, (name, got, expected, worst)
 
 
-@pytest.mark.parametrize("world", sorted({layout[-1] for layout in TP_EP_LAYOUTS}))
+@pytest.mark.parametrize("world", TP_EP_WORLDS)
 def test_tp_and_ep_together_give_the_serial_router_shared_and_expert_gradients(world):
     """TP and EP together: in every run of the sweep the router, shared-expert and routed-expert
     gradients after train_4d's sync equal the serial model's on the whole batch (fp32,

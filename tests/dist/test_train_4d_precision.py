@@ -30,6 +30,7 @@ experts top-2, 5 steps) in every recipe on world 1, PP2 x EP2 (DP2), PP2 x TP2, 
 About 45 s on 2 cores.
 """
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ from tutorial_lib import fp8, precision
 from tutorial_lib.config import ConfigError
 from tutorial_lib.deepseek import DeepSeekModel
 from tutorial_lib.moe import MoELayer
-from tutorial_lib.train_4d import TrainingArgs, build_chunks, train, validate_args
+from tutorial_lib.launch import launch
+from tutorial_lib.train_4d import TrainingArgs, build_chunks, validate_args
 from tests.asserts import every
 
 pytestmark = pytest.mark.dist
@@ -66,13 +68,32 @@ V3_WIRE = {("dispatch", "forward"): "fp8_pow2", ("combine", "forward"): "bf16",
            ("combine", "backward"): "fp8_pow2", ("dispatch", "backward"): "bf16"}
 
 
+def _each_recipe(ctx, args):
+    """train_4d's worker under each recipe, one after the other on these ranks, each run's
+    events tagged with its recipe."""
+    from tutorial_lib.train_4d import train_worker
+    out = {}
+    for recipe in RECIPES:
+        with ctx.tracer.tags(recipe=recipe):
+            out[recipe] = train_worker(ctx, replace(args, precision_recipe=recipe))
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs():
+    """``(layout, recipe) -> (rank 0's losses, the run's trace)``: one launch per layout
+    trains its three recipes one after the other, each checked first as ``train`` checks it
+    before it launches."""
     out = {}
     for layout, (overrides, _) in LAYOUTS.items():
+        args = TrainingArgs(**overrides)
         for recipe in RECIPES:
-            result = train(TrainingArgs(precision_recipe=recipe, **overrides), trace=True, timeout=300)
-            out[layout, recipe] = ([r["loss"] for r in result.results[0]], result.trace)
+            validate_args(replace(args, precision_recipe=recipe))
+        result = launch(_each_recipe, args.world_size, args=(args,), trace=True,
+                        timeout=300 * len(RECIPES), print_output=False)
+        for recipe in RECIPES:
+            out[layout, recipe] = ([r["loss"] for r in result.results[0][recipe]],
+                                   result.trace.filter(recipe=recipe))
     return out
 
 
