@@ -262,6 +262,13 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
     return {2: two, 4: four, 8: eight}
 
 
+LAUNCH_TIMEOUT = {2: 300, 4: 450, 8: 900}
+"""Seconds after every rank joined: a guard against a hang, never a measure of speed.  Each
+launch runs every job of its world size twice; the 8-rank one took 119 s at load 17 and
+went past the former 180 s beside a second test run (a deadlock still reports each rank's
+wait and stack, only later)."""
+
+
 @pytest.fixture(scope="module")
 def strict_runs(tmp_path_factory):
     """One launch per world size (2, 4, 8 ranks), each running all of its jobs twice."""
@@ -270,11 +277,12 @@ def strict_runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # the launcher's switch: every worker of this launch starts with meta as default
         patch.setenv(launch_module.STRICT_DEVICE_VARIABLE, "meta")
-        runs[2] = launch(run_strict_and_plain, 2, args=(jobs[2], None), timeout=120,
-                         trace=False, backend="gloo").results
+        runs[2] = launch(run_strict_and_plain, 2, args=(jobs[2], None),
+                         timeout=LAUNCH_TIMEOUT[2], trace=False, backend="gloo").results
     for world in (4, 8):
         runs[world] = launch(run_strict_and_plain, world, args=(jobs[world],),
-                             timeout=180, trace=False, backend="gloo").results
+                             timeout=LAUNCH_TIMEOUT[world], trace=False,
+                             backend="gloo").results
     return jobs, runs
 
 
