@@ -38,15 +38,14 @@ REPORT = {4: 'print("BENCH", json.dumps({"seconds": time.time() - chapter_starte
 
 def measure(chapter: int) -> dict:
     nb = nbformat.read(REPO / CHAPTERS[chapter], as_version=4)
-    closing = [i for i, cell in enumerate(nb.cells)
-               if cell.cell_type == "code" and "chapter_started" in cell.source][-1:]
-    if not closing or closing[0] == next(i for i, c in enumerate(nb.cells)
-                                         if "chapter_started" in c.source):
+    clock = [i for i, cell in enumerate(nb.cells)
+             if cell.cell_type == "code" and "chapter_started" in cell.source]
+    if len(clock) < 2:
         raise SystemExit(f"{CHAPTERS[chapter]} should start its clock (chapter_started) in "
                          "one cell and print it in a later one; the notebook changed, "
                          "update this script")
     # everything up to the cell that prints the chapter's clock, which reports it instead
-    nb.cells = nb.cells[:closing[0]] + [
+    nb.cells = nb.cells[:clock[-1]] + [
         nbformat.v4.new_code_cell("import json\n" + REPORT[chapter])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))

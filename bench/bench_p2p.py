@@ -74,7 +74,7 @@ def main() -> None:
                         help=f"store the result as the reference {REFERENCE!r} chapter 7 shows")
     args = parser.parse_args()
 
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = reference.load_average()
     idle_before = cpu_idle_percent()
     warm_up()
     started = time.perf_counter()
@@ -110,7 +110,7 @@ def main() -> None:
             REFERENCE, stored, command=command,
             notes=(f"timing.measure_p2p_modes: median of {args.repeats} rounds after "
                    f"{args.warmup} warm-up rounds, gloo on CPU, one rank per process"),
-            repeats=args.repeats, load=load_before, load_before=load_before,
+            repeats=args.repeats, load=load_before,
             idle_before_percent=idle_before)
         print(f"stored the reference {REFERENCE!r}: {ref.caption()}")
 

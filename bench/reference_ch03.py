@@ -119,13 +119,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from tutorial_lib import reference
 
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = reference.load_average()
     rows = measure_overlap(args.repeats)
     ref = reference.save(
         "ch03_overlap", rows, command=COMMAND,
         notes=f"the median of {args.repeats} launches of the chapter's measured step "
               f"(by the buckets' total time in flight); load {load_before} before",
-        config=CONFIG, repeats=args.repeats, load=load_before, load_before=load_before)
+        config=CONFIG, repeats=args.repeats, load=load_before)
     print(ref.caption())
     for row in rows:
         print(row)
