@@ -13,15 +13,13 @@ import time
 
 import pytest
 
+from tutorial_lib.launch import process_running
 
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+
+# True while a pid runs (a zombie waiting to be reaped counts as gone). The library's own
+# check: a process reaped between opening /proc/PID/stat and reading it fails the read with
+# ESRCH, which a check of its own once took for an error (CI, 2026-11-29).
+process_alive = process_running
 
 
 def wait_until_gone(pids, seconds: float = 5.0) -> list[int]:

@@ -7,6 +7,7 @@ The launcher blamed it, found no error to report, and failed with an ``IndexErro
 in ``tests/dist/test_checkpoint.py``'s 8-rank runs on a loaded machine).  Pure: fake
 processes and a fake collector stand for the pipes; no process starts.
 """
+import os
 from types import SimpleNamespace
 
 from tutorial_lib.launch import RankProcesses
@@ -50,3 +51,26 @@ def test_with_an_error_reported_an_exited_rank_is_named_at_once_and_running_rank
     failed = Pipes(finished=set(), failures=["rank 1 raised"])
     assert _dead_ranks([SimpleNamespace(exitcode=1), running[1]], failed) == [0]
     assert failed.reads == 0
+
+
+def test_a_process_reaped_between_opening_and_reading_its_stat_counts_as_gone(monkeypatch):
+    """Linux lets ``/proc/PID/stat`` open and then fails the read with ESRCH when the process
+    is reaped in between (CI, 2026-11-29): that process is gone, not an error."""
+    from tutorial_lib import launch
+
+    with open("/proc/sys/kernel/pid_max") as f:
+        gone = int(f.read()) + 1  # above the largest pid Linux hands out: no such process
+
+    class ReapedWhileReading:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(launch, "open", lambda *a, **k: ReapedWhileReading(), raising=False)
+    assert launch.process_running(gone) is False
+    assert launch.process_running(os.getpid()) is True  # a live pid still runs (os.kill)
