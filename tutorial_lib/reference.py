@@ -141,3 +141,14 @@ def chapter_times_table(chapter: str):
     rows = [[part, f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"]
             for part, seconds in chapter_time_rows(chapter)]
     return table(["part of the chapter", f"run time ({load('chapter_times').caption()})"], rows)
+
+
+def chapter_time_here(chapter: str, seconds_here: float) -> str:
+    """Three short lines for a chapter's last cell: this run's time (``seconds_here``, from the
+    chapter's first cell) beside the whole chapter's stored time, the opening table's last
+    row, and the reference it comes from."""
+    stored = chapter_time_rows(chapter)[-1][1]
+    return (f"this notebook ran in {seconds_here:.0f} s here;\n"
+            f"on the reference machine the whole chapter took {stored:.0f} s, its kernel's "
+            f"start included\n({load('chapter_times').caption()})")
+

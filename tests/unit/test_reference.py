@@ -60,3 +60,15 @@ def test_every_stored_reference_was_measured_on_an_idle_machine():
             if reference.load(name).load is None or reference.load(name).load >= 1}
     assert not busy, (f"references measured on a busy machine (name: load): {busy}; "
                       "measure them again with python scripts/measure_references.py NAME")
+
+
+def test_a_chapters_last_cell_states_the_opening_tables_whole_chapter_time():
+    """One source for a chapter's stored run time: the line its last cell prints reads the
+    same row as the opening table's last one, and every line fits the page column."""
+    whole = reference.chapter_time_rows("03_tp_dp")[-1]
+    line = reference.chapter_time_here("03_tp_dp", 12.4)
+    assert whole[0] == "the whole chapter"
+    assert f"this notebook ran in 12 s here" in line
+    assert f"the whole chapter took {whole[1]:.0f} s" in line
+    assert reference.load("chapter_times").caption() in line
+    assert max(map(len, line.split("\n"))) <= 88
