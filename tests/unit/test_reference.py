@@ -68,7 +68,7 @@ def test_a_chapters_last_cell_states_the_opening_tables_whole_chapter_time():
     whole = reference.chapter_time_rows("03_tp_dp")[-1]
     line = reference.chapter_time_here("03_tp_dp", 12.4)
     assert whole[0] == "the whole chapter"
-    assert f"this notebook ran in 12 s here" in line
+    assert "this notebook ran in 12 s here" in line
     assert f"the whole chapter took {whole[1]:.0f} s" in line
     assert reference.load("chapter_times").caption() in line
     assert max(map(len, line.split("\n"))) <= 88
