@@ -124,13 +124,12 @@ def main() -> None:
             notes=(f"timing.measure_alpha_beta on {timing.ALPHA_BETA_RANKS} gloo ranks, "
                    f"{args.runs} runs of {args.repeats} timed repeats after {args.warmup} "
                    f"warm-up; per collective and size the fastest run's median; "
-                   f"{args.measurements} such measurements in a row ('measurements', the "
-                   f"first is 'samples')"),
-            samples=as_rows(samples),
+                   f"{args.measurements} such measurements in a row ('measurements'; the "
+                   f"rows and the chapter's plots are the first's)"),
             measurements=[{"samples": as_rows(more), "load_before_runs": more_loads}
                           for more, more_loads in measured],
             world_size=timing.ALPHA_BETA_RANKS, runs=args.runs, repeats=args.repeats,
-            warmup=args.warmup, load=loads[0] if loads else None, load_before_runs=loads)
+            warmup=args.warmup, load=loads[0] if loads else None)
         print(f"stored {NAME}: {ref.caption()}")
 
 
