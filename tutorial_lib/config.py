@@ -75,7 +75,8 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 #: The :class:`ModelConfig` fields only the cost models read (published models' shapes):
-#: a run, or ``python -m tutorial_lib.memory``, keeps their defaults (:func:`validate`).
+#: a run keeps their defaults (:func:`validate`); the memory model's presets set them
+#: (``validate(..., cost_model=True)``).
 COST_MODEL_FIELDS = ("num_query_groups", "kv_channels", "swiglu", "multi_latent_attention",
                      "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                      "v_head_dim", "position_embedding_type")
