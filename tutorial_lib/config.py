@@ -32,7 +32,9 @@ them on purpose):
 7. no dropout with tensor or expert parallelism;
 8. attention heads divide over TP ranks;
 9. layers divide over pipeline stages (times the virtual stages of the
-   interleaved schedule): :func:`check_pipeline_layers`;
+   interleaved schedule): :func:`check_pipeline_layers`; or, where the first and the last
+   pipeline rank hold their own counts (Megatron's uneven split), the layers left divide
+   over the middle ranks: :func:`layers_per_pipeline_stage`;
 10. the vocabulary divides over TP ranks (the embedding and LM head are split by rows);
 11. attention heads divide the hidden size (each head gets ``hidden_size / heads`` channels);
 12. with context parallelism the sequence splits into ``2 x CP`` equal chunks (the
@@ -73,7 +75,8 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 #: The :class:`ModelConfig` fields only the cost models read (published models' shapes):
-#: a run, or ``python -m tutorial_lib.memory``, keeps their defaults (:func:`validate`).
+#: a run keeps their defaults (:func:`validate`); the memory model's presets set them
+#: (``validate(..., cost_model=True)``).
 COST_MODEL_FIELDS = ("num_query_groups", "kv_channels", "swiglu", "multi_latent_attention",
                      "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                      "v_head_dim", "position_embedding_type")
@@ -325,6 +328,13 @@ def _has_type(value, kind) -> bool:
     return isinstance(value, kind)
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    """The resolved annotations of dataclass ``cls``, read once per class (resolving them
+    evaluates every annotation string, the slowest part of a check)."""
+    return typing.get_type_hints(cls)
+
+
 def check_field_types(config) -> None:
     """:class:`ConfigError` ``"malformed"`` unless every field of dataclass ``config`` holds its type.
 
@@ -332,7 +342,7 @@ def check_field_types(config) -> None:
     number, ``bool`` fields ``True`` / ``False``, ``str`` fields strings, ``X | None`` either.
     Ranges are checked by the rules; this only stops ``"8"`` or ``"fast"`` from reaching them.
     """
-    hints = typing.get_type_hints(type(config))
+    hints = _type_hints(type(config))
     for f in fields(config):
         value, kind = getattr(config, f.name), hints[f.name]
         allowed = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) \
@@ -439,11 +449,21 @@ def validate(
     model: ModelConfig | None = None,
     train: TrainConfig | None = None,
     layout: str = "megatron",
+    *,
+    cost_model: bool = False,
+    num_layers_in_first_pipeline_stage: int | None = None,
+    num_layers_in_last_pipeline_stage: int | None = None,
 ) -> None:
     """Raise :class:`ConfigError` for the first broken rule; return ``None`` if all hold.
 
     Anything else that goes wrong is a :class:`ConfigError` too: an argument that is not
     its dataclass (``None``, swapped arguments), a field of the wrong type.
+
+    ``cost_model=True``: the config is only counted (the memory model's prediction of a
+    published model), so the :data:`COST_MODEL_FIELDS` the course's layers do not build
+    are accepted.  ``num_layers_in_first_pipeline_stage`` /
+    ``num_layers_in_last_pipeline_stage``: Megatron's uneven first and last pipeline
+    ranks, checked by :func:`layers_per_pipeline_stage` in place of rule 9's equal stages.
     """
     call = "validate(parallel, model=None, train=None, layout='megatron')"
     _check_config_type("parallel", parallel, ParallelConfig, call)
@@ -492,12 +512,12 @@ def validate(
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
         _check_positive_int(name, getattr(model, name))
     defaults = {f.name: f.default for f in fields(ModelConfig)}
-    for name in COST_MODEL_FIELDS:
+    for name in () if cost_model else COST_MODEL_FIELDS:
         if getattr(model, name) != defaults[name]:
             raise ConfigError("model", f"{name} ({getattr(model, name)!r}) is counted by the cost "
-                                       f"models only (chapter 13's planner): the course's layers "
-                                       f"do not build it; leave it at {defaults[name]!r} to train "
-                                       f"or to predict a run's memory")
+                                       f"models only (the memory model's presets, chapter 13's "
+                                       f"planner): the course's layers do not build it; leave it "
+                                       f"at {defaults[name]!r} to train")
     for name in ("num_shared_experts", "first_k_dense_replace"):
         value = getattr(model, name)
         if value < 0:
@@ -563,7 +583,9 @@ def validate(
             f"or expert_model_parallel_size ({ep}) is > 1: ranks would draw different "
             f"masks for what must be one tensor; set dropout=0.0",
         )
-    check_pipeline_layers(model.num_layers, parallel.pipeline_model_parallel_size)
+    layers_per_pipeline_stage(model.num_layers, parallel.pipeline_model_parallel_size, 1,
+                              num_layers_in_first_pipeline_stage,
+                              num_layers_in_last_pipeline_stage)
     if model.num_attention_heads % tp:
         raise ConfigError(
             "rule 8",
@@ -737,6 +759,38 @@ def layers_per_pipeline_stage(num_layers: int, pipeline_model_parallel_size: int
     if last is not None:
         per_rank[-1] = last
     return [per_rank[r] // v for _ in range(v) for r in range(pp)]
+
+
+def uneven_split(num_layers: int, pp: int,
+                 virtual_pipeline_size: int = 1) -> tuple[int, int] | None:
+    """``(first, last)``: the most even uneven split Megatron accepts
+    (:func:`layers_per_pipeline_stage`), for a PP that does not divide the layers: every
+    middle rank holds ``ceil(L / PP)`` layers (rounded up to a multiple of ``V``), the
+    first and last rank share the rest, the first the smaller half (Llama 3 405B's 126
+    layers on 16 ranks: 7, then 14 x 8, then 7; Meta took one layer off the first and the
+    last stage, Llama 3 report section 3.3.2).  ``None`` where no such split exists."""
+    v = virtual_pipeline_size
+    if pp < 2:
+        return None
+    middle = 0 if pp == 2 else -(-num_layers // pp)
+    middle = -(-middle // v) * v
+    rest = num_layers - middle * (pp - 2)
+    first = rest // 2 // v * v
+    last = rest - first
+    if first < v or last % v or (pp > 2 and last > middle):
+        return None
+    return first, last
+
+
+def default_pipeline_split(num_layers: int, pp: int,
+                           virtual_pipeline_size: int = 1) -> tuple[int | None, int | None]:
+    """The first and last pipeline ranks' layers when none are given: ``(None, None)``
+    (equal stages) where ``PP x V`` divides the layers or no uneven split exists (rule 9
+    then names the numbers), else :func:`uneven_split`'s most even one.  The planner and
+    the memory model's presets both take it."""
+    if num_layers % (pp * virtual_pipeline_size) == 0:
+        return None, None
+    return uneven_split(num_layers, pp, virtual_pipeline_size) or (None, None)
 
 
 # --- the command line, built from the dataclasses ---------------------------

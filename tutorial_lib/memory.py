@@ -20,15 +20,17 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .config import (SHARDING_STRATEGIES, ConfigError, ModelConfig, ParallelConfig, TrainConfig,
-                     check_pipeline_layers, check_sharding_flags, validate)
+                     check_pipeline_layers, check_sharding_flags, default_pipeline_split,
+                     layers_per_pipeline_stage, validate)
 from .costs.memory_model import (PRECISION_BYTES, RUNTIME_BYTES_PER_RANK, RankMemory,
                            format_bytes, memory_of_ranks, memory_per_rank)
+from .costs.model_flops import MODEL_PRESETS
 from .pipeline_parallel.actions import (ALL_SCHEDULES, SCHEDULE_PLACEMENT,
                                         SPLIT_BACKWARD_SCHEDULES, num_model_stages)
 from .recompute import RECOMPUTE_METHODS, Recompute, check_recompute
 
-__all__ = ["Preset", "PRESETS", "predict", "preset_layout", "heaviest_rank_bytes",
-           "measure_state_bytes", "main"]
+__all__ = ["Preset", "PRESETS", "predict", "preset_stage_layers", "preset_layout",
+           "preset_ranks", "heaviest_rank_bytes", "measure_state_bytes", "main"]
 
 
 @dataclass(frozen=True)
@@ -45,58 +47,101 @@ class Preset:
     """A layout it was trained on (the command line's defaults for this preset)."""
 
 
+def _run_of(name: str) -> ModelConfig:
+    """A published model of :data:`~tutorial_lib.costs.model_flops.MODEL_PRESETS` as its
+    run trains it: sequence parallelism on, as Megatron-Core's MoE layers ask under TP
+    (nothing to split at TP 1)."""
+    return replace(MODEL_PRESETS[name], sequence_parallel=True)
+
+
 PRESETS = {
     "deepseek-v3": Preset(
-        "deepseek-v3",
-        # 61 layers in the report; 64 here so that 16 stages divide them (rule 9), the first
-        # 3 dense, 256 routed experts (top 8) and 1 shared, expert hidden 2048, dense 18432.
-        # Attention is counted as plain multi-head attention of 128 heads of 56 (no MLA).
-        ModelConfig(num_layers=64, hidden_size=7168, num_attention_heads=128, seq_length=4096,
-                    vocab_size=129280, num_experts=256, moe_router_topk=8,
-                    ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_shared_experts=1,
-                    first_k_dense_replace=3),
+        "deepseek-v3", _run_of("deepseek-v3"),
+        # the report's batch: 15,360 sequences of 4,096; DP 128, one sequence a microbatch
         global_batch_size=15360, num_microbatches=120,
-        note="DeepSeek-V3-like (arXiv 2412.19437: 2048 H800, PP 16, EP 64, ZeRO-1, no TP)",
+        note="DeepSeek-V3 (arXiv 2412.19437: 2048 H800, PP 16, EP 64, ZeRO-1, no TP; "
+             "61 layers on the ranks as 2, 14 x 4, 3; its MTP module not counted)",
         layout={"world_size": 2048, "tp": 1, "pp": 16, "ep": 64, "cp": 1}),
-    "llama-405b": Preset(
-        "llama-405b",
-        # Llama 3.1 405B: 126 layers (128 here: 16 stages x 8), hidden 16384, 128 heads
-        # (plain multi-head here: no GQA), FFN 53248, vocab 128256, sequence 8192.
-        ModelConfig(num_layers=128, hidden_size=16384, num_attention_heads=128, seq_length=8192,
-                    vocab_size=128256, ffn_hidden_size=53248, sequence_parallel=True),
+    "llama-3.1-405b": Preset(
+        "llama-3.1-405b", _run_of("llama-3.1-405b"),
+        # the report's Table 4 at 16,384 GPUs: 16 sequences of 8,192 per DP replica
         global_batch_size=2048, num_microbatches=16,
-        note="Llama-3-405B-like (arXiv 2407.21783: 16384 H100, TP 8, PP 16, DP 128)",
+        note="Llama 3.1 405B (arXiv 2407.21783: 16384 H100, TP 8, PP 16, DP 128; "
+             "126 layers on the ranks as 7, 14 x 8, 7)",
         layout={"world_size": 16384, "tp": 8, "pp": 16, "ep": 1, "cp": 1}),
 }
-"""The command line's ``--preset`` choices.  Shapes rounded where a course rule needs it
-(said in each); what the model does not have (MLA, grouped-query attention, SwiGLU's third
-dense matrix) is left out, so these are "-like" configs, not the published models."""
+"""The command line's ``--preset`` choices: the published models of
+:data:`tutorial_lib.costs.model_flops.MODEL_PRESETS` (the one table of shapes, the
+planner's ``--preset`` too, under the same names) with the batch and the layout they were
+trained on, in bf16.  Their layer counts do not divide by 16 pipeline ranks: the first and
+the last rank hold fewer layers (:func:`tutorial_lib.config.default_pipeline_split`,
+Megatron's ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``).
+Llama 3's report (section 3.3.2) took one layer off the first and the last stage: 7, 14 x 8,
+7 per rank.  DeepSeek-V3's report gives PP 16 but not how its 61 layers split; the presets
+take the most even split Megatron accepts, 2, 14 x 4, 3.
+
+What the memory model still leaves out: DeepSeek-V3's multi-token-prediction module (one
+more MoE layer and a projection beside the last stage, about 14B parameters, outside the
+report's 671B), its FP8 matmuls (``--fp8`` counts the saved inputs in FP8) and its
+recomputation of RMSNorms and MLA up-projections (the course recomputes core attention or
+whole layers); both trained with other schedules (DualPipe; Meta's interleaved 1F1B)
+than the command line's default 1F1B, which ``--schedule`` changes where the stages are
+equal."""
 
 
 def predict(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, *,
-            schedule: str = "1f1b", virtual_pipeline_size: int = 1, **options) -> list[RankMemory]:
-    """Validate the config (:func:`tutorial_lib.config.validate`), then
+            schedule: str = "1f1b", virtual_pipeline_size: int = 1,
+            num_layers_in_first_pipeline_stage: int | None = None,
+            num_layers_in_last_pipeline_stage: int | None = None,
+            **options) -> list[RankMemory]:
+    """Validate the config (:func:`tutorial_lib.config.validate`; the fields only the cost
+    models read accepted, as this only counts), then
     :func:`tutorial_lib.costs.memory_per_rank` with ``options`` (precision, distributed
     optimizer, recompute, ...); chapter 11's schedules with their own chunks (two per rank
-    for ZBV, DualPipeV, DualPipe), as ``train_4d`` accepts them."""
-    validate(parallel, model, train)
+    for ZBV, DualPipeV, DualPipe, on equal stages), as ``train_4d`` accepts them.
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``:
+    Megatron's uneven first and last pipeline ranks (1F1B, GPipe, interleaved)."""
+    first, last = num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage
+    validate(parallel, model, train, cost_model=True, num_layers_in_first_pipeline_stage=first,
+             num_layers_in_last_pipeline_stage=last)
     pp = parallel.pipeline_model_parallel_size
     placement = SCHEDULE_PLACEMENT.get(schedule, "loop")
     chunks = 2 if placement != "loop" else virtual_pipeline_size
-    if schedule in ALL_SCHEDULES:  # else memory_per_rank names the schedules
+    uneven = first is not None or last is not None
+    if uneven and placement != "loop":
+        raise ConfigError("uneven pipeline", f"{schedule} places equal stages itself; "
+                                             f"--decoder-first/last-pipeline-num-layers are for "
+                                             f"1f1b, gpipe and interleaved; leave them out")
+    stage_layers = None
+    if schedule in ALL_SCHEDULES and uneven:  # else memory_per_rank names the schedules
+        stage_layers = layers_per_pipeline_stage(model.num_layers, pp, chunks, first, last)
+    elif schedule in ALL_SCHEDULES:
         check_pipeline_layers(model.num_layers, pp, num_model_stages(placement, pp, chunks) // pp)
     recompute = options.get("recompute")
     if schedule in SPLIT_BACKWARD_SCHEDULES and recompute is not None and recompute.granularity:
         raise ConfigError("recompute", f"activation recomputation does not run with {schedule}, "
                           f"whose backward is split into B and W (train_4d refuses it too); "
                           f"use --schedule 1f1b, interleaved or gpipe, or no recomputation")
-    return memory_per_rank(model, parallel, train, schedule, virtual_pipeline_size, **options)
+    return memory_per_rank(model, parallel, train, schedule, virtual_pipeline_size,
+                           stage_layers=stage_layers, **options)
+
+
+def preset_stage_layers(preset: Preset | str, pp: int, virtual_pipeline_size: int = 1) -> list:
+    """Layers of each model stage of the preset's model on ``pp`` pipeline ranks: equal
+    where ``PP x V`` divides them, else the first and last ranks' of
+    :func:`tutorial_lib.config.default_pipeline_split` (the planner's); a
+    :class:`ConfigError` (rule 9) where no split exists."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    layers = preset.model.num_layers
+    first, last = default_pipeline_split(layers, pp, virtual_pipeline_size)
+    return layers_per_pipeline_stage(layers, pp, virtual_pipeline_size, first, last)
 
 
 def preset_layout(preset: Preset | str, tp: int, pp: int, ep: int = 1) -> tuple:
     """``(parallel, train)``: the preset's world with TP, PP and EP (DP what the world leaves),
     microbatches of one sequence (``M = global batch / DP``); a :class:`ConfigError` where the
-    batch does not split or a rule refuses the grid."""
+    batch does not split or a rule refuses the grid (the layers split as
+    :func:`preset_stage_layers` says)."""
     preset = PRESETS[preset] if isinstance(preset, str) else preset
     world = preset.layout["world_size"]
     parallel = ParallelConfig(world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -107,19 +152,29 @@ def preset_layout(preset: Preset | str, tp: int, pp: int, ep: int = 1) -> tuple:
                                    f"not split over DP = {world} / (TP {tp} x PP {pp}); take more "
                                    f"TP or PP ranks")
     train = TrainConfig(preset.global_batch_size, preset.global_batch_size // dp)
-    validate(parallel, preset.model, train)
+    first, last = default_pipeline_split(preset.model.num_layers, pp)
+    validate(parallel, preset.model, train, cost_model=True,
+             num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
     return parallel, train
 
 
-def heaviest_rank_bytes(preset: Preset | str, tp: int, pp: int, ep: int = 1, **options) -> int:
-    """Bytes of the preset's heaviest rank on that layout (:func:`preset_layout`), in the
+def preset_ranks(preset: Preset | str, tp: int, pp: int, ep: int = 1, **options) -> list:
+    """The prediction for each pipeline rank of the preset on that layout
+    (:func:`preset_layout`, its layers split as :func:`preset_stage_layers` says), in the
     preset's precision, GPU ranks (no process runtime); ``options`` as
     :func:`tutorial_lib.costs.memory_per_rank` takes them (``use_distributed_optimizer``,
     ``recompute``, ...)."""
     preset = PRESETS[preset] if isinstance(preset, str) else preset
     parallel, train = preset_layout(preset, tp, pp, ep)
     options.setdefault("precision", preset.precision)
-    return max(r.total for r in memory_per_rank(preset.model, parallel, train, runtime=0, **options))
+    return memory_per_rank(preset.model, parallel, train, runtime=0,
+                           stage_layers=preset_stage_layers(preset, pp), **options)
+
+
+def heaviest_rank_bytes(preset: Preset | str, tp: int, pp: int, ep: int = 1, **options) -> int:
+    """Bytes of the preset's heaviest rank on that layout: the most of
+    :func:`preset_ranks`."""
+    return max(r.total for r in preset_ranks(preset, tp, pp, ep, **options))
 
 
 # --- measured in a worker --------------------------------------------------------------
@@ -184,6 +239,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="zbv, dualpipev and dualpipe place two chunks per rank themselves")
     parser.add_argument("--virtual-pipeline-size", type=int, default=1,
                         help="chunks per rank (the interleaved schedule's V)")
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        dest="num_layers_in_first_pipeline_stage",
+                        help="layers on the first pipeline rank (Megatron's uneven split; "
+                             "a preset whose layers PP does not divide takes the planner's)")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                        dest="num_layers_in_last_pipeline_stage",
+                        help="layers on the last pipeline rank")
     parser.add_argument("--global-batch-size", type=int, default=None)
     parser.add_argument("--num-microbatches", type=int, default=None)
     parser.add_argument("--precision", choices=sorted(PRECISION_BYTES), default=None,
@@ -240,6 +302,20 @@ def configs_from_args(options) -> tuple:
     return model, parallel, train, options.precision or precision
 
 
+def _pipeline_split(options, model, parallel) -> tuple:
+    """``(first, last)``: the first and last pipeline ranks' layers, as given, else for a
+    preset on a 1F1B, GPipe or interleaved pipeline that does not divide its layers
+    :func:`tutorial_lib.config.default_pipeline_split`'s (the planner's); the course's model
+    keeps rule 9's equal stages, as ``train_4d`` runs them."""
+    first = options.num_layers_in_first_pipeline_stage
+    last = options.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None or not options.preset \
+            or SCHEDULE_PLACEMENT.get(options.schedule, "loop") != "loop":
+        return first, last
+    return default_pipeline_split(model.num_layers, parallel.pipeline_model_parallel_size,
+                                  options.virtual_pipeline_size)
+
+
 def main(argv=None) -> int:
     options = _parser().parse_args(argv)
     try:
@@ -249,8 +325,11 @@ def main(argv=None) -> int:
         check_recompute(recompute, model.num_layers, parallel.pipeline_model_parallel_size)
         strategy = options.data_parallel_sharding_strategy
         check_sharding_flags(options.use_distributed_optimizer, strategy)
+        first, last = _pipeline_split(options, model, parallel)
         ranks = predict(model, parallel, train, schedule=options.schedule,
                         virtual_pipeline_size=options.virtual_pipeline_size, precision=precision,
+                        num_layers_in_first_pipeline_stage=first,
+                        num_layers_in_last_pipeline_stage=last,
                         use_distributed_optimizer=options.use_distributed_optimizer,
                         data_parallel_sharding_strategy=strategy,
                         num_distributed_optimizer_instances=(
@@ -269,7 +348,9 @@ def main(argv=None) -> int:
                        "pp": parallel.pipeline_model_parallel_size,
                        "ep": parallel.expert_model_parallel_size,
                        "cp": parallel.context_parallel_size,
-                       "dp": parallel.data_parallel_size},
+                       "dp": parallel.data_parallel_size,
+                       "num_layers_in_first_pipeline_stage": first,
+                       "num_layers_in_last_pipeline_stage": last},
             "pipeline_ranks": [r.as_dict() for r in ranks],
             "ranks": [{"rank": rank, "coords": coords, **r.as_dict()} for rank, coords, r in every]}))
         return 0
@@ -277,7 +358,9 @@ def main(argv=None) -> int:
     print(f"{name}; {precision}; world {parallel.world_size} = TP "
           f"{parallel.tensor_model_parallel_size} x CP {parallel.context_parallel_size} x PP "
           f"{parallel.pipeline_model_parallel_size} x DP {parallel.data_parallel_size} "
-          f"(EP {parallel.expert_model_parallel_size})")
+          f"(EP {parallel.expert_model_parallel_size})"
+          + (f"; layers on the first / last pipeline rank {first or '-'} / {last or '-'}"
+             if first is not None or last is not None else ""))
     for r in ranks:
         print(r.describe())
     shown = every if len(every) <= 16 else every[:8] + every[-8:]

@@ -18,13 +18,13 @@ import json
 import sys
 from dataclasses import dataclass, fields
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, default_pipeline_split, uneven_split
 from .costs.hardware import GPUS, Cluster, cluster
 from .costs.memory_model import format_bytes
 from .costs.model_flops import MODEL_PRESETS, check_model, parameter_count
 from .costs.step_time import (MODELLED_SHARDING, SCHEDULES, SHARDING_STRATEGIES,
                               USABLE_MEMORY_FRACTION, Layout, StepTime, check_layout,
-                              memory_lower_bound, predict_step, uneven_split, with_memory)
+                              memory_lower_bound, predict_step, with_memory)
 
 __all__ = ["MATMUL_EFFICIENCY", "Plan", "Decision", "candidate_layouts", "plan",
            "decision_flow", "main"]
@@ -113,13 +113,12 @@ def _schedules(model, global_batch_size, fixed, base: Layout):
 def _split(model, pp, schedule, v, fixed) -> tuple:
     """The first and last ranks' layers: as fixed, else equal stages where PP x V divides
     the layers, else the most even uneven split Megatron accepts
-    (:func:`~tutorial_lib.costs.step_time.uneven_split`); DualPipeV only equal stages."""
+    (:func:`tutorial_lib.config.default_pipeline_split`); DualPipeV only equal stages."""
     first = fixed.get("num_layers_in_first_pipeline_stage")
     last = fixed.get("num_layers_in_last_pipeline_stage")
-    if first is not None or last is not None or schedule == "dualpipev" \
-            or model.num_layers % (pp * v) == 0:
+    if first is not None or last is not None or schedule == "dualpipev":
         return first, last
-    return uneven_split(model.num_layers, pp, v) or (None, None)
+    return default_pipeline_split(model.num_layers, pp, v)
 
 
 def plan(model: ModelConfig, where: Cluster, gpus: int, global_batch_size: int, *,

@@ -482,16 +482,16 @@ def test_the_memory_explorer_plays_the_models_numbers_in_chromium(fragment_page)
     assert data["errors"][refused["error"]] in root.locator(".tl-mem-summary").inner_text()
     root.locator(".tl-mem-zero button", has_text="ZeRO-1").click()
     root.locator(".tl-mem-budget button", has_text="141 GiB").click()
-    root.locator(".tl-mem-preset button", has_text="llama-405b").click()
+    root.locator(".tl-mem-preset button", has_text="llama-3.1-405b").click()
     assert root.locator(".tl-mem-ep button").count() == 1  # a dense model: EP 1 only
     root.locator(".tl-mem-tp button", has_text="8").click()
     key = root.get_attribute("data-key")
-    assert key == "llama-405b|8|16|1|1|full"
+    assert key == "llama-3.1-405b|8|16|1|1|full"
     total = shown(key)
     assert root.get_attribute("data-fits") == ("yes" if total <= 141 * 1024 else "no")
     root.locator(".tl-mem-zero button", has_text="ZeRO-3").click()
-    assert root.get_attribute("data-key") == "llama-405b|8|16|1|3|full"
-    assert shown("llama-405b|8|16|1|3|full") < total  # ZeRO-3 on this dense model
+    assert root.get_attribute("data-key") == "llama-3.1-405b|8|16|1|3|full"
+    assert shown("llama-3.1-405b|8|16|1|3|full") < total  # ZeRO-3 on this dense model
     parts = root.locator("rect.tl-mem-bar").evaluate_all(
         "rs => rs.map(r => [r.dataset.part, +r.dataset.mib])")
     assert {mib for part, mib in parts if part == "weights"} == {0}  # no whole weight kept

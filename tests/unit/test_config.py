@@ -271,6 +271,23 @@ def test_shapes_only_the_cost_models_count_are_refused_in_a_run(name, value):
            parallel=pc(1), model=ModelConfig(**{name: value}))
 
 
+def test_a_counted_config_takes_published_shapes_and_megatrons_uneven_stages():
+    """``validate(..., cost_model=True)``, the memory model's presets: the fields only the
+    cost models count are accepted; the first and last pipeline ranks' own layer counts
+    replace rule 9's equal stages, and the layers left must still divide over the middle
+    ranks (Megatron's uneven split)."""
+    model = ModelConfig(num_layers=7, swiglu=True, num_query_groups=2)
+    uneven = {"num_layers_in_first_pipeline_stage": 2, "num_layers_in_last_pipeline_stage": 1}
+    assert validate(pc(4, pp=4), model, cost_model=True, **uneven) is None  # 2, 2, 2, 1
+    expect("rule 9", "num_layers (7) must be divisible", parallel=pc(4, pp=4), model=model,
+           cost_model=True)
+    expect("uneven pipeline", "the 3 layers left must divide equally over 2 middle ranks",
+           parallel=pc(4, pp=4), model=model, cost_model=True,
+           num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)
+    expect("model", "num_query_groups (2) is counted by the cost models only",
+           parallel=pc(4, pp=4), model=model, **uneven)
+
+
 def test_a_model_config_is_a_value():
     """Frozen and hashable: the FLOP counts cache per model, so a model cannot change
     under them."""

@@ -142,12 +142,12 @@ def test_memory_per_rank_under_each_strategy():
 
 def test_the_memory_command_line_takes_the_strategy(capsys):
     """``python -m tutorial_lib.memory --data-parallel-sharding-strategy``: ZeRO-3 on the
-    Llama-like preset keeps no whole weight and a gathered peak; with
+    Llama 3.1 405B preset keeps no whole weight and a gathered peak; with
     ``--use-distributed-optimizer`` (which is ``optim``) another strategy exits 2 naming both."""
     import json
 
     from tutorial_lib import memory
-    argv = ["--preset", "llama-405b", "--json", "--data-parallel-sharding-strategy"]
+    argv = ["--preset", "llama-3.1-405b", "--json", "--data-parallel-sharding-strategy"]
     assert memory.main(argv + ["optim_grads_params"]) == 0
     zero3 = json.loads(capsys.readouterr().out)["pipeline_ranks"][0]
     assert memory.main(argv + ["optim"]) == 0

@@ -184,36 +184,54 @@ def _cli_json(capsys, *argv) -> dict:
 
 
 def test_the_cli_lists_every_rank_and_the_llama_preset_matches_a_hand_count(capsys):
-    """Llama-like preset, TP 8 x PP 16 x DP 128 (16384 ranks), bf16, sequence parallel,
-    1F1B with 16 microbatches of 1 sequence: pipeline rank 1 (8 layers, no embedding or
-    head), counted here per token from the layer's tensors."""
-    out = _cli_json(capsys, "--preset", "llama-405b")
+    """Llama 3.1 405B preset, TP 8 x PP 16 x DP 128 (16384 ranks), bf16, sequence parallel,
+    1F1B with 16 microbatches of 1 sequence; 126 layers as 7, 14 x 8, 7 (one layer fewer on
+    the first and the last rank, Llama 3 report section 3.3.2).  Pipeline rank 1 (8 layers,
+    no embedding or head) counted here per token from the layer's tensors: grouped-query
+    attention (128 query heads of 128, 8 key/value heads) and SwiGLU (gate and up, then
+    down)."""
+    out = _cli_json(capsys, "--preset", "llama-3.1-405b")
     assert len(out["ranks"]) == 16384 == out["world_size"]
     assert [r["rank"] for r in out["ranks"][:3]] == [0, 1, 2]
-    h, f, t, tp, heads = 16384, 53248, 8192, 8, 128
-    per_layer_params = 4 * h + (4 * h * h + 3 * h) // tp + h + (2 * h * f + f) // tp + h
+    assert (out["layout"]["num_layers_in_first_pipeline_stage"],
+            out["layout"]["num_layers_in_last_pipeline_stage"]) == (7, 7)
+    h, f, t, tp, heads, d, groups = 16384, 53248, 8192, 8, 128, 128, 8
+    q, kv = heads * d, groups * d                     # query width; key and value widths
+    attention_params = (h * (q + 2 * kv) + q + 2 * kv) // tp + q * h // tp + h
+    mlp_params = (2 * f * h + 2 * f) // tp + f * h // tp + h    # gate and up (column), down
+    per_layer_params = 4 * h + attention_params + mlp_params    # two LayerNorms
     params = 8 * per_layer_params
     # per layer, bf16 = 2 bytes; LayerNorms on the t / TP tokens sequence parallelism leaves
     norms = 2 * (2 * 2 * (t // tp) * h + 2 * 4 * (t // tp))
-    attention = 2 * 3 * t * h // tp + 2 * t * h // tp + 4 * t * heads // tp
-    mlp = 2 * 2 * t * f // tp
+    attention = 2 * t * (q + 2 * kv) // tp + 2 * t * q // tp + 4 * t * heads // tp
+    mlp = 2 * t * 2 * f // tp + 2 * t * f // tp      # gate and up outputs, the product
     in_flight = 16 - 1  # 1F1B: min(PP - rank, M)
     expected = 18 * params + in_flight * 8 * (norms + attention + mlp)
     rank_one = [r for r in out["ranks"] if r["coords"]["pp"] == 1]
     assert len(rank_one) == 1024 and {r["total"] for r in rank_one} == {expected}
     assert {r["parameters"] for r in rank_one} == {params}
+    first = next(r for r in out["pipeline_ranks"] if r["pipeline_rank"] == 0)
+    assert first["parameters"] == 7 * per_layer_params + 128256 * h // tp  # no position table
 
 
 def test_the_deepseek_preset_shards_the_optimizer_state_as_megatron_counts(capsys):
-    """DeepSeek-V3-like preset, PP 16 x EP 64 on 2048 ranks (DP 128, expert-DP 2), bf16 with
-    the distributed optimizer: a middle rank holds 4 MoE layers of 4 local experts; its
-    weights, gradients and optimizer state by hand (6 + 12 / DP bytes per dense parameter,
-    6 + 12 / EDP per expert parameter, Megatron-Core 0.20.0's rule, plus the course's fp32
-    slice gradient)."""
+    """DeepSeek-V3 preset, PP 16 x EP 64 on 2048 ranks (DP 128, expert-DP 2), bf16 with the
+    distributed optimizer; 61 layers as 2, 14 x 4, 3, so pipeline rank 5 holds layers 18 to
+    21, four MoE layers of 4 local experts, with multi-head latent attention.  Its weights,
+    gradients and optimizer state by hand (6 + 12 / DP bytes per dense parameter, 6 + 12 /
+    EDP per expert parameter, Megatron-Core 0.20.0's rule, plus the course's fp32 slice
+    gradient)."""
     out = _cli_json(capsys, "--preset", "deepseek-v3", "--use-distributed-optimizer")
     assert len(out["ranks"]) == 2048
-    h, f, experts, local = 7168, 2048, 256, 4
-    dense = 4 * (4 * h + 4 * h * h + 4 * h + experts * h + 3 * f * h)  # norms, attention, router, shared
+    assert (out["layout"]["num_layers_in_first_pipeline_stage"],
+            out["layout"]["num_layers_in_last_pipeline_stage"]) == (2, 3)
+    h, f, experts, local, heads = 7168, 2048, 256, 4, 128
+    q_lora, kv_lora, nope, rope, v = 1536, 512, 128, 64, 128
+    mla = (h * (kv_lora + rope) + kv_lora                 # keys' and values' down, its norm
+           + kv_lora * heads * (nope + v)                 # keys' and values' up
+           + h * q_lora + q_lora + q_lora * heads * (nope + rope)  # queries: down, norm, up
+           + heads * v * h + h)                           # output projection and its bias
+    dense = 4 * (4 * h + mla + experts * h + 3 * f * h)  # norms, attention, router, shared
     expert = 4 * local * 3 * f * h
     slices = math.ceil(dense / 128) + math.ceil(expert / 2)
     rank = next(r for r in out["ranks"] if r["coords"]["pp"] == 5)
@@ -222,6 +240,90 @@ def test_the_deepseek_preset_shards_the_optimizer_state_as_megatron_counts(capsy
     assert rank["gradients"] == 4 * (dense + expert) + 4 * slices
     assert rank["optimizer"] == 12 * slices
     assert rank["total"] == rank["weights"] + rank["gradients"] + rank["optimizer"] + rank["activations"]
+
+
+def test_the_presets_are_the_planners_published_models_under_the_same_names():
+    """One table of shapes: each memory preset's model is the planner's preset of that name
+    (``costs.model_flops.MODEL_PRESETS``), with sequence parallelism switched on for the run."""
+    from dataclasses import replace
+
+    from tutorial_lib.costs.model_flops import MODEL_PRESETS
+    assert set(PRESETS) <= set(MODEL_PRESETS)
+    for name, preset in PRESETS.items():
+        assert preset.name == name
+        assert replace(preset.model, sequence_parallel=False) == MODEL_PRESETS[name]
+        assert "-like" not in preset.note
+
+
+def test_deepseek_v3_has_671b_parameters_and_37b_active_by_hand():
+    """The report's 671B in all and 37B activated per token (its MTP module apart), counted
+    here term by term from the published shapes, and the memory preset's ranks hold exactly
+    that: each pipeline rank's dense parameters once, its routed experts once per EP rank."""
+    from tutorial_lib.costs.model_flops import active_parameter_count, parameter_count
+    h, vocab, layers, dense_layers = 7168, 129280, 61, 3
+    heads, q_lora, kv_lora, nope, rope, v = 128, 1536, 512, 128, 64, 128
+    ffn, expert_ffn, routed, shared, topk = 18432, 2048, 256, 1, 8
+    attention = (h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v)
+                 + h * q_lora + q_lora + q_lora * heads * (nope + rope) + heads * v * h + h)
+    norms = 2 * 2 * h
+    dense_mlp = 2 * ffn * h + 2 * ffn + ffn * h + h   # SwiGLU gate and up with bias, down
+    moe_mlp = routed * h + (routed + shared) * 3 * expert_ffn * h
+    total = (dense_layers * (norms + attention + dense_mlp)
+             + (layers - dense_layers) * (norms + attention + moe_mlp)
+             + vocab * h + 2 * h + vocab * h)           # embedding; final norm and head
+    active = total - (layers - dense_layers) * (routed - topk) * 3 * expert_ffn * h
+    model = PRESETS["deepseek-v3"].model
+    assert parameter_count(model) == total and active_parameter_count(model) == active
+    assert round(total / 1e9) == 671            # 671.03B
+    assert int(active / 1e9) == 37               # 37.55B, the report's "37B activated"
+    out = costs.memory_per_rank(model, ParallelConfig(2048, pipeline_model_parallel_size=16,
+                                                      expert_model_parallel_size=64),
+                                TrainConfig(15360, 120), stage_layers=[2] + [4] * 14 + [3],
+                                precision="bf16", runtime=0)
+    assert sum(r.parameters + 63 * r.expert_parameters for r in out) == total
+
+
+def test_llama_3_1_405b_has_405b_parameters_by_hand():
+    """Llama 3.1 405B: 126 layers of grouped-query attention and SwiGLU, untied embedding
+    and head, no position table (rotary), counted term by term: 405.9B, the "405B" of its
+    name; the memory preset's 16 pipeline ranks of TP 8 hold each layer's split matrices
+    once per TP rank and its LayerNorms and row biases whole on every one."""
+    from tutorial_lib.costs.model_flops import parameter_count
+    h, f, vocab, layers, heads, d, groups = 16384, 53248, 128256, 126, 128, 128, 8
+    q, kv = heads * d, groups * d
+    attention = h * (q + 2 * kv) + (q + 2 * kv) + q * h + h
+    mlp = 2 * f * h + 2 * f + f * h + h
+    total = layers * (2 * 2 * h + attention + mlp) + vocab * h + 2 * h + vocab * h
+    model = PRESETS["llama-3.1-405b"].model
+    assert parameter_count(model) == total and round(total / 1e9, 1) == 405.9
+    out = costs.memory_per_rank(model, ParallelConfig(16384, tensor_model_parallel_size=8,
+                                                      pipeline_model_parallel_size=16),
+                                TrainConfig(2048, 16), stage_layers=[7] + [8] * 14 + [7],
+                                precision="bf16", runtime=0)
+    whole_per_layer = 2 * 2 * h + h + h               # LayerNorms, two row-parallel biases
+    assert sum(8 * r.parameters for r in out) == total + 7 * (layers * whole_per_layer + 2 * h)
+
+
+def test_the_cli_takes_megatrons_uneven_first_and_last_stages(capsys):
+    """``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
+    replace the preset's own split (126 layers on 16 ranks as 6, 14 x 8, 8 here); a split
+    the middle ranks cannot share, or one with a schedule that places equal stages itself,
+    exits 2 naming the rule."""
+    def layers(argv):
+        ranks = _cli_json(capsys, "--preset", "llama-3.1-405b", *argv)["pipeline_ranks"]
+        per_layer = ranks[1]["parameters"] // 8               # a middle rank: 8 layers
+        return [r["parameters"] // per_layer for r in ranks]  # the embedding or head < 1 layer
+    assert layers([]) == [7] + [8] * 14 + [7]
+    assert layers(["--decoder-first-pipeline-num-layers", "6",
+                   "--decoder-last-pipeline-num-layers", "8"]) == [6] + [8] * 14 + [8]
+    assert main(["--preset", "llama-3.1-405b", "--decoder-first-pipeline-num-layers", "5"]) == 2
+    assert "uneven pipeline" in capsys.readouterr().err       # 121 left over 15 ranks
+    assert main(["--preset", "deepseek-v3", "--schedule", "dualpipe"]) == 2
+    assert "rule 9" in capsys.readouterr().err                # 61 layers, 16 equal stages
+    assert main(["--preset", "deepseek-v3", "--schedule", "dualpipe",
+                 "--decoder-first-pipeline-num-layers", "1"]) == 2
+    assert "uneven pipeline" in capsys.readouterr().err
+
 
 
 def test_the_cli_predicts_issue_20s_schedules_and_refuses_what_train_4d_refuses(capsys):

@@ -68,12 +68,16 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                "2,048, 8 activated, sequence 4,096; vocabulary and dense FFN 129,280 and "
                "18,432 from its released config.json"),
 }
-"""Published models, exact shapes (``--preset``).  Their layer counts (126, 61) divide by
-few pipeline sizes; for the others the planner puts fewer layers on the first and last
-pipeline ranks, as Megatron's ``--decoder-first-pipeline-num-layers`` and
-``--decoder-last-pipeline-num-layers`` do (:func:`~tutorial_lib.costs.step_time.uneven_split`:
+"""Published models, exact shapes: the one table of them.  The planner's ``--preset``
+reads it, and :data:`tutorial_lib.memory.PRESETS` (the memory model's ``--preset``,
+chapter 10) adds to two of them, under the same names, the batch and the layout they were
+trained on.  Their layer counts (126, 61) divide by few pipeline sizes; for the others
+the planner and the memory model put fewer layers on the first and last pipeline ranks,
+as Megatron's ``--decoder-first-pipeline-num-layers`` and
+``--decoder-last-pipeline-num-layers`` do (:func:`~tutorial_lib.config.uneven_split`:
 Llama 3 405B's 126 layers on 16 ranks: 7, 14 x 8, 7, one layer fewer on the first and the
 last stage, Meta's balance in the Llama 3 report, section 3.3.2)."""
+
 
 
 def check_model(model: ModelConfig) -> None:

@@ -48,7 +48,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from ..config import (ZERO_STAGE, ConfigError, ModelConfig, ParallelConfig,
-                      TrainConfig, layers_per_pipeline_stage)
+                      TrainConfig, layers_per_pipeline_stage, uneven_split)
 from ..grid import megatron_grids
 from ..pipeline_parallel import build_schedules
 from ..pipeline_parallel.actions import SCHEDULE_PLACEMENT, model_stage
@@ -272,28 +272,6 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int,
         raise ConfigError("sharding", f"{l.sharding} shards dense models here; this model has "
                                       f"{model.num_experts} routed experts: use optim (ZeRO-1), "
                                       f"which shards them over expert-DP, or no_shard")
-
-
-def uneven_split(num_layers: int, pp: int,
-                 virtual_pipeline_size: int = 1) -> tuple[int, int] | None:
-    """``(first, last)``: the most even uneven split Megatron accepts
-    (:func:`tutorial_lib.config.layers_per_pipeline_stage`), for a PP that does not divide
-    the layers: every middle rank holds ``ceil(L / PP)`` layers (rounded up to a multiple
-    of ``V``), the first and last rank share the rest, the first the smaller half (Llama 3
-    405B's 126 layers on 16 ranks: 7, then 14 x 8, then 7; Meta took one layer off the first
-    and the last stage, Llama 3 report section 3.3.2).  ``None`` where no
-    such split exists."""
-    v = virtual_pipeline_size
-    if pp < 2:
-        return None
-    middle = 0 if pp == 2 else -(-num_layers // pp)
-    middle = -(-middle // v) * v
-    rest = num_layers - middle * (pp - 2)
-    first = rest // 2 // v * v
-    last = rest - first
-    if first < v or last % v or (pp > 2 and last > middle):
-        return None
-    return first, last
 
 
 def _parallel_config(layout: Layout) -> ParallelConfig:

@@ -7,7 +7,7 @@
   statistics forgotten, the log-sum-exp forgotten, the ``s x s`` probabilities of an
   unfused attention counted, and values instead of bytes each get a hint.
 * :func:`check_smallest_layout`: ``fn(budget_gib) -> (tp, pp)``, the layout of the
-  Llama-like preset with the fewest model-parallel ranks ``TP x PP`` whose heaviest rank
+  Llama 3.1 405B preset with the fewest model-parallel ranks ``TP x PP`` whose heaviest rank
   fits the budget (ZeRO-1, full recomputation of every layer; among layouts of equal size
   the one whose heaviest rank needs least), against the prediction of
   :func:`tutorial_lib.memory.heaviest_rank_bytes` over :data:`TP_CHOICES` x :data:`PP_CHOICES`.
@@ -95,7 +95,7 @@ def check_dense_layer_bytes(fn: Callable) -> CheckResult:
 
 # --- exercise 10.2: the smallest layout that fits ------------------------------------------
 
-PRESET = "llama-405b"
+PRESET = "llama-3.1-405b"
 TP_CHOICES = (1, 2, 4, 8)
 PP_CHOICES = (1, 2, 4, 8, 16)
 RECOMPUTE = Recompute("full", "uniform", 1)

@@ -2,12 +2,14 @@
 
     memory_explorer()           # the presets of tutorial_lib.memory, TP x PP x EP x ZeRO 0-3 x recompute
 
-The reader picks a preset (a DeepSeek-V3-like and a Llama-like model at thousands of
-GPUs), the TP, PP and EP sizes (DP is what the world leaves), the data-parallel sharding
-strategy (plain DP, ZeRO-1, ZeRO-2 or ZeRO-3: Megatron-FSDP's four), a recomputation
-setting and a memory budget per GPU.  The widget draws one stacked bar per pipeline rank:
-weights, ZeRO-3's gathered parameters at the peak, gradients, optimizer state, activations
-at the schedule's peak, and the budget as a line.  Every number was computed in Python by
+The reader picks a preset (DeepSeek-V3 and Llama 3.1 405B, their published shapes, at
+thousands of GPUs; the layers split over the pipeline ranks as
+:func:`~tutorial_lib.memory.preset_stage_layers` says), the TP, PP and EP sizes (DP is what
+the world leaves), the data-parallel sharding strategy (plain DP, ZeRO-1, ZeRO-2 or
+ZeRO-3: Megatron-FSDP's four), a recomputation setting and a memory budget per GPU.  The
+widget draws one stacked bar per pipeline rank: weights, ZeRO-3's gathered parameters at
+the peak, gradients, optimizer state, activations at the schedule's peak, and the budget
+as a line.  Every number was computed in Python by
 :func:`tutorial_lib.costs.memory_per_rank` when the widget was built (:func:`explorer_data`);
 the page only picks and draws them, so it works in the static book without a kernel.
 """
@@ -17,8 +19,7 @@ import html
 import itertools
 
 from ..config import SHARDING_STRATEGIES, ConfigError
-from ..costs.memory_model import memory_per_rank
-from ..memory import PRESETS, preset_layout
+from ..memory import PRESETS, preset_ranks
 from ..recompute import Recompute
 from .widget import Explorer
 
@@ -39,7 +40,7 @@ RECOMPUTE = {"none": Recompute(), "selective": Recompute("selective"),
              "full": Recompute("full", "uniform", 1)}
 
 
-def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
+def explorer_data(presets=("deepseek-v3", "llama-3.1-405b")) -> dict:
     """Everything the widget draws: per preset and setting, each pipeline rank's
     ``[weights, gathered, gradients, optimizer, activations]`` in MiB (rounded up), or why the
     layout is refused."""
@@ -57,17 +58,17 @@ def explorer_data(presets=("deepseek-v3", "llama-405b")) -> dict:
                                                       GRID["recompute"]):
             key = f"{name}|{tp}|{pp}|{ep}|{zero}|{rc}"
             try:
-                parallel, train = preset_layout(preset, tp, pp, ep)
-                ranks = memory_per_rank(preset.model, parallel, train, precision=preset.precision,
-                                        data_parallel_sharding_strategy=SHARDING_STRATEGIES[zero],
-                                        recompute=RECOMPUTE[rc], runtime=0)
+                ranks = preset_ranks(preset, tp, pp, ep,
+                                     data_parallel_sharding_strategy=SHARDING_STRATEGIES[zero],
+                                     recompute=RECOMPUTE[rc])
             except (ConfigError, ValueError) as err:
                 message = str(err)
                 if message not in errors:
                     errors.append(message)
                 out["results"][key] = {"error": errors.index(message)}
                 continue
-            out["results"][key] = {"dp": parallel.data_parallel_size, "m": train.num_microbatches,
+            dp = preset.layout["world_size"] // (tp * pp)  # preset_layout's, which just passed
+            out["results"][key] = {"dp": dp, "m": preset.global_batch_size // dp,
                                    "ranks": [[-(-v // MIB) for v in (r.weights, r.gathered, r.gradients,
                                                                       r.optimizer, r.activations)]
                                              for r in ranks]}
@@ -99,6 +100,6 @@ class MemoryExplorer(Explorer):
         return attributes, markup, self.data
 
 
-def memory_explorer(presets=("deepseek-v3", "llama-405b"), title: str = "") -> MemoryExplorer:
+def memory_explorer(presets=("deepseek-v3", "llama-3.1-405b"), title: str = "") -> MemoryExplorer:
     """The explorer over :data:`GRID` for ``presets`` (names in :data:`tutorial_lib.memory.PRESETS`)."""
     return MemoryExplorer(explorer_data(presets), title)
