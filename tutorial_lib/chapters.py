@@ -111,8 +111,10 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(12, "12_sharded_data_parallel.ipynb",
             "Sharded data parallelism: ZeRO-2, ZeRO-3 and FSDP", "ch12", "_sharding_table",
             device_runs=("all_stages",)),
-    # chapter 13 launches no ranks: the planner is pure arithmetic
-    Chapter(13, "13_choosing_a_layout.ipynb", "Choosing a layout", "ch13", "_layout_table"),
+    # chapter 13 launches no ranks: the planner is pure arithmetic (its check against this
+    # machine's train_4d runs is a stored reference, bench/bench_planner_cpu.py)
+    Chapter(13, "13_choosing_a_layout.ipynb", "Choosing a layout", "ch13", "_layout_table",
+            references=("ch13_planner_cpu",)),
 )
 """Every chapter, in book order."""
 
