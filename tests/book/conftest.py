@@ -203,6 +203,32 @@ def book_server(book_html):
     server.server_close()
 
 
+@pytest.fixture(scope="session")
+def tiny_book_html(tmp_path_factory) -> Path:
+    """The HTML of one tiny book, built once for the browser tests that need a book of
+    their own: test_build.tiny_book (the real _config.yml and what it names, an intro,
+    ``notebooks/chapter.ipynb``) with test_build.TINY_REPOSITORY as its repository
+    (launch buttons) and a second chapter, ``notebooks/widgets.ipynb``
+    (test_build.WIDGET_NOTEBOOK)."""
+    import json
+
+    # tests/book is on sys.path (no package)
+    from test_build import TINY_REPOSITORY, WIDGET_NOTEBOOK, set_repository, tiny_book
+
+    root = tmp_path_factory.mktemp("tiny_book")
+    book = tiny_book(root, "print(1)")
+    (book / "notebooks" / "widgets.ipynb").write_text(json.dumps(WIDGET_NOTEBOOK))
+    toc = book / "_toc.yml"
+    toc.write_text(toc.read_text() + "  - file: notebooks/widgets\n")
+    set_repository(book, TINY_REPOSITORY)
+    out = root / "out"
+    result = run_build(book, "--path-output", str(out), timeout=300)
+    if result.returncode != 0:
+        pytest.fail(f"building the tiny book failed (exit {result.returncode}):\n"
+                    + result.stdout[-4000:], pytrace=False)
+    return out / "_build" / "html"
+
+
 # --- the browser --------------------------------------------------------------------------
 
 

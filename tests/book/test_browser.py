@@ -6,15 +6,10 @@ Run: ``python -m pytest tests/book -m browser``. The book is built once per sess
 """
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
 COMMUNICATOR_GROUPS = "notebooks/01_communicator_groups"
 COLLECTIVES = "notebooks/02_collectives"
 
@@ -85,52 +80,23 @@ def test_communicator_groups_rank_map_selects(book_page, click_and_expect_change
     book_page.assert_clean(f"{COMMUNICATOR_GROUPS}.html after clicks")
 
 
-WIDGET_NOTEBOOK = {
-    "cells": [
-        # Math on the same page loads MathJax 3, whose missing MathJax 2 `Hub` used to make
-        # every widget with a description throw (_static/mathjax2-shim.js fixes that).
-        {"cell_type": "markdown", "metadata": {}, "source": "# Widgets offline\n\n$2(N-1)/N$"},
-        {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-         "source": "import ipywidgets as w\n"
-                   "w.VBox([w.IntSlider(value=3, min=0, max=10, description='ranks'),\n"
-                   "        w.Button(description='go', icon='play'),\n"
-                   "        w.Dropdown(options=['gloo', 'nccl'], value='gloo', description='backend')])"},
-    ],
-    "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                "language": "python"}},
-    "nbformat": 4, "nbformat_minor": 5,
-}
-
-
-def test_ipywidgets_render_offline(tmp_path, build_book, serve, open_book_page):
+def test_ipywidgets_render_offline(tiny_book_html, serve, open_book_page):
     """Saved ipywidgets state renders from the vendored _static JS: no CDN, fonts found.
 
-    The notebook sits in a subfolder, like the chapters, so relative paths are exercised.
+    The notebook (test_build.WIDGET_NOTEBOOK, in the session's tiny book) sits in a
+    subfolder, like the chapters, so relative paths are exercised.
     """
-    book = tmp_path / "book"
-    (book / "chapters").mkdir(parents=True)
-    shutil.copy(REPO / "_config.yml", book / "_config.yml")
-    for folder in ("_static", "_ext", "_templates"):  # what _config.yml names
-        shutil.copytree(REPO / folder, book / folder)
-    shutil.copy(REPO / "references.bib", book / "references.bib")  # bibtex_bibfiles
-    (book / "_toc.yml").write_text(
-        "format: jb-book\nroot: intro\nchapters:\n  - file: chapters/widgets\n")
-    (book / "intro.md").write_text("# Intro\n")
-    (book / "chapters" / "widgets.ipynb").write_text(json.dumps(WIDGET_NOTEBOOK))
-    result = build_book(book, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:]
-    html = book / "_build" / "html"
-    page_html = (html / "chapters" / "widgets.html").read_text()
+    page_html = (tiny_book_html / "notebooks" / "widgets.html").read_text()
     assert "application/vnd.jupyter.widget-state+json" in page_html, "widget state not saved"
     assert "_static/vendor/html-manager/embed-amd.mjs" in page_html
     assert "cdn.jsdelivr" not in page_html and "cdnjs" not in page_html
 
-    page = open_book_page(serve(html))
-    page.open("chapters/widgets.html", settle_ms=1000)
+    page = open_book_page(serve(tiny_book_html))
+    page.open("notebooks/widgets.html", settle_ms=1000)
     page.page.wait_for_selector(".widget-slider", timeout=10_000)
     assert page.page.locator(".widget-button").count() == 1
     assert page.page.locator(".widget-dropdown").count() == 1
-    page.assert_clean("chapters/widgets.html")
+    page.assert_clean("notebooks/widgets.html")
     fonts = [u for u in page.loaded if "/_static/vendor/html-manager/" in u
              and u.split("?")[0].endswith((".woff2", ".woff", ".ttf"))]
     assert fonts, "the button's icon font was not loaded from _static/vendor/html-manager/"

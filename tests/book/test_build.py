@@ -54,6 +54,35 @@ def tiny_book(root: Path, *cell_sources: str) -> Path:
     return book
 
 
+TINY_REPOSITORY = "https://github.com/course-org/dist-llm"
+"""The repository address the tiny book's ``_config.yml`` is given (``tiny_book_html``)."""
+
+WIDGET_NOTEBOOK = {
+    "cells": [
+        # Math on the same page loads MathJax 3, whose missing MathJax 2 `Hub` used to make
+        # every widget with a description throw (_static/mathjax2-shim.js fixes that).
+        {"cell_type": "markdown", "metadata": {}, "source": "# Widgets offline\n\n$2(N-1)/N$"},
+        {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+         "source": "import ipywidgets as w\n"
+                   "w.VBox([w.IntSlider(value=3, min=0, max=10, description='ranks'),\n"
+                   "        w.Button(description='go', icon='play'),\n"
+                   "        w.Dropdown(options=['gloo', 'nccl'], value='gloo', description='backend')])"},
+    ],
+    "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                "language": "python"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+"""A chapter whose saved ipywidgets state the built page must render from _static alone."""
+
+
+def set_repository(book: Path, url: str) -> None:
+    """Give a book's copy of the real ``_config.yml`` a repository address."""
+    config = book / "_config.yml"
+    text = config.read_text()
+    assert '  url: ""' in text  # the one place the address lives
+    config.write_text(text.replace('  url: ""', f'  url: "{url}"', 1))
+
+
 def test_cell_that_raises_fails_the_build(tmp_path, build_book):
     book = tiny_book(tmp_path, "x = 1", "raise ValueError('boom: this cell is broken')",
                      "print('never reached')")

@@ -1,26 +1,20 @@
 """Launch buttons and repository links come from `_config.yml`'s `repository.url` alone.
 
-Two tiny books built with the real `_config.yml` and `_ext/` (see test_build.py): one with a
-repository URL, whose chapter page must offer Binder and Colab links that open *that*
-notebook and repository / issue / edit links; one without (the project's own setting
-today), where no page may carry such a link. Read in chromium, as a reader's click sees it.
+With a repository: the session's tiny book (``tiny_book_html`` in conftest.py: the real
+`_config.yml` and `_ext/`, a repository URL set), whose chapter page must offer Binder and
+Colab links that open *that* notebook and repository / issue / edit links. Without one (the
+project's own setting today): the real book the suite builds (``book_server``), where
+neither a chapter nor a prose page may carry such a link. Read in chromium, as a reader's
+click sees it.
 """
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from test_build import tiny_book  # tests/book is on sys.path (no package)
+from test_build import REPO, TINY_REPOSITORY as URL  # tests/book is on sys.path (no package)
 
 pytestmark = pytest.mark.browser
-
-URL = "https://github.com/course-org/dist-llm"
-
-
-def _with_repository(book, url: str) -> None:
-    config = book / "_config.yml"
-    text = config.read_text()
-    assert '  url: ""' in text  # the one place the address lives
-    config.write_text(text.replace('  url: ""', f'  url: "{url}"', 1))
 
 
 def _links(page) -> list[str]:
@@ -28,13 +22,8 @@ def _links(page) -> list[str]:
 
 
 def test_buttons_open_the_chapters_notebook_when_a_repository_is_set(
-        tmp_path, build_book, serve, open_book_page):
-    book = tiny_book(tmp_path, "print(1)")
-    _with_repository(book, URL)
-    out = tmp_path / "out"
-    result = build_book(book, "--path-output", str(out), timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:]
-    page = open_book_page(serve(out / "_build" / "html"))
+        tiny_book_html, serve, open_book_page):
+    page = open_book_page(serve(tiny_book_html))
     page.open("notebooks/chapter.html")
     links = _links(page)
     assert ("https://mybinder.org/v2/gh/course-org/dist-llm/main"
@@ -50,13 +39,10 @@ def test_buttons_open_the_chapters_notebook_when_a_repository_is_set(
 
 
 def test_without_a_repository_no_page_has_a_launch_or_repository_link(
-        tmp_path, build_book, serve, open_book_page):
-    book = tiny_book(tmp_path, "print(1)")
-    out = tmp_path / "out"
-    result = build_book(book, "--path-output", str(out), timeout=180)
-    assert result.returncode == 0, result.stdout[-3000:]
-    page = open_book_page(serve(out / "_build" / "html"))
-    for path in ("notebooks/chapter.html", "intro.html"):
+        book_server, open_book_page):
+    assert yaml.safe_load((REPO / "_config.yml").read_text())["repository"]["url"] == ""
+    page = open_book_page(book_server)
+    for path in ("notebooks/01_communicator_groups.html", "book/intro.html"):
         page.open(path)
         links = _links(page)
         assert not any(host in link for link in links

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tutorial_lib import plan as planner
-from tutorial_lib.config import ConfigError
+from tutorial_lib.config import ConfigError, ModelConfig
 from tutorial_lib.costs.hardware import cluster
 from tutorial_lib.costs.model_flops import gpt
 from tutorial_lib.costs.step_time import Layout, check_layout, predict_step
@@ -148,3 +148,44 @@ def test_a_model_from_flags_takes_megatrons_moe_defaults_not_the_course_models()
     given = planner.model_from_args(planner._parser().parse_args(
         flags + ["--num-shared-experts", "2", "--first-k-dense-replace", "1"]))
     assert (given.num_shared_experts, given.first_k_dense_replace) == (2, 1)
+
+
+def _predicted_from_scratch(model, where, layout, batch, efficiency):
+    """``predict_step`` with every cache of the step-time model emptied first: nothing one
+    layout computed (the per-rank layers, FLOPs and parameters, the groups' links, the
+    memory) can stand in for another's.  (The schedule's simulation stays kept: its key is
+    the whole of its input, the schedule, PP, M and V.)"""
+    from tutorial_lib.costs import model_flops, step_time
+    for module in (step_time, model_flops):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear") and value is not step_time._simulated:
+                value.cache_clear()
+    return predict_step(model, where, layout, batch, efficiency)
+
+
+@pytest.mark.parametrize("model, gpu, per_node, gpus, batch, shown", [
+    # MoE (dense first layer, a shared expert), 7 layers: uneven PP, EP searched
+    (ModelConfig(7, 4096, 32, 1024, 32000, num_experts=8, num_query_groups=8, swiglu=True),
+     "a100-40gb", 2, 4, 16, {"uneven", "ep 2", "optim"}),
+    # dense, 12 layers: interleaved and DualPipeV, ZeRO-2 and ZeRO-3
+    (gpt(12, 4096, 32, vocab_size=32000), "a100-40gb", 2, 4, 4,
+     {"interleaved", "dualpipev", "optim_grads", "optim_grads_params"}),
+])
+def test_the_ranked_list_is_each_layout_predicted_on_its_own(model, gpu, per_node, gpus,
+                                                            batch, shown):
+    """The planner keeps what many layouts share (per-rank layers, FLOPs and parameters by
+    pipeline placement, each group's link by sizes): its whole ranked list equals every
+    candidate predicted one at a time from empty caches, fitting ones sorted by time."""
+    where = cluster(gpu, gpus_per_node=per_node)
+    found = planner.plan(model, where, gpus, batch, efficiency=0.5, top=None)
+    alone = [_predicted_from_scratch(model, where, layout, batch, 0.5)
+             for layout in planner.candidate_layouts(model, gpus, batch)]
+    expected = sorted((r for r in alone if r.fits), key=lambda r: r.step_time_s)
+    assert found.candidates == len(alone) > len(expected) > 0
+    assert [r.layout for r in found.layouts] == [r.layout for r in expected]
+    assert found.layouts == expected  # every time, part, byte count and link, to the bit
+    kinds = {k for r in found.layouts for k in (r.layout.schedule, r.layout.sharding,
+                                                 f"ep {r.layout.ep}")}
+    kinds |= {"uneven" for r in found.layouts
+              if r.layout.num_layers_in_first_pipeline_stage is not None}
+    assert kinds >= shown, kinds  # the cases reach what they are here for

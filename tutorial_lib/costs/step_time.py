@@ -285,7 +285,13 @@ def group_crosses_nodes(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     leaves a node, in Megatron's grid (``tp-cp-ep-dp-pp``).  Group ``g`` of a dimension
     of stride ``t`` and size ``n`` spans aligned blocks of ``t n`` ranks; every such block
     lies in one node iff ``t n`` divides the node's GPUs."""
-    dense, expert = megatron_grids(_parallel_config(layout))
+    l = layout
+    return dict(_crossings(l.tp, l.cp, l.pp, l.ep, l.dp, gpus_per_node))
+
+
+@functools.lru_cache(maxsize=4096)
+def _crossings(tp: int, cp: int, pp: int, ep: int, dp: int, gpus_per_node: int) -> tuple:
+    dense, expert = megatron_grids(_parallel_config(Layout(tp, cp, pp, ep, dp)))
 
     def crosses(grid, *dims) -> bool:
         sizes = [grid.size(d) for d in dims]
@@ -294,9 +300,9 @@ def group_crosses_nodes(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
         span = max(grid.stride(d) * grid.size(d) for d in dims)
         return span > gpus_per_node or gpus_per_node % span != 0
 
-    return {"tp": crosses(dense, "tp"), "cp": crosses(dense, "cp"),
-            "dp_cp": crosses(dense, "dp", "cp"), "pp": crosses(dense, "pp"),
-            "ep": crosses(expert, "ep"), "edp": crosses(expert, "edp")}
+    return (("tp", crosses(dense, "tp")), ("cp", crosses(dense, "cp")),
+            ("dp_cp", crosses(dense, "dp", "cp")), ("pp", crosses(dense, "pp")),
+            ("ep", crosses(expert, "ep")), ("edp", crosses(expert, "edp")))
 
 
 def _flop_rate(cluster: Cluster, efficiency: float, precision: str) -> float:
@@ -351,14 +357,35 @@ def stage_layers(model: ModelConfig, layout: Layout) -> list[int]:
                                      l.num_layers_in_last_pipeline_stage)
 
 
+def _placement(layout: Layout) -> tuple:
+    """The choices that decide which layers each pipeline rank holds: PP, the schedule, V
+    and the uneven split.  The per-rank counts below are kept under this key, as the
+    planner asks them of thousands of layouts that differ only in the other choices."""
+    l = layout
+    return (l.pp, l.schedule, l.virtual_pipeline_size, l.num_layers_in_first_pipeline_stage,
+            l.num_layers_in_last_pipeline_stage)
+
+
+def _placed(placement: tuple) -> Layout:
+    pp, schedule, v, first, last = placement
+    return Layout(pp=pp, schedule=schedule, virtual_pipeline_size=v,
+                  num_layers_in_first_pipeline_stage=first,
+                  num_layers_in_last_pipeline_stage=last)
+
+
 def rank_chunk_layers(model: ModelConfig, layout: Layout, rank: int) -> list[list[int]]:
     """The decoder layers of each chunk of pipeline rank ``rank``, chunk by chunk."""
-    l = layout
+    return [list(c) for c in _chunk_layers(model, _placement(layout), rank)]
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_layers(model: ModelConfig, placement: tuple, rank: int) -> tuple:
+    l = _placed(placement)
     counts = stage_layers(model, l)
     chunks = 2 if l.schedule == "dualpipev" else l.virtual_pipeline_size
-    placement = SCHEDULE_PLACEMENT.get(l.schedule, "loop")
-    stages = [model_stage(placement, rank, c, l.pp) for c in range(chunks)]
-    return [list(range(sum(counts[:s]), sum(counts[:s + 1]))) for s in stages]
+    where = SCHEDULE_PLACEMENT.get(l.schedule, "loop")
+    stages = [model_stage(where, rank, c, l.pp) for c in range(chunks)]
+    return tuple(tuple(range(sum(counts[:s]), sum(counts[:s + 1]))) for s in stages)
 
 
 def rank_layers(model: ModelConfig, layout: Layout, rank: int) -> tuple[list[int], bool]:
@@ -368,6 +395,16 @@ def rank_layers(model: ModelConfig, layout: Layout, rank: int) -> tuple[list[int
     last = model.num_layers - 1
     holds_last_stage = any(c and c[-1] == last for c in chunks)
     return [i for c in chunks for i in c], holds_last_stage
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_flops(model: ModelConfig, placement: tuple, rank: int) -> tuple:
+    """``(forward FLOPs per token of the rank's decoder layers, of which core attention,
+    its layers, whether it holds the head)``, summed layer by layer in model order."""
+    layers, head = rank_layers(model, _placed(placement), rank)
+    parts = [layer_flops(model, i) for i in layers]
+    return (sum(sum(p.values()) for p in parts), sum(p["core_attention"] for p in parts),
+            tuple(layers), head)
 
 
 def _ranks_to_weigh(pp: int) -> list[int]:
@@ -391,16 +428,15 @@ def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency
     split = l.tp * l.cp * chunks                     # the rank's work, per chunk on average
 
     def work(rank):
-        layers, head = rank_layers(model, l, rank)
-        parts = [layer_flops(model, i) for i in layers]
-        flops = tokens * sum(sum(p.values()) for p in parts) / split
+        per_token, attention_per_token, layers, head = _rank_flops(model, _placement(l), rank)
+        flops = tokens * per_token / split
         head_flops = tokens * 2.0 * model.hidden_size * model.vocab_size / split if head else 0.0
-        return flops + head_flops, flops, layers, parts, rank
+        return flops + head_flops, flops, layers, attention_per_token, rank
 
-    forward, layer_part, last, parts, rank = max((work(r) for r in _ranks_to_weigh(l.pp)),
-                                                 key=lambda w: w[0])
+    forward, layer_part, last, attention, rank = max((work(r) for r in _ranks_to_weigh(l.pp)),
+                                                     key=lambda w: w[0])
     per_chunk = len(last) / chunks                   # the rank's layers per chunk, on average
-    attention = tokens * sum(p["core_attention"] for p in parts) / split
+    attention = tokens * attention / split
     recomputed = {None: 0.0, "selective": attention, "full": layer_part}[l.recompute_granularity]
     h = model.hidden_size
     rank_tokens = tokens // l.cp                     # this rank's tokens of the microbatch
@@ -431,8 +467,7 @@ def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency
     dp_forward = dp_backward = 0.0
     if ZERO_STAGE[l.sharding] >= 2 and l.dp * l.cp > 1:  # the root goes with the first chunk
         link = cluster.link(crosses["dp_cp"])
-        chunk_layers = rank_chunk_layers(model, l, rank)
-        sizes = [[layer_parameters(model, i, l.tp, l.ep, l.tp) for i in c] for c in chunk_layers]
+        sizes = _chunk_unit_parameters(model, _placement(l), l.tp, l.ep, rank)
         root = rank_parameter_counts(model, l, rank)[0] - sum(map(sum, sizes))
         for c, units in enumerate(sizes):
             f, b = sharded_exposure(l.sharding, units, root if c == 0 else 0, l.dp * l.cp, link,
@@ -536,16 +571,30 @@ def state_bytes_floor(layout: Layout, dense: int, experts: int) -> int:
 def rank_parameter_counts(model: ModelConfig, layout: Layout, rank: int) -> tuple[int, int]:
     """``(dense, routed-expert)`` parameters pipeline rank ``rank`` holds (the embedding on
     rank 0, the head with the last stage)."""
-    l = layout
-    layers, head = rank_layers(model, l, rank)
+    return _rank_parameter_counts(model, _placement(layout), layout.tp, layout.ep, rank)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_parameter_counts(model: ModelConfig, placement: tuple, tp: int, ep: int,
+                           rank: int) -> tuple[int, int]:
+    layers, head = rank_layers(model, _placed(placement), rank)
     dense = experts = 0
     for i in layers:
-        total = layer_parameters(model, i, l.tp, l.ep, l.tp)
-        routed = expert_parameters(model, l.ep, l.tp) if (
+        total = layer_parameters(model, i, tp, ep, tp)
+        routed = expert_parameters(model, ep, tp) if (
             model.num_experts and i >= model.first_k_dense_replace) else 0
         dense, experts = dense + total - routed, experts + routed
-    dense += model.vocab_size * model.hidden_size // l.tp * ((rank == 0) + head)
+    dense += model.vocab_size * model.hidden_size // tp * ((rank == 0) + head)
     return dense, experts
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_unit_parameters(model: ModelConfig, placement: tuple, tp: int, ep: int,
+                           rank: int) -> tuple:
+    """Each chunk's decoder layers' parameters on pipeline rank ``rank``, chunk by chunk:
+    the units sharded data parallelism gathers and reduce-scatters."""
+    return tuple(tuple(layer_parameters(model, i, tp, ep, tp) for i in c)
+                 for c in _chunk_layers(model, placement, rank))
 
 
 def rank_parameters(model: ModelConfig, layout: Layout) -> tuple[int, int]:
@@ -610,12 +659,18 @@ def sharded_exposure(strategy: str, units: list[int], root: int, shard: int, lin
         return 0.0, 0.0
     order = ([root] if root else []) + list(units)   # forward order, the root first
 
+    gathered, scattered = {}, {}  # per unit size: a chunk's layers are mostly alike
+
     def gather(n):
-        return predict_time("all_gather", -(-n // shard) * BYTES, shard, link)
+        if n not in gathered:
+            gathered[n] = predict_time("all_gather", -(-n // shard) * BYTES, shard, link)
+        return gathered[n]
 
     def scatter(n):
-        return predict_time("reduce_scatter", -(-n // shard) * shard * GRADIENT_BYTES, shard,
-                            link)
+        if n not in scattered:
+            scattered[n] = predict_time("reduce_scatter", -(-n // shard) * shard * GRADIENT_BYTES,
+                                        shard, link)
+        return scattered[n]
 
     scatters = [scatter(n) for n in order]          # the last issued: order[0]'s
     forward = backward = 0.0

@@ -81,10 +81,15 @@ def _case_cluster(gpu: str, nodes: int):
 
 
 @functools.lru_cache(maxsize=64)
+def _planners_best(model, where, gpus: int, global_batch_size: int):
+    """The planner's fastest layout that fits, kept per case: a kernel that checks again,
+    and the reference's layout and time asked apart, do not search again."""
+    return plan(model, where, gpus, global_batch_size, top=1).layouts[0]
+
+
 def best_step_time(model, where, gpus: int, global_batch_size: int) -> float:
-    """The planner's fastest layout that fits: its predicted step time (kept per case: a
-    kernel that checks again does not search again)."""
-    return plan(model, where, gpus, global_batch_size, top=1).layouts[0].step_time_s
+    """The planner's fastest layout that fits: its predicted step time."""
+    return _planners_best(model, where, gpus, global_batch_size).step_time_s
 
 
 def judge_layout(layout: Layout, model, where, gpus: int, global_batch_size: int,
@@ -106,7 +111,7 @@ def judge_layout(layout: Layout, model, where, gpus: int, global_batch_size: int
 
 def reference_pick_layout(model, where, gpus: int, global_batch_size: int) -> Layout:
     """The planner's fastest layout."""
-    return plan(model, where, gpus, global_batch_size, top=1).layouts[0].layout
+    return _planners_best(model, where, gpus, global_batch_size).layout
 
 
 def check_pick_layout(fn: Callable) -> CheckResult:
