@@ -12,9 +12,9 @@ Two references, both fp32:
 Then every layout of at most 8 ranks with PP in {2, 3, 4} that the rules allow (TP in
 {1, 2, 4}, EP dividing the 4 experts and the data-parallel size, TP and EP not both > 1:
 the sweep predates TP and EP together, whose runs have their own section below), plus a few
-without PP, trains 3 steps with the default 1F1B schedule and batched
-P2P; and two layouts (PP = 3 with EP, PP = 4 with DP) run every schedule in both of
-Megatron's P2P modes, batched and overlapped (chapter 7's sequential mode is refused by the
+without PP, trains 2 steps (the second on the weights the first updated: Adam, clipping
+and the bias step included) with the default 1F1B schedule and batched P2P; and two
+layouts (PP = 3 with EP, PP = 4 with DP) run every schedule in both of Megatron's P2P modes, batched and overlapped (chapter 7's sequential mode is refused by the
 validator: see :func:`tutorial_lib.pipeline_parallel.modes.check_schedule_and_mode`).  Each run's per-step losses must
 equal the world-size-1 run's: ``atol = 1e-5`` on losses of about 4.2.  What differs
 between layouts is only the order of fp32 sums (all-reduces, microbatch accumulation),
@@ -56,7 +56,7 @@ pytestmark = pytest.mark.dist
 
 TRAIN_4D = Path(__file__).resolve().parents[2] / "examples" / "train_4d.py"
 ATOL = 1e-5
-BASE = TrainingArgs(steps=3, num_layers=12, global_batch_size=24, num_microbatches=2,
+BASE = TrainingArgs(steps=2, num_layers=12, global_batch_size=24, num_microbatches=2,
                     seq_length=8, hidden_size=16, num_attention_heads=4, vocab_size=32,
                     num_experts=4, moe_router_topk=2, timeout=180)
 
@@ -402,7 +402,7 @@ def _tp_ep_gradients(ctx, args: TrainingArgs) -> dict:
 
 def _tp_ep_sweep(ctx, runs):
     """Every run of ``runs`` (name -> args) on these ranks, one after the other in one launch:
-    the losses of train_4d's 3 steps and, for PP = 1 and the schedule runs, the gradients."""
+    the losses of train_4d's steps (BASE's 2) and, for PP = 1 and the schedule runs, the gradients."""
     from tutorial_lib.train_4d import train_worker
     out = {}
     for name, args in runs.items():
@@ -453,7 +453,7 @@ def test_the_tp_ep_sweep_holds_the_layouts_issue_17_names():
 def test_tp_and_ep_together_train_like_world_size_one(world):
     """TP and EP together: every TP x EP layout of this world size (ETP 1 and ETP = TP, with and without
     PP; on 8 ranks also every other schedule at TP 2 x EP 2 x ETP 2 x PP 2) gives the
-    world-size-1 losses over 3 steps (``ATOL``, the tolerance of every other layout here).
+    world-size-1 losses over BASE's 2 steps (``ATOL``, the tolerance of every other layout here).
     Megatron-Core 0.20.0, d98e8a64: parallel_state.py ``initialize_model_parallel`` (folded
     grids), token_dispatcher.py ``MoEAlltoAllTokenDispatcher`` (``dispatch_postprocess`` /
     ``combine_preprocess``: the expert-TP all-gather and reduce-scatter), experts.py
@@ -464,7 +464,7 @@ def test_tp_and_ep_together_train_like_world_size_one(world):
         got = result.results[0][name]["losses"]
         assert every(r[name]["losses"] == got for r in result.results)
         worst = max(abs(a - b) for a, b in zip(got, expected))
-        assert len(got) == 3 and worst < ATOL, (name, got, expected, worst)
+        assert len(got) == args.steps and worst < ATOL, (name, got, expected, worst)
 
 
 @pytest.mark.parametrize("world", TP_EP_WORLDS)
@@ -626,6 +626,16 @@ def test_train_4d_help_prints_each_default_once():
     assert "--tensor-model-parallel-size N" in done.stdout and "--num-layers N" in done.stdout
 
 
+TORCHRUN_LAYOUT = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--json", *SMALL]
+
+
+@launch_once
+def launcher_run() -> subprocess.CompletedProcess:
+    """``train_4d.py --world-size 4`` on PP 2 x EP 2 with ``--json`` (:data:`TORCHRUN_LAYOUT`),
+    run once: the JSON test reads its lines and banner, the torchrun test its losses."""
+    return _run([sys.executable, str(TRAIN_4D), "--world-size", "4", *TORCHRUN_LAYOUT])
+
+
 def test_train_4d_json_and_progress_lines():
     """Found reading the book: the text said "step 1/5" where --json said "step": 0, and a run named
     neither its layout, schedule, P2P mode nor recipe.  Both now count iterations from 1,
@@ -633,8 +643,7 @@ def test_train_4d_json_and_progress_lines():
     ``training_log``: "iteration {iteration}/{train_iters}", the counter incremented after
     each step, Megatron-Core 0.20.0, d98e8a64); the banner goes to stdout, or to stderr
     under --json so that every line of stdout stays one JSON object."""
-    as_json = _run([sys.executable, str(TRAIN_4D), "--world-size", "4", "--pipeline-model-parallel-size",
-                    "2", "--expert-model-parallel-size", "2", "--json", *SMALL])
+    as_json = launcher_run()
     assert as_json.returncode == 0, as_json.stderr[-3000:]
     assert every(line.startswith("{") for line in as_json.stdout.splitlines())  # JSON only
     records = _records(as_json.stdout)
@@ -675,11 +684,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-TORCHRUN_LAYOUT = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--json", *SMALL]
-
-
 def test_train_4d_under_torchrun_one_node_and_two_nodes_gives_the_launchers_losses():
-    launcher = _run([sys.executable, str(TRAIN_4D), "--world-size", "4", *TORCHRUN_LAYOUT])
+    launcher = launcher_run()  # the same command line the JSON test reads
     assert launcher.returncode == 0, launcher.stderr[-3000:]
     expected = _records(launcher.stdout)
 

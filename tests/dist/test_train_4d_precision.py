@@ -68,32 +68,37 @@ V3_WIRE = {("dispatch", "forward"): "fp8_pow2", ("combine", "forward"): "bf16",
            ("combine", "backward"): "fp8_pow2", ("dispatch", "backward"): "bf16"}
 
 
-def _each_recipe(ctx, args):
-    """train_4d's worker under each recipe, one after the other on these ranks, each run's
-    events tagged with its recipe."""
+def _each_recipe(ctx, layouts):
+    """train_4d's worker on each layout of ``layouts`` (name -> args) under each recipe, one
+    after the other on these ranks, each run's events tagged with its layout and recipe."""
     from tutorial_lib.train_4d import train_worker
     out = {}
-    for recipe in RECIPES:
-        with ctx.tracer.tags(recipe=recipe):
-            out[recipe] = train_worker(ctx, replace(args, precision_recipe=recipe))
+    for layout, args in layouts.items():
+        for recipe in RECIPES:
+            with ctx.tracer.tags(layout=layout, recipe=recipe):
+                out[layout, recipe] = train_worker(ctx, replace(args, precision_recipe=recipe))
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """``(layout, recipe) -> (rank 0's losses, the run's trace)``: one launch per layout
-    trains its three recipes one after the other, each checked first as ``train`` checks it
-    before it launches."""
-    out = {}
+    """``(layout, recipe) -> (rank 0's losses, the run's trace)``: one launch per world size
+    trains its layouts' three recipes one after the other (3 launches for 5 layouts), each
+    run checked first as ``train`` checks it before it launches."""
+    by_world: dict[int, dict[str, TrainingArgs]] = {}
     for layout, (overrides, _) in LAYOUTS.items():
         args = TrainingArgs(**overrides)
         for recipe in RECIPES:
             validate_args(replace(args, precision_recipe=recipe))
-        result = launch(_each_recipe, args.world_size, args=(args,), trace=True,
-                        timeout=300 * len(RECIPES), print_output=False)
-        for recipe in RECIPES:
-            out[layout, recipe] = ([r["loss"] for r in result.results[0][recipe]],
-                                   result.trace.filter(recipe=recipe))
+        by_world.setdefault(args.world_size, {})[layout] = args
+    out = {}
+    for world, layouts in by_world.items():
+        result = launch(_each_recipe, world, args=(layouts,), trace=True,
+                        timeout=300 * len(RECIPES) * len(layouts), print_output=False)
+        for layout in layouts:
+            for recipe in RECIPES:
+                out[layout, recipe] = ([r["loss"] for r in result.results[0][layout, recipe]],
+                                       result.trace.filter(layout=layout, recipe=recipe))
     return out
 
 
