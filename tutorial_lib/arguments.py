@@ -132,9 +132,10 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     """What data parallelism shards, by Megatron-FSDP's names: ``no_shard`` (plain data
     parallelism), ``optim`` (ZeRO-1, the same as ``use_distributed_optimizer``) or
     ``optim_grads`` (ZeRO-2: each decoder layer's gradients reduce-scattered in backward,
-    routed experts over expert-DP; not with dualpipe, nor with save / load beside TP or
-    EP).  ``optim_grads_params`` (ZeRO-3 / FSDP) runs in chapter 12 on data parallelism
-    (``tutorial_lib.fully_sharded_data_parallel``), not in this run: refused."""
+    routed experts over expert-DP) or ``optim_grads_params`` (ZeRO-3 / FSDP: the layers'
+    weights gathered when used; not with a split backward nor recomputation), as chapter 12
+    runs them (``tutorial_lib.fully_sharded_data_parallel``); neither with dualpipe, nor
+    with save / load beside TP or EP."""
     recompute_granularity: str | None = field(default=None,
                                               metadata={"choices": RECOMPUTE_GRANULARITIES})
     """Activation recomputation (Megatron's flag): ``full`` recomputes whole layers (with
@@ -256,41 +257,46 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
     check_memory(args, local_ranks=local_ranks)
 
 
-RUN_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
-"""The sharding strategies a 4D run takes; chapter 12 runs all four on data parallelism."""
+RUN_SHARDING_STRATEGIES = SHARDING_STRATEGIES
+"""The sharding strategies a 4D run takes: all four, as chapter 12 runs them."""
 
 
 def _check_sharding_strategy(args: TrainingArgs) -> None:
-    """``--data-parallel-sharding-strategy``: one this run takes, agreeing with
-    ``--use-distributed-optimizer`` (the ``optim`` strategy by its older name), and ZeRO-2
-    only where it runs: not with DualPipe's two model copies, and its checkpoints only at
-    TP = EP = 1."""
+    """``--data-parallel-sharding-strategy``: agreeing with ``--use-distributed-optimizer``
+    (the ``optim`` strategy by its older name); ZeRO-2 and ZeRO-3 only where they run: not
+    with DualPipe's two model copies, their checkpoints only at TP = EP = 1, and ZeRO-3
+    neither with a split backward nor with recomputation."""
     strategy = args.data_parallel_sharding_strategy
     if strategy is None:
         return
-    if strategy not in RUN_SHARDING_STRATEGIES:
-        raise ConfigError(
-            "sharding strategy",
-            f"train_4d runs --data-parallel-sharding-strategy no_shard, optim (ZeRO-1) or "
-            f"optim_grads (ZeRO-2), got {strategy} (ZeRO-{ZERO_STAGE[strategy]}): the "
-            f"executor calls every layer module, so the gather hooks would fire, but the "
-            f"course's ZeRO-3 gathers a unit for backward through its output tensor and a "
-            f"DeepSeek block returns (hidden, info), and it gathers the root unit in the "
-            f"model's own forward, which forward_stage bypasses; ZeRO-3 is neither built nor "
-            f"tested in this run. Use --data-parallel-sharding-strategy optim_grads here, or "
-            f"run {strategy} on data parallelism with tutorial_lib.fully_sharded_data_parallel "
-            f"(chapter 12)")
     check_sharding_flags(args.use_distributed_optimizer, strategy)
-    if ZERO_STAGE[strategy] < 2:
+    stage = ZERO_STAGE[strategy]
+    if stage < 2:
         return
     if args.schedule == "dualpipe":
         raise ConfigError(
             "sharding strategy",
             f"--data-parallel-sharding-strategy {strategy} does not run with --schedule "
             f"dualpipe: its two model copies' gradients are summed after the backward "
-            f"(pipeline_parallel.dualpipe.sum_model_copy_gradients), but ZeRO-2 has "
+            f"(pipeline_parallel.dualpipe.sum_model_copy_gradients), but ZeRO-{stage} has "
             f"reduce-scattered and freed them during it; use --schedule dualpipev (one copy, "
             f"the same V-shaped overlap) or --data-parallel-sharding-strategy optim")
+    if stage == 3 and args.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            "sharding strategy",
+            f"--data-parallel-sharding-strategy {strategy} does not run with --schedule "
+            f"{args.schedule}: a unit is gathered for its backward by a hook on its output "
+            f"and freed once its weight gradients are in, but this schedule computes them in "
+            f"W, a later pass, so each unit would stay gathered from B to W; use --schedule "
+            f"1f1b, interleaved or gpipe, or --data-parallel-sharding-strategy optim_grads")
+    if stage == 3 and args.recompute_granularity:
+        raise ConfigError(
+            "sharding strategy",
+            f"--data-parallel-sharding-strategy {strategy} does not run with "
+            f"--recompute-granularity {args.recompute_granularity}: the recomputed forward, "
+            f"inside the backward, fires the unit's hooks again and frees its weights after "
+            f"it, before the backward that needs them; drop the recomputation, or use "
+            f"--data-parallel-sharding-strategy optim_grads")
     split = [f"{name} {size}" for name, size in
              (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
               ("--expert-model-parallel-size", args.expert_model_parallel_size)) if size > 1]
@@ -456,6 +462,9 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
     elif args.zero_stage == 2:
         rows.append(("optimizer", "Adam, ZeRO-2 (optim_grads: gradients and optimizer state "
                                   "sharded per layer)"))
+    elif args.zero_stage == 3:
+        rows.append(("optimizer", "Adam, ZeRO-3 (optim_grads_params: weights, gradients and "
+                                  "optimizer state sharded per layer, gathered when used)"))
     if args.recompute_granularity:
         how = ", ".join(f"{name} {value}" for name, value in
                         (("method", args.recompute_method), ("N =", args.recompute_num_layers))
@@ -490,7 +499,7 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
                                  data_parallel_sharding_strategy=args.sharding_strategy,
-                                 recompute=args.recompute)
+                                 prefetch=False, recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:

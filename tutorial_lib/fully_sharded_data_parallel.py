@@ -58,8 +58,8 @@ HSDP means adding ``dp_shard`` and ``dp_replicate`` to every layout of the grid 
 ``dp_replicate`` after its reduce-scatter.
 
 **In the 4D run** (:mod:`tutorial_lib.train_4d`, ``--data-parallel-sharding-strategy
-optim_grads``).  The units are each pipeline chunk's decoder layers and one root unit
-for the rank's other parameters; a unit holds one gradient domain, so a MoE layer is two
+optim_grads`` or ``optim_grads_params``).  The units are each pipeline chunk's decoder
+layers and one root unit for the rank's other parameters; a unit holds one gradient domain, so a MoE layer is two
 units: its dense part sharded over ``dp`` (``dp_cp`` under context parallelism) and its
 routed experts over ``expert_dp``, each reduced with the divisor of
 :func:`~tutorial_lib.data_parallel.gradient_divisor`, as ZeRO-1's buffers are.  With
@@ -77,7 +77,13 @@ schedule; chapter 11's W).  The price is ``M`` reduce-scatters of each unit per 
 instead of one.  It needs no help from the pipeline executor: the hooks fire when
 autograd accumulates a gradient, wherever the executor runs the backward (W included).
 Under TP the gradients of parameters flagged ``sequence_parallel`` are summed over TP on
-the reduced slices (:meth:`FSDPUnit.sum_sequence_parallel_grads`).
+the reduced slices (:meth:`FSDPUnit.sum_sequence_parallel_grads`).  ZeRO-3's gathers need
+none either: the executor calls each layer module, so the pre-forward hook gathers the
+unit before every microbatch's forward through it; the backward's gather hangs on the
+module's output (a DeepSeek block's is a tuple ``(hidden, info)``: its first tensor); the
+root unit, whose parameters live in the embedding, the final LayerNorm and the output
+layer (the model's own forward is never called: ``forward_stage`` is), is gathered by
+those modules' hooks (``root_modules``) and kept from its first forward to its backward.
 
 Trace: every all-gather and reduce-scatter carries ``unit`` (the unit's name), ``phase``
 (``forward``, ``backward`` or ``optimizer``), ``zero`` (the stage) and, for an all-gather,
@@ -280,13 +286,17 @@ class FullyShardedDataParallel:
     root after its forward (FSDP2's default: the root is needed again as soon as
     backward starts), ``True`` every unit, ``False`` none.  ``prefetch``: issue the next
     unit's all-gather before this one computes.  ``mp_policy``: ZeRO-3 only.
+    ``root_modules``: the modules whose forward gathers the root unit under ZeRO-3 (default:
+    the model's own); the 4D run's stages call their embedding, final LayerNorm and output
+    layer, never the model.
 
     Call :meth:`finish_grad_sync` after the last backward of a step (the optimizer does).
     """
 
     def __init__(self, model: nn.Module, units, strategy: str = "optim_grads_params",
                  reshard_after_forward: bool | None = None, prefetch: bool = True,
-                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), group: str = "dp"):
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), group: str = "dp",
+                 root_modules=None):
         strategy = check_sharding_strategy(strategy)
         self.stage = ZERO_STAGE[strategy]
         if self.stage < 2:
@@ -296,12 +306,6 @@ class FullyShardedDataParallel:
         if self.stage == 2 and mp_policy != MixedPrecisionPolicy():
             raise ValueError("mp_policy casts the gathered parameters (ZeRO-3); under optim_grads "
                              "the parameters stay whole: convert the model (model.bfloat16())")
-        tp = parallel_state.group_size("tp")
-        if self.stage == 3 and tp > 1:
-            raise ValueError(f"{strategy} runs here on the data-parallel ranks of a model with "
-                             f"TP = 1, but this rank's TP group has {tp} ranks: the course "
-                             f"tests no gathered parameters beside tensor-parallel ones; use "
-                             f"TP = 1, or 'optim_grads' (ZeRO-2) with TP")
         self.model, self.strategy, self.prefetch = model, strategy, prefetch
         modules = list(units)
         names = {id(m): n for n, m in model.named_modules()}
@@ -327,10 +331,14 @@ class FullyShardedDataParallel:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, unit=unit: self.on_grad_ready(unit, p)))
             if self.stage == 3:
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    lambda module, args, unit=unit: self.pre_forward(unit)))
-                self._handles.append(unit.module.register_forward_hook(
-                    lambda module, args, output, unit=unit: self.post_forward(unit, output)))
+                hooked = [unit.module]
+                if unit.module is model and root_modules is not None:
+                    hooked = list(root_modules)
+                for module in hooked:
+                    self._handles.append(module.register_forward_pre_hook(
+                        lambda module, args, unit=unit: self.pre_forward(unit)))
+                    self._handles.append(module.register_forward_hook(
+                        lambda module, args, output, unit=unit: self.post_forward(unit, output)))
 
     def _units_by_domain(self, name: str, module: nn.Module, params: list, group: str,
                          mp_policy, reshard_after_forward: bool) -> list[FSDPUnit]:
@@ -380,8 +388,12 @@ class FullyShardedDataParallel:
         self.post_forward_order.append(unit)
         if unit.reshard_after_forward:
             unit.reshard()
-        if torch.is_tensor(output) and output.requires_grad:
-            return _PreBackward.apply(self, unit, output)
+        # the backward's gather hangs on the output: a tensor, or a tuple's first (a
+        # DeepSeek block returns ``(hidden, info)``)
+        first = output[0] if isinstance(output, tuple) and output else output
+        if torch.is_tensor(first) and first.requires_grad:
+            first = _PreBackward.apply(self, unit, first)
+            return (first,) + output[1:] if isinstance(output, tuple) else first
         return output
 
     def pre_backward(self, unit: FSDPUnit) -> None:

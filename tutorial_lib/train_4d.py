@@ -89,8 +89,16 @@ beside a root unit of the rank's other parameters.  Each unit's gradients are
 reduce-scattered from the gradient hooks as soon as a microbatch's backward through it
 ends, added into its fp32 slice and freed (FSDP2's default under gradient accumulation);
 the step clips the slices by the global norm, updates them with Adam and all-gathers each
-unit's weights.  The losses are plain Adam's to fp32 rounding on every layout.  ZeRO-3
-(``optim_grads_params``) is refused here: see :func:`tutorial_lib.arguments.validate_args`.
+unit's weights.  The losses are plain Adam's to fp32 rounding on every layout.
+
+**ZeRO-3** (``optim_grads_params``): the same units, whose weights exist only as slices
+between uses.  The executor calls each layer module, so the units' hooks gather a layer
+before every microbatch's forward through it and free it after; the backward gathers it
+again through a hook on the block's output and frees it once its gradients are in.  The
+root unit is gathered by its modules' hooks (embedding, final LayerNorm, output layer)
+and kept until its backward.  No prefetch.  Not with chapter 11's split backwards (B and
+W are separate passes) nor with recomputation (the recomputed forward would free the
+weights its backward needs): :func:`tutorial_lib.arguments.validate_args`.
 
 **Activation recomputation** (``recompute_granularity``, ``recompute_method``,
 ``recompute_num_layers``, Megatron's flags): each chunk recomputes the layers or the core
@@ -248,12 +256,19 @@ def _data_parallel(args: TrainingArgs, chunks, modules, dense_group: str):
     layer and gradient domain plus the root
     (:class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedDataParallel`), their
     reduce-scatters issued from the gradient hooks in every microbatch's backward, and a
-    :class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedOptimizer`.
+    :class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedOptimizer`; ZeRO-3 the
+    same units, each gathered by its module's hooks before every microbatch's forward and
+    backward and freed after (the root, kept from its first forward to its backward, by
+    the hooks of the embedding, final LayerNorm and output layer), without prefetch.
     """
     stage = args.zero_stage
     if stage >= 2:
         units = [layer for chunk in chunks for layer in chunk.layers.values()]
-        fsdp = FullyShardedDataParallel(modules, units, args.sharding_strategy, group=dense_group)
+        roots = [getattr(chunk, name) for chunk in chunks  # what gathers the root (ZeRO-3)
+                 for name in ("embedding", "final_layernorm", "output_layer")
+                 if getattr(chunk, name, None) is not None]
+        fsdp = FullyShardedDataParallel(modules, units, args.sharding_strategy, prefetch=False,
+                                        group=dense_group, root_modules=roots)
         return modules, FullyShardedOptimizer(fsdp, torch.optim.Adam, lr=args.lr), False
     if stage == 1:
         return modules, DistributedOptimizer(modules.parameters(), torch.optim.Adam,

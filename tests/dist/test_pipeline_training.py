@@ -276,6 +276,36 @@ ZERO2_RUNS = {"pp3-ep2-dp2": layout_args(1, 3, 2, 6, **ZERO2),
               "tp2-pp2-dp2-dense": layout_args(2, 2, 1, 8, num_experts=0, **ZERO2)}
 
 
+#: ZeRO-3 (``optim_grads_params``) in the same launches: PP 3 x EP 2 x DP 2 under 1F1B and
+#: under the interleaved schedule (two chunks per rank, microbatches in flight: each layer
+#: gathered and freed once per microbatch's forward and again per backward), EP 2 x CP 2,
+#: and TP 2 x PP 2 x DP 2 on the dense model.
+ZERO3 = dict(data_parallel_sharding_strategy="optim_grads_params")
+ZERO3_RUNS = {"pp3-ep2-dp2": layout_args(1, 3, 2, 6, **ZERO3),
+              "pp3-ep2-dp2-interleaved": replace(schedule_args("interleaved", "batched", 1, 3, 2, 6),
+                                                 **ZERO3),
+              "ep2-cp2-dp2": layout_args(1, 1, 2, 4, context_parallel_size=2, **ZERO3),
+              "tp2-pp2-dp2-dense": layout_args(2, 2, 1, 8, num_experts=0, **ZERO3)}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO3_RUNS))
+def test_zero3_trains_like_world_size_one(name):
+    """ZeRO-3 in the 4D run gives the world-size-1 losses (plain Adam, ``ATOL``): the
+    pipeline executor calls each layer module, whose hooks gather the unit before every
+    microbatch's forward and, through the block's output, before its backward; the root
+    is gathered by the hooks of the embedding, final LayerNorm and output layer.  Gathering
+    copies values, so only the order of fp32 sums differs, as under ZeRO-2.  After each
+    step every rank holds no whole weight (every unit freed) and the slices the memory
+    model predicts, to the byte (:func:`records_of`), saved activations included: a
+    gathered weight that autograd keeps is a parameter's storage, not an activation."""
+    args = ZERO3_RUNS[name]
+    validate_args(args)
+    assert args.zero_stage == 3
+    assert_same_losses(args)
+    for rank in records_of(args):
+        assert every(r["memory"]["weights"] == 0 for r in rank)
+
+
 @pytest.mark.parametrize("name", sorted(ZERO2_RUNS))
 def test_zero2_trains_like_world_size_one(name):
     """ZeRO-2 in the 4D run gives the world-size-1 losses (plain Adam, ``ATOL``): each
@@ -299,7 +329,7 @@ def every_run() -> list[TrainingArgs]:
     runs = [layout_args(*layout) for layout in LAYOUTS]
     runs += [schedule_args(s, m, *layout) for s, m in SCHEDULE_MODES for layout in SCHEDULE_LAYOUTS]
     runs += [cp_args(*layout) for layout in CP_LAYOUTS] + [CP_ZERO1, DENSE]
-    runs += list(ZERO2_RUNS.values())
+    runs += list(ZERO2_RUNS.values()) + list(ZERO3_RUNS.values())
     sweep = [args for world in TP_EP_WORLDS for args in tp_ep_runs(world).values()]
     dropout = [dropout_args(*layout) for layout in DROPOUT_LAYOUTS]  # against the plain loop
     return runs + dropout + [world_one_args(args) for args in runs + sweep]

@@ -466,7 +466,7 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     (ZeRO-3), as :mod:`tutorial_lib.fully_sharded_data_parallel` runs them: one unit per
     decoder layer and a root unit for the rank's other parameters, each unit's slice
     ``ceil(n / S)`` (a MoE layer's routed experts a unit of their own, sliced over
-    expert-DP: ``ceil(n / EDP)``; ZeRO-2 only); ZeRO-2 keeps the whole weights, the slices' fp32 gradients, master
+    expert-DP: ``ceil(n / EDP)``, gathered with its layer under ZeRO-3); ZeRO-2 keeps the whole weights, the slices' fp32 gradients, master
     and moments (the whole gradients are freed once reduced); ZeRO-3 keeps no whole
     weight between steps, :attr:`RankMemory.gathered` at the peak
     (``reshard_after_forward``, ``prefetch``: the run's).  ``S`` is the dense sharding
@@ -494,10 +494,6 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
         raise ValueError(f"unknown data-parallel sharding strategy {strategy!r}: one of "
                          f"{', '.join(ZERO_STAGE)}")
     zero_stage = ZERO_STAGE[strategy]
-    if zero_stage == 3 and model.num_experts:
-        raise ValueError(f"{strategy} shards dense models here; num_experts = {model.num_experts}: "
-                         f"routed experts are sharded over expert-DP by optim (ZeRO-1) and "
-                         f"optim_grads (ZeRO-2) only")
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     cp = parallel.context_parallel_size
     pp, v = parallel.pipeline_model_parallel_size, virtual_pipeline_size
@@ -550,11 +546,13 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
             mine += sum(unit_slice_numel(e, edp) for e in layer_experts if e)  # over expert-DP
             optimizer = (4 + bytes_.moments) * mine
             gradients = 4 * mine                          # the whole gradients are freed
-            if zero_stage == 3:
+            if zero_stage == 3:  # a MoE layer's two units are gathered together
                 weights = 0
+                whole = [unit_slice_numel(n, shard) * shard for n in units]
+                for i, e in enumerate(layer_experts):
+                    whole[i + bool(rest)] += unit_slice_numel(e, edp) * edp if e else 0
                 gathered = bytes_.weight * peak_unsharded_numel(
-                    [unit_slice_numel(n, shard) * shard for n in units], reshard_after_forward,
-                    prefetch, root=bool(rest))
+                    whole, reshard_after_forward, prefetch, root=bool(rest))
         else:
             optimizer = (bytes_.master + bytes_.moments) * params
         in_flight = expected_peak_activations(schedule, pp, m, rank, v)
