@@ -130,9 +130,12 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     data_parallel_sharding_strategy: str | None = field(
         default=None, metadata={"choices": SHARDING_STRATEGIES})
     """What data parallelism shards, by Megatron-FSDP's names: ``no_shard`` (plain data
-    parallelism) or ``optim`` (ZeRO-1, the same as ``use_distributed_optimizer``).
-    ``optim_grads`` (ZeRO-2) and ``optim_grads_params`` (ZeRO-3 / FSDP) run in chapter 12
-    (``tutorial_lib.fully_sharded_data_parallel``), not in this run yet: refused."""
+    parallelism), ``optim`` (ZeRO-1, the same as ``use_distributed_optimizer``) or
+    ``optim_grads`` (ZeRO-2: each decoder layer's gradients reduce-scattered in backward,
+    routed experts over expert-DP) or ``optim_grads_params`` (ZeRO-3 / FSDP: the layers'
+    weights gathered when used; not with a split backward nor recomputation), as chapter 12
+    runs them (``tutorial_lib.fully_sharded_data_parallel``); neither with dualpipe, nor
+    with save / load beside TP or EP."""
     recompute_granularity: str | None = field(default=None,
                                               metadata={"choices": RECOMPUTE_GRANULARITIES})
     """Activation recomputation (Megatron's flag): ``full`` recomputes whole layers (with
@@ -156,10 +159,23 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
         return build(ParallelConfig), build(ModelConfig), build(TrainConfig)
 
     @property
+    def sharding_strategy(self) -> str:
+        """The strategy either flag asks for: ``data_parallel_sharding_strategy``, else
+        ``optim`` with ``use_distributed_optimizer``, else ``no_shard`` (``validate_args``
+        refuses the two flags disagreeing)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO's stage of :attr:`sharding_strategy`: 0 to 3."""
+        return ZERO_STAGE[self.sharding_strategy]
+
+    @property
     def distributed_optimizer(self) -> bool:
-        """ZeRO-1, asked for by either flag (``validate_args`` refuses the two disagreeing)."""
-        return (self.use_distributed_optimizer
-                or self.data_parallel_sharding_strategy == "optim")
+        """ZeRO-1, asked for by either flag."""
+        return self.zero_stage == 1
 
     @property
     def recompute(self) -> Recompute:
@@ -241,26 +257,58 @@ def validate_args(args: TrainingArgs, local_ranks: int | None = None) -> None:
     check_memory(args, local_ranks=local_ranks)
 
 
-RUN_SHARDING_STRATEGIES = ("no_shard", "optim")
-"""The sharding strategies a 4D run takes; chapter 12 runs all four on data parallelism."""
+RUN_SHARDING_STRATEGIES = SHARDING_STRATEGIES
+"""The sharding strategies a 4D run takes: all four, as chapter 12 runs them."""
 
 
 def _check_sharding_strategy(args: TrainingArgs) -> None:
-    """``--data-parallel-sharding-strategy``: one this run takes, agreeing with
-    ``--use-distributed-optimizer`` (the ``optim`` strategy by its older name)."""
+    """``--data-parallel-sharding-strategy``: agreeing with ``--use-distributed-optimizer``
+    (the ``optim`` strategy by its older name); ZeRO-2 and ZeRO-3 only where they run: not
+    with DualPipe's two model copies, their checkpoints only at TP = EP = 1, and ZeRO-3
+    neither with a split backward nor with recomputation."""
     strategy = args.data_parallel_sharding_strategy
     if strategy is None:
         return
-    if strategy not in RUN_SHARDING_STRATEGIES:
+    check_sharding_flags(args.use_distributed_optimizer, strategy)
+    stage = ZERO_STAGE[strategy]
+    if stage < 2:
+        return
+    if args.schedule == "dualpipe":
         raise ConfigError(
             "sharding strategy",
-            f"train_4d runs --data-parallel-sharding-strategy no_shard or optim (ZeRO-1), got "
-            f"{strategy} (ZeRO-{ZERO_STAGE[strategy]}): the pipeline executor calls each "
-            f"stage's forward itself, so the per-layer all-gathers and reduce-scatters that "
-            f"ZeRO-2 and ZeRO-3 hang on the modules' hooks would not run in step; use "
-            f"--data-parallel-sharding-strategy optim here, or run {strategy} on data "
-            f"parallelism with tutorial_lib.fully_sharded_data_parallel (chapter 12)")
-    check_sharding_flags(args.use_distributed_optimizer, strategy)
+            f"--data-parallel-sharding-strategy {strategy} does not run with --schedule "
+            f"dualpipe: its two model copies' gradients are summed after the backward "
+            f"(pipeline_parallel.dualpipe.sum_model_copy_gradients), but ZeRO-{stage} has "
+            f"reduce-scattered and freed them during it; use --schedule dualpipev (one copy, "
+            f"the same V-shaped overlap) or --data-parallel-sharding-strategy optim")
+    if stage == 3 and args.schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            "sharding strategy",
+            f"--data-parallel-sharding-strategy {strategy} does not run with --schedule "
+            f"{args.schedule}: a unit is gathered for its backward by a hook on its output "
+            f"and freed once its weight gradients are in, but this schedule computes them in "
+            f"W, a later pass, so each unit would stay gathered from B to W; use --schedule "
+            f"1f1b, interleaved or gpipe, or --data-parallel-sharding-strategy optim_grads")
+    if stage == 3 and args.recompute_granularity:
+        raise ConfigError(
+            "sharding strategy",
+            f"--data-parallel-sharding-strategy {strategy} does not run with "
+            f"--recompute-granularity {args.recompute_granularity}: the recomputed forward, "
+            f"inside the backward, fires the unit's hooks again and frees its weights after "
+            f"it, before the backward that needs them; drop the recomputation, or use "
+            f"--data-parallel-sharding-strategy optim_grads")
+    split = [f"{name} {size}" for name, size in
+             (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+              ("--expert-model-parallel-size", args.expert_model_parallel_size)) if size > 1]
+    if (args.save or args.load) and split:
+        raise ConfigError(
+            "sharding strategy",
+            f"--data-parallel-sharding-strategy {strategy} saves and loads its slices at "
+            f"TP = EP = 1 only, got {', '.join(split)}: a slice's pieces are placed in the "
+            f"parameter's shape on this rank (tutorial_lib.dist_checkpointing.unit_piece), "
+            f"not in the whole tensor a TP or EP shard is part of; drop --save / --load, or "
+            f"train with --data-parallel-sharding-strategy optim, whose checkpoints load "
+            f"under any layout")
 
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:
@@ -411,6 +459,12 @@ def describe_run(args: TrainingArgs, legend: bool = True) -> str:
             ("recipe", args.precision_recipe), ("device", device), ("iterations", iterations)]
     if args.distributed_optimizer:
         rows.append(("optimizer", "Adam, ZeRO-1 (use_distributed_optimizer)"))
+    elif args.zero_stage == 2:
+        rows.append(("optimizer", "Adam, ZeRO-2 (optim_grads: gradients and optimizer state "
+                                  "sharded per layer)"))
+    elif args.zero_stage == 3:
+        rows.append(("optimizer", "Adam, ZeRO-3 (optim_grads_params: weights, gradients and "
+                                  "optimizer state sharded per layer, gathered when used)"))
     if args.recompute_granularity:
         how = ", ".join(f"{name} {value}" for name, value in
                         (("method", args.recompute_method), ("N =", args.recompute_num_layers))
@@ -444,8 +498,8 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     # DualPipe's two copies included)
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
-                                 use_distributed_optimizer=args.distributed_optimizer,
-                                 recompute=args.recompute)
+                                 data_parallel_sharding_strategy=args.sharding_strategy,
+                                 prefetch=False, recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:

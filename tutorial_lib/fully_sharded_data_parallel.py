@@ -57,6 +57,34 @@ HSDP means adding ``dp_shard`` and ``dp_replicate`` to every layout of the grid 
 :mod:`tutorial_lib.parallel_state`, then one all-reduce of each reduced slice over
 ``dp_replicate`` after its reduce-scatter.
 
+**In the 4D run** (:mod:`tutorial_lib.train_4d`, ``--data-parallel-sharding-strategy
+optim_grads`` or ``optim_grads_params``).  The units are each pipeline chunk's decoder
+layers and one root unit for the rank's other parameters; a unit holds one gradient domain, so a MoE layer is two
+units: its dense part sharded over ``dp`` (``dp_cp`` under context parallelism) and its
+routed experts over ``expert_dp``, each reduced with the divisor of
+:func:`~tutorial_lib.data_parallel.gradient_divisor`, as ZeRO-1's buffers are.  With
+gradient accumulation a unit is reduce-scattered at the end of *every* microbatch's
+backward through it, into the fp32 slice's gradient, as FSDP2 does by default (torch
+2.13.0, ``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``,
+``FSDPParamGroup.post_backward`` reduce-scatters whenever ``reduce_grads`` is true, and
+``_fsdp_collectives.py``'s ``foreach_reduce`` adds the result into the sharded
+``.grad``; ``set_requires_gradient_sync(False)`` is its ``no_sync``).  The other choice,
+Megatron-Core's distributed optimizer under ``no_sync`` (whole gradients accumulated
+over the microbatches, reduce-scattered in the last microbatch's backward), keeps every
+whole gradient alive through the step, which is the memory ZeRO-2 exists to free, and
+needs each chunk's last backward known to the hooks (a different moment in each
+schedule; chapter 11's W).  The price is ``M`` reduce-scatters of each unit per step
+instead of one.  It needs no help from the pipeline executor: the hooks fire when
+autograd accumulates a gradient, wherever the executor runs the backward (W included).
+Under TP the gradients of parameters flagged ``sequence_parallel`` are summed over TP on
+the reduced slices (:meth:`FSDPUnit.sum_sequence_parallel_grads`).  ZeRO-3's gathers need
+none either: the executor calls each layer module, so the pre-forward hook gathers the
+unit before every microbatch's forward through it; the backward's gather hangs on the
+module's output (a DeepSeek block's is a tuple ``(hidden, info)``: its first tensor); the
+root unit, whose parameters live in the embedding, the final LayerNorm and the output
+layer (the model's own forward is never called: ``forward_stage`` is), is gathered by
+those modules' hooks (``root_modules``) and kept from its first forward to its backward.
+
 Trace: every all-gather and reduce-scatter carries ``unit`` (the unit's name), ``phase``
 (``forward``, ``backward`` or ``optimizer``), ``zero`` (the stage) and, for an all-gather,
 ``prefetch`` (issued ahead of its unit) and ``op_name`` (the method that issued it).
@@ -70,8 +98,8 @@ from torch import nn
 
 from . import comm, parallel_state
 from .config import SHARDING_STRATEGIES, ZERO_STAGE
-from .data_parallel import (DataParallel, DistributedOptimizer, MixedPrecisionOptimizer,
-                            ShardedBuffer, gradient_divisor)
+from .data_parallel import (DOMAINS, DataParallel, DistributedOptimizer, MixedPrecisionOptimizer,
+                            ShardedBuffer, grad_domain, gradient_divisor)
 from .trace import get_tracer
 
 __all__ = ["SHARDING_STRATEGIES", "ZERO_STAGE", "check_sharding_strategy",
@@ -111,8 +139,8 @@ class FSDPUnit(ShardedBuffer):
 
     def __init__(self, name: str, module: nn.Module, params: list, stage: int,
                  mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                 reshard_after_forward: bool = True):
-        super().__init__("dp", params)
+                 reshard_after_forward: bool = True, domain: str = "dp"):
+        super().__init__(domain, params)
         self.name, self.module, self.stage = name, module, stage
         self.param_dtype = mp_policy.param_dtype or params[0].dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
@@ -125,12 +153,25 @@ class FSDPUnit(ShardedBuffer):
         self.unsharded: torch.Tensor | None = None
         self.span = None
         """The compute span open while the unit runs (ZeRO-3's hooks record it)."""
+        self.tensor_parallel_sum = self._sequence_parallel_elements()
+        """Where this rank's slice holds gradients of parameters flagged
+        ``sequence_parallel`` (LayerNorms under sequence parallelism, the MoE router under
+        TP): partial sums over the TP ranks' tokens, summed over TP after the reduce-scatter
+        (``None``: none, or TP = 1)."""
         if stage == 3:
             self.unsharded = torch.zeros(self.padded_numel, dtype=self.param_dtype,
                                          device=params[0].device)
             for p, flat in zip(params, self.unflatten(self.unsharded)):
                 p.data = flat  # a view of the flat buffer, in param_dtype
             self.reshard()
+
+    def _sequence_parallel_elements(self) -> torch.Tensor | None:
+        tp_group = DOMAINS[self.domain].tensor_parallel_group
+        if parallel_state.group_size(tp_group) == 1:
+            return None
+        flags = self.my_slice([torch.full_like(p, float(getattr(p, "sequence_parallel", False)))
+                               for p in self.params]).bool()
+        return flags if bool(flags.any()) else None
 
     @property
     def unsharded_bytes(self) -> int:
@@ -186,6 +227,24 @@ class FSDPUnit(ShardedBuffer):
             self.main_param.grad += out.float()
         self.reductions.clear()
 
+    def sum_sequence_parallel_grads(self) -> None:
+        """Sum over TP the slice's elements of sequence-parallel parameters.
+
+        What :func:`~tutorial_lib.tensor_parallel.allreduce_sequence_parallel_grads` does to
+        whole gradients, done here on the reduced slices (the whole gradients are freed by
+        then): the TP ranks of one DP rank hold units of the same shapes, so their slices
+        cover the same elements, and a sum over TP commutes with the reduce-scatter over DP
+        (both are sums).  It moves ``1 / DP`` of those gradients' bytes.
+        """
+        if self.tensor_parallel_sum is None:
+            return
+        grad = self.main_param.grad
+        partial = grad[self.tensor_parallel_sum]
+        with get_tracer().tags(unit=self.name, zero=self.stage, phase="grad_sync",
+                               op_name="FSDPUnit.sum_sequence_parallel_grads"):
+            comm.all_reduce(partial, group=DOMAINS[self.domain].tensor_parallel_group)
+        grad[self.tensor_parallel_sum] = partial
+
     def all_gather_params(self) -> None:
         with get_tracer().tags(unit=self.name, zero=self.stage,
                                op_name="FSDPUnit.all_gather_params"):
@@ -219,18 +278,25 @@ class FullyShardedDataParallel:
 
     ``units``: the submodules that are units, in the order they run, none inside another
     (a parameter belongs to the first unit listed that holds it); the model's remaining
-    parameters form the root unit, named ``"root"``.  ``strategy``: ``optim_grads`` or
+    parameters form the root unit, named ``"root"``.  A unit holds one gradient domain
+    (:data:`~tutorial_lib.data_parallel.DOMAINS`): ``group`` is the dense parameters'
+    (``dp``, or ``dp_cp`` under context parallelism), and a module's routed experts
+    (``expert_dp``) become a unit of their own, sharded over expert-DP.  ``strategy``: ``optim_grads`` or
     ``optim_grads_params``.  ``reshard_after_forward``: ``None`` frees every unit but the
     root after its forward (FSDP2's default: the root is needed again as soon as
     backward starts), ``True`` every unit, ``False`` none.  ``prefetch``: issue the next
     unit's all-gather before this one computes.  ``mp_policy``: ZeRO-3 only.
+    ``root_modules``: the modules whose forward gathers the root unit under ZeRO-3 (default:
+    the model's own); the 4D run's stages call their embedding, final LayerNorm and output
+    layer, never the model.
 
     Call :meth:`finish_grad_sync` after the last backward of a step (the optimizer does).
     """
 
     def __init__(self, model: nn.Module, units, strategy: str = "optim_grads_params",
                  reshard_after_forward: bool | None = None, prefetch: bool = True,
-                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()):
+                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), group: str = "dp",
+                 root_modules=None):
         strategy = check_sharding_strategy(strategy)
         self.stage = ZERO_STAGE[strategy]
         if self.stage < 2:
@@ -240,12 +306,6 @@ class FullyShardedDataParallel:
         if self.stage == 2 and mp_policy != MixedPrecisionPolicy():
             raise ValueError("mp_policy casts the gathered parameters (ZeRO-3); under optim_grads "
                              "the parameters stay whole: convert the model (model.bfloat16())")
-        tp = parallel_state.group_size("tp")
-        if tp > 1:
-            raise ValueError(f"{strategy} runs here on the data-parallel ranks of a model with "
-                             f"TP = 1, but this rank's TP group has {tp} ranks: the course "
-                             f"tests no sharded gradients beside tensor-parallel ones; use "
-                             f"TP = 1, or 'optim' (ZeRO-1) with TP")
         self.model, self.strategy, self.prefetch = model, strategy, prefetch
         modules = list(units)
         names = {id(m): n for n, m in model.named_modules()}
@@ -254,14 +314,13 @@ class FullyShardedDataParallel:
         for module in modules:
             params = [p for p in module.parameters() if p.requires_grad and id(p) not in owned]
             owned.update(id(p) for p in params)
-            self.units.append(FSDPUnit(names[id(module)], module, params, self.stage, mp_policy,
-                                       True if reshard_after_forward is None
-                                       else reshard_after_forward))
+            self.units += self._units_by_domain(names[id(module)], module, params, group,
+                                                mp_policy, True if reshard_after_forward is None
+                                                else reshard_after_forward)
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in owned]
-        if rest:
-            root = FSDPUnit("root", model, rest, self.stage, mp_policy,
-                            bool(reshard_after_forward))
-            self.units.insert(0, root)  # it runs first: its pre-forward hook is the model's
+        # the root runs first: its pre-forward hook is the model's
+        self.units[:0] = self._units_by_domain("root", model, rest, group, mp_policy,
+                                               bool(reshard_after_forward))
         self.forward_order = list(self.units)
         self.post_forward_order: list[FSDPUnit] = []
         self.peak_unsharded_bytes = 0
@@ -272,10 +331,26 @@ class FullyShardedDataParallel:
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     lambda p, unit=unit: self.on_grad_ready(unit, p)))
             if self.stage == 3:
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    lambda module, args, unit=unit: self.pre_forward(unit)))
-                self._handles.append(unit.module.register_forward_hook(
-                    lambda module, args, output, unit=unit: self.post_forward(unit, output)))
+                hooked = [unit.module]
+                if unit.module is model and root_modules is not None:
+                    hooked = list(root_modules)
+                for module in hooked:
+                    self._handles.append(module.register_forward_pre_hook(
+                        lambda module, args, unit=unit: self.pre_forward(unit)))
+                    self._handles.append(module.register_forward_hook(
+                        lambda module, args, output, unit=unit: self.post_forward(unit, output)))
+
+    def _units_by_domain(self, name: str, module: nn.Module, params: list, group: str,
+                         mp_policy, reshard_after_forward: bool) -> list[FSDPUnit]:
+        """One unit per gradient domain of ``params`` (:data:`~tutorial_lib.data_parallel.DOMAINS`):
+        a MoE layer's routed experts (``expert_dp``) are a unit of their own, named
+        ``"<module>[expert_dp]"``, sharded over the expert data-parallel group."""
+        by_domain: dict[str, list] = {}
+        for p in params:
+            by_domain.setdefault(grad_domain(p, group), []).append(p)
+        return [FSDPUnit(name if domain == group else f"{name}[{domain}]", module, members,
+                         self.stage, mp_policy, reshard_after_forward, domain)
+                for domain, members in by_domain.items()]
 
     def _note_unsharded(self) -> None:
         held = sum(u.unsharded_bytes for u in self.units)
@@ -313,8 +388,12 @@ class FullyShardedDataParallel:
         self.post_forward_order.append(unit)
         if unit.reshard_after_forward:
             unit.reshard()
-        if torch.is_tensor(output) and output.requires_grad:
-            return _PreBackward.apply(self, unit, output)
+        # the backward's gather hangs on the output: a tensor, or a tuple's first (a
+        # DeepSeek block returns ``(hidden, info)``)
+        first = output[0] if isinstance(output, tuple) and output else output
+        if torch.is_tensor(first) and first.requires_grad:
+            first = _PreBackward.apply(self, unit, first)
+            return (first,) + output[1:] if isinstance(output, tuple) else first
         return output
 
     def pre_backward(self, unit: FSDPUnit) -> None:
@@ -346,6 +425,7 @@ class FullyShardedDataParallel:
                     unit.reshard()
         for unit in self.units:
             unit.finish_reduce_scatter()
+            unit.sum_sequence_parallel_grads()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

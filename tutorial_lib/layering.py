@@ -90,7 +90,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "dist_checkpointing": ("checkpointing", "data_parallel", "fully_sharded_data_parallel",
                            "parallel_state"),
     "train_4d": ("arguments", "checkpointing", "comm", "context_parallel", "data",
-                 "data_parallel", "deepseek", "devices", "launch", "memory", "moe_balance",
+                 "data_parallel", "deepseek", "devices", "fully_sharded_data_parallel",
+                 "launch", "memory", "moe_balance",
                  "parallel_state", "pipeline_parallel", "precision", "tp_dp_step",
                  "trace"),
     # closed-form predictions (no torch at import)

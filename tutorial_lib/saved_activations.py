@@ -47,7 +47,9 @@ class SavedTensorBytes:
     """
 
     def __init__(self, exclude=(), key: Callable[[], Hashable] | None = None):
-        self.exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        # by the storage itself, not its address: a ZeRO-3 unit frees its parameters'
+        # storage between uses and gathers it again elsewhere (resize_ keeps the storage)
+        self.exclude = {p.untyped_storage()._cdata for p in exclude}
         self.seen: set[int] = set()
         self.bytes = 0
         self.key = key
@@ -57,7 +59,7 @@ class SavedTensorBytes:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
-        if pointer not in self.exclude and pointer not in self.seen:
+        if storage._cdata not in self.exclude and pointer not in self.seen:
             self.seen.add(pointer)
             self.bytes += storage.nbytes()
             if self.key is not None:

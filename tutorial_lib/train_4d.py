@@ -82,6 +82,24 @@ domain over its own group (dense over ``dp``, routed experts over ``expert_dp``,
 divided by the dense DP size), clips, updates its slice with Adam and all-gathers the
 parameters.  The losses are plain Adam's to fp32 rounding on every layout.
 
+**ZeRO-2** (``data_parallel_sharding_strategy="optim_grads"``, Megatron-FSDP's name): each
+chunk's decoder layers are units of :mod:`tutorial_lib.fully_sharded_data_parallel`, one
+per gradient domain (a MoE layer's routed experts apart, sharded over ``expert_dp``),
+beside a root unit of the rank's other parameters.  Each unit's gradients are
+reduce-scattered from the gradient hooks as soon as a microbatch's backward through it
+ends, added into its fp32 slice and freed (FSDP2's default under gradient accumulation);
+the step clips the slices by the global norm, updates them with Adam and all-gathers each
+unit's weights.  The losses are plain Adam's to fp32 rounding on every layout.
+
+**ZeRO-3** (``optim_grads_params``): the same units, whose weights exist only as slices
+between uses.  The executor calls each layer module, so the units' hooks gather a layer
+before every microbatch's forward through it and free it after; the backward gathers it
+again through a hook on the block's output and frees it once its gradients are in.  The
+root unit is gathered by its modules' hooks (embedding, final LayerNorm, output layer)
+and kept until its backward.  No prefetch.  Not with chapter 11's split backwards (B and
+W are separate passes) nor with recomputation (the recomputed forward would free the
+weights its backward needs): :func:`tutorial_lib.arguments.validate_args`.
+
 **Activation recomputation** (``recompute_granularity``, ``recompute_method``,
 ``recompute_num_layers``, Megatron's flags): each chunk recomputes the layers or the core
 attention :mod:`tutorial_lib.recompute` says, in backward; the losses and gradients are
@@ -117,6 +135,7 @@ from .data import split_global_batch, split_microbatches, synthetic_batch
 from .context_parallel import split_for_cp_rank
 from .data_parallel import DataParallel, DistributedOptimizer
 from .deepseek import DeepSeekModel, Microbatch
+from .fully_sharded_data_parallel import FullyShardedDataParallel, FullyShardedOptimizer
 from .devices import synchronize
 from .memory import measure_state_bytes
 from .moe_balance import max_violation, update_expert_bias
@@ -225,6 +244,41 @@ def _update_expert_biases(chunks: list[DeepSeekModel], args: TrainingArgs) -> li
     return violations
 
 
+def _data_parallel(args: TrainingArgs, chunks, modules, dense_group: str):
+    """``(model, optimizer, sync)`` for the run's sharding strategy
+    (:attr:`~tutorial_lib.arguments.TrainingArgs.zero_stage`); ``sync``: ``model`` is a
+    :class:`~tutorial_lib.data_parallel.DataParallel` whose all-reduce waits for the last
+    microbatch (``no_sync`` around the schedule).
+
+    ZeRO 0: ``DataParallel`` (when a domain has replicas) and Adam; ZeRO-1: the bare
+    chunks and a :class:`~tutorial_lib.data_parallel.DistributedOptimizer` that
+    reduce-scatters in its step; ZeRO-2: the chunks sharded in place, one unit per decoder
+    layer and gradient domain plus the root
+    (:class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedDataParallel`), their
+    reduce-scatters issued from the gradient hooks in every microbatch's backward, and a
+    :class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedOptimizer`; ZeRO-3 the
+    same units, each gathered by its module's hooks before every microbatch's forward and
+    backward and freed after (the root, kept from its first forward to its backward, by
+    the hooks of the embedding, final LayerNorm and output layer), without prefetch.
+    """
+    stage = args.zero_stage
+    if stage >= 2:
+        units = [layer for chunk in chunks for layer in chunk.layers.values()]
+        roots = [getattr(chunk, name) for chunk in chunks  # what gathers the root (ZeRO-3)
+                 for name in ("embedding", "final_layernorm", "output_layer")
+                 if getattr(chunk, name, None) is not None]
+        fsdp = FullyShardedDataParallel(modules, units, args.sharding_strategy, prefetch=False,
+                                        group=dense_group, root_modules=roots)
+        return modules, FullyShardedOptimizer(fsdp, torch.optim.Adam, lr=args.lr), False
+    if stage == 1:
+        return modules, DistributedOptimizer(modules.parameters(), torch.optim.Adam,
+                                             group=dense_group, lr=args.lr), False
+    sync = (parallel_state.get_size(dense_group) > 1
+            or parallel_state.get_size("expert_dp") > 1)
+    model = DataParallel(modules, group=dense_group) if sync else modules
+    return model, torch.optim.Adam(modules.parameters(), lr=args.lr), sync
+
+
 def _measured_memory(modules, optimizer, out, device) -> dict:
     """This rank's bytes after the step (chapter 10): weights, gradients and optimizer state
     from the tensors, the saved activations per ``"microbatch,chunk"`` and their peak from
@@ -304,13 +358,7 @@ def train_worker(ctx, args: TrainingArgs, on_step=None, on_save=None, stop=None)
     modules = torch.nn.ModuleList(chunks)
     cp = parallel_state.get_size("cp")
     dense_group = "dp_cp" if cp > 1 else "dp"  # the dense weights' replicas: DP, times CP
-    zero1 = args.distributed_optimizer  # ZeRO-1 replaces DataParallel's all-reduce
-    sync = not zero1 and (parallel_state.get_size(dense_group) > 1
-                          or parallel_state.get_size("expert_dp") > 1)
-    model = DataParallel(modules, group=dense_group) if sync else modules
-    optimizer = (DistributedOptimizer(modules.parameters(), torch.optim.Adam, group=dense_group,
-                                      lr=args.lr) if zero1
-                 else torch.optim.Adam(modules.parameters(), lr=args.lr))
+    model, optimizer, sync = _data_parallel(args, chunks, modules, dense_group)
     first_step = 0
     if args.load:  # imported here: DCP and DTensor cost every worker ~0.6 s to import
         from .dist_checkpointing import load_checkpoint

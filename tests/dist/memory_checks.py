@@ -20,7 +20,7 @@ def predicted_memory(args):
     """The model's prediction for ``args`` (a ``TrainingArgs``), one entry per pipeline rank."""
     parallel, model, train = args.configs()
     return costs.memory_per_rank(model, parallel, train, args.schedule, args.chunks_per_rank,
-                                 use_distributed_optimizer=args.use_distributed_optimizer,
+                                 data_parallel_sharding_strategy=args.sharding_strategy,
                                  recompute=args.recompute)
 
 

@@ -12,6 +12,8 @@ Real gloo ranks throughout.  One small model (12 layers so that PP = 3 and 4 div
                      optim), --save-interval 2
     ep_to_world_1    world 1, plain Adam, --load ep_zero's iter 2      -> steps 2, 3
     pp3_zero         6 ranks, PP3 x DP2, ZeRO-1, --save-interval 2; then resumed at iter 2
+    pp3_zero3        6 ranks, PP3 x DP2, ZeRO-3 (optim_grads_params), --save-interval 2
+    zero3_to_pp4     8 ranks, PP4 x DP2, ZeRO-1 (optim), --load pp3_zero3's iter 2 -> steps 2, 3
 
 Tolerances: the same layout resumed gives **identical bits** (the same sums in the same
 order from the same state).  Another layout gives the uninterrupted losses to fp32
@@ -115,6 +117,13 @@ def run(name: str, root: str):
     if name == "pp3_zero":
         return train(replace(BASE, **PP3_DP2, use_distributed_optimizer=True, save=str(d / "e"),
                              save_interval=2))
+    if name == "pp3_zero3":
+        return train(replace(BASE, **PP3_DP2, data_parallel_sharding_strategy="optim_grads_params",
+                             save=str(d / "z"), save_interval=2))
+    if name == "zero3_to_pp4":
+        run("pp3_zero3", root)
+        return train(replace(BASE, **PP4_DP2, data_parallel_sharding_strategy="optim",
+                             load=str(d / "z"), ckpt_step=2))
     if name == "pp3_zero_resumed":
         run("pp3_zero", root)
         return train(replace(BASE, **PP3_DP2, use_distributed_optimizer=True, load=str(d / "e"),
@@ -179,6 +188,16 @@ def test_zero1_with_three_stages_trains_and_resumes_like_plain_adam(ckpt_root):
     zero = losses(run("pp3_zero", ckpt_root))
     assert_close(zero, reference, range(4))
     assert losses(run("pp3_zero_resumed", ckpt_root)) == {2: zero[2], 3: zero[3]}  # same bits
+
+
+def test_zero3_in_the_4d_run_saves_slices_that_resume_under_zero1_on_another_layout(ckpt_root):
+    """train_4d under ZeRO-3 on PP3 x DP2 writes each unit's fp32 slices and Adam moments as
+    boxes of the parameters' global names (``dist_checkpointing.unit_piece``, nothing
+    gathered); PP4 x DP2 under ZeRO-1 loads iteration 2 and trains steps 2 and 3 with the
+    uninterrupted plain-Adam losses (``ATOL``: the sums run in another order)."""
+    reference = losses(run("reference", ckpt_root))
+    assert_close(losses(run("pp3_zero3", ckpt_root)), reference, range(4))
+    assert_close(losses(run("zero3_to_pp4", ckpt_root)), reference, [2, 3])
 
 
 # --- what each rank wrote ----------------------------------------------------------------

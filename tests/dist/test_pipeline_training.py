@@ -85,11 +85,13 @@ def plain_serial_losses(args: TrainingArgs) -> list[float]:
 
 
 def world_one_args(args: TrainingArgs) -> TrainingArgs:
-    """The world-size-1 run of ``args``'s model and batch."""
+    """The world-size-1 run of ``args``'s model and batch, with plain Adam (no sharding
+    strategy: what ``--world-size 1`` runs)."""
     return replace(args, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                    expert_model_parallel_size=1, expert_tensor_parallel_size=None,
                    context_parallel_size=1, cp_comm_type="p2p", sequence_parallel=False,
-                   schedule="1f1b", p2p_mode="batched")
+                   schedule="1f1b", p2p_mode="batched", use_distributed_optimizer=False,
+                   data_parallel_sharding_strategy=None)
 
 
 def _train_each(ctx, runs: list[TrainingArgs]) -> list[list[dict]]:
@@ -262,12 +264,72 @@ def test_a_dense_model_trains_like_world_size_one_too():
     assert_same_losses(DENSE)
 
 
+#: ZeRO-2 (``--data-parallel-sharding-strategy optim_grads``) in the launches above: PP 3 x
+#: EP 2 x DP 2 under 1F1B and under ZBV (chapter 11's W fills the gradients the hooks
+#: reduce), EP 2 x CP 2 (dense units sharded over DP x CP = 4, experts over EDP 2), and TP 2
+#: x PP 2 x DP 2 on the dense model (clipping over TP and DP); TP 2 x EP 2 x PP 3 with
+#: sequence parallelism runs in the TP x EP sweep (``SP_RUNS``).
+ZERO2 = dict(data_parallel_sharding_strategy="optim_grads")
+ZERO2_RUNS = {"pp3-ep2-dp2": layout_args(1, 3, 2, 6, **ZERO2),
+              "pp3-ep2-dp2-zbv": replace(schedule_args("zbv", "batched", 1, 3, 2, 6), **ZERO2),
+              "ep2-cp2-dp2": layout_args(1, 1, 2, 4, context_parallel_size=2, **ZERO2),
+              "tp2-pp2-dp2-dense": layout_args(2, 2, 1, 8, num_experts=0, **ZERO2)}
+
+
+#: ZeRO-3 (``optim_grads_params``) in the same launches: PP 3 x EP 2 x DP 2 under 1F1B and
+#: under the interleaved schedule (two chunks per rank, microbatches in flight: each layer
+#: gathered and freed once per microbatch's forward and again per backward), EP 2 x CP 2,
+#: and TP 2 x PP 2 x DP 2 on the dense model.
+ZERO3 = dict(data_parallel_sharding_strategy="optim_grads_params")
+ZERO3_RUNS = {"pp3-ep2-dp2": layout_args(1, 3, 2, 6, **ZERO3),
+              "pp3-ep2-dp2-interleaved": replace(schedule_args("interleaved", "batched", 1, 3, 2, 6),
+                                                 **ZERO3),
+              "ep2-cp2-dp2": layout_args(1, 1, 2, 4, context_parallel_size=2, **ZERO3),
+              "tp2-pp2-dp2-dense": layout_args(2, 2, 1, 8, num_experts=0, **ZERO3)}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO3_RUNS))
+def test_zero3_trains_like_world_size_one(name):
+    """ZeRO-3 in the 4D run gives the world-size-1 losses (plain Adam, ``ATOL``): the
+    pipeline executor calls each layer module, whose hooks gather the unit before every
+    microbatch's forward and, through the block's output, before its backward; the root
+    is gathered by the hooks of the embedding, final LayerNorm and output layer.  Gathering
+    copies values, so only the order of fp32 sums differs, as under ZeRO-2.  After each
+    step every rank holds no whole weight (every unit freed) and the slices the memory
+    model predicts, to the byte (:func:`records_of`), saved activations included: a
+    gathered weight that autograd keeps is a parameter's storage, not an activation."""
+    args = ZERO3_RUNS[name]
+    validate_args(args)
+    assert args.zero_stage == 3
+    assert_same_losses(args)
+    for rank in records_of(args):
+        assert every(r["memory"]["weights"] == 0 for r in rank)
+
+
+@pytest.mark.parametrize("name", sorted(ZERO2_RUNS))
+def test_zero2_trains_like_world_size_one(name):
+    """ZeRO-2 in the 4D run gives the world-size-1 losses (plain Adam, ``ATOL``): each
+    unit's gradients reduce-scattered in every microbatch's backward and summed into its
+    fp32 slice (FSDP2's default, torch 2.13.0 ``FSDPParamGroup.post_backward``), dense units
+    over ``dp`` (``dp_cp`` under CP), a MoE layer's experts over ``expert_dp``.  Only the
+    order of fp32 sums differs from the other strategies, so their tolerance holds.  Every
+    rank's weights, gradients (its slices' only) and optimizer state equal the memory
+    model's ZeRO-2 to the byte (:func:`records_of`)."""
+    args = ZERO2_RUNS[name]
+    validate_args(args)
+    assert args.zero_stage == 2
+    assert_same_losses(args)
+    for rank in records_of(args):  # the whole gradients were freed: only fp32 slices remain
+        assert every(r["memory"]["gradients"] * 3 == r["memory"]["optimizer"] for r in rank)
+
+
 def every_run() -> list[TrainingArgs]:
     """Every run the equivalence tests above compare (those of a world size train in one
     launch: :func:`trained`), and the world-size-1 run of each, the TP x EP sweep's included."""
     runs = [layout_args(*layout) for layout in LAYOUTS]
     runs += [schedule_args(s, m, *layout) for s, m in SCHEDULE_MODES for layout in SCHEDULE_LAYOUTS]
     runs += [cp_args(*layout) for layout in CP_LAYOUTS] + [CP_ZERO1, DENSE]
+    runs += list(ZERO2_RUNS.values()) + list(ZERO3_RUNS.values())
     sweep = [args for world in TP_EP_WORLDS for args in tp_ep_runs(world).values()]
     dropout = [dropout_args(*layout) for layout in DROPOUT_LAYOUTS]  # against the plain loop
     return runs + dropout + [world_one_args(args) for args in runs + sweep]
@@ -370,13 +432,17 @@ def _tp_ep_args(tp, pp, ep, etp, world, schedule="1f1b", mode="batched", **chang
 #: CP 2 and PP 2 (TP 2 x CP 2 x PP 2 x EP 2 on 8 ranks: messages of s / (CP TP) tokens,
 #: labels of s / CP).  Name suffix -> (layout, changes).
 SP_RUNS = {"sp": ((2, 3, 2, 1, 6), dict(sequence_parallel=True)),
-           "sp-cp2": ((2, 2, 2, 1, 8), dict(sequence_parallel=True, context_parallel_size=2))}
+           "sp-cp2": ((2, 2, 2, 1, 8), dict(sequence_parallel=True, context_parallel_size=2)),
+           "sp-zero2": ((2, 3, 2, 1, 6), dict(sequence_parallel=True,
+                                              data_parallel_sharding_strategy="optim_grads"))}
 
 
 def _wants_gradients(args: TrainingArgs) -> bool:
     """The gradient check's helper runs train_4d's step without CP (its aux-loss scale and
-    dp group are CP-free) and with one backward per microbatch."""
-    return args.schedule not in SPLIT_BACKWARD and args.context_parallel_size == 1
+    dp group are CP-free), with one backward per microbatch and DataParallel's whole
+    gradients (not ZeRO-2's slices)."""
+    return (args.schedule not in SPLIT_BACKWARD and args.context_parallel_size == 1
+            and args.zero_stage < 2)
 
 
 def _tp_ep_gradients(ctx, args: TrainingArgs) -> dict:

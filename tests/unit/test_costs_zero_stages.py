@@ -134,10 +134,33 @@ def test_memory_per_rank_under_each_strategy():
                                                      use_distributed_optimizer=True)[0]
     with pytest.raises(ValueError, match="must divide DP x CP"):
         predict("optim", num_distributed_optimizer_instances=3)
+
+
+
+def test_zero2_and_zero3_slice_a_moe_layers_experts_over_expert_dp():
+    """ZeRO-2 and ZeRO-3 in train_4d: a MoE layer is two units, its dense part sliced over
+    DP (4 here) and its routed experts over expert-DP (EP 2 on 4 ranks: EDP 2); the root
+    (embedding, final LayerNorm, head) over DP.  Both layers are MoE (first_k_dense_replace
+    0).  ZeRO-3 keeps the same slices and no whole weight; at its peak (no prefetch, every
+    unit but the root freed after its forward) the root and one layer, both units of it."""
+    from tutorial_lib.costs.memory_model import expert_parameters, layer_parameters
     moe = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8,
-                      vocab_size=32, num_experts=4)
-    with pytest.raises(ValueError, match="routed experts"):
-        costs.memory_per_rank(moe, parallel, train, data_parallel_sharding_strategy="optim_grads")
+                      vocab_size=32, num_experts=4, first_k_dense_replace=0)
+    parallel, train = ParallelConfig(4, expert_model_parallel_size=2), TrainConfig(8, 1)
+    zero2 = costs.memory_per_rank(moe, parallel, train,
+                                  data_parallel_sharding_strategy="optim_grads")[0]
+    layer, experts = layer_parameters(moe, 0, 1, 2), expert_parameters(moe, 2)
+    assert experts == 3 * 2 * 16 * 16  # two local experts: gate, up, down of 16 x 16
+    root = 32 * 16 + 8 * 16 + 2 * 16 + 32 * 16  # word and position tables, final LN, head
+    assert zero2.parameters == root + 2 * layer
+    mine = -(-root // 4) + 2 * (-(-(layer - experts) // 4) + experts // 2)
+    assert (zero2.weights, zero2.gradients, zero2.optimizer) == (
+        4 * zero2.parameters, 4 * mine, 12 * mine)
+    zero3 = costs.memory_per_rank(moe, parallel, train, prefetch=False,
+                                  data_parallel_sharding_strategy="optim_grads_params")[0]
+    assert (zero3.weights, zero3.gradients, zero3.optimizer) == (0, 4 * mine, 12 * mine)
+    padded = lambda n, s: -(-n // s) * s  # noqa: E731 - a unit's gathered length
+    assert zero3.gathered == 4 * (padded(root, 4) + padded(layer - experts, 4) + experts)
 
 
 def test_the_memory_command_line_takes_the_strategy(capsys):

@@ -33,13 +33,3 @@ def test_a_mixed_precision_policy_is_zero3s():
     with pytest.raises(ValueError, match="model.bfloat16"):
         FullyShardedDataParallel(model, model.layers, "optim_grads",
                                  mp_policy=MixedPrecisionPolicy(torch.bfloat16))
-
-
-def test_tensor_parallel_ranks_are_refused(monkeypatch):
-    """The sharded stages are run and tested at TP = 1 only: a TP group of 2 is refused
-    with the rule and a fix (the group size read as the layers read it)."""
-    from tutorial_lib import parallel_state
-    model = GPTModel(CONFIG, tp_group=None)
-    monkeypatch.setattr(parallel_state, "group_size", lambda kind: 2 if kind == "tp" else 1)
-    with pytest.raises(ValueError, match="TP group has 2 ranks.*use TP = 1, or 'optim'"):
-        FullyShardedDataParallel(model, model.layers, "optim_grads_params")

@@ -220,11 +220,21 @@ BAD_RUN_VALUES = [  # (changes, rule, fragments of the message: the rule, the va
     (dict(steps=2.0), "malformed", ["steps must be a whole number, got 2.0", "write 2 instead of 2.0"]),
     (dict(world_size=2, tensor_model_parallel_size=2, seq_length=15), "rule 6", ["seq_length (15)"]),
     (dict(hidden_size=2**16, num_layers=64), "memory", ["pipeline rank 0 (1 rank, each", "Fix:"]),
-    (dict(data_parallel_sharding_strategy="optim_grads"), "sharding strategy",
-     ["got optim_grads (ZeRO-2)", "--data-parallel-sharding-strategy optim here",
-      "tutorial_lib.fully_sharded_data_parallel (chapter 12)"]),
-    (dict(data_parallel_sharding_strategy="optim_grads_params"), "sharding strategy",
-     ["got optim_grads_params (ZeRO-3)", "chapter 12"]),
+    (dict(data_parallel_sharding_strategy="optim_grads_params", schedule="zbv", world_size=2,
+          pipeline_model_parallel_size=2, num_layers=4), "sharding strategy",
+     ["optim_grads_params does not run with --schedule zbv", "in W, a later pass",
+      "use --schedule 1f1b", "--data-parallel-sharding-strategy optim_grads"]),
+    (dict(data_parallel_sharding_strategy="optim_grads_params", recompute_granularity="selective"),
+     "sharding strategy", ["optim_grads_params does not run with --recompute-granularity selective",
+                           "frees its weights after it", "drop the recomputation"]),
+    (dict(data_parallel_sharding_strategy="optim_grads", schedule="dualpipe", world_size=2,
+          pipeline_model_parallel_size=2, num_layers=4), "sharding strategy",
+     ["optim_grads does not run with --schedule dualpipe", "sum_model_copy_gradients",
+      "use --schedule dualpipev"]),
+    (dict(data_parallel_sharding_strategy="optim_grads", save="ckpt", world_size=2,
+          tensor_model_parallel_size=2), "sharding strategy",
+     ["at TP = EP = 1 only, got --tensor-model-parallel-size 2", "unit_piece",
+      "drop --save / --load", "--data-parallel-sharding-strategy optim"]),
     (dict(data_parallel_sharding_strategy="no_shard", use_distributed_optimizer=True),
      "sharding strategy", ["--data-parallel-sharding-strategy is no_shard",
                            "give one of the two"]),
@@ -647,11 +657,15 @@ def test_the_sharding_strategy_flag_takes_megatron_fsdps_names(train_4d_script, 
                          (["--data-parallel-sharding-strategy", "optim"], True),
                          (["--data-parallel-sharding-strategy", "optim",
                            "--use-distributed-optimizer"], True),
-                         (["--data-parallel-sharding-strategy", "no_shard"], False)):
+                         (["--data-parallel-sharding-strategy", "no_shard"], False),
+                         (["--data-parallel-sharding-strategy", "optim_grads"], False),
+                         (["--data-parallel-sharding-strategy", "optim_grads_params"], False)):
         args, _ = train_4d_script.parse_args(["--world-size", "2", *flags])
         validate_args(args)
         assert args.distributed_optimizer is zero1, flags
         assert ("ZeRO-1" in describe_run(args)) is zero1, flags
+        for stage, name in ((2, "optim_grads"), (3, "optim_grads_params")):
+            assert (f"ZeRO-{stage}" in describe_run(args)) is (name in flags), flags
     with pytest.raises(SystemExit) as exit_:
         train_4d_script.parse_args(["--data-parallel-sharding-strategy", "zero3"])
     assert exit_.value.code == 2

@@ -465,7 +465,8 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     as ``use_distributed_optimizer``), ``optim_grads`` (ZeRO-2) or ``optim_grads_params``
     (ZeRO-3), as :mod:`tutorial_lib.fully_sharded_data_parallel` runs them: one unit per
     decoder layer and a root unit for the rank's other parameters, each unit's slice
-    ``ceil(n / S)``; ZeRO-2 keeps the whole weights, the slices' fp32 gradients, master
+    ``ceil(n / S)`` (a MoE layer's routed experts a unit of their own, sliced over
+    expert-DP: ``ceil(n / EDP)``, gathered with its layer under ZeRO-3); ZeRO-2 keeps the whole weights, the slices' fp32 gradients, master
     and moments (the whole gradients are freed once reduced); ZeRO-3 keeps no whole
     weight between steps, :attr:`RankMemory.gathered` at the peak
     (``reshard_after_forward``, ``prefetch``: the run's).  ``S`` is the dense sharding
@@ -493,9 +494,6 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
         raise ValueError(f"unknown data-parallel sharding strategy {strategy!r}: one of "
                          f"{', '.join(ZERO_STAGE)}")
     zero_stage = ZERO_STAGE[strategy]
-    if zero_stage >= 2 and model.num_experts:
-        raise ValueError(f"{strategy} shards dense models here; num_experts = {model.num_experts}: "
-                         f"routed experts are sharded over expert-DP by optim (ZeRO-1) only")
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     cp = parallel.context_parallel_size
     pp, v = parallel.pipeline_model_parallel_size, virtual_pipeline_size
@@ -515,12 +513,14 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
     out = []
     for rank in (range(pp) if pipeline_ranks is None else pipeline_ranks):
         params = experts = 0
-        per_chunk, parts, layer_sizes = [], {}, []
+        per_chunk, parts, layer_sizes, layer_experts = [], {}, [], []
         for stage in (model_stage(placement, rank, c, pp) for c in range(v)):
             layers = stage_layer_range(model.num_layers, stage, stages, stage_layers)
             layer_sizes += [layer_parameters(model, i, tp, ep, etp) for i in layers]
+            layer_experts += [expert_parameters(model, ep, etp) if _is_moe(model, i) else 0
+                              for i in layers]
             params += sum(layer_sizes[-len(layers):])
-            experts += sum(expert_parameters(model, ep, etp) for i in layers if _is_moe(model, i))
+            experts += sum(layer_experts[-len(layers):])
             if stage == 0:
                 rope = getattr(model, "position_embedding_type", "learned_absolute") == "rope"
                 params += vocab * h // tp + (0 if rope else s * h)   # word and position tables
@@ -539,17 +539,20 @@ def memory_per_rank(model, parallel, train, schedule: str = "1f1b", virtual_pipe
             mine = math.ceil(dense / shard) + (math.ceil(experts / edp) if experts else 0)
             optimizer = (4 + bytes_.moments) * mine       # fp32 master of the slice + moments
             gradients += 4 * mine                         # the slice's fp32 gradient
-        elif zero_stage >= 2:  # a unit per layer, the root unit first
+        elif zero_stage >= 2:  # a unit per layer and domain, the root unit first
             rest = params - sum(layer_sizes)
-            units = ([rest] if rest else []) + layer_sizes
+            units = ([rest] if rest else []) + [n - e for n, e in zip(layer_sizes, layer_experts)]
             mine = sum(unit_slice_numel(n, shard) for n in units)
+            mine += sum(unit_slice_numel(e, edp) for e in layer_experts if e)  # over expert-DP
             optimizer = (4 + bytes_.moments) * mine
             gradients = 4 * mine                          # the whole gradients are freed
-            if zero_stage == 3:
+            if zero_stage == 3:  # a MoE layer's two units are gathered together
                 weights = 0
+                whole = [unit_slice_numel(n, shard) * shard for n in units]
+                for i, e in enumerate(layer_experts):
+                    whole[i + bool(rest)] += unit_slice_numel(e, edp) * edp if e else 0
                 gathered = bytes_.weight * peak_unsharded_numel(
-                    [unit_slice_numel(n, shard) * shard for n in units], reshard_after_forward,
-                    prefetch, root=bool(rest))
+                    whole, reshard_after_forward, prefetch, root=bool(rest))
         else:
             optimizer = (bytes_.master + bytes_.moments) * params
         in_flight = expected_peak_activations(schedule, pp, m, rank, v)
