@@ -362,7 +362,11 @@ def _card_optimizer_moments():
     import inspect
 
     from tutorial_lib import train_4d
-    source = inspect.getsource(train_4d.train_worker)
+    # train_worker builds its optimizer in _data_parallel (plain, ZeRO-1, ZeRO-2/3): Adam,
+    # and nothing in either casts to bf16
+    source = (inspect.getsource(train_4d.train_worker)
+              + inspect.getsource(train_4d._data_parallel))
+    assert "_data_parallel(" in inspect.getsource(train_4d.train_worker)
     assert "torch.optim.Adam" in source and "bfloat16" not in source
     param = torch.nn.Parameter(torch.randn(4))
     optimizer = torch.optim.Adam([param])
