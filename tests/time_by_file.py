@@ -8,6 +8,7 @@ that a CI log says which part of the suite to make faster.
 """
 from __future__ import annotations
 
+import posixpath
 import time
 from collections import defaultdict
 
@@ -30,11 +31,6 @@ def pytest_runtest_logreport(report):
     _TOTALS[report.nodeid.split("::", 1)[0]] += report.duration
 
 
-def folder_of(path: str) -> str:
-    """``tests/dist/test_x.py`` -> ``tests/dist``; ``notebooks/01.ipynb`` -> ``notebooks``."""
-    return path.rsplit("/", 1)[0] if "/" in path else path
-
-
 def pytest_terminal_summary(terminalreporter, config):
     totals = dict(_TOTALS)
     if not totals or _STARTED not in config.stash:
@@ -42,7 +38,7 @@ def pytest_terminal_summary(terminalreporter, config):
     wall = time.monotonic() - config.stash[_STARTED]
     folders: dict[str, float] = defaultdict(float)
     for path, seconds in totals.items():
-        folders[folder_of(path)] += seconds
+        folders[posixpath.dirname(path) or "."] += seconds
     write = terminalreporter.write_line
     terminalreporter.section("time by folder and by file (setup + call + teardown)")
     write(f"{'folder':<44}{'seconds':>9}{'share':>8}")

@@ -116,15 +116,16 @@ UNTIMED_SECTIONS = ("Further reading",)
 """``## `` sections of a chapter that hold no code (reading lists): not timed, not listed."""
 
 
-def chapter_time_rows(chapter: str) -> list[list]:
+def chapter_time_rows(chapter: str, stored: Reference | None = None) -> list[list]:
     """What each part of ``chapter`` (a notebook stem such as ``"03_tp_dp"``) took to run on
     the reference machine: ``[part, seconds]`` for each section, then each exercise (its
     stub, check and solution cells), then the whole chapter, kernel start included; as
-    ``scripts/time_chapters.py`` stored them in the reference ``chapter_times``."""
+    ``scripts/time_chapters.py`` stored them in the reference ``chapter_times`` (``stored``:
+    that reference, when the caller has already loaded it)."""
     from .chapters import chapter as registered
 
     registered(chapter)  # a name that is no chapter's fails here, naming the chapters
-    rows = {row["chapter"]: row for row in load("chapter_times").rows}
+    rows = {row["chapter"]: row for row in (stored or load("chapter_times")).rows}
     if chapter not in rows:
         raise KeyError(f"chapter {chapter!r} was never timed: python scripts/time_chapters.py "
                        f"{chapter[:2]}")
@@ -138,17 +139,19 @@ def chapter_times_table(chapter: str):
     """:func:`chapter_time_rows` as a table with the reference's caption (for a notebook)."""
     from .viz.table import table
 
+    stored = load("chapter_times")
     rows = [[part, f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"]
-            for part, seconds in chapter_time_rows(chapter)]
-    return table(["part of the chapter", f"run time ({load('chapter_times').caption()})"], rows)
+            for part, seconds in chapter_time_rows(chapter, stored)]
+    return table(["part of the chapter", f"run time ({stored.caption()})"], rows)
 
 
 def chapter_time_here(chapter: str, seconds_here: float) -> str:
     """Three short lines for a chapter's last cell: this run's time (``seconds_here``, from the
     chapter's first cell) beside the whole chapter's stored time, the opening table's last
     row, and the reference it comes from."""
-    stored = chapter_time_rows(chapter)[-1][1]
+    stored = load("chapter_times")
+    seconds = chapter_time_rows(chapter, stored)[-1][1]
     return (f"this notebook ran in {seconds_here:.0f} s here;\n"
-            f"on the reference machine the whole chapter took {stored:.0f} s, its kernel's "
-            f"start included\n({load('chapter_times').caption()})")
+            f"on the reference machine the whole chapter took {seconds:.0f} s, its kernel's "
+            f"start included\n({stored.caption()})")
 

@@ -16,12 +16,6 @@ import pytest
 from tutorial_lib.launch import process_running
 
 
-# True while a pid runs (a zombie waiting to be reaped counts as gone). The library's own
-# check: a process reaped between opening /proc/PID/stat and reading it fails the read with
-# ESRCH, which a check of its own once took for an error (CI, 2026-11-29).
-process_alive = process_running
-
-
 def wait_until_gone(pids, seconds: float = 5.0) -> list[int]:
     """Wait for every pid to end; return the ones still running after ``seconds``.
 
@@ -37,7 +31,7 @@ def wait_until_gone(pids, seconds: float = 5.0) -> list[int]:
             select.select([handle], [], [], max(0.0, deadline - time.monotonic()))
         finally:
             os.close(handle)
-    return [p for p in pids if process_alive(p)]
+    return [p for p in pids if process_running(p)]
 
 
 def wait_for_line(stream, marker: str, seconds: float = 180) -> list[str]:
@@ -100,22 +94,6 @@ def run_two_notebooks(tmp_path, source: str, seconds: float) -> None:
         out, err = proc.communicate(timeout=seconds)
         assert proc.returncode == 0, err
         assert f"ok {tag}" in out
-
-
-def worker_pids() -> set[int]:
-    """Every live process on this machine named like a tutorial_lib worker."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if b"forkserver" in cmdline and process_alive(int(entry)):
-            pids.add(int(entry))
-    return pids
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import torch
 
 from tutorial_lib import comm
 from tutorial_lib.cluster import Cluster, ClusterStopped, run_cell
-from tutorial_lib.launch import LaunchTimeout, WorkerError
+from tutorial_lib.launch import LaunchTimeout, WorkerError, process_running
 
-from .conftest import (process_alive, run_two_notebooks, start_reporting_script,
+from .conftest import (run_two_notebooks, start_reporting_script,
                        wait_until_gone)
 from .faults import fault_bench  # noqa: F401 - a fixture
 
@@ -173,7 +173,7 @@ def _kernel_with_cluster():
 @pytest.mark.parametrize("how", ["shutdown", "kill_reaped", "kill_unreaped"])
 def test_no_worker_outlives_its_kernel(how):
     km, kc, pids = _kernel_with_cluster()
-    assert len(pids) == 2 and all(process_alive(p) for p in pids)
+    assert len(pids) == 2 and all(process_running(p) for p in pids)
     kc.stop_channels()
     if how == "shutdown":
         km.shutdown_kernel(now=False)

@@ -13,9 +13,10 @@ import torch
 
 from tutorial_lib import comm
 from tutorial_lib.launch import (MISMATCH_HINT, RETURNED, LaunchTimeout, WorkerError,
-                                 collective_mismatch_suspected, descendants, launch)
+                                 collective_mismatch_suspected, descendants, launch,
+                                 process_running)
 
-from .conftest import (process_alive, run_two_notebooks, start_reporting_script,
+from .conftest import (run_two_notebooks, start_reporting_script,
                        wait_until_gone)
 from tests.asserts import every
 from .faults import fault_bench  # noqa: F401 - a fixture
@@ -149,7 +150,7 @@ SCRIPT = textwrap.dedent("""
 def _start_script(tmp_path, env=None):
     proc, files = start_reporting_script(tmp_path, SCRIPT, 3, env=env)  # each rank's pid
     pids = [int(path.read_text()) for path in files]
-    assert every(process_alive(p) for p in pids)
+    assert every(process_running(p) for p in pids)
     return proc, pids
 
 

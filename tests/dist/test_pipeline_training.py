@@ -504,7 +504,7 @@ def tp_ep_sweep(world: int):
     return runs, launch(_tp_ep_sweep, world, args=(runs,), timeout=300, trace=True)
 
 
-def test_the_tp_ep_sweep_holds_the_layouts_issue_17_names():
+def test_the_tp_ep_sweep_holds_every_tp_ep_layout_the_rules_accept_up_to_8_ranks():
     """The rules (validate_args) accept these TP x EP layouts of at most 8 ranks: with and
     without PP, ETP 1 and ETP = TP, EP groups inside and across TP groups."""
     names = set(map(tuple, TP_EP_LAYOUTS))

@@ -159,7 +159,7 @@ def test_data_parallel_group_mistake_gets_its_hint(wrong, hint):
     (dp_group_forgets_cp_everywhere, ch01.HINT_FORGOT_CP_EVERYWHERE),
     (dp_group_same_rank_mod_tp, ch01.HINT_SAME_TP_RANK),
 ])
-def test_the_two_mistakes_issue_14_names(wrong, hint):
+def test_the_two_common_group_mistakes_get_their_own_hints(wrong, hint):
     """Exercises that teach: "forgot CP everywhere" and "all ranks with the same rank % tp" got the
     generic hint. Megatron-Core 0.20.0 (d98e8a64), megatron/core/parallel_state.py,
     initialize_model_parallel: the dense ranks are laid out in the order tp-cp-ep-dp-pp

@@ -326,7 +326,7 @@ def test_the_cli_takes_megatrons_uneven_first_and_last_stages(capsys):
 
 
 
-def test_the_cli_predicts_issue_20s_schedules_and_refuses_what_train_4d_refuses(capsys):
+def test_the_cli_predicts_zero_bubble_and_dualpipe_and_refuses_what_train_4d_refuses(capsys):
     """``--schedule dualpipe`` on PP 2: each rank holds one stage of each copy, i.e. the
     whole model, what 1F1B's two ranks hold together; ZBV folds 2 PP stages, so 4 layers
     do not split over PP 4 (rule 9), and recomputation is refused with a split backward."""
