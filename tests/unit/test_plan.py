@@ -164,9 +164,10 @@ def _predicted_from_scratch(model, where, layout, batch, efficiency):
 
 
 @pytest.mark.parametrize("model, gpu, per_node, gpus, batch, shown", [
-    # MoE (dense first layer, a shared expert), 7 layers: uneven PP, EP searched
+    # MoE (dense first layer, a shared expert), 7 layers: uneven PP, EP searched, ZeRO-2
+    # and ZeRO-3 (routed experts over expert-DP)
     (ModelConfig(7, 4096, 32, 1024, 32000, num_experts=8, num_query_groups=8, swiglu=True),
-     "a100-40gb", 2, 4, 16, {"uneven", "ep 2", "optim"}),
+     "a100-40gb", 2, 4, 16, {"uneven", "ep 2", "optim", "optim_grads", "optim_grads_params"}),
     # dense, 12 layers: interleaved and DualPipeV, ZeRO-2 and ZeRO-3
     (gpt(12, 4096, 32, vocab_size=32000), "a100-40gb", 2, 4, 4,
      {"interleaved", "dualpipev", "optim_grads", "optim_grads_params"}),
