@@ -91,7 +91,13 @@ def _on(link, op, n, s):  # one unit's ring collective on ``link``, s ranks
 def test_a_moe_layer_is_two_units_each_on_its_own_group_and_link():
     """Layer 2 holds 2001 routed-expert parameters besides its 1003 dense ones: the dense
     unit sliced over DP 4 on ``LINK``, the experts over expert-DP 2 on ``SLOW``, the two
-    collectives of a layer back to back (root 500, layer 1 dense)."""
+    collectives of a layer back to back (root 500, layer 1 dense).  A layer's two units
+    are prefetched together, as torchtitan does (pytorch/torchtitan, commit 2645c02d,
+    torchtitan/models/llama4/infra/parallelize.py, ``apply_fsdp``: under EP the routed
+    experts are ``fully_shard``-ed over ``dp_mod_ep_mesh``, the router and shared experts
+    with their block, and each block's forward prefetch lists the next block and its
+    ``moe.experts``, its backward prefetch the previous block and its experts): with
+    compute to hide them, no expert gather shows but the last layer's, the backward's first."""
     units, experts, root = [1000, 1003], [0, 2001], 500
     args = dict(experts=experts, expert_shard=2, expert_link=SLOW)
     forward, backward = sharded_exposure("optim_grads_params", units, root, 4, LINK, 0.0, 0.0,

@@ -41,9 +41,9 @@ unit's of each pass (:func:`sharded_exposure`; one unit per decoder layer and a 
 for the rest, as :mod:`tutorial_lib.fully_sharded_data_parallel` wraps them).  A MoE
 layer is two units, as ``train_4d`` runs it: its dense part sharded over ``dp`` (``dp_cp``
 under CP) and its routed experts over ``expert_dp``, each unit's collectives on the link
-its own group crosses; a layer's two gathers and two reduce-scatters go back to back.
-Their memory is the memory model's (ZeRO-3: the gathered units at their peak, a MoE
-layer's two together).
+its own group crosses; a layer's two gathers (prefetched together) and two
+reduce-scatters go back to back.  Their memory is the memory model's (ZeRO-3: the
+gathered units at their peak, a MoE layer's two together).
 """
 from __future__ import annotations
 
@@ -668,14 +668,17 @@ def sharded_exposure(strategy: str, units: list[int], root: int, shard: int, lin
     (embedding, head; 0 for none), gathered first and kept gathered through the backward
     (FSDP2's default).  ``experts``: per layer of ``units``, its routed experts' parameters
     (0 for a dense layer; none given: every layer dense), a unit of its own sharded over
-    ``expert_shard`` ranks on ``expert_link``; a layer's two units are gathered back to
-    back before it runs and reduce-scattered back to back after its backward, so a layer's
-    collective costs the two together.  ZeRO-3's forward gathers each layer before it runs,
-    the next one prefetched under the current one's compute: the first gather is exposed,
-    the others only beyond ``forward_s``.  Its backward gathers the layers again in
-    reverse (the first exposed) and reduce-scatters every layer's gradients as they are
-    ready, the last one (the root's, or the first layer's) after the compute: exposed; the
-    rest beyond ``backward_s``.  ZeRO-2 only reduce-scatters."""
+    ``expert_shard`` ranks on ``expert_link``.  A layer's two units are prefetched together
+    and reduce-scattered back to back, so a layer's collective costs the two together, as
+    torchtitan prefetches a MoE block with its experts (``apply_fsdp`` in
+    ``torchtitan/models/llama4/infra/parallelize.py``, commit 2645c02d); ``train_4d``'s
+    prefetch runs one unit ahead, so there a layer's second unit is gathered only as the
+    layer starts.  ZeRO-3's forward gathers each layer before it runs, the next one
+    prefetched under the current one's compute: the first gather is exposed, the others
+    only beyond ``forward_s``.  Its backward gathers the layers again in reverse (the first
+    exposed) and reduce-scatters every layer's gradients as they are ready, the last one
+    (the root's, or the first layer's) after the compute: exposed; the rest beyond
+    ``backward_s``.  ZeRO-2 only reduce-scatters."""
     stage = ZERO_STAGE[strategy]
     experts = list(experts) or [0] * len(units)
     if len(experts) != len(units):
