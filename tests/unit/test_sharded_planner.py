@@ -11,7 +11,7 @@ from tutorial_lib.config import ModelConfig, ParallelConfig, TrainConfig
 from tutorial_lib.costs.alpha_beta import AlphaBeta
 from tutorial_lib.costs.hardware import cluster
 from tutorial_lib.costs.memory_model import expert_parameters, layer_parameters, memory_per_rank
-from tutorial_lib.costs.model_flops import gpt
+from tutorial_lib.costs.model_flops import MODEL_PRESETS, gpt
 from tutorial_lib.costs.step_time import (Layout, check_layout, chunk_costs, layout_memory,
                                           memory_lower_bound, predict_step, rank_parameter_counts,
                                           sharded_exposure, state_bytes_floor)
@@ -225,3 +225,21 @@ def test_command_line_takes_zero_3_for_a_moe_model(capsys):
     layouts = json.loads(capsys.readouterr().out)["layouts"]
     assert layouts and {r["sharding"] for r in layouts} == {"optim_grads_params"}
     assert {r["ep"] for r in layouts} == {2}
+
+
+def test_the_deepseek_v3_preset_is_searched_under_zero_2_and_3():
+    """DeepSeek-V3 (256 routed experts, MLA) on 2048 H800 at TP 2 x PP 16: the candidates
+    hold all four strategies, and the fastest ZeRO-2 and ZeRO-3 layouts the planner returns
+    are valid on 2048 GPUs and fit, by the memory model."""
+    model, where = MODEL_PRESETS["deepseek-v3"], cluster("h800")
+    fixed = {"tp": 2, "pp": 16}
+    shardings = {l.sharding for l in planner.candidate_layouts(model, 2048, 15360, fixed)}
+    assert shardings == {"no_shard", "optim", "optim_grads", "optim_grads_params"}
+    for sharding in ("optim_grads", "optim_grads_params"):
+        found = planner.plan(model, where, 2048, 15360, fixed={**fixed, "sharding": sharding},
+                             top=3).layouts
+        assert len(found) == 3
+        for r in found:
+            assert r.layout.sharding == sharding and r.layout.ep > 1
+            check_layout(model, r.layout, 15360, 2048)
+            assert r.fits and r.memory_bytes == layout_memory(model, r.layout, 15360)
