@@ -256,7 +256,7 @@ def _parser() -> argparse.ArgumentParser:
                         default=None,
                         help="Megatron-FSDP's: no_shard (plain DP), optim (ZeRO-1, the same as "
                              "--use-distributed-optimizer), optim_grads (ZeRO-2), "
-                             "optim_grads_params (ZeRO-3 / FSDP; dense models)")
+                             "optim_grads_params (ZeRO-3 / FSDP; routed experts over expert-DP)")
     parser.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                         help="HSDP: shard over DP x CP / this many ranks, replicate over the "
                              "instances")

@@ -215,8 +215,8 @@ def decision_flow(model: ModelConfig, where: Cluster, gpus: int, global_batch_si
     1. plain data parallelism alone (TP = CP = PP = 1, nothing sharded), recomputation and
        micro-batch searched;
     2. else the least sharding of the model state over the data-parallel ranks that makes
-       it fit without model parallelism: ZeRO-1 (``optim``), ZeRO-2, ZeRO-3 in turn (dense
-       models: ZeRO-1 only with routed experts);
+       it fit without model parallelism: ZeRO-1 (``optim``), ZeRO-2, ZeRO-3 in turn (a MoE
+       model's routed experts over expert-DP);
     3. else the smallest TP inside one node with which it fits without PP;
     4. else TP at the node's size and the smallest PP with which it fits;
     5. the fastest layout of all, and what it changes against the first that fit (the knob
@@ -232,8 +232,6 @@ def decision_flow(model: ModelConfig, where: Cluster, gpus: int, global_batch_si
     if first is None:
         for sharding, name in (("optim", "ZeRO-1"), ("optim_grads", "ZeRO-2"),
                                ("optim_grads_params", "ZeRO-3")):
-            if model.num_experts and sharding != "optim":
-                continue
             best = _best(model, where, gpus, global_batch_size, efficiency,
                          {**alone, "sharding": sharding})
             if best:
@@ -342,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="layers on the last pipeline rank")
     lay.add_argument("--data-parallel-sharding-strategy", dest="sharding", default=None,
                      help=f"Megatron-FSDP's names: {', '.join(SHARDING_STRATEGIES)} (ZeRO 0 "
-                          f"to 3; 2 and 3 for dense models)")
+                          f"to 3; routed experts over expert-DP)")
     parser.add_argument("--top", type=int, default=10, help="how many layouts to list")
     parser.add_argument("--decide", action="store_true",
                         help="walk the decision flow (does it fit, how fast, which knob first)")

@@ -62,6 +62,46 @@ def test_each_units_collectives_by_hand():
         ("reduce_scatter", "backward", 3), ("all_gather", "optimizer", 1)]
 
 
+def test_a_moe_layers_routed_experts_are_a_unit_over_expert_dp():
+    """Chapter 3's GPT with 2000 routed-expert parameters in its second block (``layers.1``),
+    DP 4 and expert-DP 2, two microbatches, FSDP2's default resharding (the root stays
+    gathered): the experts are the unit ``layers.1[expert_dp]`` right after their block's,
+    sliced in two (1000 each) and reduced over group kind ``expert_dp``, as
+    :mod:`tutorial_lib.fully_sharded_data_parallel` names and runs it.  Bytes each rank
+    sends, by hand (ring: a gather sends (N-1) slices, a reduce-scatter (N-1)/N of the
+    input): the root 2 x 3 x 296 x 4 + 2 x 3/4 x 1184 x 4 = 14,208; each block
+    4 x 3 x 820 x 4 + 2 x 3/4 x 3280 x 4 = 59,040; the experts 4 x 1 x 1000 x 4 + 2 x
+    1/2 x 2000 x 4 = 24,000."""
+    rows = costs.sharded_step_collectives(UNITS, 4, "optim_grads_params", num_microbatches=2,
+                                          reshard_after_forward=None,
+                                          unit_names=["root", "layers.0", "layers.1"],
+                                          expert_numels=[0, 0, 2000], expert_dp=2)
+    experts = [(r.op, r.group_kind, r.phase, r.count, r.bytes_each) for r in rows
+               if r.what.startswith("layers.1[expert_dp]")]
+    assert experts == [("all_gather", "expert_dp", "forward", 2, 1000 * 4),
+                       ("all_gather", "expert_dp", "backward", 2, 1000 * 4),
+                       ("reduce_scatter", "expert_dp", "backward", 2, 2000 * 4)]
+    assert rows[-3:] == [r for r in rows if r.group_kind == "expert_dp"]  # after layers.1
+    sizes = {"dp": 4, "expert_dp": 2}
+    assert costs.step_bytes_sent(rows, sizes) == 14_208 + 2 * 59_040 + 24_000
+    # ZeRO-2 reduce-scatters the unit each microbatch and gathers it after the step; plain
+    # DP and ZeRO-1 keep the experts' gradients in a buffer of their own over expert-DP
+    zero2 = costs.sharded_step_collectives(UNITS, 4, "optim_grads", num_microbatches=2,
+                                           expert_numels=[0, 0, 2000], expert_dp=2)
+    assert [(r.op, r.count, r.bytes_each) for r in zero2 if r.group_kind == "expert_dp"] == [
+        ("reduce_scatter", 2, 2000 * 4), ("all_gather", 1, 1000 * 4)]
+    for strategy, expected in (("no_shard", [("all_reduce", 2000 * 4)]),
+                               ("optim", [("reduce_scatter", 2000 * 4),
+                                          ("all_gather", 1000 * 4)])):
+        rows = costs.sharded_step_collectives(UNITS, 4, strategy, expert_numels=[0, 0, 2000],
+                                              expert_dp=2)
+        assert [(r.op, r.bytes_each) for r in rows if r.group_kind == "expert_dp"] == expected
+    with pytest.raises(ValueError, match="needs expert_dp"):
+        costs.sharded_step_collectives(UNITS, 4, "optim_grads", expert_numels=[0, 0, 2000])
+    with pytest.raises(ValueError, match="one routed-expert count"):
+        costs.sharded_step_collectives(UNITS, 4, "optim_grads", expert_numels=[2000], expert_dp=2)
+
+
 @pytest.mark.parametrize("dp", [2, 4, 8, 16])
 def test_zero3_moves_one_and_a_half_times_plain_dps_bytes(dp):
     """Rajbhandari et al. 2020, section 7.2: plain DP and ZeRO-1/2 move ``2 Psi`` per rank and

@@ -126,6 +126,25 @@ def test_decision_flow_walks_from_data_parallelism_to_pipelines():
     assert tight[2].question.startswith("Does TP") and tight[3].answer.startswith("none")
 
 
+def test_decision_flow_shards_a_moe_model_with_zero_2():
+    """A MoE model of 20 layers (two routed experts of width 14336 each, about 8.2B
+    parameters) on 8 A100 40GB: neither plain DP nor ZeRO-1 fits without model
+    parallelism (ZeRO-1 keeps 6 bytes of every parameter on each GPU), ZeRO-2 (2 bytes, the
+    routed experts' slices over expert-DP) does, so the flow stops at sharding."""
+    model = ModelConfig(20, 4096, 32, 2048, 32000, num_experts=2, moe_router_topk=1,
+                        moe_ffn_hidden_size=14336, num_query_groups=8, swiglu=True,
+                        num_shared_experts=0, first_k_dense_replace=0)
+    where = cluster("a100-40gb")
+    flow = planner.decision_flow(model, where, 8, 32)
+    assert flow[0].best is None and flow[1].question.startswith("Does sharding")
+    found = flow[1].best.layout
+    assert (found.sharding, found.tp, found.cp, found.pp) == ("optim_grads", 1, 1, 1)
+    assert flow[1].answer == "yes, from optim_grads (ZeRO-2)"
+    alone = {"tp": 1, "cp": 1, "pp": 1, "sharding": "optim"}
+    with pytest.raises(ConfigError, match="fit"):
+        planner.plan(model, where, 8, 32, fixed=alone, top=1)
+
+
 def test_command_line_decide_prints_the_flow(capsys):
     assert planner.main(["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads",
                          "16", "--seq-length", "1024", "--vocab-size", "1000", "--gpu",
@@ -164,9 +183,10 @@ def _predicted_from_scratch(model, where, layout, batch, efficiency):
 
 
 @pytest.mark.parametrize("model, gpu, per_node, gpus, batch, shown", [
-    # MoE (dense first layer, a shared expert), 7 layers: uneven PP, EP searched
+    # MoE (dense first layer, a shared expert), 7 layers: uneven PP, EP searched, ZeRO-2
+    # and ZeRO-3 (routed experts over expert-DP)
     (ModelConfig(7, 4096, 32, 1024, 32000, num_experts=8, num_query_groups=8, swiglu=True),
-     "a100-40gb", 2, 4, 16, {"uneven", "ep 2", "optim"}),
+     "a100-40gb", 2, 4, 16, {"uneven", "ep 2", "optim", "optim_grads", "optim_grads_params"}),
     # dense, 12 layers: interleaved and DualPipeV, ZeRO-2 and ZeRO-3
     (gpt(12, 4096, 32, vocab_size=32000), "a100-40gb", 2, 4, 4,
      {"interleaved", "dualpipev", "optim_grads", "optim_grads_params"}),

@@ -88,6 +88,6 @@ def rooflines(model: ModelConfig, cluster: Cluster, layout: Layout, global_batch
         sent = ring_bytes_sent("all_reduce", dense * GRADIENT_BYTES, l.dp * l.cp)
         if experts:  # routed experts' gradients over the expert-data-parallel group
             sent += ring_bytes_sent("all_reduce", experts * GRADIENT_BYTES,
-                                    l.world_size // (l.ep * l.tp * l.pp))
+                                    l.expert_data_parallel_size)
         out.append(Roofline("DP", step_flops, sent, *ridges))
     return out

@@ -38,9 +38,12 @@ updated parameters under the next forward as ZeRO-1 does; ``optim_grads_params``
 (ZeRO-3) also all-gathers each layer's parameters before its forward and again before its
 backward, every microbatch, prefetched under the compute before them but the first
 unit's of each pass (:func:`sharded_exposure`; one unit per decoder layer and a root unit
-for the rest, as :mod:`tutorial_lib.fully_sharded_data_parallel` wraps them).  Their memory
-is the memory model's (ZeRO-3: the gathered units at their peak).  Both shard dense models
-only, as the memory model does: with routed experts :class:`ConfigError` names the rule.
+for the rest, as :mod:`tutorial_lib.fully_sharded_data_parallel` wraps them).  A MoE
+layer is two units, as ``train_4d`` runs it: its dense part sharded over ``dp`` (``dp_cp``
+under CP) and its routed experts over ``expert_dp``, each unit's collectives on the link
+its own group crosses; a layer's two gathers (prefetched together) and two
+reduce-scatters go back to back.  Their memory is the memory model's (ZeRO-3: the
+gathered units at their peak, a MoE layer's two together).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ from ..recompute import Recompute
 from .alpha_beta import predict_time
 from .hardware import Cluster
 from .memory_model import (attention_widths, expert_parameters, layer_parameters,
-                           memory_per_rank, stage_activation_bytes)
+                           memory_per_rank, stage_activation_bytes, unit_slice_numel)
 from .model_flops import hardware_flops_per_step, layer_flops, model_flops_per_step
 
 __all__ = ["Layout", "StepTime", "SHARDING_STRATEGIES", "MODELLED_SHARDING", "SCHEDULES",
@@ -72,7 +75,7 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's ``--data-parallel-sharding-strategy`` names."""
 
 MODELLED_SHARDING = SHARDING_STRATEGIES
-"""What this model predicts: every strategy (ZeRO-2 and ZeRO-3 for dense models)."""
+"""What this model predicts: every strategy, for dense and MoE models."""
 
 SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 """The schedules the planner weighs (GPipe holds more and runs no faster than 1F1B)."""
@@ -120,6 +123,12 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP: replicas of each routed-expert shard, ``world / (ETP x EP x PP)`` with ETP =
+        TP, as :attr:`tutorial_lib.config.ParallelConfig.expert_data_parallel_size`."""
+        return self.world_size // (self.tp * self.ep * self.pp)
 
     def num_microbatches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.dp * self.micro_batch_size)
@@ -268,10 +277,6 @@ def check_layout(model: ModelConfig, layout: Layout, global_batch_size: int,
     if l.sharding not in SHARDING_STRATEGIES:
         raise ConfigError("sharding", f"--data-parallel-sharding-strategy {l.sharding!r}: one of "
                                       f"{', '.join(SHARDING_STRATEGIES)}")
-    if ZERO_STAGE[l.sharding] >= 2 and model.num_experts:
-        raise ConfigError("sharding", f"{l.sharding} shards dense models here; this model has "
-                                      f"{model.num_experts} routed experts: use optim (ZeRO-1), "
-                                      f"which shards them over expert-DP, or no_shard")
 
 
 def _parallel_config(layout: Layout) -> ParallelConfig:
@@ -466,12 +471,16 @@ def chunk_costs(model: ModelConfig, cluster: Cluster, layout: Layout, efficiency
         pp_time = 2 * predict_time("send", boundary, 2, cluster.link(crosses["pp"]))
     dp_forward = dp_backward = 0.0
     if ZERO_STAGE[l.sharding] >= 2 and l.dp * l.cp > 1:  # the root goes with the first chunk
-        link = cluster.link(crosses["dp_cp"])
+        link, expert_link = cluster.link(crosses["dp_cp"]), cluster.link(crosses["edp"])
         sizes = _chunk_unit_parameters(model, _placement(l), l.tp, l.ep, rank)
-        root = rank_parameter_counts(model, l, rank)[0] - sum(map(sum, sizes))
+        root = rank_parameter_counts(model, l, rank)[0] - sum(d for c in sizes for d, _ in c)
         for c, units in enumerate(sizes):
-            f, b = sharded_exposure(l.sharding, units, root if c == 0 else 0, l.dp * l.cp, link,
-                                    forward / rate, (2 * forward + recomputed) / rate)
+            f, b = sharded_exposure(l.sharding, [d for d, _ in units], root if c == 0 else 0,
+                                    l.dp * l.cp, link, forward / rate,
+                                    (2 * forward + recomputed) / rate,
+                                    experts=[e for _, e in units],
+                                    expert_shard=l.expert_data_parallel_size,
+                                    expert_link=expert_link)
             dp_forward, dp_backward = dp_forward + f / chunks, dp_backward + b / chunks
     return ChunkCosts(forward / rate, (2 * forward + recomputed) / rate, tp_time, cp_time,
                       ep_time, ep_hidden, pp_time, per_chunk, moe_layers, dp_forward, dp_backward)
@@ -553,19 +562,19 @@ def memory_lower_bound(model: ModelConfig, layout: Layout, global_batch_size: in
 
 def state_bytes_floor(layout: Layout, dense: int, experts: int) -> int:
     """Bytes of weights, gradients and optimizer state for ``dense`` and ``experts``
-    parameters on one rank, bf16, at most what the memory model counts: plain DP 18 per
-    parameter; ``optim`` 6 plus 16 per slice element (dense over DP x CP, routed experts
-    over expert-DP); ``optim_grads`` the 2-byte weights plus 16 per slice element (fp32
-    gradient, master and moments); ``optim_grads_params`` only the 16 (the gathered
+    parameters on one rank, bf16, at most what the memory model counts.  A slice element
+    costs 16 bytes (fp32 gradient, master and two moments), the slices ``ceil(dense / (DP
+    x CP)) + ceil(experts / EDP)`` (the routed experts over expert-DP, in every sharded
+    strategy; per unit the memory model pads each, so it counts at least this).  Plain DP
+    keeps 18 bytes per parameter; ``optim`` 6 whole (bf16 weight, fp32 gradient) besides
+    the slices; ``optim_grads`` 2 (the weight); ``optim_grads_params`` none (the gathered
     weights, counted at their peak, are left out of the floor)."""
     l = layout
-    params = dense + experts
-    if l.sharding == "no_shard":
-        return 18 * params
-    if ZERO_STAGE[l.sharding] >= 2:  # dense models only (check_layout)
-        return (2 * params if l.sharding == "optim_grads" else 0) + 16 * (params // (l.dp * l.cp))
-    edp = l.world_size // (l.ep * l.tp * l.pp)
-    return 6 * params + 16 * (-(-dense // (l.dp * l.cp)) + (-(-experts // edp) if experts else 0))
+    stage = ZERO_STAGE[l.sharding]
+    if stage == 0:
+        return 18 * (dense + experts)
+    mine = -(-dense // (l.dp * l.cp)) + -(-experts // l.expert_data_parallel_size)
+    return {1: 6, 2: 2, 3: 0}[stage] * (dense + experts) + 16 * mine
 
 
 def rank_parameter_counts(model: ModelConfig, layout: Layout, rank: int) -> tuple[int, int]:
@@ -574,26 +583,33 @@ def rank_parameter_counts(model: ModelConfig, layout: Layout, rank: int) -> tupl
     return _rank_parameter_counts(model, _placement(layout), layout.tp, layout.ep, rank)
 
 
+def _layer_units(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
+    """``(dense, routed-expert)`` parameters of decoder layer ``layer`` on one rank (ETP =
+    TP): the two gradient domains, and under ZeRO-2 / ZeRO-3 the two units, of a MoE layer
+    (a dense layer's routed part 0)."""
+    total = layer_parameters(model, layer, tp, ep, tp)
+    moe = model.num_experts and layer >= model.first_k_dense_replace
+    routed = expert_parameters(model, ep, tp) if moe else 0
+    return total - routed, routed
+
+
 @functools.lru_cache(maxsize=65536)
 def _rank_parameter_counts(model: ModelConfig, placement: tuple, tp: int, ep: int,
                            rank: int) -> tuple[int, int]:
     layers, head = rank_layers(model, _placed(placement), rank)
-    dense = experts = 0
-    for i in layers:
-        total = layer_parameters(model, i, tp, ep, tp)
-        routed = expert_parameters(model, ep, tp) if (
-            model.num_experts and i >= model.first_k_dense_replace) else 0
-        dense, experts = dense + total - routed, experts + routed
-    dense += model.vocab_size * model.hidden_size // tp * ((rank == 0) + head)
-    return dense, experts
+    units = [_layer_units(model, i, tp, ep) for i in layers]
+    dense = sum(d for d, _ in units) + model.vocab_size * model.hidden_size // tp * (
+        (rank == 0) + head)
+    return dense, sum(e for _, e in units)
 
 
 @functools.lru_cache(maxsize=65536)
 def _chunk_unit_parameters(model: ModelConfig, placement: tuple, tp: int, ep: int,
                            rank: int) -> tuple:
-    """Each chunk's decoder layers' parameters on pipeline rank ``rank``, chunk by chunk:
-    the units sharded data parallelism gathers and reduce-scatters."""
-    return tuple(tuple(layer_parameters(model, i, tp, ep, tp) for i in c)
+    """Each chunk's decoder layers on pipeline rank ``rank``, chunk by chunk, as
+    ``(dense, routed-expert)`` parameters (:func:`_layer_units`): the units sharded data
+    parallelism gathers and reduce-scatters."""
+    return tuple(tuple(_layer_units(model, i, tp, ep) for i in c)
                  for c in _chunk_layers(model, placement, rank))
 
 
@@ -616,7 +632,7 @@ def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[i
     l = layout
     dense, experts = params
     domains = [(dense, l.dp * l.cp, crosses["dp_cp"]),
-               (experts, l.world_size // (l.ep * l.tp * l.pp), crosses["edp"])]
+               (experts, l.expert_data_parallel_size, crosses["edp"])]
     exposed = 0.0
     for count, size, across in domains:
         if not count or size == 1:
@@ -639,45 +655,61 @@ def _dp_exposed(cluster: Cluster, layout: Layout, crosses: dict, params: tuple[i
 
 
 def sharded_exposure(strategy: str, units: list[int], root: int, shard: int, link,
-                     forward_s: float, backward_s: float) -> tuple[float, float]:
+                     forward_s: float, backward_s: float, *, experts=(), expert_shard: int = 1,
+                     expert_link=None) -> tuple[float, float]:
     """``(forward, backward)`` seconds of sharded data parallelism that one chunk-microbatch
     cannot hide, for ZeRO-2 (``optim_grads``) and ZeRO-3 (``optim_grads_params``), as
     :func:`~tutorial_lib.costs.zero_stages.sharded_step_collectives` lists the collectives
-    (per microbatch; bf16 gathers, fp32 reduce-scatters, each unit padded to ``shard``
+    (per microbatch; bf16 gathers, fp32 reduce-scatters, each unit padded to its group's
     slices).
 
-    ``units``: the chunk's decoder layers' parameters in forward order; ``root``: the rest
-    of the rank's parameters (embedding, head; 0 for none), gathered first and kept
-    gathered through the backward (FSDP2's default).  ZeRO-3's forward gathers each unit
-    before it runs, the next one prefetched under the current one's compute: the first
-    gather is exposed, the others only beyond ``forward_s``.  Its backward gathers the
-    layers again in reverse (the first exposed) and reduce-scatters every unit's gradients
-    as they are ready, the last one (the root's, or the first layer's) after the compute:
-    exposed; the rest beyond ``backward_s``.  ZeRO-2 only reduce-scatters."""
+    ``units``: the chunk's decoder layers' (dense) parameters in forward order, sharded
+    over ``shard`` ranks on ``link``; ``root``: the rest of the rank's parameters
+    (embedding, head; 0 for none), gathered first and kept gathered through the backward
+    (FSDP2's default).  ``experts``: per layer of ``units``, its routed experts' parameters
+    (0 for a dense layer; none given: every layer dense), a unit of its own sharded over
+    ``expert_shard`` ranks on ``expert_link``.  A layer's two units are prefetched together
+    and reduce-scattered back to back, so a layer's collective costs the two together, as
+    torchtitan prefetches a MoE block with its experts (``apply_fsdp`` in
+    ``torchtitan/models/llama4/infra/parallelize.py``, commit 2645c02d); ``train_4d``'s
+    prefetch runs one unit ahead, so there a layer's second unit is gathered only as the
+    layer starts.  ZeRO-3's forward gathers each layer before it runs, the next one
+    prefetched under the current one's compute: the first gather is exposed, the others
+    only beyond ``forward_s``.  Its backward gathers the layers again in reverse (the first
+    exposed) and reduce-scatters every layer's gradients as they are ready, the last one
+    (the root's, or the first layer's) after the compute: exposed; the rest beyond
+    ``backward_s``.  ZeRO-2 only reduce-scatters."""
     stage = ZERO_STAGE[strategy]
-    if stage < 2 or shard == 1:
+    experts = list(experts) or [0] * len(units)
+    if len(experts) != len(units):
+        raise ValueError(f"experts lists {len(experts)} layers, units {len(units)}: one "
+                         f"routed-expert count (0 for a dense layer) per layer")
+    if stage < 2 or (shard == 1 and expert_shard == 1):
         return 0.0, 0.0
-    order = ([root] if root else []) + list(units)   # forward order, the root first
+    # forward order, the root first: (dense, routed) parameters of each unit pair
+    order = ([(root, 0)] if root else []) + list(zip(units, experts))
 
-    gathered, scattered = {}, {}  # per unit size: a chunk's layers are mostly alike
+    def one(op, n, size, over):  # one unit's collective over ``size`` ranks
+        if not n or size == 1:
+            return 0.0
+        piece = unit_slice_numel(n, size)
+        wire = piece * BYTES if op == "all_gather" else piece * size * GRADIENT_BYTES
+        return predict_time(op, wire, size, over)
 
-    def gather(n):
-        if n not in gathered:
-            gathered[n] = predict_time("all_gather", -(-n // shard) * BYTES, shard, link)
-        return gathered[n]
+    timed = {}  # per (op, unit sizes): a chunk's layers are mostly alike
 
-    def scatter(n):
-        if n not in scattered:
-            scattered[n] = predict_time("reduce_scatter", -(-n // shard) * shard * GRADIENT_BYTES,
-                                        shard, link)
-        return scattered[n]
+    def both(op, pair):
+        if (op, pair) not in timed:
+            timed[op, pair] = (one(op, pair[0], shard, link)
+                               + one(op, pair[1], expert_shard, expert_link))
+        return timed[op, pair]
 
-    scatters = [scatter(n) for n in order]          # the last issued: order[0]'s
+    scatters = [both("reduce_scatter", p) for p in order]    # the last issued: order[0]'s
     forward = backward = 0.0
     if stage == 3 and order:
-        gathers = [gather(n) for n in order]
+        gathers = [both("all_gather", p) for p in order]
         forward = gathers[0] + max(0.0, sum(gathers[1:]) - forward_s)
-        again = [gather(n) for n in reversed(units)]  # the root stays gathered
+        again = [both("all_gather", p) for p in reversed(order[bool(root):])]  # root stays
         hidden = sum(again[1:]) + sum(scatters[1:])
         backward = (again[0] if again else 0.0) + scatters[0] + max(0.0, hidden - backward_s)
     elif order:

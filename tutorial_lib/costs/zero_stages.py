@@ -45,7 +45,9 @@ def sharded_step_collectives(unit_numels: Sequence[int], dp: int, strategy: str,
                              num_microbatches: int = 1, param_bytes: int = 4,
                              grad_bytes: int = 4, reshard_after_forward: bool | None = True,
                              shard_size: int | None = None,
-                             unit_names: Sequence[str] | None = None) -> list[StepCollective]:
+                             unit_names: Sequence[str] | None = None,
+                             expert_numels: Sequence[int] | None = None,
+                             expert_dp: int | None = None) -> list[StepCollective]:
     """The data-parallel collectives one rank issues in one step, one row per unit and op.
 
     ``unit_numels``: the units' sizes, root first, then in the order they run.  ``dp``: the
@@ -55,6 +57,13 @@ def sharded_step_collectives(unit_numels: Sequence[int], dp: int, strategy: str,
     ``reshard_after_forward``: ``True`` frees every unit after its forward (each is
     gathered again for backward), ``None`` every unit but the root (FSDP2's default),
     ``False`` none.  Bytes follow :mod:`tutorial_lib.comm`'s convention.
+
+    ``expert_numels``: per unit, the routed-expert parameters it holds (0 for none), a
+    second gradient domain reduced over the ``expert_dp`` ranks of group kind
+    ``expert_dp``, as :mod:`tutorial_lib.fully_sharded_data_parallel` runs a MoE layer:
+    under ZeRO-2 and ZeRO-3 a unit of its own, named ``"<unit>[expert_dp]"``, right after
+    its unit with the same rows; under plain DP and ZeRO-1 one buffer of its own.  HSDP
+    applies to the dense units only.
 
     ``no_shard``: one all-reduce of every gradient (:class:`DataParallel`'s buckets hold
     the same bytes together); ``optim``: ZeRO-1's reduce-scatter of the whole padded
@@ -72,35 +81,67 @@ def sharded_step_collectives(unit_numels: Sequence[int], dp: int, strategy: str,
                          f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
     names = list(unit_names) if unit_names is not None else (
         ["root"] + [f"unit {i}" for i in range(1, len(unit_numels))])
-    rows: list[StepCollective] = []
+    experts = [0] * len(unit_numels) if expert_numels is None else list(expert_numels)
+    if len(experts) != len(unit_numels):
+        raise ValueError(f"expert_numels lists {len(experts)} units, unit_numels "
+                         f"{len(unit_numels)}: one routed-expert count (0 for none) per unit")
+    if any(experts):
+        if expert_dp is None:
+            raise ValueError("expert_numels needs expert_dp, the expert data-parallel size "
+                             "its units are reduced over")
+        expert_dp = _positive("expert_dp", expert_dp)
+    domain = dict(param_bytes=param_bytes, grad_bytes=grad_bytes)
+    if stage < 2:  # one buffer per domain
+        rows = _buffer_rows(stage, sum(_positive("numel", n) for n in unit_numels), "dp", dp,
+                            shard, **domain)
+        if any(experts):
+            rows += _buffer_rows(stage, sum(experts), "expert_dp", expert_dp, expert_dp,
+                                 **domain)
+        return rows
+    rows = []
+    for index, (name, numel, routed) in enumerate(zip(names, unit_numels, experts)):
+        freed = reshard_after_forward is True or (reshard_after_forward is None and index > 0)
+        rows += _unit_rows(stage, name, _positive("numel", numel), "dp", dp, shard, freed, m,
+                           **domain)
+        if routed:
+            rows += _unit_rows(stage, f"{name}[expert_dp]", routed, "expert_dp", expert_dp,
+                               expert_dp, freed, m, **domain)
+    return rows
+
+
+def _buffer_rows(stage: int, total: int, kind: str, dp: int, shard: int, *, param_bytes: int,
+                 grad_bytes: int) -> list[StepCollective]:
+    """Plain DP's all-reduce, or ZeRO-1's reduce-scatter and all-gather, of one domain's
+    ``total`` elements once per step."""
     if stage == 0:
-        total = sum(_positive("numel", n) for n in unit_numels)
-        return [StepCollective("all_reduce", "dp", "backward", 1, total * grad_bytes,
+        return [StepCollective("all_reduce", kind, "backward", 1, total * grad_bytes,
                                "no_shard: average every gradient over the replicas")]
-    if stage == 1:
-        total = sum(_positive("numel", n) for n in unit_numels)
-        padded = math.ceil(total / shard) * shard
-        rows = [StepCollective("reduce_scatter", "dp", "optimizer", 1, padded * grad_bytes,
-                               "optim: my slice of the averaged gradients"),
-                StepCollective("all_gather", "dp", "optimizer", 1, padded // shard * param_bytes,
-                               "optim: every replica gets every updated slice")]
-        return rows + _replica_rows(padded // shard, dp, shard, 1, grad_bytes, "the whole buffer")
-    for index, (name, numel) in enumerate(zip(names, unit_numels)):
-        piece = unit_slice_numel(numel, shard)
-        root = index == 0
-        if stage == 3:
-            rows.append(StepCollective("all_gather", "dp", "forward", m, piece * param_bytes,
-                                       f"{name}: gather the parameters before its forward"))
-            freed = reshard_after_forward is True or (reshard_after_forward is None and not root)
-            if freed:
-                rows.append(StepCollective("all_gather", "dp", "backward", m, piece * param_bytes,
-                                           f"{name}: gather them again before its backward"))
-        rows.append(StepCollective("reduce_scatter", "dp", "backward", m, piece * shard * grad_bytes,
-                                   f"{name}: my slice of the averaged gradients"))
-        rows += _replica_rows(piece, dp, shard, m, grad_bytes, name)
-        if stage == 2:
-            rows.append(StepCollective("all_gather", "dp", "optimizer", 1, piece * param_bytes,
-                                       f"{name}: every rank gets the updated parameters"))
+    padded = math.ceil(total / shard) * shard
+    rows = [StepCollective("reduce_scatter", kind, "optimizer", 1, padded * grad_bytes,
+                           "optim: my slice of the averaged gradients"),
+            StepCollective("all_gather", kind, "optimizer", 1, padded // shard * param_bytes,
+                           "optim: every replica gets every updated slice")]
+    return rows + _replica_rows(padded // shard, dp, shard, 1, grad_bytes, "the whole buffer")
+
+
+def _unit_rows(stage: int, name: str, numel: int, kind: str, dp: int, shard: int, freed: bool,
+               m: int, *, param_bytes: int, grad_bytes: int) -> list[StepCollective]:
+    """ZeRO-2's or ZeRO-3's rows of one unit of ``numel`` elements sharded over ``shard``
+    ranks of group kind ``kind``; ``freed``: ZeRO-3 gathers it again before its backward."""
+    piece = unit_slice_numel(numel, shard)
+    rows = []
+    if stage == 3:
+        rows.append(StepCollective("all_gather", kind, "forward", m, piece * param_bytes,
+                                   f"{name}: gather the parameters before its forward"))
+        if freed:
+            rows.append(StepCollective("all_gather", kind, "backward", m, piece * param_bytes,
+                                       f"{name}: gather them again before its backward"))
+    rows.append(StepCollective("reduce_scatter", kind, "backward", m, piece * shard * grad_bytes,
+                               f"{name}: my slice of the averaged gradients"))
+    rows += _replica_rows(piece, dp, shard, m, grad_bytes, name)
+    if stage == 2:
+        rows.append(StepCollective("all_gather", kind, "optimizer", 1, piece * param_bytes,
+                                   f"{name}: every rank gets the updated parameters"))
     return rows
 
 
