@@ -483,11 +483,12 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
     # every schedule's own placement and activations in flight (chapter 11's V and
-    # DualPipe's two copies included)
+    # DualPipe's two copies included); ZeRO-3 prefetches the next layer of a chunk, which
+    # the model's walk over all of a rank's units counts, or more (across chunks)
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
                                  data_parallel_sharding_strategy=args.sharding_strategy,
-                                 prefetch=False, recompute=args.recompute)
+                                 prefetch=True, recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:

@@ -16,8 +16,8 @@ Real gloo ranks throughout.  One small model (12 layers so that PP = 3 and 4 div
     zero3_to_pp4     8 ranks, PP4 x DP2, ZeRO-1 (optim), --load pp3_zero3's iter 2 -> steps 2, 3
     zero2_tp2        4 ranks, TP2 x DP2 (experts over ETP = TP = 2, EDP 2), ZeRO-2, 1 step
                      -> iter 1
-    zero3_tp2_ep2    4 ranks, TP2 x EP2 x DP2 (ETP 1, EDP 2), ZeRO-3, --load zero2_tp2's
-                     iter 1                                            -> step 1, iter 2
+    zero3_tp2_ep2    4 ranks, TP2 x EP2 x DP2 (ETP 1, EDP 2), ZeRO-3, traced, --load
+                     zero2_tp2's iter 1                                -> step 1, iter 2
     zero3_to_world_1 world 1, plain Adam, --load zero3_tp2_ep2's iter 2 -> steps 2, 3
 
 Tolerances: the same layout resumed gives **identical bits** (the same sums in the same
@@ -39,6 +39,7 @@ gathers the shards per parameter for a checkpoint).
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -138,7 +139,7 @@ def run(name: str, root: str):
     if name == "zero3_tp2_ep2":
         run("zero2_tp2", root)
         return train(replace(BASE, **TP2_EP2, steps=2, data_parallel_sharding_strategy="optim_grads_params",
-                             load=str(d / "g"), save=str(d / "h")))
+                             load=str(d / "g"), save=str(d / "h")), trace=True)
     if name == "zero3_to_world_1":
         run("zero3_tp2_ep2", root)
         return train(replace(BASE, load=str(d / "h")))
@@ -230,6 +231,40 @@ def test_zero2_and_zero3_checkpoints_beside_tp_and_ep_reshard_to_any_strategy(ck
     assert_close(losses(run("zero2_tp2", ckpt_root)), reference, [0])
     assert_close(losses(run("zero3_tp2_ep2", ckpt_root)), reference, [1])
     assert_close(losses(run("zero3_to_world_1", ckpt_root)), reference, [2, 3])
+
+
+def test_zero3_in_the_4d_run_prefetches_within_each_chunk(ckpt_root):
+    """ZeRO-3 in train_4d prefetches inside a chunk, whose order every microbatch repeats:
+    its forward runs the layers in order, so each layer but the first (its dense unit and
+    its routed experts' unit alike) has its all-gather issued ahead (``prefetch=True``)
+    before the previous layer's compute starts; its backward runs them in reverse, so each
+    layer but the last is gathered ahead by the one after it.  Every unit is gathered once
+    per microbatch and phase.  (The losses under prefetch: the chain above, and
+    test_pipeline_training.py's ZeRO-3 layouts on PP 3, interleaved included.)"""
+    trace = run("zero3_tp2_ep2", ckpt_root).trace.filter(step=1)
+    last = BASE.num_layers - 1
+
+    def layer(unit: str) -> int:
+        return int(re.search(r"layers\.(\d+)", unit).group(1))
+
+    for rank in range(TP2_EP2["world_size"]):
+        for microbatch in range(BASE.num_microbatches):
+            events = trace.filter(rank=rank, microbatch=microbatch)
+            spans = {e.tags["name"]: e for e in events.filter(op="compute") if "unit" in e.tags}
+            for phase, unprefetched, before in (("forward", 0, -1), ("backward", last, 1)):
+                gathers = events.filter(op="all_gather", phase=phase, op_name="FSDPUnit.unshard")
+                units = [e.tags["unit"] for e in gathers.events]
+                assert len(units) == len(set(units)), units  # each unit once
+                layers = [e for e in gathers.events if "layers." in e.tags["unit"]]
+                assert {layer(e.tags["unit"]) for e in layers} == set(range(BASE.num_layers))
+                assert not any(e.tags["prefetch"] for e in gathers.events if e not in layers)
+                for gather in layers:  # the root is gathered by its own modules' hooks
+                    unit = gather.tags["unit"]
+                    assert gather.tags["prefetch"] == (layer(unit) != unprefetched), (phase, unit)
+                    if layer(unit) != unprefetched:  # issued before the neighbour computes
+                        neighbour = unit.split("[")[0].replace(f"layers.{layer(unit)}",
+                                                               f"layers.{layer(unit) + before}")
+                        assert gather.t_start <= spans[f"{phase} {neighbour}"].t_start, (phase, unit)
 
 
 # --- what each rank wrote ----------------------------------------------------------------
