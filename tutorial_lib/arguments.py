@@ -134,8 +134,7 @@ class TrainingArgs(config_fields(CONFIG_FIELDS, RUN_DEFAULTS)):
     ``optim_grads`` (ZeRO-2: each decoder layer's gradients reduce-scattered in backward,
     routed experts over expert-DP) or ``optim_grads_params`` (ZeRO-3 / FSDP: the layers'
     weights gathered when used; not with a split backward nor recomputation), as chapter 12
-    runs them (``tutorial_lib.fully_sharded_data_parallel``); neither with dualpipe, nor
-    with save / load beside TP or EP."""
+    runs them (``tutorial_lib.fully_sharded_data_parallel``); not with dualpipe."""
     recompute_granularity: str | None = field(default=None,
                                               metadata={"choices": RECOMPUTE_GRANULARITIES})
     """Activation recomputation (Megatron's flag): ``full`` recomputes whole layers (with
@@ -264,8 +263,9 @@ RUN_SHARDING_STRATEGIES = SHARDING_STRATEGIES
 def _check_sharding_strategy(args: TrainingArgs) -> None:
     """``--data-parallel-sharding-strategy``: agreeing with ``--use-distributed-optimizer``
     (the ``optim`` strategy by its older name); ZeRO-2 and ZeRO-3 only where they run: not
-    with DualPipe's two model copies, their checkpoints only at TP = EP = 1, and ZeRO-3
-    neither with a split backward nor with recomputation."""
+    with DualPipe's two model copies, and ZeRO-3 neither with a split backward nor with
+    recomputation.  Their checkpoints save and load under every layout
+    (:func:`tutorial_lib.dist_checkpointing.unit_piece`)."""
     strategy = args.data_parallel_sharding_strategy
     if strategy is None:
         return
@@ -297,18 +297,6 @@ def _check_sharding_strategy(args: TrainingArgs) -> None:
             f"inside the backward, fires the unit's hooks again and frees its weights after "
             f"it, before the backward that needs them; drop the recomputation, or use "
             f"--data-parallel-sharding-strategy optim_grads")
-    split = [f"{name} {size}" for name, size in
-             (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-              ("--expert-model-parallel-size", args.expert_model_parallel_size)) if size > 1]
-    if (args.save or args.load) and split:
-        raise ConfigError(
-            "sharding strategy",
-            f"--data-parallel-sharding-strategy {strategy} saves and loads its slices at "
-            f"TP = EP = 1 only, got {', '.join(split)}: a slice's pieces are placed in the "
-            f"parameter's shape on this rank (tutorial_lib.dist_checkpointing.unit_piece), "
-            f"not in the whole tensor a TP or EP shard is part of; drop --save / --load, or "
-            f"train with --data-parallel-sharding-strategy optim, whose checkpoints load "
-            f"under any layout")
 
 
 def _check_split_backward_schedule(args: TrainingArgs) -> None:
@@ -495,11 +483,12 @@ def check_memory(args: TrainingArgs, available: int | None = None,
     here = local_ranks if local_ranks is not None else parallel.world_size
     pp = parallel.pipeline_model_parallel_size
     # every schedule's own placement and activations in flight (chapter 11's V and
-    # DualPipe's two copies included)
+    # DualPipe's two copies included); ZeRO-3 prefetches the next layer of a chunk, which
+    # the model's walk over all of a rank's units counts, or more (across chunks)
     estimate = functools.partial(memory_per_rank, model, parallel, train, args.schedule,
                                  args.chunks_per_rank,
                                  data_parallel_sharding_strategy=args.sharding_strategy,
-                                 prefetch=False, recompute=args.recompute)
+                                 prefetch=True, recompute=args.recompute)
     if available is not None and here * RUNTIME_BYTES_PER_RANK > available:
         ranks, need = estimate(pipeline_ranks=sorted({0, pp - 1})), None
     else:

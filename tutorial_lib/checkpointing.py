@@ -69,7 +69,8 @@ __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "TEMPORARY_SUFFIX", "CKPT_FORM
            "common_state", "read_common_state", "Checkpoint", "find_checkpoint",
            "latest_checkpoint", "check_save_args", "file_digests", "DCP_METADATA_GLOBALS",
            "MetadataUnpickler", "read_dcp_metadata", "verify_checkpoint", "check_load_args", "check_checkpoint_args", "tensor_sharding",
-           "local_chunk", "flat_range_chunks"]
+           "expert_tp_sharding", "local_chunk", "global_placement", "flat_range_chunks",
+           "slice_chunks"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 """The file naming the last committed iteration (Megatron-LM's tracker)."""
@@ -552,6 +553,27 @@ def local_chunk(global_shape: tuple[int, ...], dim: int | None, index: int,
     return tuple(offsets), tuple(sizes)
 
 
+def global_placement(local_shape: tuple[int, ...], splits) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(global shape, offsets)``: where a rank's tensor of ``local_shape`` sits in the whole
+    tensor it is a piece of.
+
+    ``splits``: ``(dim, index, parts)`` for each split of the tensor (what
+    :func:`tensor_sharding` and :func:`expert_tp_sharding` name, with this rank's index in
+    the group and the group's size): a TP shard is piece ``index`` of ``parts`` along its
+    partition dim; a routed-expert weight, piece ``EP rank`` along dim 0, and under ETP > 1
+    also piece ``ETP rank`` along its channels.  Each split multiplies its dim by ``parts``
+    and adds :func:`local_chunk`'s offset: ``global_placement((24, 16), [(0, 1, 2)])`` is
+    ``((48, 16), (24, 0))``.
+    """
+    shape = list(local_shape)
+    for dim, _, parts in splits:
+        shape[dim] *= parts
+    offsets = [0] * len(shape)
+    for dim, index, parts in splits:
+        offsets[dim] += local_chunk(tuple(shape), dim, index, parts)[0][dim]
+    return tuple(shape), tuple(offsets)
+
+
 def flat_range_chunks(shape: tuple[int, ...], start: int,
                       end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The boxes ``(offsets, sizes)`` that elements ``[start, end)`` of ``shape``, counted in
@@ -592,3 +614,24 @@ def flat_range_chunks(shape: tuple[int, ...], start: int,
     if end % row:
         chunks += within(last, 0, end % row)
     return chunks
+
+
+def slice_chunks(shape: tuple[int, ...], param_range: tuple[int, int], slice_range: tuple[int, int],
+                 offsets: tuple[int, ...] | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The boxes ``(offsets, sizes)`` of a parameter that one rank's slice of a ZeRO-2 /
+    ZeRO-3 unit holds, placed in the whole tensor.
+
+    The parameter (of this rank's ``shape``) is elements ``param_range`` of the unit's flat
+    vector, the slice elements ``slice_range`` (DP rank ``r`` of a unit whose slices have
+    ``n`` elements holds ``[r n, (r + 1) n)``); their overlap is cut by
+    :func:`flat_range_chunks`, and each box moved by ``offsets``, where the rank's tensor
+    sits in the whole one (:func:`global_placement`: a TP shard, an expert; ``None``: at 0).
+    A slice that holds none of the parameter gives ``[]``.
+    """
+    start, end = param_range
+    first, last = max(start, slice_range[0]), min(end, slice_range[1])
+    if last <= first:
+        return []
+    offsets = offsets or (0,) * len(shape)
+    return [(tuple(o + at for o, at in zip(box, offsets)), sizes)
+            for box, sizes in flat_range_chunks(tuple(shape), first - start, last - start)]

@@ -49,11 +49,16 @@ moments of it; nothing is gathered to save or load them.  Of each parameter a ra
 run of elements, which :func:`~tutorial_lib.checkpointing.flat_range_chunks` cuts into
 at most a few boxes; they are handed to DCP as a ``ShardedTensor``
 (``torch.distributed._shard.sharded_tensor``, the form whose pieces may be any boxes, several
-per rank or none: a DTensor's ``Shard`` placement cuts only even pieces along one dim) over
-the unit's DP group, views of the slices, so a load writes straight into them.  The keys
-and global shapes are the ones above (the weights as ``model.<name>``, read from the fp32
-slices), so DCP reshards in both directions: a ZeRO-3 checkpoint on 4 ranks loads under
-ZeRO-1 on 2 ranks or into plain Adam on one, and back.
+per rank or none: a DTensor's ``Shard`` placement cuts only even pieces along one dim),
+views of the slices, so a load writes straight into them.  A TP shard or an expert is
+itself a piece of a whole tensor, so each box is moved to where the rank's tensor sits in
+it (the same splits as the DTensors above: :func:`~tutorial_lib.checkpointing.global_placement`),
+and the ShardedTensor lists the boxes of every rank that holds one: the unit's DP group
+times the ``tp`` group (or ``ep``, ``expert_tp``) the parameter is split over, computed on
+each rank with no collective (:func:`unit_piece`).  The keys and global shapes are the ones
+above (the weights as ``model.<name>``, read from the fp32 slices), so DCP reshards in both
+directions: a ZeRO-3 checkpoint of TP 2 x EP 2 loads into plain Adam on one rank, a ZeRO-2
+one of TP 2 under ZeRO-3, a ZeRO-3 one on 4 ranks under ZeRO-1 on 2, and back.
 
 **RNG** (Megatron-LM's rule, d98e8a64 / megatron-core 0.20.0, ``load_checkpoint``): saved
 per (pipeline rank, TP rank), loaded only when the checkpoint's TP and PP sizes equal the
@@ -63,6 +68,7 @@ come from seeded generators), so its losses never depend on it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import sys
@@ -73,6 +79,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard import sharded_tensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -139,15 +147,25 @@ def _meshes(device_type: str) -> dict[str, DeviceMesh]:
                                              mesh_dim_names=(kind,))
     if parallel_state.group_size("expert_tp") > 1:
         # experts split over EP and ETP: a two-dimensional mesh, row i the ETP group of my
-        # EP group's i-th rank.  Ranks are sums of coordinate x stride in every layout, so
-        # that rank is (EP rank i) + (ETP rank j) - me.
-        me, ep_ranks = dist.get_rank(), parallel_state.get_group_ranks("ep")
-        etp_ranks = parallel_state.get_group_ranks("expert_tp")
-        grid = torch.tensor([[r + t - me for t in etp_ranks] for r in ep_ranks], device="cpu")
+        # EP group's i-th rank
         meshes["ep", "expert_tp"] = DeviceMesh.from_group(
             [parallel_state.get_group("ep"), parallel_state.get_group("expert_tp")], device_type,
-            mesh=grid, mesh_dim_names=("ep", "expert_tp"))
+            mesh=_rank_grid(("ep", "expert_tp")), mesh_dim_names=("ep", "expert_tp"))
     return meshes
+
+
+def _rank_grid(kinds) -> torch.Tensor:
+    """The global ranks of my groups of ``kinds`` spanned together, one axis per kind:
+    entry ``[i, j, ...]`` is the rank at position ``i`` of my ``kinds[0]`` group, ``j`` of my
+    ``kinds[1]`` group, ..., every other coordinate mine.  Ranks are sums of coordinate x
+    stride in every layout (the dense grid and the expert grid alike) and each kind moves
+    other coordinates, so that rank is the sum of those positions' ranks, less ``me`` once
+    per kind but one."""
+    me = dist.get_rank()
+    grid = torch.zeros((), dtype=torch.long)
+    for kind in kinds:
+        grid = grid.unsqueeze(-1) + torch.tensor(parallel_state.get_group_ranks(kind)) - me
+    return grid + me
 
 
 def _sharding(tensor: torch.Tensor) -> list[tuple[str, int]]:
@@ -212,22 +230,43 @@ def _state_dict(tensors: dict, moments: dict, rng_state: torch.Tensor | None) ->
 def unit_piece(unit, index: int, values: torch.Tensor) -> sharded_tensor.ShardedTensor:
     """This rank's elements of parameter ``index`` of ``unit``, cut from ``values`` (laid out
     as the unit's slice: ``main_param`` or one of its Adam moments), as a ``ShardedTensor``
-    of the parameter's shape over the unit's DP group; its pieces are views of ``values``.
-    Collective over that group (the ranks exchange which boxes each holds)."""
+    of the whole parameter's shape; its pieces are views of ``values``.
+
+    Every rank that holds a piece of the parameter is listed with its boxes: the unit's DP
+    group times the groups the parameter is split over (:func:`_sharding`: a TP shard's
+    ``tp``; a routed expert's ``ep``, and ``expert_tp`` under ETP > 1), each rank's slice
+    cut by :func:`~tutorial_lib.checkpointing.slice_chunks` and placed by
+    :func:`~tutorial_lib.checkpointing.global_placement`.  All of it is computed here, with
+    no collective (torch's ``_init_from_local_shards_and_global_metadata``, as DCP builds its
+    own ShardedTensors); torch checks that the boxes do not overlap and fill the tensor.
+    The copies of that set (a LayerNorm's TP copies) list the same boxes under the same key:
+    DCP writes one.
+    """
     param = unit.params[index]
-    start, end = unit.ranges[index]
-    mine_from = max(start, unit.shard_start)
-    mine_to = min(end, unit.shard_start + unit.shard_numel)
-    boxes = (checkpointing.flat_range_chunks(tuple(param.shape), mine_from - start, mine_to - start)
-             if mine_to > mine_from else [])
-    shards, at = [], mine_from - unit.shard_start
-    for offsets, sizes in boxes:
-        piece = values[at:at + math.prod(sizes)].view(sizes)
-        shards.append(sharded_tensor.Shard.from_tensor_and_offsets(piece, list(offsets),
-                                                                 dist.get_rank()))
-        at += math.prod(sizes)
-    return sharded_tensor.init_from_local_shards(
-        shards, *param.shape, process_group=parallel_state.get_group(unit.group))
+    splits = _sharding(param)
+    holders = _rank_grid((unit.group, *(kind for kind, _ in splits)))
+    me, mine, listed = dist.get_rank(), [], []
+    for position in itertools.product(*map(range, holders.shape)):
+        dp_rank, holder = position[0], int(holders[position])
+        global_shape, offsets = checkpointing.global_placement(
+            tuple(param.shape), [(dim, i, parts) for (_, dim), i, parts
+                                 in zip(splits, position[1:], holders.shape[1:])])
+        # another rank's device is named by its type: DCP reads offsets and sizes only
+        device = values.device if holder == me else values.device.type
+        held = (dp_rank * unit.shard_numel, (dp_rank + 1) * unit.shard_numel)
+        for box, sizes in checkpointing.slice_chunks(tuple(param.shape), unit.ranges[index],
+                                                     held, offsets):
+            listed.append(ShardMetadata(list(box), list(sizes), f"rank:{holder}/{device}"))
+            if holder == me:
+                mine.append(listed[-1])
+    shards, at = [], max(unit.ranges[index][0] - unit.shard_start, 0)
+    for box in mine:  # my boxes, in the order of my slice
+        numel = math.prod(box.shard_sizes)
+        shards.append(sharded_tensor.Shard(values[at:at + numel].view(box.shard_sizes), box))
+        at += numel
+    metadata = ShardedTensorMetadata(listed, torch.Size(global_shape),
+                                     TensorProperties(dtype=values.dtype))
+    return sharded_tensor.ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
 
 
 def _fully_sharded_state_dict(tensors: dict, optimizer: FullyShardedOptimizer,

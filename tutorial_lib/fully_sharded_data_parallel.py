@@ -288,7 +288,13 @@ class FullyShardedDataParallel:
     unit's all-gather before this one computes.  ``mp_policy``: ZeRO-3 only.
     ``root_modules``: the modules whose forward gathers the root unit under ZeRO-3 (default:
     the model's own); the 4D run's stages call their embedding, final LayerNorm and output
-    layer, never the model.
+    layer, never the model.  ``chunks``: the unit modules of each pipeline chunk, in the
+    order every microbatch's forward runs them (the 4D run); the order is then fixed within
+    a chunk, so prefetch stays inside it: before a module's forward the next module's
+    units are gathered ahead, before its backward the previous module's (each microbatch's
+    backward runs the chunk in reverse), and the root, gathered by ``root_modules``, is
+    never prefetched.  Without it (one forward through ``units``, chapter 12) the forward
+    prefetches the next unit listed, the backward FSDP2's: the one whose forward ran before.
 
     Call :meth:`finish_grad_sync` after the last backward of a step (the optimizer does).
     """
@@ -296,7 +302,7 @@ class FullyShardedDataParallel:
     def __init__(self, model: nn.Module, units, strategy: str = "optim_grads_params",
                  reshard_after_forward: bool | None = None, prefetch: bool = True,
                  mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), group: str = "dp",
-                 root_modules=None):
+                 root_modules=None, chunks=None):
         strategy = check_sharding_strategy(strategy)
         self.stage = ZERO_STAGE[strategy]
         if self.stage < 2:
@@ -323,6 +329,13 @@ class FullyShardedDataParallel:
                                                bool(reshard_after_forward))
         self.forward_order = list(self.units)
         self.post_forward_order: list[FSDPUnit] = []
+        self.chunk_position: dict[FSDPUnit, tuple[list, int]] = {}
+        """With ``chunks``: each unit's chunk (its modules' units, in order) and its place."""
+        for chunk in chunks or ():
+            by_module = [[u for u in self.units if u.module is module] for module in chunk]
+            for position, units_of_module in enumerate(by_module):
+                for unit in units_of_module:
+                    self.chunk_position[unit] = (by_module, position)
         self.peak_unsharded_bytes = 0
         """The most bytes of gathered parameters held at once since :meth:`reset_peak`."""
         self._handles = []
@@ -363,13 +376,27 @@ class FullyShardedDataParallel:
         if unit is self.forward_order[0]:
             self.post_forward_order.clear()
         unit.unshard("forward")
-        if self.prefetch:
-            index = self.forward_order.index(unit)
-            if index + 1 < len(self.forward_order):
-                self.forward_order[index + 1].unshard("forward", prefetch=True)
+        for ahead in self.prefetched(unit, "forward"):
+            ahead.unshard("forward", prefetch=True)
         self._note_unsharded()
         unit.wait_for_unshard()
         self._open_span(unit, "forward")
+
+    def prefetched(self, unit: FSDPUnit, phase: str) -> list[FSDPUnit]:
+        """The units whose all-gather ``unit`` issues ahead in ``phase`` (none without
+        ``prefetch``): the next in the forward, the previous in the backward, within the
+        unit's chunk when ``chunks`` fixed the order."""
+        step = 1 if phase == "forward" else -1
+        if not self.prefetch:
+            return []
+        if self.chunk_position:  # the units of the chunk's next (previous) module
+            modules, position = self.chunk_position.get(unit, ([], -1))
+            ahead = position + step
+            return modules[ahead] if 0 <= ahead < len(modules) else []
+        # backward: FSDP2's order, the unit whose forward ran before
+        order = self.forward_order if phase == "forward" else self.post_forward_order
+        ahead = order.index(unit) + step if unit in order else -1
+        return [order[ahead]] if 0 <= ahead < len(order) else []
 
     def _open_span(self, unit: FSDPUnit, phase: str) -> None:
         """A compute span ``"<phase> <unit>"`` from the unit's gather to its end (not the
@@ -398,10 +425,8 @@ class FullyShardedDataParallel:
 
     def pre_backward(self, unit: FSDPUnit) -> None:
         unit.unshard("backward")
-        if self.prefetch and unit in self.post_forward_order:
-            index = self.post_forward_order.index(unit)
-            if index > 0:  # the unit whose forward ran just before: FSDP2's backward prefetch
-                self.post_forward_order[index - 1].unshard("backward", prefetch=True)
+        for ahead in self.prefetched(unit, "backward"):
+            ahead.unshard("backward", prefetch=True)
         self._note_unsharded()
         unit.wait_for_unshard()
         self._open_span(unit, "backward")

@@ -96,7 +96,10 @@ between uses.  The executor calls each layer module, so the units' hooks gather 
 before every microbatch's forward through it and free it after; the backward gathers it
 again through a hook on the block's output and frees it once its gradients are in.  The
 root unit is gathered by its modules' hooks (embedding, final LayerNorm, output layer)
-and kept until its backward.  No prefetch.  Not with chapter 11's split backwards (B and
+and kept until its backward.  Each microbatch's forward runs a chunk's layers in order and
+its backward in reverse, so the next layer's all-gather is prefetched under this one's
+compute (forward), and the previous layer's (backward), within the chunk (trace tag
+``prefetch=True``).  Not with chapter 11's split backwards (B and
 W are separate passes) nor with recomputation (the recomputed forward would free the
 weights its backward needs): :func:`tutorial_lib.arguments.validate_args`.
 
@@ -259,7 +262,8 @@ def _data_parallel(args: TrainingArgs, chunks, modules, dense_group: str):
     :class:`~tutorial_lib.fully_sharded_data_parallel.FullyShardedOptimizer`; ZeRO-3 the
     same units, each gathered by its module's hooks before every microbatch's forward and
     backward and freed after (the root, kept from its first forward to its backward, by
-    the hooks of the embedding, final LayerNorm and output layer), without prefetch.
+    the hooks of the embedding, final LayerNorm and output layer), the next layer of the
+    chunk prefetched in the forward and the previous one in the backward.
     """
     stage = args.zero_stage
     if stage >= 2:
@@ -267,8 +271,9 @@ def _data_parallel(args: TrainingArgs, chunks, modules, dense_group: str):
         roots = [getattr(chunk, name) for chunk in chunks  # what gathers the root (ZeRO-3)
                  for name in ("embedding", "final_layernorm", "output_layer")
                  if getattr(chunk, name, None) is not None]
-        fsdp = FullyShardedDataParallel(modules, units, args.sharding_strategy, prefetch=False,
-                                        group=dense_group, root_modules=roots)
+        fsdp = FullyShardedDataParallel(modules, units, args.sharding_strategy, prefetch=True,
+                                        group=dense_group, root_modules=roots,
+                                        chunks=[list(chunk.layers.values()) for chunk in chunks])
         return modules, FullyShardedOptimizer(fsdp, torch.optim.Adam, lr=args.lr), False
     if stage == 1:
         return modules, DistributedOptimizer(modules.parameters(), torch.optim.Adam,

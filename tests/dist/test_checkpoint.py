@@ -14,6 +14,11 @@ Real gloo ranks throughout.  One small model (12 layers so that PP = 3 and 4 div
     pp3_zero         6 ranks, PP3 x DP2, ZeRO-1, --save-interval 2; then resumed at iter 2
     pp3_zero3        6 ranks, PP3 x DP2, ZeRO-3 (optim_grads_params), --save-interval 2
     zero3_to_pp4     8 ranks, PP4 x DP2, ZeRO-1 (optim), --load pp3_zero3's iter 2 -> steps 2, 3
+    zero2_tp2        4 ranks, TP2 x DP2 (experts over ETP = TP = 2, EDP 2), ZeRO-2, 1 step
+                     -> iter 1
+    zero3_tp2_ep2    4 ranks, TP2 x EP2 x DP2 (ETP 1, EDP 2), ZeRO-3, traced, --load
+                     zero2_tp2's iter 1                                -> step 1, iter 2
+    zero3_to_world_1 world 1, plain Adam, --load zero3_tp2_ep2's iter 2 -> steps 2, 3
 
 Tolerances: the same layout resumed gives **identical bits** (the same sums in the same
 order from the same state).  Another layout gives the uninterrupted losses to fp32
@@ -34,6 +39,7 @@ gathers the shards per parameter for a checkpoint).
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +75,9 @@ TP2_PP2_DP2 = dict(world_size=8, tensor_model_parallel_size=2, pipeline_model_pa
 PP4_DP2 = dict(world_size=8, pipeline_model_parallel_size=4)
 PP2_EP2 = dict(world_size=8, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
 PP3_DP2 = dict(world_size=6, pipeline_model_parallel_size=3)
+TP2_DP2 = dict(world_size=4, tensor_model_parallel_size=2)
+TP2_EP2 = dict(world_size=4, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+               expert_tensor_parallel_size=1)
 
 
 def losses(result) -> dict[int, float]:
@@ -124,6 +133,16 @@ def run(name: str, root: str):
         run("pp3_zero3", root)
         return train(replace(BASE, **PP4_DP2, data_parallel_sharding_strategy="optim",
                              load=str(d / "z"), ckpt_step=2))
+    if name == "zero2_tp2":
+        return train(replace(BASE, **TP2_DP2, steps=1, data_parallel_sharding_strategy="optim_grads",
+                             save=str(d / "g")))
+    if name == "zero3_tp2_ep2":
+        run("zero2_tp2", root)
+        return train(replace(BASE, **TP2_EP2, steps=2, data_parallel_sharding_strategy="optim_grads_params",
+                             load=str(d / "g"), save=str(d / "h")), trace=True)
+    if name == "zero3_to_world_1":
+        run("zero3_tp2_ep2", root)
+        return train(replace(BASE, load=str(d / "h")))
     if name == "pp3_zero_resumed":
         run("pp3_zero", root)
         return train(replace(BASE, **PP3_DP2, use_distributed_optimizer=True, load=str(d / "e"),
@@ -200,6 +219,54 @@ def test_zero3_in_the_4d_run_saves_slices_that_resume_under_zero1_on_another_lay
     assert_close(losses(run("zero3_to_pp4", ckpt_root)), reference, [2, 3])
 
 
+def test_zero2_and_zero3_checkpoints_beside_tp_and_ep_reshard_to_any_strategy(ckpt_root):
+    """The slices of ZeRO-2 and ZeRO-3 beside TP and EP are saved as boxes of the whole
+    parameters (a TP shard's, an expert's and an ETP shard's offsets added:
+    ``dist_checkpointing.unit_piece``): ZeRO-2 on TP2 x DP2 (ETP 2) trains step 0 and saves;
+    ZeRO-3 on TP2 x EP2 (ETP 1) loads it, trains step 1 and saves; plain Adam on one rank
+    loads that and trains steps 2 and 3 (step 3 reads the Adam moments ZeRO-3 wrote).  Each
+    leg gives the uninterrupted world-size-1 losses to ``ATOL``: the layouts sum the
+    gradients in other orders, the loads themselves copy values."""
+    reference = losses(run("reference", ckpt_root))
+    assert_close(losses(run("zero2_tp2", ckpt_root)), reference, [0])
+    assert_close(losses(run("zero3_tp2_ep2", ckpt_root)), reference, [1])
+    assert_close(losses(run("zero3_to_world_1", ckpt_root)), reference, [2, 3])
+
+
+def test_zero3_in_the_4d_run_prefetches_within_each_chunk(ckpt_root):
+    """ZeRO-3 in train_4d prefetches inside a chunk, whose order every microbatch repeats:
+    its forward runs the layers in order, so each layer but the first (its dense unit and
+    its routed experts' unit alike) has its all-gather issued ahead (``prefetch=True``)
+    before the previous layer's compute starts; its backward runs them in reverse, so each
+    layer but the last is gathered ahead by the one after it.  Every unit is gathered once
+    per microbatch and phase.  (The losses under prefetch: the chain above, and
+    test_pipeline_training.py's ZeRO-3 layouts on PP 3, interleaved included.)"""
+    trace = run("zero3_tp2_ep2", ckpt_root).trace.filter(step=1)
+    last = BASE.num_layers - 1
+
+    def layer(unit: str) -> int:
+        return int(re.search(r"layers\.(\d+)", unit).group(1))
+
+    for rank in range(TP2_EP2["world_size"]):
+        for microbatch in range(BASE.num_microbatches):
+            events = trace.filter(rank=rank, microbatch=microbatch)
+            spans = {e.tags["name"]: e for e in events.filter(op="compute") if "unit" in e.tags}
+            for phase, unprefetched, before in (("forward", 0, -1), ("backward", last, 1)):
+                gathers = events.filter(op="all_gather", phase=phase, op_name="FSDPUnit.unshard")
+                units = [e.tags["unit"] for e in gathers.events]
+                assert len(units) == len(set(units)), units  # each unit once
+                layers = [e for e in gathers.events if "layers." in e.tags["unit"]]
+                assert {layer(e.tags["unit"]) for e in layers} == set(range(BASE.num_layers))
+                assert not any(e.tags["prefetch"] for e in gathers.events if e not in layers)
+                for gather in layers:  # the root is gathered by its own modules' hooks
+                    unit = gather.tags["unit"]
+                    assert gather.tags["prefetch"] == (layer(unit) != unprefetched), (phase, unit)
+                    if layer(unit) != unprefetched:  # issued before the neighbour computes
+                        neighbour = unit.split("[")[0].replace(f"layers.{layer(unit)}",
+                                                               f"layers.{layer(unit) + before}")
+                        assert gather.t_start <= spans[f"{phase} {neighbour}"].t_start, (phase, unit)
+
+
 # --- what each rank wrote ----------------------------------------------------------------
 
 
@@ -251,6 +318,27 @@ def test_every_tensor_is_saved_once_under_its_global_name_and_shape(ckpt_root, n
     else:
         experts = tensors["model.layers.5.mlp.experts.weight_gate"]
         assert [tuple(c.offsets)[0] for c in sorted(experts.chunks, key=lambda c: c.offsets[0])] == [0, 2]
+
+
+@pytest.mark.parametrize("name,iteration", [("g", 1), ("h", 2)], ids=["zero2_tp2", "zero3_tp2_ep2"])
+def test_zero_slices_beside_tp_and_ep_are_boxes_that_tile_each_whole_tensor(ckpt_root, name, iteration):
+    """DCP's index of a ZeRO-2 / ZeRO-3 checkpoint under TP (and EP) holds every tensor of
+    the whole model under its global shape, and the boxes the ranks' slices wrote cover each
+    tensor exactly once (counted element by element: none missing, none twice)."""
+    run("zero2_tp2" if name == "g" else "zero3_tp2_ep2", ckpt_root)
+    metadata = FileSystemReader(str(ckpt_root / name / f"iter_{iteration:07d}")).read_metadata()
+    model = serial_model()
+    for name_, tensor in model.state_dict(keep_vars=True).items():
+        keys = [f"model.{name_}"]
+        if isinstance(tensor, torch.nn.Parameter):
+            keys += [f"optimizer.state.{name_}.exp_avg", f"optimizer.state.{name_}.exp_avg_sq"]
+        for key in keys:
+            saved = metadata.state_dict_metadata[key]
+            assert tuple(saved.size) == tuple(tensor.shape), key
+            covered = torch.zeros(tensor.shape, dtype=torch.int32)
+            for chunk in saved.chunks:
+                covered[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] += 1
+            assert bool((covered == 1).all()), (key, covered.unique())
 
 
 # --- RNG ---------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ from tutorial_lib import checkpointing
 from tutorial_lib.checkpointing import (CKPT_FORMAT, TRACKER_FILENAME, check_checkpoint_args,
                                         check_save_args, commit_checkpoint, common_state,
                                         find_checkpoint, get_checkpoint_name, is_save_iteration,
-                                        expert_tp_sharding, flat_range_chunks, latest_checkpoint,
+                                        expert_tp_sharding, flat_range_chunks, global_placement,
+                                        latest_checkpoint,
                                         local_chunk,
                                         prepare_checkpoint_dir,
-                                        tensor_sharding)
+                                        slice_chunks, tensor_sharding)
 from tutorial_lib.config import ConfigError
 from tutorial_lib.train_4d import TrainingArgs, validate_args
 
@@ -282,6 +283,60 @@ def test_flat_range_chunks_by_hand():
     assert flat_range_chunks((5,), 3, 3) == []
     with pytest.raises(ValueError, match="not a range"):
         flat_range_chunks((3, 4), 5, 13)
+
+
+def test_global_placement_by_hand():
+    """A TP shard: rows 24-47 of 48.  An expert weight under EP 2 x ETP 2: this EP rank's
+    2 experts of 4 (dim 0), this ETP rank's half of the down projection's 16 input channels
+    (dim 2).  No split: the tensor is the whole one."""
+    assert global_placement((24, 16), [(0, 1, 2)]) == ((48, 16), (24, 0))
+    assert global_placement((2, 16, 8), [(0, 1, 2), (2, 1, 2)]) == ((4, 16, 16), (2, 0, 8))
+    assert global_placement((5,), []) == ((5,), (0,))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_the_slices_of_every_dp_and_tp_rank_tile_each_whole_tensor_in_their_order(dp):
+    """A ZeRO-2 / ZeRO-3 unit of three parameters split over TP 2 (a column shard, a row
+    shard, a copy), cut into ``dp`` slices (padded): every (DP rank, TP rank) hands the boxes
+    of :func:`slice_chunks`, placed by :func:`global_placement`.  Read in order, a rank's
+    boxes of the whole tensor are exactly its slice's run of its local tensor, and over every
+    rank that holds a piece each element of the whole tensor is in one box (the copy's once
+    per TP rank: DCP keeps one)."""
+    wholes = [torch.arange(8 * 6).reshape(8, 6), torch.arange(4 * 10).reshape(4, 10) + 100,
+              torch.arange(7) + 200]
+    splits = [0, 1, None]  # partition dim over TP 2, or whole on every TP rank
+    tp = 2
+    local_shapes = [tuple(w.shape[d] // tp if d == dim else w.shape[d] for d in range(w.dim()))
+                    if dim is not None else tuple(w.shape) for w, dim in zip(wholes, splits)]
+    ranges, at = [], 0
+    for shape in local_shapes:
+        ranges.append((at, at + math.prod(shape)))
+        at += math.prod(shape)
+    shard_numel = math.ceil(at / dp)
+    covered = [torch.zeros_like(w) for w in wholes]
+    for tp_rank in range(tp):
+        for whole, dim, shape, (start, end), count in zip(wholes, splits, local_shapes, ranges, covered):
+            placed = [] if dim is None else [(dim, tp_rank, tp)]
+            global_shape, offsets = global_placement(shape, placed)
+            assert global_shape == tuple(whole.shape)
+            local = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape))].reshape(-1)
+            for dp_rank in range(dp):
+                held = (dp_rank * shard_numel, (dp_rank + 1) * shard_numel)
+                boxes = slice_chunks(shape, (start, end), held, offsets)
+                read = [whole[tuple(slice(o, o + n) for o, n in zip(box, sizes))].reshape(-1)
+                        for box, sizes in boxes]
+                first, last = max(start, held[0]), min(end, held[1])
+                assert torch.cat([torch.zeros(0, dtype=whole.dtype), *read]).tolist() == \
+                    local[max(first - start, 0):max(last - start, 0)].tolist()
+                for box, sizes in boxes:
+                    count[tuple(slice(o, o + n) for o, n in zip(box, sizes))] += 1
+    for count, dim in zip(covered, splits):
+        assert bool((count == (1 if dim is not None else tp)).all())
+
+
+def test_a_slice_that_holds_none_of_a_parameter_has_no_boxes():
+    assert slice_chunks((3, 4), (12, 24), (0, 12)) == []
+    assert slice_chunks((3, 4), (12, 24), (10, 14), (6, 0)) == [((6, 0), (1, 2))]
 
 
 # --- checkpoints from elsewhere: untrusted and damaged ----------------------------------------
