@@ -1,10 +1,8 @@
 """How the README's test command splits the suite between its two pytest-xdist workers.
 
-``pyproject.toml`` runs the suite in two worker processes (``-n 2 --dist loadgroup``, groups
-in the collection's order: ``--no-loadscope-reorder``). Run in one process, the tests leave
-the CPUs idle for much of their time, waiting on their workers, a browser or a kernel (on
-2 cores, 28 % of ``tests/dist``'s time with nothing else running, 2026-11-29); the other
-worker's tests fill it. pytest-xdist hands a worker one *group* at a
+``pyproject.toml`` runs the suite in two worker processes (``-n 2 --dist loadgroup``): the
+multi-process tests wait on their workers, a browser or a kernel for about a third of their
+time, which the other worker's tests fill. pytest-xdist hands a worker one *group* at a
 time (the ``xdist_group`` mark); this plugin marks every test before xdist reads the marks:
 
 * each test file is a group, as ``--dist loadfile`` would make it: the tests of a file
