@@ -12,7 +12,7 @@ time (the ``xdist_group`` mark); this plugin marks every test before xdist reads
   same process (``tests/executed_chapters.py``), so the chapters run before the build in
   one worker, in the collection's order (``notebooks`` before ``tests``).
 
-With ``-n 0`` (one process, as before) the marks change nothing.
+Without ``-n`` (``python -m pytest -p no:xdist`` or ``-n 0``) the marks change nothing.
 """
 from __future__ import annotations
 

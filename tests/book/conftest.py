@@ -447,3 +447,26 @@ def _click_and_expect_change_fixture():
 @pytest.fixture(name="play_and_expect_advance")
 def _play_and_expect_advance_fixture():
     return play_and_expect_advance
+
+
+# --- page weight: recorded by test_reader.py, printed at the end of the session -----------
+
+PAGE_WEIGHTS: dict[str, dict] = {}
+"""``docname -> {"requests", "bytes", "gzip_bytes", "largest"}`` for each page weighed."""
+
+
+@pytest.fixture(scope="session")
+def page_weights() -> dict[str, dict]:
+    """Where test_reader.py records each page's weight (printed at the end of the run)."""
+    return PAGE_WEIGHTS
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not PAGE_WEIGHTS:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("page weight (every file a page loads, 1440 x 900)")
+    write(f"{'page':36s} {'files':>5s} {'bytes':>11s} {'gzipped':>11s}  largest")
+    for name, w in PAGE_WEIGHTS.items():
+        largest = ", ".join(f"{n} {b / 1e3:.0f} kB" for n, b in w["largest"])
+        write(f"{name:36s} {w['requests']:5d} {w['bytes']:11,d} {w['gzip_bytes']:11,d}  {largest}")

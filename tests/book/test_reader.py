@@ -205,7 +205,7 @@ def test_widget_text_is_readable_on_a_desktop(book_view, toc_docname):
 # --- page weight -------------------------------------------------------------------------------
 
 
-def test_page_weight(book_view, book_server, record_page_weight, toc_docname):
+def test_page_weight(book_view, book_server, page_weights, toc_docname):
     """Weigh what a page loads (printed at the end of the run), and what it must not load:
     Font Awesome's script (the theme's web font draws the icons), MathJax on a page without
     math, the widget manager on a page without saved widget state."""
@@ -220,12 +220,12 @@ def test_page_weight(book_view, book_server, record_page_weight, toc_docname):
         except Exception:  # noqa: BLE001 - a body the browser did not keep (none here)
             continue
     raw = sum(len(b) for b in files.values())
-    record_page_weight(toc_docname, {
+    page_weights[toc_docname] = {
         "requests": len(files), "bytes": raw,
         "gzip_bytes": sum(len(gzip.compress(b, 6)) for b in files.values()),
-        "largest": [[p.rsplit("/", 1)[-1], len(b)] for p, b in
+        "largest": [(p.rsplit("/", 1)[-1], len(b)) for p, b in
                     sorted(files.items(), key=lambda kv: -len(kv[1]))[:3]],
-    })
+    }
     names = [p.rsplit("/", 1)[-1] for p in files]
     page = view.page
     assert "fontawesome.js" not in names

@@ -102,8 +102,8 @@ def test_binder_installs_what_a_reader_needs_and_nothing_for_the_tests_or_the_bu
     assert binder == {"torch", "numpy", "cloudpickle", "matplotlib", "ipywidgets", "ipykernel",
                       "jupyterlab"}
     assert binder < everything  # the full install still has the reader's packages
-    assert not binder & {"jupyter-book", "nbval", "pytest", "pytest-timeout", "pytest-xdist",
-                         "nbgrader", "playwright", "axe-playwright-python"}
+    assert not binder & {"jupyter-book", "nbval", "pytest", "pytest-timeout", "nbgrader",
+                         "playwright", "axe-playwright-python"}
     reader = (REPO / "requirements-reader.txt").read_text().splitlines()
     assert "-e ." in reader and "-c constraints.txt" in reader  # the library, pinned
 
