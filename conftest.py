@@ -1,5 +1,4 @@
 """The repository's root conftest: plugins that must see every test folder and the notebooks."""
 
-# nbval's run of each chapter, kept for the book build; where the time went, by file; how the
-# suite splits between its two worker processes.
-pytest_plugins = ["tests.executed_chapters", "tests.time_by_file", "tests.work_units"]
+# nbval's run of each chapter, kept for the book build; where the time went, by file.
+pytest_plugins = ["tests.executed_chapters", "tests.time_by_file"]

@@ -11,16 +11,11 @@ REPO = Path(__file__).resolve().parents[2]
 def collected_files(request) -> set[str]:
     """The files the README's command (`python -m pytest`, no argument) collects.
 
-    Inside that very command this session's own items are the answer (each pytest-xdist
-    worker collects every test); a run given paths or options of its own (say `pytest
-    tests/dist`) asks a fresh `pytest --collect-only`.
+    Inside that very command this session's own items are the answer; a run given paths
+    or options of its own (say `pytest tests/dist`) asks a fresh `pytest --collect-only`.
     """
     config = request.config
-    worker = getattr(config, "workerinput", None)  # a pytest-xdist worker: its arguments
-    if worker is not None:                          # are the controller's, made explicit
-        plain = not worker["mainargv"][1:]
-    else:
-        plain = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    plain = config.args_source == pytest.Config.ArgsSource.TESTPATHS
     if plain and not (config.option.keyword or config.option.markexpr
                       or config.option.deselect):
         return {item.nodeid.split("::")[0] for item in request.session.items}
