@@ -110,7 +110,7 @@ CHAPTERS: tuple[Chapter, ...] = (
                          "measure_synthetic_schedules, PP2 x EP2")),
     Chapter(12, "12_sharded_data_parallel.ipynb",
             "Sharded data parallelism: ZeRO-2, ZeRO-3 and FSDP", "ch12", "_sharding_table",
-            device_runs=("all_stages",)),
+            device_runs=("all_stages", "tp_or_zero3, TP 4")),
     # chapter 13 launches no ranks: the planner is pure arithmetic (its check against this
     # machine's train_4d runs is a stored reference, bench/bench_planner_cpu.py)
     Chapter(13, "13_choosing_a_layout.ipynb", "Choosing a layout", "ch13", "_layout_table",

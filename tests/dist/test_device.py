@@ -213,6 +213,7 @@ def jobs_by_world(ch, checkpoints: str | None = None) -> dict[int, list]:
                          "broadcast_demo", "moe_dispatch_demo", "pipeline_demo",
                          "ring_demo")]
     four += [("03 tp_dp_mlp_demo", ch["03"]["tp_dp_mlp_demo"], (), None),
+             ("12 tp_or_zero3, TP 4", ch["12"]["tp_or_zero3"], (4,), None),
              ("03 step_demo", ch["03"]["step_demo"], (), None),
              ("04 dispatch_demo", ch["04"]["dispatch_demo"], (), None),
              ("04 dedup_demo", ch["04"]["dedup_demo"], (), None),
