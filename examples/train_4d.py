@@ -262,8 +262,9 @@ def main(argv=None) -> int:
                 result = train(run_args, progress=not as_json, progress_file=progress_file,
                                stop_file=stop_file)
                 break
-            except ConfigError as error:  # --device cuda with fewer GPUs than ranks: nothing started
-                print(f"train_4d.py: error: {error}\n{CPU_FIX}", file=sys.stderr)
+            except ConfigError as error:  # nothing started: --device cuda with fewer GPUs
+                print(f"train_4d.py: error: {error}"  # than ranks, or too long a TMPDIR
+                      + (f"\n{CPU_FIX}" if error.rule == "backend" else ""), file=sys.stderr)
                 return 2
             except KeyboardInterrupt:  # Ctrl-C: the launcher has ended the workers
                 print(interrupted(args, max(read_progress(progress_file), default=0), argv),

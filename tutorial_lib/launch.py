@@ -880,15 +880,40 @@ class Collector:
         return first
 
 
+UNIX_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+"""The longest path a Unix socket may have (``sun_path``: 108 bytes on Linux, 104 on
+macOS, the final NUL included)."""
+
+
+def forkserver_socket_problem(temp_dir: str) -> str | None:
+    """Why the forkserver could not listen under ``temp_dir`` (multiprocessing's folder for
+    this process, made inside ``TMPDIR``), or ``None``.  Its socket is
+    ``temp_dir/listener-`` plus 8 characters; a longer path than the system allows fails
+    deep inside multiprocessing with ``OSError: AF_UNIX path too long``."""
+    length = len(os.fsencode(os.path.join(temp_dir, "listener-" + "x" * 8)))
+    if length <= UNIX_SOCKET_PATH_MAX:
+        return None
+    return (f"the workers' forkserver listens on a Unix socket inside {temp_dir}: with its "
+            f"name that path is {length} bytes, and this system allows at most "
+            f"{UNIX_SOCKET_PATH_MAX}; start Python with a shorter temporary folder, e.g. "
+            f"TMPDIR=/tmp")
+
+
 def _ensure_forkserver() -> None:
-    """Start the forkserver, if it is not running, with Ctrl-C ignored.
+    """Start the forkserver, if it is not running, with Ctrl-C ignored (refused with
+    :func:`forkserver_socket_problem`'s reason before anything starts).
 
     It shares the terminal's process group with the launcher, so a Ctrl-C reaches it too;
     CPython's forkserver ignores SIGINT only once its preloaded imports are done, and one
     that arrives during ``import torch`` printed the server's traceback.  An ignored
     signal stays ignored across ``exec``: the server starts deaf to Ctrl-C.
     """
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
+
+    from .config import ConfigError
+    problem = forkserver_socket_problem(util.get_temp_dir())
+    if problem:
+        raise ConfigError("temporary folder", problem)
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()  # only the main thread may change a signal's handler
         return
