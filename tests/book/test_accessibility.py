@@ -77,21 +77,11 @@ _RUN_AXE = """async () => {
 }"""
 
 
-# Starts that run without waiting for it: the result lands in ``window.__axeResult``.
-_START_AXE = f"""() => {{
-    window.__axeResult = null;
-    ({_RUN_AXE})().then(found => {{ window.__axeResult = {{found}}; }},
-                        error => {{ window.__axeResult = {{error: String(error)}}; }});
-}}"""
-
-
-def start_axe(view) -> None:
-    """Starts axe on the page as a reader meets it (MathJax done, fonts in, and
-    _static/scroll-focus.js's marks redone after the last change: MathJax, a widget's
-    drawing, an unfolded cell, a font that finished loading) and returns at once: each
-    viewport's page has its own renderer process, so two started together run on two
-    cores (:func:`finish_axe` collects)."""
+def axe_violations(view) -> list[dict]:
     page = view.page
+    # the page as a reader meets it: MathJax done, fonts in (its own too), and
+    # _static/scroll-focus.js's marks redone after the last change (MathJax, a widget's
+    # drawing, an unfolded cell, a font that finished loading)
     page.evaluate("""async () => {
         if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
             await MathJax.startup.promise;
@@ -104,29 +94,14 @@ def start_axe(view) -> None:
     if not page.evaluate("() => typeof window.axe === 'object'"):
         page.evaluate(axe_source())  # defines window.axe; fetches nothing
     page.evaluate(_SAMPLE_CODE_TOKENS)
-    page.evaluate(_START_AXE)
-
-
-def finish_axe(view) -> list[dict]:
-    """Waits for the run :func:`start_axe` started (no time limit, as a plain ``evaluate``
-    has none: a loaded machine only makes it slower) and leaves the page as it was found:
-    it is shared with the document's other tests."""
-    page = view.page
     try:
-        page.wait_for_function("() => window.__axeResult !== null", polling=200, timeout=0)
-        result = page.evaluate("() => window.__axeResult")
-    finally:
+        return page.evaluate(_RUN_AXE)
+    finally:  # the page is shared with the document's other tests: leave it as found
         page.evaluate(_UNSAMPLE_CODE_TOKENS)
-    assert "error" not in result, f"axe failed on {page.url}: {result['error']}"
-    return result["found"]
 
 
-def axe_violations(view) -> list[dict]:
-    start_axe(view)
-    return finish_axe(view)
-
-
-def assert_no_serious_violation(found: list[dict], view, docname: str) -> None:
+def assert_no_serious_violation(view, docname: str) -> None:
+    found = axe_violations(view)
     width = view.page.viewport_size["width"]
     serious = [v for v in found if v["impact"] in FAILING_IMPACTS]
     for v in found:
@@ -137,27 +112,14 @@ def assert_no_serious_violation(found: list[dict], view, docname: str) -> None:
         + "\n    ".join(v["where"]) for v in serious))
 
 
-# The phone run the desktop test started, per document, for the phone test to collect.
-_PHONE_RUNS: dict[str, object] = {}
-
-
 def test_axe_finds_nothing_serious_on_a_desktop(book_view, toc_docname):
-    """At 1440 px.  The same document's phone page is loaded and its axe run started
-    alongside (its test, next, collects it): the two runs share the two cores."""
-    desktop, phone = book_view(toc_docname, DESKTOP), book_view(toc_docname, PHONE)
-    start_axe(desktop)
-    start_axe(phone)
-    _PHONE_RUNS[toc_docname] = phone
-    assert_no_serious_violation(finish_axe(desktop), desktop, toc_docname)
+    assert_no_serious_violation(book_view(toc_docname, DESKTOP), toc_docname)
 
 
 def test_axe_finds_nothing_serious_on_a_phone(book_view, toc_docname):
     """The same at 390 px (a separate test, not a parameter: pytest keeps the tests of one
     document together, and they share its two loaded pages)."""
-    phone = book_view(toc_docname, PHONE)
-    if _PHONE_RUNS.pop(toc_docname, None) is not phone:  # run alone (-k), or reloaded
-        start_axe(phone)
-    assert_no_serious_violation(finish_axe(phone), phone, toc_docname)
+    assert_no_serious_violation(book_view(toc_docname, PHONE), toc_docname)
 
 
 def test_axe_reports_what_it_must(fragment_page):
