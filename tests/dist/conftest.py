@@ -11,9 +11,17 @@ import sys
 import threading
 import time
 
+import cloudpickle
 import pytest
 
 from tutorial_lib.launch import process_running
+
+# The launcher ships a worker function by reference when its module can be imported, so a
+# worker defined in a test module made every rank import that module, pytest and nbformat
+# with it: about 0.5 s of CPU per rank and launch, most of a checker's time on 2 cores.
+# Shipped by value (as a notebook's functions are), a rank imports only what the function
+# itself uses.
+cloudpickle.register_pickle_by_value(sys.modules["tests"])
 
 
 def wait_until_gone(pids, seconds: float = 5.0) -> list[int]:
