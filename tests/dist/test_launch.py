@@ -51,6 +51,18 @@ def test_notebook_style_closure_is_shipped_by_value():
     assert out.results == [[18.0, 18.0]] * 4  # 3 * (0 + 1 + 2 + 3)
 
 
+def _test_modules_on_the_rank(ctx):
+    return sorted(m for m in sys.modules if m.split(".")[0] in ("tests", "pytest", "nbformat"))
+
+
+def test_a_worker_from_a_test_module_travels_by_value():
+    """tests/dist/conftest.py ships the test modules' functions by value: a rank running one
+    imports neither its test module nor pytest and nbformat (about 0.5 s of CPU a rank and
+    launch when it did), and a module-level helper the function calls travels with it."""
+    assert launch(_test_modules_on_the_rank, 2).results == [[], []]
+    assert [r["value"] for r in launch(_identity, 2, args=(7,)).results] == [7, 8]
+
+
 def _raise_on_rank_two(ctx):
     if ctx.rank == 2:
         raise ValueError("bad value on purpose: 42")
