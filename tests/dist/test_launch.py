@@ -58,7 +58,8 @@ def _test_modules_on_the_rank(ctx):
 def test_a_worker_from_a_test_module_travels_by_value():
     """tests/dist/conftest.py ships the test modules' functions by value: a rank running one
     imports neither its test module nor pytest and nbformat (about 0.5 s of CPU a rank and
-    launch when it did), and a module-level helper the function calls travels with it."""
+    launch when it did), and a test module's worker with arguments still returns its
+    result."""
     assert launch(_test_modules_on_the_rank, 2).results == [[], []]
     assert [r["value"] for r in launch(_identity, 2, args=(7,)).results] == [7, 8]
 

@@ -200,8 +200,8 @@ SCHEDULE_LAYOUTS = [(1, 3, 2, 6), (1, 4, 1, 8)]
 
 
 def schedule_args(schedule, mode, tp, pp, ep, world) -> TrainingArgs:
-    # interleaving needs num_layers divisible by PP * V (V = 2) and M by PP: 4 PP layers,
-    # two a model chunk, M = PP
+    # interleaving needs num_layers divisible by PP * V (V = 2) and M by PP: 4 x PP layers,
+    # two per model chunk, M = PP
     return layout_args(tp, pp, ep, world, schedule=schedule, p2p_mode=mode, num_layers=4 * pp,
                        num_microbatches=pp, global_batch_size=2 * pp * 2)
 
