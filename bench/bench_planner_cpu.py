@@ -12,12 +12,20 @@ its steps after the first (the slowest rank's step, as ``train_4d`` logs it).
 The planner predicts the same four with this machine as its cluster
 (:func:`machine_cluster`): a "GPU" whose peak is one torch thread's fp32 matmul rate,
 measured here (:func:`matmul_rate`), shared by the ranks when there are more ranks than
-cores, at efficiency 1; both links chapter 2's stored all-reduce fit
-(``tutorial_lib/reference/ch02_alpha_beta.json``).  Absolute times are not the point:
-the planner counts bf16 activations on the wire where these runs send fp32 (the small
-TP and PP messages are undercounted by half; the fp32 gradients are counted as they are),
-and a CPU's matmul rate is not a GPU's.  What is compared are the ratios between layouts,
-each layout's time over the first's, side by side in chapter 13.
+cores, at efficiency 1.  It predicts them twice, with two links:
+
+* chapter 2's stored all-reduce fit (``tutorial_lib/reference/ch02_alpha_beta.json``),
+  measured on 2 ranks, each with a core of its own;
+* the same measurement (chapter 2's :func:`~tutorial_lib.timing.alpha_beta.measure_alpha_beta`,
+  all-reduce only) taken here, before the runs, on the 4 ranks the layouts run on, two to
+  a core: a rank's partner in a collective may be waiting for its core, and that is the
+  cost the layouts' many small TP all-reduces pay (:func:`run_link`).
+
+Absolute times are not the point: the planner counts bf16 activations on the wire where
+these runs send fp32 (the small TP and PP messages are undercounted by half; the fp32
+gradients are counted as they are), and a CPU's matmul rate is not a GPU's.  What is
+compared are the ratios between layouts, each layout's time over the first's, side by
+side in chapter 13.
 
 Run ``--save`` on an idle machine (``scripts/measure_references.py`` waits for one): the
 reference records the machine, the date and the load before measuring.
@@ -82,6 +90,16 @@ def stored_link() -> AlphaBeta:
     return AlphaBeta(row["alpha_us"] * 1e-6, 1 / (row["gb_per_s"] * 1e9))
 
 
+def run_link(ranks: int, dry_run: bool = False) -> AlphaBeta:
+    """Chapter 2's all-reduce fit, measured now on ``ranks`` gloo ranks (the layouts' own
+    world) instead of chapter 2's two."""
+    from tutorial_lib.costs.alpha_beta import fit_alpha_beta
+    from tutorial_lib.timing.alpha_beta import ALPHA_BETA_SIZES, measure_alpha_beta
+    sizes = ALPHA_BETA_SIZES[:4] if dry_run else ALPHA_BETA_SIZES
+    return fit_alpha_beta(measure_alpha_beta(("all_reduce",), sizes, world_size=ranks,
+                                             repeats=2 if dry_run else 5)).model
+
+
 def machine_cluster(rate: float, link: AlphaBeta, ranks: int, cores: int) -> Cluster:
     """This machine as the planner's cluster: one node of ``ranks`` "GPUs", each
     computing at ``rate`` times its share of the cores (one thread per rank), both links
@@ -118,12 +136,15 @@ def measured_time(model: dict, tp: int, pp: int, dp: int, steps: int) -> list[fl
     return [r["step_time_s"] for r in records[1:]]
 
 
-def ratio_rows(predicted: list[float], measured: list[float]) -> list[dict]:
-    """One row per layout: its times and each over the first layout's."""
+def ratio_rows(predicted: list[float], measured: list[float],
+               predicted_ch02: list[float]) -> list[dict]:
+    """One row per layout: its times (predicted with the run's link and with chapter 2's)
+    and each over the first layout's."""
     return [{"layout": f"TP {tp} PP {pp} DP {dp}", "tp": tp, "pp": pp, "dp": dp,
-             "predicted_s": p, "measured_s": m, "predicted_ratio": p / predicted[0],
-             "measured_ratio": m / measured[0]}
-            for (tp, pp, dp), p, m in zip(LAYOUTS, predicted, measured)]
+             "predicted_s": p, "measured_s": m, "predicted_ch02_s": c,
+             "predicted_ratio": p / predicted[0], "measured_ratio": m / measured[0],
+             "predicted_ch02_ratio": c / predicted_ch02[0]}
+            for (tp, pp, dp), p, m, c in zip(LAYOUTS, predicted, measured, predicted_ch02)]
 
 
 def main() -> int:
@@ -143,27 +164,34 @@ def main() -> int:
     rate = matmul_rate(model["hidden_size"], model["seq_length"],
                        seconds=0.1 if args.dry_run else 1.0)
     ranks, cores = 4, os.cpu_count() or 1
-    where = machine_cluster(rate, stored_link(), ranks, cores)
-    predicted = predicted_times(model, where)
+    link, ch02 = run_link(ranks, args.dry_run), stored_link()
+    predicted = predicted_times(model, machine_cluster(rate, link, ranks, cores))
+    predicted_ch02 = predicted_times(model, machine_cluster(rate, ch02, ranks, cores))
     times: dict[tuple, list[float]] = {l: [] for l in LAYOUTS}
     for _ in range(rounds):
         for l in LAYOUTS:
             times[l] += measured_time(model, *l, steps)
     measured = [statistics.median(times[l]) for l in LAYOUTS]
-    rows = ratio_rows(predicted, measured)
+    rows = ratio_rows(predicted, measured, predicted_ch02)
     print_table(["layout", "predicted s", "measured s", "predicted / first",
-                 "measured / first"],
+                 "measured / first", "with ch. 2's link"],
                 [[r["layout"], f"{r['predicted_s']:.4f}", f"{r['measured_s']:.4f}",
-                  f"{r['predicted_ratio']:.2f}", f"{r['measured_ratio']:.2f}"] for r in rows],
+                  f"{r['predicted_ratio']:.2f}", f"{r['measured_ratio']:.2f}",
+                  f"{r['predicted_ch02_ratio']:.2f}"] for r in rows],
                 title=f"planner vs train_4d, {ranks} gloo ranks on {cores} cores, matmul "
-                      f"{rate / 1e9:.1f} GFLOP/s a thread, load {load}")
+                      f"{rate / 1e9:.1f} GFLOP/s a thread, all-reduce alpha "
+                      f"{link.alpha * 1e6:.0f} us on {ranks} ranks ({ch02.alpha * 1e6:.0f} us "
+                      f"in chapter 2's fit), load {load}")
     if args.save:
         ref = reference.save(NAME, rows, command=COMMAND, load=load,
                              notes=f"train_4d on {ranks} gloo ranks, {steps} steps x {rounds} "
-                                   f"rounds, median after the first step; planner with "
-                                   f"ch02_alpha_beta's all-reduce fit and a one-thread fp32 "
-                                   f"matmul rate",
+                                   f"rounds, median after the first step; planner with a "
+                                   f"one-thread fp32 matmul rate and chapter 2's all-reduce "
+                                   f"fit measured on the {ranks} ranks (predicted_ch02_s: "
+                                   f"with ch02_alpha_beta's, measured on 2)",
                              matmul_flops=rate, cores=cores, model=model,
+                             run_link={"ranks": ranks, "alpha_us": link.alpha * 1e6,
+                                       "gb_per_s": link.bandwidth / 1e9},
                              global_batch_size=GLOBAL_BATCH_SIZE)
         print(ref.caption())
     return 0

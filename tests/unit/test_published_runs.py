@@ -55,6 +55,10 @@ def test_machine_table_by_hand():
                        "measured_ratio": 1.0, "error": 0.0}
     assert rows[1]["predicted_ratio"] == 1.5 and rows[1]["measured_ratio"] == 1.25
     assert rows[1]["error"] == pytest.approx(1.5 / 1.25 - 1)
+    ref.rows[0]["predicted_ch02_s"], ref.rows[1]["predicted_ch02_s"] = 1.0, 1.25
+    rows = machine_table(ref)
+    assert rows[1]["predicted_ch02_ratio"] == 1.25 and rows[1]["error_ch02"] == 0.0
+    assert rows[1]["predicted_ratio"] == 1.5  # the run link's prediction is unchanged
 
 
 def test_machine_table_is_computed_from_the_stored_reference():
@@ -71,3 +75,5 @@ def test_machine_table_is_computed_from_the_stored_reference():
     for row, s in zip(rows, stored):
         assert row["predicted_ratio"] == s["predicted_s"] / stored[0]["predicted_s"]
         assert row["measured_ratio"] == s["measured_s"] / stored[0]["measured_s"]
+        assert row["predicted_ch02_ratio"] == (s["predicted_ch02_s"]
+                                               / stored[0]["predicted_ch02_s"])
