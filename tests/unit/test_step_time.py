@@ -13,6 +13,7 @@ from tutorial_lib.costs.model_flops import (MODEL_PRESETS, active_parameter_coun
 from tutorial_lib.costs.step_time import (Layout, chunk_costs, group_crosses_nodes,
                                           predict_step, schedule_times)
 from tutorial_lib.pipeline_parallel.formulas import expected_bubble_time
+from tests.asserts import every
 
 
 def test_gpus_dense_peaks_are_half_the_sparse_datasheet_figures():
@@ -28,7 +29,8 @@ def test_every_gpu_figure_is_cited_or_said_unsourced():
         cited = {c.figure for c in gpu.citations}
         unsourced = {figure for figure, _ in gpu.unsourced}
         assert cited | unsourced == set(FIGURES) and not cited & unsourced, key
-        assert all(c.url.startswith("https://") and c.line and c.document for c in gpu.citations)
+        assert every(c.url.startswith("https://") and c.line and c.document
+                     for c in gpu.citations), key  # each GPU has a datasheet
     # the lines say what the values are: Gb/s are bits one way, NVLink both ways together
     assert "200Gb/s" in GPUS["a100-80gb"].source("network_bandwidth").line
     assert GPUS["a100-80gb"].network_bandwidth == 200e9 / 8
