@@ -92,7 +92,7 @@ from tutorial_lib.arguments import (CONFIG_FIELDS, DEVICES, LOG_KEYS, TrainingAr
                                     validate_args)
 from tutorial_lib.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, add_arguments
 from tutorial_lib.launch import (LaunchTimeout, WorkerError, is_torchrun, make_run_dir,
-                                run_under_torchrun)
+                                run_under_torchrun, start_forkserver)
 
 #: The command line's own fix for --device cuda where the GPUs are too few.
 CPU_FIX = "  on the command line: --device cpu (or --device auto) runs on the CPU over gloo"
@@ -216,6 +216,12 @@ def main(argv=None) -> int:
         # stdout then holds the JSON lines only (and they say what each key is in --help)
         print(describe_run(args, legend=not as_json), file=sys.stderr if as_json else sys.stdout,
               flush=True)
+    if not is_torchrun() and args.device != "cuda":  # (too few GPUs exits 2 in train())
+        try:  # the workers' server imports torch while this process does, below
+            start_forkserver()
+        except ConfigError as error:  # a temporary folder too long for its socket
+            print(f"train_4d.py: error: {error}", file=sys.stderr)
+            return 2
     try:  # loads torch; Ctrl-C meanwhile: one line, no traceback
         from tutorial_lib.train_4d import (StopRequest, format_progress, format_saved,
                                            read_progress, train, train_worker)
