@@ -46,6 +46,7 @@ from tutorial_lib.costs.alpha_beta import AlphaBeta  # noqa: E402
 from tutorial_lib.costs.hardware import FIGURES, GPU, Cluster  # noqa: E402
 from tutorial_lib.config import ModelConfig  # noqa: E402
 from tutorial_lib.costs.step_time import Layout, predict_step  # noqa: E402
+from tutorial_lib.published_runs import machine_table  # noqa: E402
 
 NAME = "ch13_planner_cpu"
 COMMAND = "python bench/bench_planner_cpu.py --save"
@@ -136,14 +137,12 @@ def measured_time(model: dict, tp: int, pp: int, dp: int, steps: int) -> list[fl
     return [r["step_time_s"] for r in records[1:]]
 
 
-def ratio_rows(predicted: list[float], measured: list[float],
-               predicted_ch02: list[float]) -> list[dict]:
-    """One row per layout: its times (predicted with the run's link and with chapter 2's)
-    and each over the first layout's."""
+def time_rows(predicted: list[float], measured: list[float],
+              predicted_ch02: list[float]) -> list[dict]:
+    """One row per layout: its times, predicted with the run's link and with chapter 2's,
+    and measured (the ratios are :func:`tutorial_lib.published_runs.machine_table`'s)."""
     return [{"layout": f"TP {tp} PP {pp} DP {dp}", "tp": tp, "pp": pp, "dp": dp,
-             "predicted_s": p, "measured_s": m, "predicted_ch02_s": c,
-             "predicted_ratio": p / predicted[0], "measured_ratio": m / measured[0],
-             "predicted_ch02_ratio": c / predicted_ch02[0]}
+             "predicted_s": p, "measured_s": m, "predicted_ch02_s": c}
             for (tp, pp, dp), p, m, c in zip(LAYOUTS, predicted, measured, predicted_ch02)]
 
 
@@ -172,12 +171,13 @@ def main() -> int:
         for l in LAYOUTS:
             times[l] += measured_time(model, *l, steps)
     measured = [statistics.median(times[l]) for l in LAYOUTS]
-    rows = ratio_rows(predicted, measured, predicted_ch02)
+    rows = time_rows(predicted, measured, predicted_ch02)
+    ratios = machine_table(reference.Reference(NAME, rows))
     print_table(["layout", "predicted s", "measured s", "predicted / first",
                  "measured / first", "with ch. 2's link"],
                 [[r["layout"], f"{r['predicted_s']:.4f}", f"{r['measured_s']:.4f}",
-                  f"{r['predicted_ratio']:.2f}", f"{r['measured_ratio']:.2f}",
-                  f"{r['predicted_ch02_ratio']:.2f}"] for r in rows],
+                  f"{q['predicted_ratio']:.2f}", f"{q['measured_ratio']:.2f}",
+                  f"{q['predicted_ch02_ratio']:.2f}"] for r, q in zip(rows, ratios)],
                 title=f"planner vs train_4d, {ranks} gloo ranks on {cores} cores, matmul "
                       f"{rate / 1e9:.1f} GFLOP/s a thread, all-reduce alpha "
                       f"{link.alpha * 1e6:.0f} us on {ranks} ranks ({ch02.alpha * 1e6:.0f} us "
