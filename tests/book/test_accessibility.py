@@ -31,23 +31,24 @@ def axe_source() -> str:
 
 
 # Colour contrast is axe's slowest rule by far: about 5 ms of this machine's CPU per text
-# element, and chapter 4 has 16,000 (13,000 of them the highlighted code's tokens).  Whether a
-# text passes depends only on what axe feeds its contrast formula: the text's colour, size,
-# weight and shadow, and the backgrounds it sits on.  So before axe runs, every element with
-# text of its own gets a key of exactly those inputs, the backgrounds read up its ancestors to
-# the first opaque one (with their opacities); the first visible element of each key with a
-# letter or digit is checked, and the elements that repeat its key exactly are skipped.  An element is always
-# checked when its key cannot be read that way: a box on its way up is positioned (other than
-# relative), transformed, filtered, blended or has a background image, or the text lies over
-# a positioned box that paints a background and is not one of its ancestors.  A key whose
-# first element axe did not check (hidden from it, say) has all its elements checked in a
-# second pass.  The code boxes' repeated tokens are also turned into plain text while axe
-# runs (a bare highlighting span concerns no other rule, and axe's set-up costs by element);
-# everything is put back afterwards: the page is shared with the document's other tests.
+# element, and chapter 4 has 16,000 (13,000 of them the highlighted code's tokens).  Whether
+# a text passes depends only on what axe feeds its contrast formula: the text's colour,
+# size, weight and shadow, and the backgrounds it sits on.  So before axe runs, every element
+# with text of its own gets a key of exactly those inputs, the backgrounds read up its
+# ancestors to the first opaque one (with their opacities); the first visible element of
+# each key with a letter or digit is checked, and the elements that repeat its key exactly
+# are skipped.  An element is always checked when its key cannot be read that way: a box on
+# its way up is positioned (other than relative), transformed, filtered, blended or has a
+# background image, or the text lies over a positioned box that paints a background and is
+# not one of its ancestors.  A key whose first element axe did not check (hidden from it,
+# say) has all its elements checked in a second pass.  The code boxes' repeated tokens are
+# also turned into plain text while axe runs (a bare highlighting span concerns no other
+# rule, and axe's set-up costs by element); everything is put back afterwards: the page is
+# shared with the document's other tests.
 _SAMPLE_CONTRAST = """() => {
     const SAME = "data-axe-same-contrast", KEY = "data-axe-contrast-key";
     const all = [...document.body.querySelectorAll("*")];
-    const flattened = document.querySelectorAll("*").length;
+    const before = document.querySelectorAll("*").length;  // elements, tokens included
     const paints = s => s.backgroundImage !== "none" || !/^(transparent|rgba\\(.*, 0\\))$/.test(
         s.backgroundColor);
     const covers = all.filter(el => {
@@ -63,12 +64,14 @@ _SAMPLE_CONTRAST = """() => {
         if (!chains.has(el)) {
             const s = getComputedStyle(el);
             let chain = null;
-            if (plain(s)) {
-                const own = s.backgroundColor + "@" + s.opacity;
-                const opaque = /^rgb\\(/.test(s.backgroundColor) && s.opacity === "1";
-                const above = opaque ? "" : backgrounds(el.parentElement);
-                const adds = paints(s) || s.opacity !== "1";  // a clear box changes nothing
-                chain = above === null ? null : opaque ? own : adds ? own + "/" + above : above;
+            const own = s.backgroundColor + "@" + s.opacity;
+            const opaque = /^rgb\\(/.test(s.backgroundColor) && s.opacity === "1";
+            const clear = !paints(s) && s.opacity === "1";  // changes nothing under it
+            if (plain(s) && opaque) {
+                chain = own;  // nothing under it shows
+            } else if (plain(s)) {
+                const above = backgrounds(el.parentElement);
+                if (above !== null) { chain = clear ? above : own + "/" + above; }
             }
             chains.set(el, chain);
         }
@@ -122,7 +125,7 @@ _SAMPLE_CONTRAST = """() => {
     window.axeFlattened = flat;
     axe.configure({rules: [{id: "color-contrast", selector: `*:not([${SAME}])`}]});
     return {checked: checked, skipped: skipped,
-            flattened: flattened - document.querySelectorAll("*").length};
+            flattened: before - document.querySelectorAll("*").length};
 }"""
 
 _UNSAMPLE_CONTRAST = """() => {
