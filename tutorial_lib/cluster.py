@@ -29,7 +29,9 @@ closing the notebook, restarting or killing its kernel leaves no process behind.
 After a failure the cluster says whether it is still usable: when every rank of the call
 reported back (an exception on all of them, say), it is; when some rank is stuck (it waits
 in a collective for the rank that raised) the workers are stopped and
-:meth:`Cluster.restart` starts fresh ones (the namespaces are lost).
+:meth:`Cluster.restart` starts fresh ones (the namespaces are lost).  An interrupt is
+judged the same way: a rank whose Python code takes it says so at once and is waited for;
+a rank blocked in C++, which no interrupt reaches, is named and the workers are stopped.
 """
 from __future__ import annotations
 
@@ -95,6 +97,10 @@ def _cluster_worker(rank, world_size, backend, init_method, result_conn, stdout_
 
     def on_interrupt(signum, frame):  # Ctrl-C in the notebook stops a call, never an idle rank
         if in_call[0]:
+            # Python has control again (a rank blocked in a collective never gets here): say
+            # so at once, before the traceback is written, for the launcher's verdict.  The
+            # main code sends on this pipe only outside the call, so nothing interleaves.
+            _send(result_conn, ("interrupted", rank))
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_interrupt)
@@ -144,6 +150,7 @@ class _CallCollector(Collector):
     def __init__(self, world_size: int, print_output: bool):
         super().__init__(world_size, print_output)
         self.started: set[int] = set()
+        self.interrupted: set[int] = set()  # ranks whose Python code took the interrupt
         self.ended: dict[int, set[str]] = {r: set() for r in range(world_size)}
 
     def new_call(self, targets: list[int]) -> None:
@@ -152,7 +159,7 @@ class _CallCollector(Collector):
             self.output[r] = []
             self.ended[r] = set()
         self.events, self.failures = [], []
-        self.started, self.finished = set(), set()
+        self.started, self.finished, self.interrupted = set(), set(), set()
 
     def _line(self, rank: int, stream: str, text: str) -> None:
         if text.endswith(_END_OF_CALL):  # after a last line printed without a newline, too
@@ -169,6 +176,8 @@ class _CallCollector(Collector):
     def handle(self, rank: int, message: tuple) -> None:
         if message[0] == "started":
             self.started.add(rank)
+        elif message[0] == "interrupted":
+            self.interrupted.add(rank)
         else:
             super().handle(rank, message)
 
@@ -193,6 +202,11 @@ class Cluster:
     ``backend``, ``check_collectives``, ``threads`` as in :func:`~tutorial_lib.launch.launch`;
     ``start_timeout`` bounds the start (:class:`~tutorial_lib.launch.StartupTimeout`).
     """
+
+    #: After Ctrl-C: how long a rank may take to get the interrupt into its Python code (a
+    #: blocked one never does), then how long it may take to report back once it has.
+    INTERRUPT_ACK_SECONDS = 3.0
+    INTERRUPT_REPORT_SECONDS = 30.0
 
     def __init__(self, world_size: int, backend: str = "auto", *, start_timeout: float = 180.0,
                  check_collectives: bool | None = None, threads: int | None = None,
@@ -396,26 +410,47 @@ class Cluster:
             raise _with_note(error, "Every rank of the call reported back: the cluster is still "
                                     "running and the namespaces are kept.")
 
-    def _settle(self, collector: _CallCollector, targets: list[int], grace: float = 1.0) -> bool:
-        """After a failure: wait a moment for every rank's report; True if all came."""
+    def _settle(self, collector: _CallCollector, targets: list[int], grace: float = 1.0,
+                done: Callable[[], bool] | None = None) -> bool:
+        """After a failure: wait a moment for every rank's report (or for ``done``); True if
+        it came."""
+        done = done or (lambda: self._call_done(collector, targets))
         end = time.time() + grace
-        while time.time() < end and not self._call_done(collector, targets):
+        while time.time() < end and not done():
             collector.poll(0.02)
-        return self._call_done(collector, targets)
+        return done()
 
     def _interrupt(self, collector: _CallCollector, targets: list[int]) -> None:
-        """Ctrl-C: interrupt the ranks' Python code; stop the cluster if some rank is stuck."""
+        """Ctrl-C: interrupt the ranks' Python code; stop the cluster if some rank is stuck.
+
+        A rank is stuck when its Python code does not take the interrupt: it is blocked in
+        C++ (a collective waiting for a rank that left).  Taking it is acknowledged at once,
+        so the first wait is only for the signal to be delivered and the rank scheduled;
+        writing the traceback afterwards may take long on a loaded machine and has a wait
+        of its own."""
         for r in set(targets) - collector.reported():
             try:
                 os.kill(self._ranks.processes[r].pid, signal.SIGINT)
             except ProcessLookupError:
                 pass
-        if self._settle(collector, targets, grace=2.0):
+        def not_taken() -> list[int]:  # neither reported back nor took the interrupt
+            return sorted(set(targets) - collector.reported() - collector.interrupted)
+
+        self._settle(collector, targets, grace=self.INTERRUPT_ACK_SECONDS,
+                     done=lambda: not not_taken())
+        blocked = not_taken()
+        if not blocked and self._settle(collector, targets, grace=self.INTERRUPT_REPORT_SECONDS):
             print("[cluster] call interrupted on every rank; the cluster is still running")
+            return
+        if blocked:
+            why = f"rank(s) {blocked} blocked (in C++: a collective, say) at the interrupt"
         else:
-            self._fail("a call was interrupted while some rank was blocked")
-            print("[cluster] call interrupted; a rank was blocked, so the cluster was stopped: "
-                  "cluster.restart() starts it again")
+            late = sorted(set(targets) - collector.reported())
+            why = (f"rank(s) {late} took the interrupt but did not report back within "
+                   f"{self.INTERRUPT_REPORT_SECONDS:g} s")
+        self._fail(why)
+        print(f"[cluster] call interrupted; {why}, so the cluster was stopped: "
+              "cluster.restart() starts it again")
 
     def _fail(self, why: str) -> None:
         self.last_failure = why

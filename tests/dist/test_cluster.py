@@ -133,10 +133,14 @@ INTERRUPTED = textwrap.dedent("""
     c = Cluster(2, print_output=False)
     print("pids", *[p.pid for p in c._ranks.processes], flush=True)
     reached = sys.argv[1]  # each rank says it has the call (a file, renamed once written),
-    try:                   # then hangs: the hang is the behaviour under test
+    # then hangs (the behaviour under test); interrupted, it winds down for longer than the
+    # launcher waits for a rank that does not take the interrupt: that it took it is what
+    # keeps the cluster running
+    wind_down = Cluster.INTERRUPT_ACK_SECONDS + 1
+    try:
         c.run_code(f"import os, time\\npath = os.path.join({reached!r}, str(ctx.rank))\\n"
                    "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n"
-                   "time.sleep(60)")
+                   f"try:\\n    time.sleep(60)\\nfinally:\\n    time.sleep({wind_down})")
     except KeyboardInterrupt:
         print("interrupted; running:", c.running, flush=True)
     print("after", c.run_code("ctx.rank + 40").results, flush=True)
@@ -144,13 +148,60 @@ INTERRUPTED = textwrap.dedent("""
 """)
 
 
-def test_an_interrupted_call_stops_on_every_rank_and_the_cluster_stays_usable(tmp_path):
-    proc, _ = start_reporting_script(tmp_path, INTERRUPTED, 2)  # the call reached both ranks
-    pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+def test_an_interrupted_call_stops_on_every_rank_and_the_cluster_stays_usable(tmp_path,
+                                                                              fault_bench):
+    proc, _ = start_reporting_script(tmp_path, INTERRUPTED, 2, env=fault_bench.env)
+    pids = [int(p) for p in proc.stdout.readline().split()[1:]]  # the call reached both ranks
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=120)
     assert "interrupted; running: True" in out, err
     assert "after [40, 41]" in out
+    assert wait_until_gone(pids) == []
+
+
+BLOCKED = textwrap.dedent("""
+    import sys
+    from tutorial_lib.cluster import Cluster
+    c = Cluster(2, print_output=False)
+    print("pids", *[p.pid for p in c._ranks.processes], flush=True)
+    reached = sys.argv[1]  # as above; then rank 0 sleeps and rank 1 waits for it in a
+    try:                   # collective, inside C++, where no interrupt reaches its Python
+        c.run_code(f"import os, time\\npath = os.path.join({reached!r}, str(ctx.rank))\\n"
+                   "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n"
+                   "time.sleep(60) if ctx.rank == 0 else comm.all_reduce(torch.ones(1))")
+    except KeyboardInterrupt:
+        print("interrupted; running:", c.running, "|", c.status(), flush=True)
+    c.restart()
+    print("after", c.run_code("ctx.rank + 40").results, flush=True)
+    c.close()
+""")
+
+
+def _wait_until_asleep(pid: int, seconds: float = 0.5) -> None:
+    """Wait until the main thread of ``pid`` has been asleep (state S) ``seconds`` on end:
+    the few lines of Python before the all-reduce never sleep that long, its wait does."""
+    since, deadline = None, time.monotonic() + 120
+    while True:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        now = time.monotonic()
+        since = (since or now) if state == "S" else None
+        if since is not None and now - since >= seconds:
+            return
+        assert now < deadline, f"rank 1 (pid {pid}) never waited in the all-reduce"
+        time.sleep(0.01)
+
+
+def test_an_interrupt_that_cannot_reach_a_blocked_rank_stops_the_cluster_and_names_it(
+        tmp_path, fault_bench):
+    proc, _ = start_reporting_script(tmp_path, BLOCKED, 2, env=fault_bench.env)
+    pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+    _wait_until_asleep(pids[1])
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "interrupted; running: False" in out, err
+    assert "rank(s) [1] blocked (in C++: a collective, say) at the interrupt" in out
+    assert "after [40, 41]" in out  # restart() gave a fresh cluster
     assert wait_until_gone(pids) == []
 
 

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# the first import of matplotlib on a machine lists the fonts with ``fc-list`` (a process)
+# and caches the list: on a fresh machine that happens here, before any test is guarded
+import matplotlib.font_manager  # noqa: F401
+
 
 def _refuse(*args, **kwargs):
     raise RuntimeError("a test in tests/unit started a process: tests/unit holds pure tests "
