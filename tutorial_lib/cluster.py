@@ -427,7 +427,7 @@ class Cluster:
         C++ (a collective waiting for a rank that left).  Taking it is acknowledged at once,
         so the first wait is only for the signal to be delivered and the rank scheduled;
         writing the traceback afterwards may take long on a loaded machine and has a wait
-        of its own."""
+        of its own.  A second interrupt during these waits stops the cluster at once."""
         for r in set(targets) - collector.reported():
             try:
                 os.kill(self._ranks.processes[r].pid, signal.SIGINT)
@@ -436,12 +436,19 @@ class Cluster:
         def not_taken() -> list[int]:  # neither reported back nor took the interrupt
             return sorted(set(targets) - collector.reported() - collector.interrupted)
 
-        self._settle(collector, targets, grace=self.INTERRUPT_ACK_SECONDS,
-                     done=lambda: not not_taken())
-        blocked = not_taken()
-        if not blocked and self._settle(collector, targets, grace=self.INTERRUPT_REPORT_SECONDS):
-            print("[cluster] call interrupted on every rank; the cluster is still running")
-            return
+        try:
+            self._settle(collector, targets, grace=self.INTERRUPT_ACK_SECONDS,
+                         done=lambda: not not_taken())
+            blocked = not_taken()
+            if not blocked and self._settle(collector, targets,
+                                            grace=self.INTERRUPT_REPORT_SECONDS):
+                print("[cluster] call interrupted on every rank; the cluster is still running")
+                return
+        except KeyboardInterrupt:  # a second interrupt: stop now, wait no longer
+            self._fail("interrupted again while the ranks were winding down")
+            print("[cluster] interrupted again while the ranks were winding down, so the "
+                  "cluster was stopped: cluster.restart() starts it again")
+            raise
         if blocked:
             why = f"rank(s) {blocked} blocked (in C++: a collective, say) at the interrupt"
         else:

@@ -128,22 +128,25 @@ def test_bad_arguments_are_refused(cluster):
 
 
 INTERRUPTED = textwrap.dedent("""
-    import sys, time
-    from tutorial_lib.cluster import Cluster
+    import os, sys, time
+    from tutorial_lib.cluster import Cluster, ClusterStopped
     c = Cluster(2, print_output=False)
     print("pids", *[p.pid for p in c._ranks.processes], flush=True)
     reached = sys.argv[1]  # each rank says it has the call (a file, renamed once written),
     # then hangs (the behaviour under test); interrupted, it winds down for longer than the
     # launcher waits for a rank that does not take the interrupt: that it took it is what
     # keeps the cluster running
-    wind_down = Cluster.INTERRUPT_ACK_SECONDS + 1
+    wind_down = float(os.environ.get("WIND_DOWN", Cluster.INTERRUPT_ACK_SECONDS + 1))
     try:
         c.run_code(f"import os, time\\npath = os.path.join({reached!r}, str(ctx.rank))\\n"
                    "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n"
                    f"try:\\n    time.sleep(60)\\nfinally:\\n    time.sleep({wind_down})")
     except KeyboardInterrupt:
         print("interrupted; running:", c.running, flush=True)
-    print("after", c.run_code("ctx.rank + 40").results, flush=True)
+    try:
+        print("after", c.run_code("ctx.rank + 40").results, flush=True)
+    except ClusterStopped as stopped:
+        print("after:", stopped, flush=True)
     c.close()
 """)
 
@@ -156,6 +159,20 @@ def test_an_interrupted_call_stops_on_every_rank_and_the_cluster_stays_usable(tm
     out, err = proc.communicate(timeout=120)
     assert "interrupted; running: True" in out, err
     assert "after [40, 41]" in out
+    assert wait_until_gone(pids) == []
+
+
+def test_a_second_interrupt_stops_the_cluster_without_waiting_for_the_wind_down(tmp_path,
+                                                                              fault_bench):
+    env = {**fault_bench.env, "WIND_DOWN": "600"}  # ranks that would wind down for minutes
+    proc, _ = start_reporting_script(tmp_path, INTERRUPTED, 2, env=env)
+    pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)  # the launcher waits for the ranks now (at least 30 s, were it not for:)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "interrupted; running: False" in out, err
+    assert "stopped (interrupted again while the ranks were winding down)" in out
     assert wait_until_gone(pids) == []
 
 

@@ -54,7 +54,10 @@ with and without clipping.  They run the same fp32 arithmetic on the same number
 gradients add up and are averaged in fp32, each master is updated in fp32 and rounded
 to bf16), so the bf16 parameters after 3 steps must be *equal*, bit for bit; what
 differs is where the master and Adam's moments live: all of them on every rank, or
-1/D of them (:func:`test_bf16_zero1_equals_plain_dp_with_an_fp32_master`).
+1/D of them (:func:`test_bf16_zero1_equals_plain_dp_with_an_fp32_master`).  With
+clipping the two sum the norm's squares in another order: the scales differ by fp32
+rounding, and a master on the edge between two bf16 values may round the other way, so
+there a few values may be one bf16 step apart (:data:`CLIP_ROUNDING_FLIPS`).
 """
 import dataclasses
 import functools
@@ -122,7 +125,18 @@ BF16_VARIANTS = {
     "bf16_plain_clip": Variant(False, False, True),
     "bf16_zero1_clip": Variant(False, True, True),
 }
+CLIP_ROUNDING_FLIPS = 5  # of a rank's 2,200 to 6,100 bf16 values: at most 1 seen; ZeRO-1
+# left unclipped moves thousands, by up to 30,000 bf16 steps (checked)
 BF16_LOSS_RTOL = 1e-2  # bf16 run vs the fp32 serial one: measured <= 2.7e-4 (loss), 1.9e-3 (norm)
+
+
+def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart each element of ``a`` is from ``b`` (0: equal, +0 and -0
+    too; 1: neighbours): their bit patterns, put in the order of the numbers, subtracted."""
+    def ordered(x):
+        bits = x.view(torch.int16).int()
+        return torch.where(bits >= 0, bits, -(bits & 0x7FFF))
+    return (ordered(a) - ordered(b)).abs()
 
 
 def _max_norm(variant):
@@ -368,14 +382,23 @@ def test_bf16_zero1_equals_plain_dp_with_an_fp32_master(layout, clip):
     for rank, result in enumerate(res.results):
         plain, zero = result["variants"][plain_name], result["variants"][zero_name]
         where = f"rank {rank}, {'clip' if clip else 'no clip'}"
-        # The same training: the same bf16 parameters after 3 steps, bit for bit.
-        for name, p in plain["params"].items():
-            assert p.dtype == torch.bfloat16, f"{where}: {name} is {p.dtype}"
-            assert torch.equal(p, zero["params"][name]), f"{where}: {name} differs"
-        assert zero["losses"] == plain["losses"], where
-        assert every(m.dtype == torch.float32 for m in plain["masters"] + zero["masters"])
-        if clip:  # the norm's squares are summed in another order: fp32 rounding only
+        # The same training: the same bf16 parameters after 3 steps, bit for bit ...
+        assert every(p.dtype == torch.bfloat16 for p in plain["params"].values()), where
+        steps = torch.cat([_bf16_steps_apart(p, zero["params"][name]).flatten()
+                           for name, p in plain["params"].items()])
+        if not clip:
+            assert not steps.any(), f"{where}: {int(steps.count_nonzero())} values differ"
+            assert zero["losses"] == plain["losses"], where
+        else:  # ... but for the clip: the norm's squares are summed in another order, so the
+            # scales differ by fp32 rounding and a master on the edge between two bf16 values
+            # may round the other way (1 value in 2,200, measured on an Intel Xeon)
+            assert steps.max() <= 1 and steps.count_nonzero() <= CLIP_ROUNDING_FLIPS, (
+                f"{where}: {int(steps.count_nonzero())} values differ, by up to "
+                f"{int(steps.max())} bf16 steps")
             assert zero["norms"] == pytest.approx(plain["norms"], rel=1e-6), where
+            assert zero["losses"] == pytest.approx(plain["losses"], rel=1e-5), where
+        assert every(m.dtype == torch.float32 for m in plain["masters"] + zero["masters"])
+        if clip:
             assert plain["norms"] == pytest.approx(serial["norms"], rel=BF16_LOSS_RTOL), where
         # ... of the same model as the fp32 serial run, to bf16 precision.
         assert plain["losses"] == pytest.approx(serial["losses"], rel=BF16_LOSS_RTOL), where
