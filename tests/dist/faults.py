@@ -9,6 +9,7 @@ checks that no process the test started is still running and that no run folder
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,17 +47,24 @@ class FaultBench:
         return sorted(name for name in os.listdir(self.tmpdir) if RUN_DIR.match(name))
 
 
+@contextmanager
+def cpu_hog():
+    """A busy core beside what runs inside, as on a loaded machine; its process."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 @pytest.fixture
 def fault_bench(tmp_path):
     me = os.getpid()
     before = set(descendants(me))
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     bench = FaultBench(tmp_path)
-    try:
+    with cpu_hog() as hog:
         yield bench
-    finally:
-        hog.kill()
-        hog.wait()
     # this process's own forkserver and resource tracker (an in-process launch starts them)
     # stay, as in a notebook; the workers they forked must be gone
     started = [pid for pid in set(descendants(me)) - before - {hog.pid}

@@ -1,6 +1,8 @@
 """The persistent cluster and the %%ranks magic, with real gloo workers and real kernels."""
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -11,9 +13,8 @@ from tutorial_lib import comm
 from tutorial_lib.cluster import Cluster, ClusterStopped, run_cell
 from tutorial_lib.launch import LaunchTimeout, WorkerError, process_running
 
-from .conftest import (run_two_notebooks, start_reporting_script,
-                       wait_until_gone)
-from .faults import fault_bench  # noqa: F401 - a fixture
+from .conftest import run_two_notebooks, wait_for_files, wait_until_gone
+from .faults import cpu_hog, fault_bench  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.dist
 
@@ -127,69 +128,38 @@ def test_bad_arguments_are_refused(cluster):
         cluster.run(_noop, timeout=float("nan"))
 
 
-INTERRUPTED = textwrap.dedent("""
-    import os, sys, time
-    from tutorial_lib.cluster import Cluster, ClusterStopped
-    c = Cluster(2, print_output=False)
-    print("pids", *[p.pid for p in c._ranks.processes], flush=True)
-    reached = sys.argv[1]  # each rank says it has the call (a file, renamed once written),
-    # then hangs (the behaviour under test); interrupted, it winds down for longer than the
-    # launcher waits for a rank that does not take the interrupt: that it took it is what
-    # keeps the cluster running
-    wind_down = float(os.environ.get("WIND_DOWN", Cluster.INTERRUPT_ACK_SECONDS + 1))
-    try:
-        c.run_code(f"import os, time\\npath = os.path.join({reached!r}, str(ctx.rank))\\n"
-                   "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n"
-                   f"try:\\n    time.sleep(60)\\nfinally:\\n    time.sleep({wind_down})")
-    except KeyboardInterrupt:
-        print("interrupted; running:", c.running, flush=True)
-    try:
-        print("after", c.run_code("ctx.rank + 40").results, flush=True)
-    except ClusterStopped as stopped:
-        print("after:", stopped, flush=True)
-    c.close()
-""")
-
-
-def test_an_interrupted_call_stops_on_every_rank_and_the_cluster_stays_usable(tmp_path,
-                                                                              fault_bench):
-    proc, _ = start_reporting_script(tmp_path, INTERRUPTED, 2, env=fault_bench.env)
-    pids = [int(p) for p in proc.stdout.readline().split()[1:]]  # the call reached both ranks
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert "interrupted; running: True" in out, err
-    assert "after [40, 41]" in out
-    assert wait_until_gone(pids) == []
-
-
-def test_a_second_interrupt_stops_the_cluster_without_waiting_for_the_wind_down(tmp_path,
-                                                                              fault_bench):
-    env = {**fault_bench.env, "WIND_DOWN": "600"}  # ranks that would wind down for minutes
-    proc, _ = start_reporting_script(tmp_path, INTERRUPTED, 2, env=env)
-    pids = [int(p) for p in proc.stdout.readline().split()[1:]]
-    proc.send_signal(signal.SIGINT)
-    time.sleep(1.0)  # the launcher waits for the ranks now (at least 30 s, were it not for:)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert "interrupted; running: False" in out, err
-    assert "stopped (interrupted again while the ranks were winding down)" in out
-    assert wait_until_gone(pids) == []
-
-
-BLOCKED = textwrap.dedent("""
-    import sys
+INTERRUPTS = textwrap.dedent("""
+    import os, sys
     from tutorial_lib.cluster import Cluster
+    reports = sys.argv[1]
+    REACHED = ("import os, time\\npath = os.path.join({!r}, str(ctx.rank))\\n"
+               "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n")
+
+    def interrupted(phase, hang):
+        # each rank says it has the call (a file in reports/PHASE, renamed once written),
+        # then hangs: the hang and the interrupts the test sends are what is under test
+        try:
+            c.run_code(REACHED.format(os.path.join(reports, phase)) + hang)
+        except KeyboardInterrupt:
+            print(phase, "running:", c.running, "|", c.status(), flush=True)
+
+    def after(phase):
+        print(phase, "pids", *[p.pid for p in c._ranks.processes], "after",
+              c.run_code("ctx.rank + 40").results, flush=True)
+
     c = Cluster(2, print_output=False)
     print("pids", *[p.pid for p in c._ranks.processes], flush=True)
-    reached = sys.argv[1]  # as above; then rank 0 sleeps and rank 1 waits for it in a
-    try:                   # collective, inside C++, where no interrupt reaches its Python
-        c.run_code(f"import os, time\\npath = os.path.join({reached!r}, str(ctx.rank))\\n"
-                   "open(path + '.tmp', 'w').close()\\nos.rename(path + '.tmp', path)\\n"
-                   "time.sleep(60) if ctx.rank == 0 else comm.all_reduce(torch.ones(1))")
-    except KeyboardInterrupt:
-        print("interrupted; running:", c.running, "|", c.status(), flush=True)
+    # a: interrupted once; each rank winds down for longer than the launcher waits for a
+    # rank that does not take the interrupt, so that it took it is what keeps the cluster
+    interrupted("a", "try:\\n    time.sleep(60)\\nfinally:\\n"
+                     f"    time.sleep({Cluster.INTERRUPT_ACK_SECONDS + 1})")
+    after("a")
+    # b: rank 1 waits for rank 0 in a collective, inside C++, where no interrupt reaches
+    interrupted("b", "time.sleep(60) if ctx.rank == 0 else comm.all_reduce(torch.ones(1))")
     c.restart()
-    print("after", c.run_code("ctx.rank + 40").results, flush=True)
+    after("b")
+    # c: interrupted twice while the ranks would wind down for ten minutes
+    interrupted("c", "try:\\n    time.sleep(60)\\nfinally:\\n    time.sleep(600)")
     c.close()
 """)
 
@@ -209,17 +179,55 @@ def _wait_until_asleep(pid: int, seconds: float = 0.5) -> None:
         time.sleep(0.01)
 
 
+@pytest.fixture(scope="module")
+def interrupts(tmp_path_factory):
+    """:data:`INTERRUPTS` run with a CPU hog beside it, each call interrupted once it has
+    reached both ranks: ``a`` once, ``b`` once rank 1 waits in the all-reduce, ``c`` twice,
+    a second apart.  Its output by phase, and the workers still running after it ended."""
+    tmp = tmp_path_factory.mktemp("interrupts")
+    reports = tmp / "reports"
+    for phase in "abc":
+        (reports / phase).mkdir(parents=True)
+    (tmp / "script.py").write_text(INTERRUPTS)
+    with cpu_hog():
+        proc = subprocess.Popen([sys.executable, str(tmp / "script.py"), str(reports)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pids = [int(p) for p in proc.stdout.readline().split()[1:]]
+        wait_for_files(reports / "a", 2, proc)
+        proc.send_signal(signal.SIGINT)
+        wait_for_files(reports / "b", 2, proc)
+        _wait_until_asleep(pids[1])
+        proc.send_signal(signal.SIGINT)
+        wait_for_files(reports / "c", 2, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)  # the launcher waits for the ranks now (30 s, were it not for:)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    lines = {phase: " ".join(l for l in out.splitlines() if l.startswith(phase + " "))
+             for phase in "abc"}
+    workers = pids + [int(w) for l in out.splitlines() if l.split()[1:2] == ["pids"]
+                      for w in l.split()[2:l.split().index("after")]]  # after restart() too
+    return {**lines, "err": err, "left": wait_until_gone(workers)}
+
+
+def test_an_interrupted_call_stops_on_every_rank_and_the_cluster_stays_usable(interrupts):
+    assert "a running: True" in interrupts["a"], interrupts["err"]
+    assert "after [40, 41]" in interrupts["a"]
+    assert interrupts["left"] == []
+
+
 def test_an_interrupt_that_cannot_reach_a_blocked_rank_stops_the_cluster_and_names_it(
-        tmp_path, fault_bench):
-    proc, _ = start_reporting_script(tmp_path, BLOCKED, 2, env=fault_bench.env)
-    pids = [int(p) for p in proc.stdout.readline().split()[1:]]
-    _wait_until_asleep(pids[1])
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert "interrupted; running: False" in out, err
-    assert "rank(s) [1] blocked (in C++: a collective, say) at the interrupt" in out
-    assert "after [40, 41]" in out  # restart() gave a fresh cluster
-    assert wait_until_gone(pids) == []
+        interrupts):
+    assert "b running: False" in interrupts["b"], interrupts["err"]
+    assert "rank(s) [1] blocked (in C++: a collective, say) at the interrupt" in interrupts["b"]
+    assert "after [40, 41]" in interrupts["b"]  # restart() gave a fresh cluster
+    assert interrupts["left"] == []
+
+
+def test_a_second_interrupt_stops_the_cluster_without_waiting_for_the_wind_down(interrupts):
+    assert "c running: False" in interrupts["c"], interrupts["err"]
+    assert "stopped (interrupted again while the ranks were winding down)" in interrupts["c"]
+    assert interrupts["left"] == []
 
 
 def _kernel_with_cluster():
