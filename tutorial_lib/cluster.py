@@ -29,9 +29,12 @@ closing the notebook, restarting or killing its kernel leaves no process behind.
 After a failure the cluster says whether it is still usable: when every rank of the call
 reported back (an exception on all of them, say), it is; when some rank is stuck (it waits
 in a collective for the rank that raised) the workers are stopped and
-:meth:`Cluster.restart` starts fresh ones (the namespaces are lost).  An interrupt is
-judged the same way: a rank whose Python code takes it says so at once and is waited for;
-a rank blocked in C++, which no interrupt reaches, is named and the workers are stopped.
+:meth:`Cluster.restart` starts fresh ones (the namespaces are lost).  Which it is, is
+found a second after the failure by interrupting the ranks still inside the call (as
+Ctrl-C does): a rank whose
+Python code takes the interrupt says so at once and is waited for, so a rank that was only
+slower keeps the cluster; a rank blocked in C++, which no interrupt reaches, is named and
+the workers are stopped.
 """
 from __future__ import annotations
 
@@ -401,14 +404,22 @@ class Cluster:
                 self._fail("a call ran past its timeout")
                 raise LaunchTimeout(timeout, {r: report[r] for r in targets})
             if collector.failures and not self._settle(collector, targets):
-                error = collector.first_cause(self._ranks.processes)
-                self._fail(f"rank {error.rank} raised while other ranks were still inside the call")
-                raise _with_note(error, "The cluster was stopped: the other ranks could not "
-                                        "finish the call. cluster.restart() starts it again.")
+                # the others are still inside the call: computing, or blocked in C++ waiting
+                # for a rank that has left it; stop them as Ctrl-C does, keep them if it can
+                why = self._stop_the_call(collector, targets)
+                if why is not None:
+                    error = collector.first_cause(self._ranks.processes)
+                    self._fail(f"rank {error.rank} raised while other ranks were still inside "
+                               f"the call")
+                    raise _with_note(error, f"The cluster was stopped: the other ranks could "
+                                            f"not finish the call ({why}). cluster.restart() "
+                                            f"starts it again.")
         if collector.failures:
             error = collector.first_cause(self._ranks.processes, grace=0)
-            raise _with_note(error, "Every rank of the call reported back: the cluster is still "
-                                    "running and the namespaces are kept.")
+            stopped = (f"Rank(s) {sorted(collector.interrupted)} were still running it and were "
+                       f"interrupted; then every rank" if collector.interrupted else "Every rank")
+            raise _with_note(error, f"{stopped} of the call reported back: the cluster is still "
+                                    f"running and the namespaces are kept.")
 
     def _settle(self, collector: _CallCollector, targets: list[int], grace: float = 1.0,
                 done: Callable[[], bool] | None = None) -> bool:
@@ -420,41 +431,47 @@ class Cluster:
             collector.poll(0.02)
         return done()
 
-    def _interrupt(self, collector: _CallCollector, targets: list[int]) -> None:
-        """Ctrl-C: interrupt the ranks' Python code; stop the cluster if some rank is stuck.
+    def _stop_the_call(self, collector: _CallCollector, targets: list[int]) -> str | None:
+        """Interrupt the ranks still inside the call and wait for them; ``None`` when every
+        rank reported back, else why not.
 
         A rank is stuck when its Python code does not take the interrupt: it is blocked in
         C++ (a collective waiting for a rank that left).  Taking it is acknowledged at once,
         so the first wait is only for the signal to be delivered and the rank scheduled;
         writing the traceback afterwards may take long on a loaded machine and has a wait
-        of its own.  A second interrupt during these waits stops the cluster at once."""
+        of its own."""
         for r in set(targets) - collector.reported():
             try:
                 os.kill(self._ranks.processes[r].pid, signal.SIGINT)
             except ProcessLookupError:
                 pass
+
         def not_taken() -> list[int]:  # neither reported back nor took the interrupt
             return sorted(set(targets) - collector.reported() - collector.interrupted)
 
+        self._settle(collector, targets, grace=self.INTERRUPT_ACK_SECONDS,
+                     done=lambda: not not_taken())
+        if blocked := not_taken():
+            return f"rank(s) {blocked} blocked (in C++: a collective, say) at the interrupt"
+        if self._settle(collector, targets, grace=self.INTERRUPT_REPORT_SECONDS):
+            return None
+        late = sorted(set(targets) - collector.reported())
+        return (f"rank(s) {late} took the interrupt but did not report back within "
+                f"{self.INTERRUPT_REPORT_SECONDS:g} s")
+
+    def _interrupt(self, collector: _CallCollector, targets: list[int]) -> None:
+        """Ctrl-C: stop the call on every rank (:meth:`_stop_the_call`); stop the cluster if
+        some rank is stuck.  A second interrupt during the waits stops it at once."""
         try:
-            self._settle(collector, targets, grace=self.INTERRUPT_ACK_SECONDS,
-                         done=lambda: not not_taken())
-            blocked = not_taken()
-            if not blocked and self._settle(collector, targets,
-                                            grace=self.INTERRUPT_REPORT_SECONDS):
-                print("[cluster] call interrupted on every rank; the cluster is still running")
-                return
+            why = self._stop_the_call(collector, targets)
         except KeyboardInterrupt:  # a second interrupt: stop now, wait no longer
             self._fail("interrupted again while the ranks were winding down")
             print("[cluster] interrupted again while the ranks were winding down, so the "
                   "cluster was stopped: cluster.restart() starts it again")
             raise
-        if blocked:
-            why = f"rank(s) {blocked} blocked (in C++: a collective, say) at the interrupt"
-        else:
-            late = sorted(set(targets) - collector.reported())
-            why = (f"rank(s) {late} took the interrupt but did not report back within "
-                   f"{self.INTERRUPT_REPORT_SECONDS:g} s")
+        if why is None:
+            print("[cluster] call interrupted on every rank; the cluster is still running")
+            return
         self._fail(why)
         print(f"[cluster] call interrupted; {why}, so the cluster was stopped: "
               "cluster.restart() starts it again")

@@ -65,6 +65,20 @@ def test_an_error_on_every_rank_leaves_the_cluster_usable(cluster):
     assert cluster.running and cluster.run_code("y").results == [0, 3, 6, 9]
 
 
+def test_an_error_while_the_other_ranks_still_compute_interrupts_them_and_keeps_the_cluster(
+        cluster):
+    """Rank 1 raises at once; the others are still busy (in Python: a sleep) a second later,
+    so they are interrupted, report back, and the cluster and its namespaces stay."""
+    cluster.run_code("mine = 100 + ctx.rank")
+    with pytest.raises(WorkerError) as info:
+        cluster.run_code("if ctx.rank == 1:\n    raise ValueError('only me')\n"
+                         "import time\ntime.sleep(60)\ncomm.all_reduce(torch.ones(1))")
+    assert info.value.rank == 1 and "ValueError: only me" in str(info.value)
+    assert ("Rank(s) [0, 2, 3] were still running it and were interrupted; then every rank "
+            "of the call reported back: the cluster is still running") in str(info.value)
+    assert cluster.running and cluster.run_code("mine").results == [100, 101, 102, 103]
+
+
 def test_calls_on_eight_ranks_reuse_the_same_workers():
     """What makes a call cheap is that it starts nothing: 30 calls on 8 ranks all run in the
     same 8 worker processes, joined once. The median time is printed for the curious (the
@@ -99,6 +113,7 @@ def test_a_rank_that_raises_while_others_wait_stops_the_cluster_and_restart_work
             c.run_code("if ctx.rank == 1:\n    raise ValueError('only me')\n"
                        "comm.all_reduce(torch.ones(1))")
         assert info.value.rank == 1 and "ValueError: only me" in str(info.value)
+        assert "rank(s) [0, 2] blocked (in C++: a collective, say)" in str(info.value)
         assert "cluster.restart() starts it again" in str(info.value)
         assert not c.running and "rank 1 raised" in c.status()
         with pytest.raises(ClusterStopped):
