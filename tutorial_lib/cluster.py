@@ -30,11 +30,10 @@ After a failure the cluster says whether it is still usable: when every rank of 
 reported back (an exception on all of them, say), it is; when some rank is stuck (it waits
 in a collective for the rank that raised) the workers are stopped and
 :meth:`Cluster.restart` starts fresh ones (the namespaces are lost).  Which it is, is
-found a second after the failure by interrupting the ranks still inside the call (as
-Ctrl-C does): a rank whose
-Python code takes the interrupt says so at once and is waited for, so a rank that was only
-slower keeps the cluster; a rank blocked in C++, which no interrupt reaches, is named and
-the workers are stopped.
+found a second after the failure by interrupting the ranks still inside the call, as
+Ctrl-C does: a rank whose Python code takes the interrupt says so at once and is waited
+for, so a rank that was only slower keeps the cluster; a rank blocked in C++, which no
+interrupt reaches, is named and the workers are stopped.
 """
 from __future__ import annotations
 
@@ -206,8 +205,9 @@ class Cluster:
     ``start_timeout`` bounds the start (:class:`~tutorial_lib.launch.StartupTimeout`).
     """
 
-    #: After Ctrl-C: how long a rank may take to get the interrupt into its Python code (a
-    #: blocked one never does), then how long it may take to report back once it has.
+    #: When a call is stopped (Ctrl-C, or an error on another rank): how long a rank may
+    #: take to get the interrupt into its Python code (a blocked one never does), then how
+    #: long it may take to report back once it has.
     INTERRUPT_ACK_SECONDS = 3.0
     INTERRUPT_REPORT_SECONDS = 30.0
 
