@@ -956,11 +956,19 @@ RUN_DIR = re.compile(r"^tutorial_lib_[a-z0-9]+_(\d+)_")
 and a random tail, ``<pid>`` the process that made it."""
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name (Linux): its state first
+    (of the main thread: ``R``, ``S``, ``Z``, ...), then its parent's pid.  The name comes
+    in parentheses and may itself hold spaces or ``)``, so the fields start after the last
+    ``)``.  ``OSError`` where there is no such process, or no ``/proc``."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_running(pid: int) -> bool:
     """Whether ``pid`` runs: a zombie (exited, not yet reaped by its parent) does not."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid)[0] != "Z"
     except FileNotFoundError:
         return False
     except OSError:  # no /proc: ask the kernel (a zombie then counts as running)
@@ -1014,8 +1022,7 @@ def _parents() -> list[tuple[int, int]]:
         pairs = []
         for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    pairs.append((int(entry), int(f.read().rsplit(")", 1)[1].split()[1])))
+                pairs.append((int(entry), int(proc_stat(entry)[1])))
             except (OSError, ValueError, IndexError):
                 continue  # exited since the listing
         return pairs

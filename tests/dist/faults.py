@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tutorial_lib.launch import RUN_DIR, descendants
+from tutorial_lib.launch import RUN_DIR, descendants, proc_stat
 
 from .conftest import wait_until_gone
 
@@ -31,8 +31,7 @@ def _cmdline(pid: int) -> bytes:
 
 def _parent(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
+        return int(proc_stat(pid)[1])
     except (OSError, ValueError, IndexError):
         return None
 

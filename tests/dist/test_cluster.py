@@ -11,7 +11,7 @@ import torch
 
 from tutorial_lib import comm
 from tutorial_lib.cluster import Cluster, ClusterStopped, run_cell
-from tutorial_lib.launch import LaunchTimeout, WorkerError, process_running
+from tutorial_lib.launch import LaunchTimeout, WorkerError, proc_stat, process_running
 
 from .conftest import run_two_notebooks, wait_for_files, wait_until_gone
 from .faults import cpu_hog, fault_bench  # noqa: F401 - a fixture
@@ -184,10 +184,8 @@ def _wait_until_asleep(pid: int, seconds: float = 0.5) -> None:
     the few lines of Python before the all-reduce never sleep that long, its wait does."""
     since, deadline = None, time.monotonic() + 120
     while True:
-        with open(f"/proc/{pid}/task/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
         now = time.monotonic()
-        since = (since or now) if state == "S" else None
+        since = (since or now) if proc_stat(pid)[0] == "S" else None
         if since is not None and now - since >= seconds:
             return
         assert now < deadline, f"rank 1 (pid {pid}) never waited in the all-reduce"
